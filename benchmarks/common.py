@@ -1,0 +1,62 @@
+"""What every benchmark records beside its rows (BENCHMARKS.md): GPU, versions, copy bandwidth."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def versions() -> dict:
+    import importlib.metadata
+
+    import torch
+
+    from cutlass_ops import __version__
+    from cutlass_ops.build import nvcc_version
+
+    def run(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+        except OSError:
+            return "unknown"
+
+    commit = run("git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD")
+    return {
+        "torch": torch.__version__, "cuda": torch.version.cuda, "nvcc": nvcc_version(),
+        "cutlass": importlib.metadata.version("nvidia-cutlass"),
+        "driver": run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+        .splitlines()[0] if run("nvidia-smi", "-L") else "unknown",
+        "project": f"{__version__}+{commit or 'unknown'}",
+    }
+
+
+def copy_bandwidth_gbs() -> float:
+    """A large device-to-device copy, bytes read plus written, median of 20."""
+    import torch
+
+    from tuning.timing import do_bench
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    timing = do_bench(lambda: dst.copy_(src), reps=20, flush_l2=False)
+    return 2 * src.numel() / timing.median_ms / 1e6
+
+
+def write_result(name: str, rows: list[dict], **extra) -> Path:
+    import torch
+
+    data = {"benchmark": name, "gpu": torch.cuda.get_device_name(), "versions": versions(),
+            **extra, "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    for row in [headers, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)), flush=True)

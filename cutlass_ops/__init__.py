@@ -1,0 +1,25 @@
+"""cutlass-ops: tuned CUTLASS GEMMs and the kernels around them, for PyTorch on Hopper.
+
+Importing this package does nothing else: no CUDA initialization, no files, no cutlass_cppgen.
+"""
+
+from cutlass_ops._version import __version__
+from cutlass_ops.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
+                                GemmProblem, KernelSchedule, Layout, RasterOrder, TileScheduler)
+from cutlass_ops.errors import (BuildError, CutlassOpsError, EmissionError, InvalidConfigError,
+                                KernelLaunchError, ToolchainError, UnsupportedInputError)
+
+
+def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, config, out=None, out_dtype=None):
+    """D = alpha * (a @ b) + beta * c with one chosen CUTLASS config (see cutlass_ops.gemm)."""
+    from cutlass_ops.gemm import gemm as _gemm
+
+    return _gemm(a, b, c, alpha=alpha, beta=beta, config=config, out=out, out_dtype=out_dtype)
+
+
+__all__ = [
+    "__version__", "gemm", "Arch", "DType", "EpilogueSchedule", "GemmConfig", "GemmOperands",
+    "GemmProblem", "KernelSchedule", "Layout", "RasterOrder", "TileScheduler", "BuildError",
+    "CutlassOpsError", "EmissionError", "InvalidConfigError", "KernelLaunchError",
+    "ToolchainError", "UnsupportedInputError",
+]

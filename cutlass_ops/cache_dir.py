@@ -1,0 +1,82 @@
+"""Where cutlass-ops keeps what it writes, and how it writes it.
+
+Everything lives under one root: ``$CUTLASS_OPS_CACHE_DIR`` if set (read at call time, so tests and
+users can redirect it), else the platform's user cache directory. Nothing is ever written to the
+current working directory. Writes are atomic (temporary file in the same directory, then
+``os.replace``) so that readers never see half a file, even if the writer is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from cutlass_ops._version import __version__
+
+ENV_VAR = "CUTLASS_OPS_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    override = os.environ.get(ENV_VAR)
+    root = Path(override).expanduser() if override else platformdirs.user_cache_path("cutlass-ops")
+    return root.resolve()
+
+
+def versioned_dir(*parts: str) -> Path:
+    """``<root>/<library version>/<parts...>``, created on demand."""
+    path = cache_root().joinpath(__version__, *parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def read_json_or_quarantine(path: Path) -> Any | None:
+    """The JSON in ``path``; None if absent. A corrupt file is renamed aside with a warning."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        quarantine(path, "is not valid JSON")
+        return None
+
+
+def quarantine(path: Path, why: str) -> Path:
+    aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}-{os.getpid()}")
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return aside
+    warnings.warn(f"cutlass-ops: {path} {why}; moved it to {aside.name} and will rebuild it",
+                  RuntimeWarning, stacklevel=3)
+    return aside

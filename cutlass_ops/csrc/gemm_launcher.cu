@@ -1,0 +1,235 @@
+// C ABI launcher around one emitted CUTLASS 3.x GEMM kernel.
+//
+// The kernel type (`DeviceKernel`) comes from "cutlass_ops_kernel.h", which the emit layer writes
+// next to the build from cutlass_cppgen's output. This file is the only host code we put around it:
+// no torch headers (so an artifact builds without a GPU and does not depend on the torch version),
+// problem size, strides, alpha/beta and scheduler knobs at run time, the caller's stream and
+// workspace, and the caller's device.
+//
+// Every entry point returns a CutlassOpsStatus; the text of the last failure on this thread is
+// available from cutlass_ops_last_error().
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <type_traits>
+
+#include <cuda_runtime.h>
+
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass_ops_kernel.h"
+
+#include "cutlass/kernel_hardware_info.h"
+#include "cutlass/util/packed_stride.hpp"
+
+namespace {
+
+// Bump when CutlassOpsGemmArgs or an entry point changes; Python refuses a mismatched artifact.
+constexpr int kAbiVersion = 1;
+
+enum CutlassOpsStatus : int {
+  kOk = 0,
+  kCannotImplement = 1,  // CUTLASS's can_implement rejected the problem (alignment, shape, ...)
+  kWorkspaceTooSmall = 2,
+  kInitializeFailed = 3,
+  kLaunchFailed = 4,
+  kCudaError = 5,
+};
+
+using GemmKernel = typename DeviceKernel::GemmKernel;
+using ElementA = typename GemmKernel::ElementA;
+using ElementB = typename GemmKernel::ElementB;
+using ElementC = typename GemmKernel::ElementC;
+using ElementD = typename GemmKernel::ElementD;
+using StrideA = typename GemmKernel::StrideA;
+using StrideB = typename GemmKernel::StrideB;
+using StrideC = typename GemmKernel::StrideC;
+using StrideD = typename GemmKernel::StrideD;
+
+thread_local char g_last_error[512] = {0};
+
+void set_error(const char* what, const char* detail) {
+  std::snprintf(g_last_error, sizeof(g_last_error), "%s: %s", what, detail);
+}
+
+// A CUTLASS stride is a cute::Stride of three modes (row-like, column-like, batch); one of the first
+// two is usually the static constant 1 chosen by the layout. Fill the dynamic modes from the
+// caller's values and check that the static ones agree, so that a tensor whose layout differs from
+// the compiled one is refused instead of read wrongly.
+template <class ModeRef>
+bool set_mode(ModeRef&& mode, int64_t value) {
+  using Mode = std::remove_cv_t<std::remove_reference_t<ModeRef>>;
+  if constexpr (cute::is_static_v<Mode>) {
+    return int64_t(Mode::value) == value;
+  } else {
+    mode = static_cast<Mode>(value);
+    return true;
+  }
+}
+
+// Only the stream-K schedulers take a split count.
+template <class Args, class = void>
+struct has_splits : std::false_type {};
+template <class Args>
+struct has_splits<Args, std::void_t<decltype(std::declval<Args&>().splits)>> : std::true_type {};
+
+template <class SchedulerArgs>
+void set_splits(SchedulerArgs& scheduler, int splits) {
+  if constexpr (has_splits<SchedulerArgs>::value) scheduler.splits = splits;
+}
+
+template <class Stride>
+bool make_stride(Stride& stride, int64_t s0, int64_t s1, int64_t s_batch) {
+  return set_mode(cute::get<0>(stride), s0) && set_mode(cute::get<1>(stride), s1) &&
+         set_mode(cute::get<2>(stride), s_batch);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Strides are in elements. A is M x K, B is N x K (CUTLASS's view of the K x N operand), C and D
+// are M x N; each with a batch stride. The struct is read by ctypes: keep it plain and append only.
+struct CutlassOpsGemmArgs {
+  int32_t m, n, k, l;
+  const void* a;
+  int64_t a_stride_m, a_stride_k, a_stride_l;
+  const void* b;
+  int64_t b_stride_n, b_stride_k, b_stride_l;
+  const void* c;
+  int64_t c_stride_m, c_stride_n, c_stride_l;
+  void* d;
+  int64_t d_stride_m, d_stride_n, d_stride_l;
+  float alpha, beta;
+  int32_t device_id, sm_count;
+  int32_t raster_order;  // 0 heuristic, 1 along M, 2 along N
+  int32_t swizzle;       // max swizzle size: 1, 2, 4 or 8
+  int32_t splits;        // stream-K schedulers only: 1 lets CUTLASS decide, >1 forces split-K
+};
+
+__attribute__((visibility("default"))) int cutlass_ops_abi_version() { return kAbiVersion; }
+
+__attribute__((visibility("default"))) const char* cutlass_ops_last_error() { return g_last_error; }
+
+__attribute__((visibility("default"))) int cutlass_ops_shared_storage_bytes() {
+  return int(GemmKernel::SharedStorageSize);
+}
+
+}  // extern "C"
+
+namespace {
+
+bool to_arguments(const CutlassOpsGemmArgs& in, typename DeviceKernel::Arguments& out) {
+  StrideA stride_a{};
+  StrideB stride_b{};
+  StrideC stride_c{};
+  StrideD stride_d{};
+  if (!make_stride(stride_a, in.a_stride_m, in.a_stride_k, in.a_stride_l) ||
+      !make_stride(stride_b, in.b_stride_n, in.b_stride_k, in.b_stride_l) ||
+      !make_stride(stride_c, in.c_stride_m, in.c_stride_n, in.c_stride_l) ||
+      !make_stride(stride_d, in.d_stride_m, in.d_stride_n, in.d_stride_l)) {
+    set_error("layout mismatch", "a unit stride of the compiled layout is not 1 in the tensor");
+    return false;
+  }
+
+  out.mode = in.l > 1 ? cutlass::gemm::GemmUniversalMode::kBatched
+                      : cutlass::gemm::GemmUniversalMode::kGemm;
+  out.problem_shape = {in.m, in.n, in.k, in.l};
+  out.mainloop.ptr_A = static_cast<const ElementA*>(in.a);
+  out.mainloop.dA = stride_a;
+  out.mainloop.ptr_B = static_cast<const ElementB*>(in.b);
+  out.mainloop.dB = stride_b;
+  out.epilogue.ptr_C = static_cast<const ElementC*>(in.c);
+  out.epilogue.dC = stride_c;
+  out.epilogue.ptr_D = static_cast<ElementD*>(in.d);
+  out.epilogue.dD = stride_d;
+  out.epilogue.thread.alpha = in.alpha;
+  out.epilogue.thread.beta = in.beta;
+
+  out.hw_info.device_id = in.device_id;
+  out.hw_info.sm_count = in.sm_count;
+
+  using RasterOrder = decltype(out.scheduler.raster_order);
+  out.scheduler.raster_order = in.raster_order == 1   ? RasterOrder::AlongM
+                               : in.raster_order == 2 ? RasterOrder::AlongN
+                                                      : RasterOrder::Heuristic;
+  out.scheduler.max_swizzle_size = in.swizzle;
+  set_splits(out.scheduler, in.splits);
+  return true;
+}
+
+// Runs `body` with the caller's device current, then restores the previous one: the tensors may
+// live on another GPU than the thread's current device in a multi-GPU process.
+template <class Body>
+int on_device(int device_id, Body&& body) {
+  int previous = -1;
+  cudaError_t err = cudaGetDevice(&previous);
+  if (err == cudaSuccess && previous != device_id) err = cudaSetDevice(device_id);
+  if (err != cudaSuccess) {
+    set_error("cudaSetDevice", cudaGetErrorString(err));
+    return kCudaError;
+  }
+  int status = body();
+  if (previous != device_id && previous >= 0) cudaSetDevice(previous);
+  return status;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Checks the problem against the kernel and reports the workspace it needs. Launches nothing.
+__attribute__((visibility("default"))) int cutlass_ops_gemm_check(const CutlassOpsGemmArgs* args,
+                                                                  size_t* workspace_bytes) {
+  typename DeviceKernel::Arguments arguments{};
+  if (!to_arguments(*args, arguments)) return kCannotImplement;
+  cutlass::Status status = DeviceKernel::can_implement(arguments);
+  if (status != cutlass::Status::kSuccess) {
+    set_error("can_implement", cutlass::cutlassGetStatusString(status));
+    return kCannotImplement;
+  }
+  *workspace_bytes = DeviceKernel::get_workspace_size(arguments);
+  return kOk;
+}
+
+// Runs the GEMM on `stream` (a cudaStream_t) with a caller-owned workspace.
+__attribute__((visibility("default"))) int cutlass_ops_gemm_run(const CutlassOpsGemmArgs* args,
+                                                                void* workspace,
+                                                                size_t workspace_bytes,
+                                                                void* stream) {
+  return on_device(args->device_id, [&]() -> int {
+    typename DeviceKernel::Arguments arguments{};
+    if (!to_arguments(*args, arguments)) return kCannotImplement;
+    cutlass::Status status = DeviceKernel::can_implement(arguments);
+    if (status != cutlass::Status::kSuccess) {
+      set_error("can_implement", cutlass::cutlassGetStatusString(status));
+      return kCannotImplement;
+    }
+    if (DeviceKernel::get_workspace_size(arguments) > workspace_bytes) {
+      set_error("workspace", "the workspace given is smaller than get_workspace_size()");
+      return kWorkspaceTooSmall;
+    }
+    auto cuda_stream = static_cast<cudaStream_t>(stream);
+    DeviceKernel gemm;
+    status = gemm.initialize(arguments, workspace, cuda_stream);
+    if (status != cutlass::Status::kSuccess) {
+      set_error("initialize", cutlass::cutlassGetStatusString(status));
+      return kInitializeFailed;
+    }
+    status = gemm.run(cuda_stream);
+    if (status != cutlass::Status::kSuccess) {
+      cudaError_t err = cudaGetLastError();
+      set_error("launch", err != cudaSuccess ? cudaGetErrorString(err)
+                                             : cutlass::cutlassGetStatusString(status));
+      return kLaunchFailed;
+    }
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+      set_error("launch", cudaGetErrorString(err));
+      return kCudaError;
+    }
+    return kOk;
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,172 @@
+"""The only module that imports cutlass_cppgen. It runs in a child process, never in the user's.
+
+Why a child process: importing cutlass_cppgen creates ``compiled_cache.db`` in the current working
+directory, sets up CUDA-Python globals and wants a GPU to pick its option registry. Here it runs
+with its working directory inside our cache, with the registry built for the target arch only (about
+1 s for sm90a, 5 s for sm100a instead of 15-20 s for every arch) and no GPU needed.
+
+Protocol: ``python -m cutlass_ops.cutlass_bridge REQUEST.json RESULT.json``. A request is
+``{"op": "tile_descriptions" | "emit", "arch": "sm90a", "operands": {...}, "configs": [...]}``; the
+result holds plain data only. The parent side is ``cutlass_ops.emit``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Any
+
+from cutlass_ops.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
+                                KernelSchedule, Layout, TileScheduler)
+
+_DTYPES = {DType.BF16: "bf16", DType.F16: "f16", DType.F32: "f32"}
+
+
+def _cutlass():
+    import cutlass_cppgen
+    import cutlass_library
+
+    return cutlass_cppgen, cutlass_library
+
+
+def _install_registry(arch: Arch) -> None:
+    """Give cutlass_cppgen the options of one arch without asking a GPU which arch to use."""
+    cutlass_cppgen, cutlass_library = _cutlass()
+    from cutlass_cppgen.library_defaults import ArchOptions
+
+    cutlass_cppgen._nvcc_version = cutlass_cppgen.nvcc_version()
+    gemm_kinds = [cutlass_library.GemmKind.Universal, cutlass_library.GemmKind.Universal3x]
+    options = ArchOptions(arch.cc, arch.cc, cutlass_library.OperationKind.Gemm, gemm_kinds)
+
+    class SingleArchRegistry:
+        def options_for_cc(self, cc: int, op_kind=None):
+            return options if cc == arch.cc else None
+
+    cutlass_cppgen.this._option_registry = SingleArchRegistry()
+
+
+def _plan(operands: GemmOperands, arch: Arch):
+    cutlass_cppgen, cutlass_library = _cutlass()
+    dt = cutlass_library.DataType
+    lt = cutlass_library.LayoutType
+    element = {DType.BF16: dt.bf16, DType.F16: dt.f16, DType.F32: dt.f32}
+    layout = {Layout.ROW: lt.RowMajor, Layout.COL: lt.ColumnMajor}
+    return cutlass_cppgen.op.Gemm(
+        element_A=element[operands.element_a], element_B=element[operands.element_b],
+        element_C=element[operands.element_c], element_D=element[operands.element_d],
+        element_accumulator=element[operands.element_accumulator],
+        layout_A=layout[operands.layout_a], layout_B=layout[operands.layout_b],
+        layout_C=layout[operands.layout_c], cc=arch.cc, kernel_cc=arch.cc)
+
+
+def tile_descriptions(operands: GemmOperands, arch: Arch) -> list[dict[str, Any]]:
+    """cutlass_cppgen's own list, as plain dicts; ``tile`` is the emitted TileShape."""
+    _install_registry(arch)
+    out = []
+    for td in _plan(operands, arch).tile_descriptions():
+        out.append({
+            "threadblock_shape": list(td.threadblock_shape),
+            "tile": list(td.blackwell_threadblock_shape),
+            "cluster": list(td.cluster_shape),
+            "stages": td.stages or 0,
+            "kernel_schedule": getattr(td.kernel_schedule, "name", None),
+            "epilogue_schedule": getattr(td.epilogue_schedule, "name", None),
+            "tile_scheduler": getattr(td.tile_scheduler, "name", None),
+        })
+    return out
+
+
+def _schedules(config: GemmConfig):
+    _, cutlass_library = _cutlass()
+    ks = cutlass_library.KernelScheduleType
+    es = cutlass_library.EpilogueScheduleType
+    kernel = {
+        KernelSchedule.PINGPONG: ks.TmaWarpSpecializedPingpong,
+        KernelSchedule.COOPERATIVE: ks.TmaWarpSpecializedCooperative,
+        KernelSchedule.WARP_SPECIALIZED: ks.TmaWarpSpecialized,
+        KernelSchedule.SM100_1SM: ks.TmaWarpSpecialized1SmSm100,
+        KernelSchedule.SM100_2SM: ks.TmaWarpSpecialized2SmSm100,
+    }[config.kernel_schedule]
+    tma = config.epilogue_schedule is EpilogueSchedule.TMA
+    epilogue = {
+        KernelSchedule.PINGPONG: es.TmaWarpSpecialized if tma else es.NoSmemWarpSpecialized,
+        KernelSchedule.COOPERATIVE:
+            es.TmaWarpSpecializedCooperative if tma else es.NoSmemWarpSpecialized,
+        KernelSchedule.WARP_SPECIALIZED:
+            es.TmaWarpSpecialized if tma else es.NoSmemWarpSpecialized,
+        KernelSchedule.SM100_1SM:
+            es.TmaWarpSpecialized1Sm if tma else es.NoSmemWarpSpecialized1Sm,
+        KernelSchedule.SM100_2SM:
+            es.TmaWarpSpecialized2Sm if tma else es.NoSmemWarpSpecialized2Sm,
+    }[config.kernel_schedule]
+    scheduler = cutlass_library.TileSchedulerType
+    tile_scheduler = (scheduler.StreamK if config.tile_scheduler is TileScheduler.STREAM_K
+                      else scheduler.Default)
+    return kernel, epilogue, tile_scheduler
+
+
+def cutlass_threadblock_shape(config: GemmConfig) -> list[int]:
+    """cutlass_cppgen's ``threadblock_shape`` is the cluster's tile: it divides it by the cluster
+    shape (and doubles M back for 2-SM kernels) to get the emitted TileShape. Invert that."""
+    tm, tn, tk = config.tile
+    cm, cn, ck = config.cluster
+    m = tm * cm // 2 if config.kernel_schedule is KernelSchedule.SM100_2SM else tm * cm
+    return [m, tn * cn, tk * ck]
+
+
+def emit(operands: GemmOperands, config: GemmConfig) -> str:
+    """C++ declaring ``DeviceKernel`` for this config, with the includes it needs."""
+    from cutlass_cppgen.backend.gemm_operation import EmitGemmUniversalInstance3x
+
+    plan = _plan(operands, config.arch)
+    kernel, epilogue, tile_scheduler = _schedules(config)
+    base = plan.tile_descriptions()[0]
+    td = base.clone_and_update({
+        "threadblock_shape": cutlass_threadblock_shape(config),
+        "cluster_shape": list(config.cluster),
+        "stages": config.stages,
+        "kernel_schedule": kernel,
+        "epilogue_schedule": epilogue,
+        "tile_scheduler": tile_scheduler,
+    })
+    operation = plan.construct(td, operands.alignment_a, operands.alignment_b, operands.alignment_c)
+    emitter = EmitGemmUniversalInstance3x("_type")
+    includes = "".join(f'#include "{header}"\n' for header in emitter.includes)
+    body = emitter.emit(operation.device_op())
+    return f"// cutlass-ops kernel {config.build_name} for {operands.name}\n{includes}{body}"
+
+
+def handle(request: dict[str, Any]) -> dict[str, Any]:
+    arch = Arch(request["arch"])
+    operands = GemmOperands.from_dict(request["operands"])
+    if request["op"] == "tile_descriptions":
+        return {"tile_descriptions": tile_descriptions(operands, arch)}
+    if request["op"] == "emit":
+        _install_registry(arch)
+        results = []
+        for data in request["configs"]:
+            config = GemmConfig.from_dict(data)
+            try:
+                results.append({"source": emit(operands, config)})
+            except Exception as exc:  # one bad config must not sink the batch
+                results.append({"error": f"{type(exc).__name__}: {exc}"})
+        return {"results": results}
+    raise ValueError(f"unknown request {request['op']!r}")
+
+
+def main(argv: list[str]) -> int:
+    request_path, result_path = argv
+    with open(request_path) as f:
+        request = json.load(f)
+    try:
+        result = handle(request)
+    except Exception:
+        result = {"fatal": traceback.format_exc()}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

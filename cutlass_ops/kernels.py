@@ -1,0 +1,60 @@
+"""From (operands, config) to a loaded kernel: emit, build, load, each cached.
+
+``prepare`` does the first two for many configs at once (emission batched in one cutlass_cppgen
+process per arch, builds in parallel); ``kernel_for`` returns a loaded kernel and memoizes it in the
+process, so the per-call cost after the first call is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from cutlass_ops import build, emit, runtime, space
+from cutlass_ops.config import GemmConfig, GemmOperands
+from cutlass_ops.errors import CutlassOpsError
+
+_loaded: dict[tuple, runtime.LoadedKernel] = {}
+
+
+def build_spec(operands: GemmOperands, config: GemmConfig, source: str) -> build.BuildSpec:
+    return build.BuildSpec(f"{operands.name}-{config.build_name}", source, config.arch)
+
+
+def prepare(operands: GemmOperands, configs: Iterable[GemmConfig], *, jobs: int | None = None,
+            retry_failed: bool = False,
+            on_done: Callable | None = None) -> dict[GemmConfig, build.Artifact | Exception]:
+    """Emits and builds every config; maps each to its Artifact or to the error that stopped it
+    (a rule violation, an emission error, or a BuildError with its log)."""
+    results: dict[GemmConfig, build.Artifact | Exception] = {}
+    todo = []
+    for config in dict.fromkeys(configs):
+        try:
+            space.check(operands, config)
+            todo.append(config)
+        except CutlassOpsError as exc:
+            results[config] = exc
+    sources = emit.emit_sources(operands, todo)
+    specs, spec_configs = [], []
+    for config in todo:
+        source = sources[config]
+        if isinstance(source, Exception):
+            results[config] = source
+        else:
+            specs.append(build_spec(operands, config, source))
+            spec_configs.append(config)
+    built = build.build_many(specs, jobs=jobs, retry_failed=retry_failed, on_done=on_done)
+    results.update(zip(spec_configs, built))
+    return results
+
+
+def kernel_for(operands: GemmOperands, config: GemmConfig) -> runtime.LoadedKernel:
+    """The loaded kernel for a config, built if needed. Raises the error that prevented it."""
+    key = (operands, config.build_fields())
+    kernel = _loaded.get(key)
+    if kernel is None:
+        result = prepare(operands, [config])[config]
+        if isinstance(result, Exception):
+            raise result
+        kernel = runtime.load(str(result.library), config.build_name)
+        _loaded[key] = kernel
+    return kernel

@@ -1,0 +1,98 @@
+"""Loading built kernels and launching them on torch tensors' memory.
+
+The artifact exports a C ABI (see csrc/gemm_launcher.cu); ctypes calls it. Per-device facts (SM
+count, compute capability) are queried once per device and cached, never on each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from cutlass_ops.errors import KernelLaunchError
+
+ABI_VERSION = 1
+
+_STATUS = {1: "the kernel cannot implement this problem", 2: "workspace too small",
+           3: "initialization failed", 4: "launch failed", 5: "CUDA error"}
+
+
+class GemmArgs(ctypes.Structure):
+    """Mirror of CutlassOpsGemmArgs. Strides in elements; B is seen as N x K."""
+
+    _fields_ = [
+        ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("l", ctypes.c_int32),
+        ("a", ctypes.c_void_p),
+        ("a_stride_m", ctypes.c_int64), ("a_stride_k", ctypes.c_int64),
+        ("a_stride_l", ctypes.c_int64),
+        ("b", ctypes.c_void_p),
+        ("b_stride_n", ctypes.c_int64), ("b_stride_k", ctypes.c_int64),
+        ("b_stride_l", ctypes.c_int64),
+        ("c", ctypes.c_void_p),
+        ("c_stride_m", ctypes.c_int64), ("c_stride_n", ctypes.c_int64),
+        ("c_stride_l", ctypes.c_int64),
+        ("d", ctypes.c_void_p),
+        ("d_stride_m", ctypes.c_int64), ("d_stride_n", ctypes.c_int64),
+        ("d_stride_l", ctypes.c_int64),
+        ("alpha", ctypes.c_float), ("beta", ctypes.c_float),
+        ("device_id", ctypes.c_int32), ("sm_count", ctypes.c_int32),
+        ("raster_order", ctypes.c_int32), ("swizzle", ctypes.c_int32), ("splits", ctypes.c_int32),
+    ]
+
+
+class LoadedKernel:
+    """One artifact's entry points."""
+
+    def __init__(self, library: Path, name: str):
+        self.name = name
+        self.library = library
+        lib = ctypes.CDLL(str(library))
+        lib.cutlass_ops_abi_version.restype = ctypes.c_int
+        version = lib.cutlass_ops_abi_version()
+        if version != ABI_VERSION:
+            raise KernelLaunchError(f"{library} has launcher ABI {version}, expected "
+                                    f"{ABI_VERSION}; clear the cache and rebuild")
+        lib.cutlass_ops_last_error.restype = ctypes.c_char_p
+        lib.cutlass_ops_shared_storage_bytes.restype = ctypes.c_int
+        self._check = lib.cutlass_ops_gemm_check
+        self._check.argtypes = [ctypes.POINTER(GemmArgs), ctypes.POINTER(ctypes.c_size_t)]
+        self._check.restype = ctypes.c_int
+        self._run = lib.cutlass_ops_gemm_run
+        self._run.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_void_p, ctypes.c_size_t,
+                              ctypes.c_void_p]
+        self._run.restype = ctypes.c_int
+        self._lib = lib
+        self.shared_storage_bytes = lib.cutlass_ops_shared_storage_bytes()
+
+    def _raise(self, status: int) -> None:
+        detail = self._lib.cutlass_ops_last_error().decode(errors="replace")
+        raise KernelLaunchError(f"{self.name}: {_STATUS.get(status, status)} ({detail})")
+
+    def workspace_bytes(self, args: GemmArgs) -> int:
+        """Checks the problem (can_implement) and returns the workspace size it needs."""
+        size = ctypes.c_size_t(0)
+        status = self._check(ctypes.byref(args), ctypes.byref(size))
+        if status:
+            self._raise(status)
+        return size.value
+
+    def run(self, args: GemmArgs, workspace_ptr: int, workspace_bytes: int, stream: int) -> None:
+        status = self._run(ctypes.byref(args), workspace_ptr or None, workspace_bytes,
+                           stream or None)
+        if status:
+            self._raise(status)
+
+
+@functools.cache
+def load(library: str, name: str) -> LoadedKernel:
+    return LoadedKernel(Path(library), name)
+
+
+@functools.cache
+def device_facts(index: int) -> tuple[int, int, str]:
+    """(SM count, compute capability as 90/100, name) of a CUDA device, queried once."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major * 10 + props.minor, props.name

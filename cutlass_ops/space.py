@@ -1,0 +1,162 @@
+"""The configs worth compiling for a set of operands on an arch.
+
+Two sources: cutlass_cppgen's tile descriptions (what CUTLASS's own generator offers) and our rules,
+which reject before nvcc runs what is known not to compile or not to fit. ``violations`` gives the
+reasons a config is refused; ``check`` raises with them; ``valid_configs`` lists the space.
+"""
+
+from __future__ import annotations
+
+from cutlass_ops.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
+                                KernelSchedule, Layout, TileScheduler)
+from cutlass_ops.errors import InvalidConfigError
+
+# Usable dynamic shared memory per CTA on sm90 and sm100 (228 KB less 1 KB reserved by the system).
+SMEM_BYTES = 227 * 1024
+# Consumer threads holding one tile's accumulators: a warpgroup, or two for cooperative kernels.
+_CONSUMER_THREADS = {KernelSchedule.PINGPONG: 128, KernelSchedule.WARP_SPECIALIZED: 128,
+                     KernelSchedule.COOPERATIVE: 256}
+# Beyond this many fp32 accumulators per thread the kernel spills or fails to compile.
+_MAX_ACCUMULATORS_PER_THREAD = 128
+
+_SCHEDULES = {
+    Arch.SM90A: (KernelSchedule.PINGPONG, KernelSchedule.COOPERATIVE,
+                 KernelSchedule.WARP_SPECIALIZED),
+    Arch.SM100A: (KernelSchedule.SM100_1SM, KernelSchedule.SM100_2SM),
+}
+_TILE_M = {
+    KernelSchedule.PINGPONG: (64, 128),
+    KernelSchedule.WARP_SPECIALIZED: (64, 128),
+    KernelSchedule.COOPERATIVE: (128, 256),  # two warpgroups of 64 rows each, at least
+    KernelSchedule.SM100_1SM: (64, 128),
+    KernelSchedule.SM100_2SM: (128, 256),
+}
+
+# Configs seen failing to compile with nvidia-cutlass 4.2 and nvcc 13.0 (see DESIGN.md).
+_KNOWN_BROKEN = {
+    (Arch.SM90A, KernelSchedule.COOPERATIVE, (128, 256, 64), (2, 1, 1), EpilogueSchedule.TMA):
+        "128x256x64 cooperative with cluster 2x1x1 and a TMA epilogue does not compile "
+        "with CUTLASS 4.2",
+}
+
+
+def _power_of_two(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
+    """Every rule the config breaks for these operands; empty when it should compile and run."""
+    why: list[str] = []
+    arch, schedule = config.arch, config.kernel_schedule
+    tm, tn, tk = config.tile
+    cm, cn, ck = config.cluster
+
+    if schedule not in _SCHEDULES[arch]:
+        why.append(f"kernel schedule {schedule.value} does not exist on {arch.value} "
+                   f"(choose from {', '.join(s.value for s in _SCHEDULES[arch])})")
+        return why
+    if operands.element_a is not operands.element_b:
+        why.append("A and B must have the same element type")
+    if operands.element_accumulator is DType.F16 and operands.element_a is not DType.F16:
+        why.append("an f16 accumulator needs f16 operands")
+    if operands.element_accumulator is DType.BF16:
+        why.append("bf16 accumulation is not supported; use f32")
+    if operands.element_a is DType.F32 and (operands.layout_a is not Layout.ROW
+                                            or operands.layout_b is not Layout.COL):
+        why.append("f32 (tf32) operands must both be K-major: A row-major and B column-major")
+    for name, dtype, alignment in (("A", operands.element_a, operands.alignment_a),
+                                   ("B", operands.element_b, operands.alignment_b),
+                                   ("C", operands.element_c, operands.alignment_c)):
+        if alignment * dtype.bytes != 16:
+            why.append(f"TMA needs 16-byte alignment: {name} alignment {alignment} x "
+                       f"{dtype.bytes} bytes = {alignment * dtype.bytes} bytes")
+
+    if tm not in _TILE_M[schedule]:
+        why.append(f"{schedule.value} needs tile M in {_TILE_M[schedule]}, got {tm}")
+    n_step = 16 if arch is Arch.SM100A else 8
+    if tn % n_step or not n_step <= tn <= 256:
+        why.append(f"tile N must be a multiple of {n_step} from {n_step} to 256, got {tn}")
+    k_bytes = tk * operands.element_a.bytes
+    if k_bytes not in (64, 128, 256):
+        why.append(f"tile K must span 64, 128 or 256 bytes of A, got {tk} elements = {k_bytes}")
+
+    if ck != 1:
+        why.append("cluster K must be 1")
+    if not (_power_of_two(cm) and _power_of_two(cn)) or cm * cn > 8:
+        why.append(f"cluster {cm}x{cn} must be powers of two with at most 8 CTAs (portable)")
+    if schedule is KernelSchedule.SM100_2SM and cm % 2:
+        why.append("2-SM kernels need an even cluster M")
+
+    if arch is Arch.SM90A:
+        per_thread = tm * tn // _CONSUMER_THREADS[schedule]
+        if operands.element_accumulator is DType.F32 and per_thread > _MAX_ACCUMULATORS_PER_THREAD:
+            why.append(f"{tm}x{tn} {schedule.value} holds {per_thread} accumulators per thread "
+                       f"(at most {_MAX_ACCUMULATORS_PER_THREAD})")
+        if schedule is KernelSchedule.WARP_SPECIALIZED and \
+                config.epilogue_schedule is EpilogueSchedule.TMA:
+            why.append("the plain warp-specialized kernel has no TMA epilogue; use nosmem")
+
+    stage_bytes = (tm + tn) * tk * operands.element_a.bytes
+    if schedule is KernelSchedule.SM100_2SM:
+        stage_bytes //= 2  # each CTA of the pair loads half of A's tile
+    min_stages = config.stages or 2
+    if min_stages < 2:
+        why.append("at least 2 pipeline stages are needed")
+    if min_stages * stage_bytes > SMEM_BYTES:
+        why.append(f"{min_stages} stages of {stage_bytes} bytes exceed {SMEM_BYTES} bytes of "
+                   "shared memory")
+
+    if config.tile_scheduler is TileScheduler.STREAM_K and schedule in (
+            KernelSchedule.PINGPONG, KernelSchedule.WARP_SPECIALIZED):
+        why.append("stream-K needs the cooperative schedule on sm90a")
+    if config.splits > 1 and config.tile_scheduler is not TileScheduler.STREAM_K:
+        why.append("splits > 1 needs the stream-K tile scheduler")
+
+    known = _KNOWN_BROKEN.get((arch, schedule, config.tile, config.cluster,
+                               config.epilogue_schedule))
+    if known:
+        why.append(known)
+    return why
+
+
+def check(operands: GemmOperands, config: GemmConfig) -> None:
+    why = violations(operands, config)
+    if why:
+        raise InvalidConfigError(f"{config.name} cannot run {operands.name}: " + "; ".join(why))
+
+
+_KERNEL_NAMES = {
+    "TmaWarpSpecializedPingpong": KernelSchedule.PINGPONG,
+    "TmaWarpSpecializedCooperative": KernelSchedule.COOPERATIVE,
+    "TmaWarpSpecialized": KernelSchedule.WARP_SPECIALIZED,
+    "TmaWarpSpecialized1SmSm100": KernelSchedule.SM100_1SM,
+    "TmaWarpSpecialized2SmSm100": KernelSchedule.SM100_2SM,
+}
+
+
+def config_from_tile_description(td: dict, arch: Arch) -> GemmConfig | None:
+    """Our config for one of cutlass_cppgen's tile descriptions, or None if we do not offer it
+    (cp.async kernels, 'auto' schedules, dynamic cluster shapes)."""
+    schedule = _KERNEL_NAMES.get(td["kernel_schedule"] or "")
+    # Clusters given as 0 are dynamic (chosen at launch on sm100): we compile static ones only.
+    if schedule is None or min(td["cluster"]) <= 0 or min(td["tile"]) <= 0:
+        return None
+    epilogue_name = td["epilogue_schedule"] or ""
+    epilogue = EpilogueSchedule.NO_SMEM if "NoSmem" in epilogue_name else EpilogueSchedule.TMA
+    scheduler = (TileScheduler.STREAM_K if td["tile_scheduler"] == "StreamK"
+                 else TileScheduler.PERSISTENT)
+    return GemmConfig(arch=arch, tile=tuple(td["tile"]), cluster=tuple(td["cluster"]),
+                      stages=td["stages"], kernel_schedule=schedule, epilogue_schedule=epilogue,
+                      tile_scheduler=scheduler)
+
+
+def valid_configs(operands: GemmOperands, arch: Arch | str) -> list[GemmConfig]:
+    """cutlass_cppgen's tile descriptions for the operands, as our configs, minus those our rules
+    reject; sorted by name for a stable order."""
+    from cutlass_ops.emit import cutlass_tile_descriptions
+
+    arch = Arch(arch)
+    configs = {config_from_tile_description(td, arch)
+               for td in cutlass_tile_descriptions(operands, arch)}
+    return sorted((c for c in configs if c is not None and not violations(operands, c)),
+                  key=lambda c: c.name)

@@ -1,0 +1,57 @@
+import os
+import shutil
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_root(tmp_path_factory):
+    """Every test writes its cache under one session directory, unless CUTLASS_OPS_TEST_CACHE_DIR
+    names a directory to reuse (prebuilt artifacts on the GPU machine)."""
+    root = os.environ.get("CUTLASS_OPS_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("cache"))
+    previous = os.environ.get("CUTLASS_OPS_CACHE_DIR")
+    os.environ["CUTLASS_OPS_CACHE_DIR"] = root
+    yield root
+    if previous is None:
+        os.environ.pop("CUTLASS_OPS_CACHE_DIR", None)
+    else:
+        os.environ["CUTLASS_OPS_CACHE_DIR"] = previous
+
+
+@pytest.fixture(autouse=True)
+def clean_working_directory(tmp_path, monkeypatch):
+    """Each test runs in an empty working directory, which must still be empty afterwards: the
+    library never writes into the user's working directory."""
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    yield
+    left = sorted(os.listdir(workdir))
+    assert not left, f"files written into the working directory: {left}"
+
+
+def nvcc_missing() -> bool:
+    from cutlass_ops.build import nvcc_available
+
+    return not nvcc_available()
+
+
+def sm90_gpu_missing() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return True
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability() != (9, 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_compile = pytest.mark.skip(reason="nvcc not found")
+    skip_gpu = pytest.mark.skip(reason="needs an sm90 CUDA GPU")
+    no_nvcc, no_gpu = nvcc_missing(), sm90_gpu_missing()
+    for item in items:
+        if no_nvcc and ("compile" in item.keywords or "gpu" in item.keywords):
+            item.add_marker(skip_compile)
+        if no_gpu and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

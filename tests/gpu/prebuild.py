@@ -1,0 +1,55 @@
+"""Builds, in parallel, every kernel the GPU tests and the GEMM benchmark use, so that the tests
+then run without compiling one kernel at a time. Run on the GPU machine before the GPU tests:
+
+    CUTLASS_OPS_CACHE_DIR=... python tests/gpu/prebuild.py
+"""
+
+import itertools
+import sys
+import time
+from pathlib import Path
+
+root = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(root), str(Path(__file__).parent)]
+
+from benchmarks.gemm import FIXED_CONFIGS  # noqa: E402
+from cutlass_ops import GemmConfig, GemmOperands  # noqa: E402
+from cutlass_ops.kernels import prepare  # noqa: E402
+from test_gemm_gpu import CONFIGS, STREAM_K  # noqa: E402
+
+PINGPONG = CONFIGS["pingpong"]
+WORK = [
+    *((GemmOperands.make(dtype, layout_a=la, layout_b=lb), config)
+      for dtype, (la, lb), config in itertools.product(
+          ["bf16", "f16"], itertools.product(["row", "col"], repeat=2), CONFIGS.values())),
+    (GemmOperands.make("bf16"), STREAM_K),
+    (GemmOperands.make("bf16", out_dtype="f32"), PINGPONG),
+    (GemmOperands.make("bf16", layout_c="col"), PINGPONG),
+    (GemmOperands.make("f32"), GemmConfig(kernel_schedule="pingpong", tile=(128, 128, 32))),
+    *((GemmOperands.make("bf16"), config) for config in FIXED_CONFIGS),
+]
+
+
+def main():
+    import concurrent.futures
+
+    start = time.time()
+    by_operands = {}
+    for operands, config in WORK:
+        by_operands.setdefault(operands, []).append(config)
+    # Emission is one cutlass_cppgen process per operand set; run those side by side too.
+    with concurrent.futures.ThreadPoolExecutor(len(by_operands)) as pool:
+        futures = {pool.submit(prepare, operands, configs): operands
+                   for operands, configs in by_operands.items()}
+        failed = 0
+        for future in concurrent.futures.as_completed(futures):
+            for config, result in future.result().items():
+                if isinstance(result, Exception):
+                    failed += 1
+                    print(f"FAILED {futures[future].name} {config.build_name}: {result}")
+    print(f"prebuilt {len(WORK)} kernels in {time.time() - start:.0f} s, {failed} failed",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

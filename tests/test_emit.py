@@ -1,0 +1,63 @@
+import pytest
+
+from cutlass_ops import emit
+from cutlass_ops.config import GemmConfig, GemmOperands
+from cutlass_ops.cutlass_bridge import cutlass_threadblock_shape
+from cutlass_ops.errors import EmissionError
+
+BF16_TN = GemmOperands.make("bf16")
+PINGPONG = GemmConfig(kernel_schedule="pingpong", tile=(64, 128, 64), cluster=(2, 1, 1))
+TWO_SM = GemmConfig(arch="sm100a", kernel_schedule="2sm", tile=(256, 128, 64), cluster=(2, 1, 1))
+STREAM_K = GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64),
+                      tile_scheduler="streamk")
+
+
+def test_threadblock_shape_inverts_cutlass_cppgen_derivation():
+    assert cutlass_threadblock_shape(PINGPONG) == [128, 128, 64]
+    assert cutlass_threadblock_shape(TWO_SM) == [256, 128, 64]  # M doubled back by cutlass
+
+
+def test_emitted_source_names_our_tile_cluster_and_schedules():
+    sources = emit.emit_sources(BF16_TN, [PINGPONG, TWO_SM, STREAM_K])
+    ping = sources[PINGPONG]
+    assert "cute::Shape<cute::_64, cute::_128, cute::_64>" in ping
+    assert "cute::Shape<cute::_2,cute::_1,cute::_1>" in ping
+    assert "KernelTmaWarpSpecializedPingpong" in ping and "DeviceKernel" in ping
+    assert "cutlass::bfloat16_t, cutlass::layout::ColumnMajor, 8" in ping
+    assert "KernelTmaWarpSpecialized2SmSm100" in sources[TWO_SM]
+    assert "cute::Shape<cute::_256, cute::_128, cute::_64>" in sources[TWO_SM]
+    assert "StreamKScheduler" in sources[STREAM_K]
+
+
+def test_emission_is_cached_on_disk(monkeypatch):
+    emit.emit_source(BF16_TN, PINGPONG)
+
+    def no_child_process(*args, **kwargs):
+        raise AssertionError("cutlass_cppgen was started for a cached source")
+
+    monkeypatch.setattr(emit, "run_bridge", no_child_process)
+    # A config differing only in run-time fields shares the emitted source.
+    varied = PINGPONG.replace(swizzle=4, raster_order="alongn")
+    assert "Pingpong" in emit.emit_source(BF16_TN, varied)
+
+
+def test_shape_check_refuses_a_mismatch():
+    source = emit.emit_source(BF16_TN, PINGPONG)
+    with pytest.raises(EmissionError, match="emitted TileShape"):
+        emit.check_emitted_shapes(source, PINGPONG.replace(tile=(128, 128, 64)))
+
+
+def test_cutlass_cppgen_errors_are_reported_per_config():
+    bad = GemmConfig(kernel_schedule="pingpong", tile=(128, 128, 64), stages=99)
+    result = emit.emit_sources(BF16_TN, [bad, PINGPONG])
+    assert isinstance(result[bad], EmissionError) and "stage" in str(result[bad]).lower()
+    assert isinstance(result[PINGPONG], str)
+
+
+def test_tile_descriptions_cache_survives_corruption(cache_root):
+    first = emit.cutlass_tile_descriptions(BF16_TN, GemmConfig().arch)
+    [path] = list((emit.cache_dir.versioned_dir("tile_descriptions")).glob("sm90a-*.json"))
+    path.write_text('[{"truncated": ')
+    with pytest.warns(RuntimeWarning, match="not valid JSON"):
+        again = emit.cutlass_tile_descriptions(BF16_TN, GemmConfig().arch)
+    assert again == first
