@@ -1,7 +1,7 @@
 """Untuned baseline: a fixed handful of CUTLASS configs against torch.matmul on the LLM shapes.
 
 bf16, y = x @ W^T (A row-major M x K, B = W^T column-major), L2 flushed before each repetition.
-Ours is timed through ``cutlass_ops.gemm.plan`` (kernel plus its C++ launcher, checks done once),
+Ours is timed through ``cutlass_ops.plan`` (kernel plus its C++ launcher, checks done once),
 torch through torch.matmul; the Python overhead of ``cutlass_ops.gemm`` is the integration
 issue's benchmark.
 "ours" is the best fixed config per shape; every config's figure is in ``detail``. Writes
@@ -23,7 +23,6 @@ import torch  # noqa: E402
 import cutlass_ops  # noqa: E402
 from benchmarks.common import copy_bandwidth_gbs, print_table, write_result  # noqa: E402
 from cutlass_ops import GemmConfig, GemmOperands  # noqa: E402
-from cutlass_ops.gemm import plan  # noqa: E402
 from cutlass_ops.kernels import prepare  # noqa: E402
 from tuning.timing import do_bench  # noqa: E402
 
@@ -54,7 +53,7 @@ def bench_shape(m, n, k):
     for config in FIXED_CONFIGS:
         try:
             out.fill_(float("nan"))
-            launch = plan(x, w.t(), config=config, out=out)
+            launch = cutlass_ops.plan(x, w.t(), config=config, out=out)
             launch()
             err = ((out.float() - ref).norm() / ref.norm()).item()
             if not err < 1e-2:
