@@ -138,7 +138,7 @@ def test_bad_inputs_get_clear_errors():
         ((a, b.half()), {}, "mixed operand types"),
         ((a.double(), b.double()), {}, "supported: bfloat16"),
         ((a, b[:64]), {}, "shapes do not multiply"),
-        ((a[None].expand(2, -1, -1), b), {}, "both 2-D or both 3-D"),
+        ((a[None].expand(2, -1, -1), b), {}, "must both be 2-D"),
         ((torch.randn(128 * 128 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(128, 128), b),
          {}, "data pointer"),
         ((torch.randn(128, 129, device="cuda", dtype=torch.bfloat16)[:, :128], b), {},
