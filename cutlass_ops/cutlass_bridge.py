@@ -74,7 +74,8 @@ def tile_descriptions(operands: GemmOperands, arch: Arch) -> list[dict[str, Any]
             "epilogue_schedule": getattr(td.epilogue_schedule, "name", None),
             "tile_scheduler": getattr(td.tile_scheduler, "name", None),
         })
-    return out
+    # cutlass_cppgen's order varies from one process to the next; make ours stable.
+    return sorted(out, key=lambda td: json.dumps(td, sort_keys=True))
 
 
 def _schedules(config: GemmConfig):

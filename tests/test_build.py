@@ -1,0 +1,83 @@
+"""The artifact cache: keys, kept failures, locking. Uses tiny broken sources so nvcc fails fast."""
+
+import threading
+
+import pytest
+
+from cutlass_ops import build
+from cutlass_ops.config import Arch
+from cutlass_ops.errors import BuildError
+
+pytestmark = pytest.mark.skipif(not build.nvcc_available(), reason="nvcc not found")
+
+BROKEN = '#error "deliberately broken kernel"\n'
+
+
+def test_key_covers_source_and_arch():
+    a = build.BuildSpec("k", BROKEN, Arch.SM90A)
+    assert a.key == build.BuildSpec("other-name", BROKEN, Arch.SM90A).key
+    assert a.key != build.BuildSpec("k", BROKEN + " ", Arch.SM90A).key
+    assert a.key != build.BuildSpec("k", BROKEN, Arch.SM100A).key
+    assert a.directory.name == f"k-{a.key}"
+    assert "compute_90a" in " ".join(build.nvcc_flags(Arch.SM90A))
+
+
+def test_failure_is_kept_with_its_log_and_not_recompiled(monkeypatch):
+    spec = build.BuildSpec("broken", BROKEN, Arch.SM90A)
+    with pytest.raises(BuildError, match="deliberately broken") as first:
+        build.build(spec)
+    log = first.value.log_path
+    assert "broken" in str(first.value) and log.endswith("build.log")
+    assert "deliberately broken" in open(log).read()
+
+    monkeypatch.setattr(build, "_compile", lambda spec: pytest.fail("nvcc ran again"))
+    with pytest.raises(BuildError, match="deliberately broken"):
+        build.build(spec)
+
+
+def test_retry_failed_rebuilds():
+    spec = build.BuildSpec("broken-retry", BROKEN, Arch.SM90A)
+    with pytest.raises(BuildError):
+        build.build(spec)
+    marker = spec.directory / "failed.json"
+    marker.write_text("{corrupt")
+    with pytest.warns(RuntimeWarning, match="not valid JSON"):
+        with pytest.raises(BuildError):
+            build.build(spec)  # a corrupt marker is set aside and the build runs again
+    with pytest.raises(BuildError):
+        build.build(spec, retry_failed=True)
+
+
+def test_concurrent_callers_compile_once(monkeypatch):
+    spec = build.BuildSpec("concurrent", BROKEN, Arch.SM90A)
+    calls = []
+    real = build._compile
+
+    def counting(s):
+        calls.append(s)
+        return real(s)
+
+    monkeypatch.setattr(build, "_compile", counting)
+    errors = []
+
+    def worker():
+        try:
+            build.build(spec)
+        except BuildError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(errors) == 4
+
+
+def test_build_many_reports_each_result_in_order():
+    specs = [build.BuildSpec(f"many-{i}", BROKEN + f"// {i}\n", Arch.SM90A) for i in range(3)]
+    seen = []
+    results = build.build_many(specs, jobs=2, on_done=lambda s, r: seen.append(s.name))
+    assert [type(r) for r in results] == [BuildError] * 3
+    assert [r.name for r in results] == [s.name for s in specs]
+    assert sorted(seen) == sorted(s.name for s in specs)
