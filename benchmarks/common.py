@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -23,7 +24,9 @@ def versions() -> dict:
         except OSError:
             return "unknown"
 
-    commit = run("git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD")
+    # The GPU machine gets a copy of the tree without .git: the caller may name the commit.
+    commit = os.environ.get("CUTLASS_OPS_COMMIT") or run(
+        "git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD")
     return {
         "torch": torch.__version__, "cuda": torch.version.cuda, "nvcc": nvcc_version(),
         "cutlass": importlib.metadata.version("nvidia-cutlass"),
