@@ -1,0 +1,77 @@
+import json
+import multiprocessing
+
+import pytest
+
+from cutlass_ops.config import GemmConfig, GemmOperands, GemmProblem
+from tuning.cache import CacheScope, TuningCache, import_document
+
+SCOPE = CacheScope("NVIDIA H200", 90, 132, "580.159.04", "13.0", "4.2.0.0", "0.1.0")
+OPERANDS = GemmOperands.make("bf16")
+
+
+def problem(m):
+    return GemmProblem(OPERANDS, m, 4096, 4096)
+
+
+def entry(ms, config=GemmConfig()):
+    return {"winner": config.to_dict(), "winner_ms": ms, "torch_ms": 1.0, "runners_up": []}
+
+
+def test_round_trip_and_scope_keys(tmp_path):
+    cache = TuningCache(SCOPE, tmp_path)
+    assert cache.get(problem(16)) is None
+    cache.put(problem(16), entry(0.5))
+    again = TuningCache(SCOPE, tmp_path).get(problem(16))
+    assert again["winner_ms"] == 0.5 and GemmConfig.from_dict(again["winner"]) == GemmConfig()
+    assert GemmProblem.from_dict(again["problem"]) == problem(16)
+    other = CacheScope(**{**SCOPE.to_dict(), "driver": "590.0"})
+    assert TuningCache(other, tmp_path).get(problem(16)) is None
+    assert TuningCache(other, tmp_path).path != cache.path
+    assert json.loads(cache.path.read_text())["scope"] == SCOPE.to_dict()
+
+
+def _writer(root, start):
+    cache = TuningCache(SCOPE, root)
+    for m in range(start, start + 25):
+        cache.put(problem(m), entry(float(m)))
+
+
+def test_concurrent_processes_lose_nothing(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_writer, args=(tmp_path, 1 + 100 * i)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    assert len(TuningCache(SCOPE, tmp_path).entries()) == 100
+
+
+@pytest.mark.parametrize("damage", ['{"format": 1, "scope": {', "\x00garbage", "[1, 2]"])
+def test_corrupt_file_is_set_aside_and_rebuilt(tmp_path, damage):
+    cache = TuningCache(SCOPE, tmp_path)
+    cache.put(problem(16), entry(0.5))
+    cache.path.write_text(damage)
+    with pytest.warns(RuntimeWarning, match="moved it to"):
+        assert cache.get(problem(16)) is None
+    assert list(tmp_path.glob("*.corrupt-*"))
+    cache.put(problem(128), entry(0.7))
+    assert set(cache.entries()) == {problem(128).name}
+
+
+def test_export_import_merge_keeps_the_faster_winner(tmp_path):
+    here, there = TuningCache(SCOPE, tmp_path / "here"), TuningCache(SCOPE, tmp_path / "there")
+    here.put(problem(16), entry(0.5))
+    here.put(problem(128), entry(0.9))
+    there.put(problem(128), entry(0.6, GemmConfig(tile=(64, 128, 64))))
+    there.put(problem(1024), entry(2.0))
+    assert import_document(there.export(), tmp_path / "here") == 2
+    merged = here.entries()
+    assert set(merged) == {problem(m).name for m in (16, 128, 1024)}
+    assert merged[problem(128).name]["winner_ms"] == 0.6
+    assert import_document(there.export(), tmp_path / "here") == 0
+    with pytest.raises(ValueError, match="format"):
+        import_document({"format": 99}, tmp_path)
+    here.clear()
+    assert here.entries() == {}

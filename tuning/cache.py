@@ -1,0 +1,126 @@
+"""The tuning cache: the winning config per GEMM problem, per device and software versions.
+
+One JSON file per scope (GPU name, compute capability, SM count; driver, CUDA, CUTLASS and
+library versions) under ``<cache root>/<version>/tuning/``, holding one entry per problem: the
+winner, its time, torch's time and the runners-up. Files are readable and shareable: ``export``
+writes a document, ``merge`` folds one in (the faster winner of two entries for a problem stays).
+
+Safety: every update takes the file's lock, re-reads the file, changes one entry and replaces the
+file atomically, so concurrent processes lose nothing and an interrupted tune keeps every entry it
+finished. A truncated or corrupt file is set aside with a warning and the cache starts afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from cutlass_ops import cache_dir
+from cutlass_ops.config import GemmProblem
+
+FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheScope:
+    """Everything besides the problem that changes which kernel wins."""
+
+    gpu: str
+    compute_capability: int
+    sm_count: int
+    driver: str
+    cuda: str
+    cutlass: str
+    library: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheScope:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+    @property
+    def file_name(self) -> str:
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.gpu).strip("-").lower()
+        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+        return f"{slug}-cc{self.compute_capability}-sm{self.sm_count}-{digest[:12]}.json"
+
+
+def _better(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
+    return old is None or new.get("winner_ms", float("inf")) < old.get("winner_ms", float("inf"))
+
+
+class TuningCache:
+    """The cache file of one scope. ``root`` defaults to the library's cache directory."""
+
+    def __init__(self, scope: CacheScope, root: Path | None = None):
+        self.scope = scope
+        directory = Path(root) if root is not None else cache_dir.versioned_dir("tuning")
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / scope.file_name
+        self._lock = filelock.FileLock(str(self.path) + ".lock")
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        data = cache_dir.read_json_or_quarantine(self.path)
+        if data is None:
+            return {}
+        if (not isinstance(data, dict) or data.get("format") != FORMAT
+                or not isinstance(data.get("entries"), dict)
+                or data.get("scope") != self.scope.to_dict()):
+            cache_dir.quarantine(self.path, "is not a tuning cache of this format and scope")
+            return {}
+        return data["entries"]
+
+    def _write(self, entries: dict[str, dict[str, Any]]) -> None:
+        cache_dir.atomic_write_json(self.path, {"format": FORMAT, "scope": self.scope.to_dict(),
+                                                "entries": entries})
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        return self._read()
+
+    def get(self, problem: GemmProblem) -> dict[str, Any] | None:
+        return self._read().get(problem.name)
+
+    def put(self, problem: GemmProblem, entry: dict[str, Any]) -> None:
+        """Stores one problem's result; replaces what was there."""
+        with self._lock:
+            entries = self._read()
+            entries[problem.name] = {**entry, "problem": problem.to_dict()}
+            self._write(entries)
+
+    def merge(self, entries: dict[str, dict[str, Any]]) -> int:
+        """Folds in entries (from an export of the same scope); the faster winner of a problem
+        stays. Returns how many entries changed."""
+        with self._lock:
+            current = self._read()
+            changed = 0
+            for name, entry in entries.items():
+                if _better(entry, current.get(name)):
+                    current[name] = entry
+                    changed += 1
+            if changed:
+                self._write(current)
+            return changed
+
+    def export(self) -> dict[str, Any]:
+        return {"format": FORMAT, "scope": self.scope.to_dict(), "entries": self._read()}
+
+    def clear(self) -> None:
+        with self._lock:
+            self.path.unlink(missing_ok=True)
+
+
+def import_document(document: dict[str, Any], root: Path | None = None) -> int:
+    """Merges an exported document into the cache file of its own scope (which may be another
+    GPU's: a cache can be tuned on one machine and shipped to others)."""
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise ValueError("not a cutlass-ops tuning cache export (format mismatch)")
+    scope = CacheScope.from_dict(document["scope"])
+    return TuningCache(scope, root).merge(document["entries"])
