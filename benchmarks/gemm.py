@@ -80,7 +80,8 @@ def bench_shape(m, n, k):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="three shapes only")
+    parser.add_argument("--quick", action="store_true",
+                        help="three shapes only, written to gemm_untuned_quick.json")
     args = parser.parse_args()
     shapes = LLM_SHAPES[::6] if args.quick else LLM_SHAPES
     operands = GemmOperands.make("bf16")
@@ -92,7 +93,8 @@ def main() -> None:
     print_table(["case", "ours TFLOP/s", "torch TFLOP/s", "ratio", "correct", "config"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"],
                   r["detail"]["config"]] for r in rows])
-    path = write_result("gemm_untuned", rows, copy_bandwidth_gbs=round(copy_bandwidth_gbs(), 1))
+    # --quick must not overwrite the full result that the issue names.
+    path = write_result("gemm_untuned_quick" if args.quick else "gemm_untuned", rows, copy_bandwidth_gbs=round(copy_bandwidth_gbs(), 1))
     print(f"wrote {path}")
 
 
