@@ -94,7 +94,8 @@ def main() -> None:
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"],
                   r["detail"]["config"]] for r in rows])
     # --quick must not overwrite the full result that the issue names.
-    path = write_result("gemm_untuned_quick" if args.quick else "gemm_untuned", rows, copy_bandwidth_gbs=round(copy_bandwidth_gbs(), 1))
+    path = write_result("gemm_untuned_quick" if args.quick else "gemm_untuned", rows,
+                        copy_bandwidth_gbs=round(copy_bandwidth_gbs(), 1))
     print(f"wrote {path}")
 
 

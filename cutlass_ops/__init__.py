@@ -11,22 +11,23 @@ from cutlass_ops.errors import (BuildError, CutlassOpsError, EmissionError, Inva
 
 
 def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, config, out=None, out_dtype=None):
-    """D = alpha * (a @ b) + beta * c with one chosen CUTLASS config (see cutlass_ops.gemm)."""
+    """D = alpha * (a @ b) + beta * c with one chosen CUTLASS config (see gemm_api.gemm)."""
     from cutlass_ops.gemm_api import gemm as _gemm
 
     return _gemm(a, b, c, alpha=alpha, beta=beta, config=config, out=out, out_dtype=out_dtype)
 
 
 def plan(a, b, c=None, *, alpha=1.0, beta=0.0, config, out=None, out_dtype=None):
-    """Checks once and returns ``launch()`` for repeated runs (see cutlass_ops.gemm_api.plan)."""
+    """Checks once and returns ``launch()`` for repeated runs (see gemm_api.plan)."""
     from cutlass_ops.gemm_api import plan as _plan
 
     return _plan(a, b, c, alpha=alpha, beta=beta, config=config, out=out, out_dtype=out_dtype)
 
 
 __all__ = [
-    "__version__", "gemm", "plan", "Arch", "DType", "EpilogueSchedule", "GemmConfig", "GemmOperands",
-    "GemmProblem", "KernelSchedule", "Layout", "RasterOrder", "TileScheduler", "BuildError",
+    "__version__", "gemm", "plan", "Arch", "DType", "EpilogueSchedule", "GemmConfig",
+    "GemmOperands", "GemmProblem", "KernelSchedule", "Layout", "RasterOrder", "TileScheduler",
+    "BuildError",
     "CutlassOpsError", "EmissionError", "InvalidConfigError", "KernelLaunchError",
     "ToolchainError", "UnsupportedInputError",
 ]

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
-import json
 import os
 import re
 import shutil

@@ -194,9 +194,10 @@ class GemmProblem:
 class GemmConfig:
     """How one kernel computes a GEMM.
 
-    ``tile`` is the tile shape CUTLASS is instantiated with (the emitted ``TileShape``): the CTA tile
-    on sm90a and for 1-SM sm100a kernels, the tile of a CTA pair for 2-SM kernels. ``cluster`` is the
-    thread block cluster. ``stages`` of 0 lets CUTLASS fit as many as shared memory allows.
+    ``tile`` is the tile shape CUTLASS is instantiated with (the emitted ``TileShape``): the CTA
+    tile on sm90a and for 1-SM sm100a kernels, the tile of a CTA pair for 2-SM kernels.
+    ``cluster`` is the thread block cluster. ``stages`` of 0 lets CUTLASS fit as many as shared
+    memory allows.
 
     The first seven fields are compiled into the kernel (``build_fields``); ``splits``,
     ``raster_order`` and ``swizzle`` are run-time arguments of the same artifact.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from cutlass_ops import kernels, operands as ops, runtime, space
-from cutlass_ops.config import Arch, DType, GemmConfig, Layout
+from cutlass_ops.config import GemmConfig, Layout
 from cutlass_ops.errors import UnsupportedInputError
 
 
@@ -101,7 +101,7 @@ def plan(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0,
     m, n, k, batch, out_shape = _shapes(a, b)
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else c.dtype if c is not None else a.dtype
-    d_type = ops.dtype_of(torch.empty(0, dtype=out_dtype), "the output")
+    ops.element_type(out_dtype, "the output")
     if beta != 0 and c is None:
         raise UnsupportedInputError("beta is non-zero but no C was given")
     c = c if beta != 0 else None
@@ -181,4 +181,4 @@ def _launch_args(views, alpha, beta, config: GemmConfig, device_index: int, sm_c
         raster_order=config.raster_order.abi_value, swizzle=config.swizzle, splits=config.splits)
 
 
-__all__ = ["gemm", "as_config", "Arch", "DType"]
+__all__ = ["gemm", "plan", "as_config"]

@@ -14,14 +14,18 @@ from cutlass_ops.errors import UnsupportedInputError
 TMA_ALIGNMENT_BYTES = 16
 
 
-def dtype_of(tensor, name: str) -> DType:
+def element_type(torch_dtype, name: str) -> DType:
     import torch
 
     table = {torch.bfloat16: DType.BF16, torch.float16: DType.F16, torch.float32: DType.F32}
-    if tensor.dtype not in table:
-        raise UnsupportedInputError(f"{name} has dtype {tensor.dtype}; supported: bfloat16, "
+    if torch_dtype not in table:
+        raise UnsupportedInputError(f"{name} has dtype {torch_dtype}; supported: bfloat16, "
                                     "float16, float32 (run as tf32)")
-    return table[tensor.dtype]
+    return table[torch_dtype]
+
+
+def dtype_of(tensor, name: str) -> DType:
+    return element_type(tensor.dtype, name)
 
 
 def torch_dtype(dtype: DType):
