@@ -1,18 +1,26 @@
-"""Untuned baseline: a fixed handful of CUTLASS configs against torch.matmul on the LLM shapes.
+"""CUTLASS GEMMs against torch.matmul on the LLM shapes: untuned (a fixed handful of configs) or
+tuned (``--tuned``: the winners of ``cutlass-tune tune``, through the dispatch of
+``cutlass_ops.matmul``, in a process that compiles nothing).
 
 bf16, y = x @ W^T (A row-major M x K, B = W^T column-major), L2 flushed before each repetition.
 Ours is timed through ``cutlass_ops.plan`` (kernel plus its C++ launcher, checks done once),
 torch through torch.matmul; the Python overhead of ``cutlass_ops.gemm`` is the integration
 issue's benchmark.
-"ours" is the best fixed config per shape; every config's figure is in ``detail``. Writes
-benchmarks/results/gemm_untuned.json.
+Untuned: "ours" is the best fixed config per shape; every config's figure is in ``detail``.
+Writes benchmarks/results/gemm_untuned.json.
+Tuned: "ours" is the CUTLASS kernel the tuner chose for the shape, even where dispatch prefers
+torch.matmul (``detail.dispatch`` says what cutlass_ops.matmul runs); ours and torch are timed in
+interleaved rounds. ``detail.matmul_call_tflops`` times the whole cutlass_ops.matmul call, host
+work included. Writes benchmarks/results/gemm_tuned.json.
 
-    python benchmarks/gemm.py [--quick]
+    cutlass-tune tune $(python benchmarks/gemm.py --print-shapes)
+    python benchmarks/gemm.py --tuned
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -78,12 +86,87 @@ def bench_shape(m, n, k):
     }
 
 
+TUNED_ROUNDS = 5
+TUNED_REPS = 20
+
+
+def bench_tuned_shape(m, n, k):
+    import statistics
+
+    from cutlass_ops.build import compiles_in_process
+    from tuning.backend import GpuSession
+    from tuning.cache import TuningCache
+    from tuning.choice import Choice
+    from tuning.device import current_scope
+
+    problem = cutlass_ops.GemmProblem(GemmOperands.make("bf16"), m, n, k)
+    entry = TuningCache(current_scope()).get(problem)
+    case = f"bf16 M={m} N={n} K={k}"
+    if entry is None or not entry.get("winner"):
+        return {"case": case, "unit": "TFLOP/s", "ours": 0.0, "reference": 0.0,
+                "reference_name": "torch.matmul", "ratio": 0.0, "correct": False,
+                "detail": {"error": "not tuned: run cutlass-tune tune first"}}
+    choice = Choice.from_dict(entry["winner"])
+    session = GpuSession(problem, torch.cuda.current_device())
+    x, w_t = session.a, session.b  # x (M x K) row-major, w_t = W^T (K x N) column-major
+    decision = cutlass_ops.explain(x, w_t)
+    compiles_before = compiles_in_process()
+    error = session.verify(choice)
+    call_ms = do_bench(lambda: cutlass_ops.matmul(x, w_t)).median_ms
+    dispatched = cutlass_ops.matmul(x, w_t).float()
+    call_err = ((dispatched - session.reference).norm() / session.reference_norm).item()
+    ours, ref = [], []
+    for _ in range(TUNED_ROUNDS):
+        ours.append(session.time_ms(choice, TUNED_REPS))
+        ref.append(session.torch_ms(TUNED_REPS))
+    session.close()
+    ours_ms, torch_ms = statistics.median(ours), statistics.median(ref)
+    ours_tf, ref_tf = tflops(m, n, k, ours_ms), tflops(m, n, k, torch_ms)
+    return {
+        "case": case, "unit": "TFLOP/s", "ours": round(ours_tf, 1),
+        "reference": round(ref_tf, 1), "reference_name": "torch.matmul",
+        "ratio": round(round(ours_tf, 1) / round(ref_tf, 1), 4),
+        "correct": error is None and call_err < 1e-2,
+        "detail": {"config": choice.name, "swap_ab": choice.swap_ab,
+                   "ours_ms": round(ours_ms, 5), "torch_ms": round(torch_ms, 5),
+                   "dispatch": {"source": decision.source, "runs": decision.choice.name
+                                if decision.choice else "torch.matmul",
+                                "reason": decision.reason},
+                   "matmul_call_tflops": round(tflops(m, n, k, call_ms), 1),
+                   "tuner_ms": entry["winner_ms"], "tuner_torch_ms": entry["torch_ms"],
+                   "compiled_in_this_process": compiles_in_process() - compiles_before,
+                   "verify_error": error},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="three shapes only, written to gemm_untuned_quick.json")
+    parser.add_argument("--tuned", action="store_true",
+                        help="the tuned winners through cutlass_ops.matmul's dispatch")
+    parser.add_argument("--print-shapes", action="store_true",
+                        help="print the shape list as MxNxK arguments and exit")
     args = parser.parse_args()
     shapes = LLM_SHAPES[::6] if args.quick else LLM_SHAPES
+    if args.print_shapes:
+        print(" ".join(f"{m}x{n}x{k}" for m, n, k in shapes))
+        return
+    if args.tuned:
+        rows = [bench_tuned_shape(*shape) for shape in shapes]
+        print_table(["case", "ours TFLOP/s", "torch TFLOP/s", "ratio", "correct", "dispatch",
+                     "config"],
+                    [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"],
+                      r["detail"].get("dispatch", {}).get("source"), r["detail"].get("config")]
+                     for r in rows])
+        ratios = [r["ratio"] for r in rows if r["ratio"] > 0]
+        geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 0.0
+        print(f"geometric mean ratio {geomean:.4f}, min {min(ratios, default=0):.4f}")
+        path = write_result("gemm_tuned_quick" if args.quick else "gemm_tuned", rows,
+                            copy_bandwidth_gbs=round(copy_bandwidth_gbs(), 1),
+                            geomean_ratio=round(geomean, 4))
+        print(f"wrote {path}")
+        return
     operands = GemmOperands.make("bf16")
     built = prepare(operands, FIXED_CONFIGS)
     for config, result in built.items():

@@ -24,8 +24,25 @@ def plan(a, b, c=None, *, alpha=1.0, beta=0.0, config, out=None, out_dtype=None)
     return _plan(a, b, c, alpha=alpha, beta=beta, config=config, out=out, out_dtype=out_dtype)
 
 
+def matmul(a, b, *, out_dtype=None):
+    """a @ b on the tuned CUTLASS kernel for this GPU and shape: an exact tuning-cache hit, else
+    the nearest tuned shape's kernel, else the best already-built kernel, else torch.matmul (with
+    one log line saying why). See tuning.dispatch."""
+    from tuning.dispatch import matmul as _matmul
+
+    return _matmul(a, b, out_dtype=out_dtype)
+
+
+def explain(a, b, *, out_dtype=None):
+    """What ``matmul(a, b)`` runs and why: a Decision(source, choice, reason)."""
+    from tuning.dispatch import explain as _explain
+
+    return _explain(a, b, out_dtype=out_dtype)
+
+
 __all__ = [
-    "__version__", "gemm", "plan", "Arch", "DType", "EpilogueSchedule", "GemmConfig",
+    "__version__", "gemm", "plan", "matmul", "explain", "Arch", "DType", "EpilogueSchedule",
+    "GemmConfig",
     "GemmOperands", "GemmProblem", "KernelSchedule", "Layout", "RasterOrder", "TileScheduler",
     "BuildError",
     "CutlassOpsError", "EmissionError", "InvalidConfigError", "KernelLaunchError",

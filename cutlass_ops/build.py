@@ -129,6 +129,13 @@ def _summary(log: str) -> str:
     return errors[0][:300] if errors else log.strip()[-300:]
 
 
+_compiles = 0  # nvcc runs in this process: dispatch promises none on a tuned shape
+
+
+def compiles_in_process() -> int:
+    return _compiles
+
+
 @functools.cache
 def _nvcc_slots() -> threading.BoundedSemaphore:
     """At most default_jobs() nvcc processes at once in this process, however many callers build
@@ -143,7 +150,9 @@ def _compile(spec: BuildSpec) -> Artifact:
     tmp_library = directory / f".{LIBRARY}.{os.getpid()}.tmp"
     command = [nvcc_path(), *nvcc_flags(spec.arch), f"-I{directory}",
                *(f"-I{d}" for d in cutlass_include_dirs()), "-o", str(tmp_library), str(LAUNCHER)]
+    global _compiles
     with _nvcc_slots():
+        _compiles += 1
         start = time.perf_counter()
         try:
             proc = subprocess.run(command, capture_output=True, text=True,
@@ -162,6 +171,10 @@ def _compile(spec: BuildSpec) -> Artifact:
     os.replace(tmp_library, directory / LIBRARY)
     cache_dir.atomic_write_json(directory / "built.json", {"seconds": seconds, "name": spec.name})
     return Artifact(spec, directory / LIBRARY, seconds)
+
+
+def is_built(spec: BuildSpec) -> bool:
+    return (spec.directory / LIBRARY).exists()
 
 
 def build(spec: BuildSpec, *, retry_failed: bool = False) -> Artifact:

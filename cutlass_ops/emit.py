@@ -83,6 +83,14 @@ def check_emitted_shapes(source: str, config: GemmConfig) -> None:
                             f"ClusterShape {cluster}, not {config.tile} and {config.cluster}")
 
 
+def cached_source(operands: GemmOperands, config: GemmConfig) -> str | None:
+    """The emitted source if it is in the cache, else None (no emission)."""
+    try:
+        return _emitted_path(operands, config).read_text()
+    except OSError:
+        return None
+
+
 def emit_sources(operands: GemmOperands, configs: Iterable[GemmConfig]) -> dict[GemmConfig, str]:
     """Kernel source for each config (keyed by the config given), from cache or one child process
     per arch. A config that cutlass_cppgen rejects maps to an EmissionError instance."""

@@ -47,6 +47,45 @@ def prepare(operands: GemmOperands, configs: Iterable[GemmConfig], *, jobs: int 
     return results
 
 
+def prepare_many(items: Iterable[tuple[GemmOperands, GemmConfig]], *, jobs: int | None = None,
+                 retry_failed: bool = False, on_done: Callable | None = None,
+                 ) -> dict[tuple[GemmOperands, GemmConfig], build.Artifact | Exception]:
+    """``prepare`` for kernels of several operand sets at once: emission per operand set, then
+    one parallel build of everything, so that the slowest compile does not serialize the rest."""
+    items = list(dict.fromkeys(items))
+    results: dict[tuple[GemmOperands, GemmConfig], build.Artifact | Exception] = {}
+    specs, keys = [], []
+    by_operands: dict[GemmOperands, list[GemmConfig]] = {}
+    for operands, config in items:
+        by_operands.setdefault(operands, []).append(config)
+    for operands, configs in by_operands.items():
+        todo = []
+        for config in configs:
+            try:
+                space.check(operands, config)
+                todo.append(config)
+            except CutlassOpsError as exc:
+                results[(operands, config)] = exc
+        sources = emit.emit_sources(operands, todo) if todo else {}
+        for config in todo:
+            source = sources[config]
+            if isinstance(source, Exception):
+                results[(operands, config)] = source
+            else:
+                specs.append(build_spec(operands, config, source))
+                keys.append((operands, config))
+    built = build.build_many(specs, jobs=jobs, retry_failed=retry_failed, on_done=on_done)
+    results.update(zip(keys, built))
+    return results
+
+
+def is_built(operands: GemmOperands, config: GemmConfig) -> bool:
+    """Whether the kernel is emitted and built already, so that running it compiles nothing.
+    Reads the cache only: never emits or compiles."""
+    source = emit.cached_source(operands, config)
+    return source is not None and build.is_built(build_spec(operands, config, source))
+
+
 def kernel_for(operands: GemmOperands, config: GemmConfig) -> runtime.LoadedKernel:
     """The loaded kernel for a config, built if needed. Raises the error that prevented it."""
     key = (operands, config.build_fields())

@@ -118,9 +118,63 @@ class TuningCache:
 
 
 def import_document(document: dict[str, Any], root: Path | None = None) -> int:
-    """Merges an exported document into the cache file of its own scope (which may be another
-    GPU's: a cache can be tuned on one machine and shipped to others)."""
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
-        raise ValueError("not a cutlass-ops tuning cache export (format mismatch)")
-    scope = CacheScope.from_dict(document["scope"])
-    return TuningCache(scope, root).merge(document["entries"])
+    """Merges an exported document (or a bundle of them) into the cache file of its own scope
+    (which may be another GPU's: a cache can be tuned on one machine and shipped to others).
+    Returns how many entries changed."""
+    return sum(TuningCache(CacheScope.from_dict(doc["scope"]), root).merge(doc["entries"])
+               for doc in documents_in(document))
+
+
+def tuning_dir(root: Path | None = None) -> Path:
+    return Path(root) if root is not None else cache_dir.versioned_dir("tuning")
+
+
+def all_caches(root: Path | None = None) -> list[TuningCache]:
+    """The cache of every scope present (every GPU and software combination tuned here)."""
+    out = []
+    for path in sorted(tuning_dir(root).glob("*.json")):
+        data = cache_dir.read_json_or_quarantine(path)
+        try:
+            scope = CacheScope.from_dict(data["scope"])
+        except (TypeError, KeyError):
+            cache_dir.quarantine(path, "is not a tuning cache")
+            continue
+        cache = TuningCache(scope, root)
+        if cache.path == path:
+            out.append(cache)
+    return out
+
+
+BUNDLE = "cutlass-ops-tuning-bundle"
+
+
+def bundle(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several scopes' exports in one shareable document."""
+    return {"format": FORMAT, "kind": BUNDLE, "caches": documents}
+
+
+def documents_in(data: Any) -> list[dict[str, Any]]:
+    """The per-scope export documents in a bundle or a single export; ValueError otherwise."""
+    if isinstance(data, dict) and data.get("kind") == BUNDLE and isinstance(data.get("caches"),
+                                                                            list):
+        docs = data["caches"]
+    else:
+        docs = [data]
+    for doc in docs:
+        if not (isinstance(doc, dict) and doc.get("format") == FORMAT
+                and isinstance(doc.get("entries"), dict) and isinstance(doc.get("scope"), dict)):
+            raise ValueError("not a cutlass-ops tuning cache export (format mismatch)")
+        CacheScope.from_dict(doc["scope"])
+    return docs
+
+
+def merge_documents(documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Merges exports offline (no cache touched): per scope, the faster winner of each problem."""
+    merged: dict[str, dict[str, Any]] = {}
+    for doc in documents:
+        key = json.dumps(doc["scope"], sort_keys=True)
+        target = merged.setdefault(key, {"format": FORMAT, "scope": doc["scope"], "entries": {}})
+        for name, entry in doc["entries"].items():
+            if _better(entry, target["entries"].get(name)):
+                target["entries"][name] = entry
+    return list(merged.values())

@@ -1,0 +1,97 @@
+import pytest
+from tuning_fakes import SCOPE, FakeBackend
+
+from cutlass_ops.config import GemmOperands, GemmProblem
+from tuning.cache import TuningCache
+from tuning.choice import Choice
+from tuning.search import tune
+
+OPS = GemmOperands.make("bf16")
+
+
+def problems():
+    return [GemmProblem(OPS, 16, 4096, 4096), GemmProblem(OPS, 4096, 4096, 4096)]
+
+
+def test_tune_stores_verified_winners_with_failures_and_runners_up(tmp_path):
+    backend = FakeBackend()
+    cache = TuningCache(SCOPE, tmp_path)
+    report = tune(problems(), backend=backend, strategy="default", cache=cache,
+                  use_heuristics=False)
+    assert [r.problem for r in report.results] == problems()
+    for result in report.results:
+        entry = cache.get(result.problem)
+        assert entry["complete"] and entry["winner"] and entry["torch_ms"] > 0
+        winner = Choice.from_dict(entry["winner"])
+        assert winner.config.cluster != (4, 1, 1)  # wrong results never win
+        assert winner in backend.verified
+        assert entry["winner_ms"] <= min(r["ms"] for r in entry["runners_up"])
+        assert entry["prefer"] in ("cutlass", "torch")
+        stages = {f["stage"] for f in entry["failures"]}
+        assert stages <= {"build", "wrong result", "launch"}
+    # Every variant that was timed was verified first.
+    assert set(backend.timed) <= set(backend.verified)
+    # One kernel serves every shape: nothing is built twice.
+    assert len(backend.built) == len(set(backend.built))
+
+
+def test_failures_are_results(tmp_path):
+    backend = FakeBackend()
+    backend.wrong = lambda choice: True  # nothing computes the right result
+    cache = TuningCache(SCOPE, tmp_path)
+    tune(problems()[:1], backend=backend, cache=cache, strategy="quick", use_heuristics=False)
+    entry = cache.get(problems()[0])
+    assert entry["winner"] is None and entry["prefer"] == "torch"
+    assert entry["failures"] and all(f["stage"] in ("wrong result", "build")
+                                     for f in entry["failures"])
+
+
+def test_second_tune_is_a_cache_hit_and_force_retunes(tmp_path):
+    cache = TuningCache(SCOPE, tmp_path)
+    tune(problems(), backend=FakeBackend(), cache=cache, strategy="quick", use_heuristics=False)
+    again = FakeBackend()
+    report = tune(problems(), backend=again, cache=cache, strategy="quick", use_heuristics=False)
+    assert all(r.cached for r in report.results) and not again.timed and not again.built
+    forced = FakeBackend()
+    tune(problems()[:1], backend=forced, cache=cache, strategy="quick", force=True,
+         use_heuristics=False)
+    assert forced.timed
+
+
+def test_interrupted_tune_keeps_finished_shapes(tmp_path):
+    cache = TuningCache(SCOPE, tmp_path)
+    first = FakeBackend()
+    tune(problems()[:1], backend=first, cache=cache, strategy="quick", use_heuristics=False)
+    per_problem = len(first.timed)
+    backend = FakeBackend(interrupt_after=per_problem + 3)  # dies inside the second shape
+    with pytest.raises(KeyboardInterrupt):
+        tune(problems(), backend=backend, cache=cache, strategy="quick", force=True,
+             use_heuristics=False)
+    assert cache.get(problems()[0]) is not None  # finished and stored before the interrupt
+    assert cache.get(problems()[1]) is None
+    # The file is intact and a rerun finishes only what is missing.
+    rerun = FakeBackend()
+    report = tune(problems(), backend=rerun, cache=TuningCache(SCOPE, tmp_path),
+                  strategy="quick", use_heuristics=False)
+    assert [r.cached for r in report.results] == [True, False]
+
+
+def test_budget_stops_early_and_marks_incomplete(tmp_path):
+    cache = TuningCache(SCOPE, tmp_path)
+    backend = FakeBackend()
+    report = tune(problems(), backend=backend, cache=cache, strategy="default", budget_s=0.0,
+                  use_heuristics=False, build_chunk=2)
+    # The first chunk is always built so that something can be measured.
+    assert backend.build_calls == 1
+    entries = [cache.get(p) for p in problems()]
+    assert all(e is not None and e["complete"] is False for e in entries)
+    assert report.results
+
+
+def test_progress_reports_builds_and_problems(tmp_path):
+    events = []
+    tune(problems(), backend=FakeBackend(), cache=TuningCache(SCOPE, tmp_path),
+         strategy="quick", use_heuristics=False, progress=lambda *e: events.append(e))
+    builds = [e for e in events if e[0] == "build"]
+    assert builds[-1][1] == builds[-1][2] > 0
+    assert ("problem", 2, 2, problems()[1].name) in events

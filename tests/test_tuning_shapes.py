@@ -1,0 +1,205 @@
+"""Tests for tuning.shapes: shape strings, shape files, Linear harvesting and model loading."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tuning.shapes import (
+    format_shape,
+    harvest_linear_shapes,
+    load_model,
+    parse_shape,
+    read_shapes_file,
+)
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("16x4096x4096", (16, 4096, 4096, 1)),
+        ("16X4096X4096", (16, 4096, 4096, 1)),
+        ("  1x2x3x4 \n", (1, 2, 3, 4)),
+        ("8x8x8X1", (8, 8, 8, 1)),
+    ],
+)
+def test_parse_shape_accepts_three_or_four_sizes(text, expected):
+    assert parse_shape(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "16x4096",
+        "1x2x3x4x5",
+        "0x8x8",
+        "8x8x8x0",
+        "-1x8x8",
+        "8.0x8x8",
+        "a x b x c",
+        "8 x 8 x 8",
+        "+8x8x8",
+        "1_0x8x8",
+        "８x8x8",
+        "8x8x8x",
+    ],
+)
+def test_parse_shape_rejects_bad_input_with_the_text_and_expected_form(text):
+    with pytest.raises(ValueError) as error:
+        parse_shape(text)
+    assert repr(text) in str(error.value)
+    assert "MxNxK" in str(error.value)
+
+
+def test_format_shape_omits_a_batch_of_one():
+    assert format_shape(16, 4096, 1024) == "16x4096x1024"
+    assert format_shape(16, 4096, 1024, 1) == "16x4096x1024"
+    assert format_shape(16, 4096, 1024, 8) == "16x4096x1024x8"
+
+
+sizes = st.integers(min_value=1, max_value=10**9)
+
+
+@given(sizes, sizes, sizes, sizes)
+def test_format_then_parse_round_trips(m, n, k, batch):
+    assert parse_shape(format_shape(m, n, k, batch)) == (m, n, k, batch)
+
+
+@given(sizes, sizes, sizes, sizes, st.sampled_from(["x", "X"]), st.sampled_from(["", " ", "\t"]))
+def test_parse_then_format_is_canonical(m, n, k, batch, separator, padding):
+    text = padding + separator.join(map(str, (m, n, k, batch))) + padding
+    assert format_shape(*parse_shape(text)) == format_shape(m, n, k, batch)
+
+
+def test_read_shapes_file_skips_blanks_and_comments(tmp_path):
+    shapes_file = tmp_path / "shapes.txt"
+    shapes_file.write_text(
+        "# decode shapes\n\n16x4096x4096\n   \n32x11008x4096  # MLP up\n  8x8x8x4\n"
+    )
+    assert read_shapes_file(shapes_file) == [
+        (16, 4096, 4096, 1),
+        (32, 11008, 4096, 1),
+        (8, 8, 8, 4),
+    ]
+    assert read_shapes_file(str(shapes_file)) == read_shapes_file(shapes_file)
+
+
+def test_read_shapes_file_names_file_and_line_of_a_bad_shape(tmp_path):
+    shapes_file = tmp_path / "shapes.txt"
+    shapes_file.write_text("# header\n16x4096x4096\n16x4096 # too short\n")
+    with pytest.raises(ValueError, match=r"shapes\.txt, line 3: .*'16x4096'"):
+        read_shapes_file(shapes_file)
+
+
+def small_model():
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 64),
+        torch.nn.Linear(64, 128),  # same size as the first layer: its shapes appear once
+    )
+
+
+def test_harvest_forward_shapes_deduplicated_in_layer_order():
+    assert harvest_linear_shapes(small_model(), 16) == [(16, 128, 64, 1), (16, 64, 128, 1)]
+
+
+def test_harvest_backward_adds_input_and_weight_gradients():
+    assert harvest_linear_shapes(small_model(), 16, backward=True) == [
+        (16, 128, 64, 1),  # layer 1: y = x W^T
+        (16, 64, 128, 1),  # layer 1: dX = dY W (also layer 2's forward)
+        (128, 64, 16, 1),  # layer 1: dW = dY^T X
+        (64, 128, 16, 1),  # layer 2: dW (its forward and dX were already seen)
+    ]
+
+
+def test_harvest_shapes_match_the_matmuls_torch_runs():
+    layer = torch.nn.Linear(24, 40)
+    x = torch.randn(5, 24, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    forward, grad_input, grad_weight = harvest_linear_shapes(layer, 5, backward=True)
+    # (M, N, K) of each product matches the tensors it produces.
+    assert (forward[0], forward[1]) == tuple(y.shape)
+    assert (grad_input[0], grad_input[1]) == tuple(x.grad.shape)
+    assert (grad_weight[0], grad_weight[1]) == tuple(layer.weight.grad.shape)
+
+
+def test_harvest_rejects_non_positive_tokens():
+    with pytest.raises(ValueError, match="tokens"):
+        harvest_linear_shapes(small_model(), 0)
+
+
+def test_harvest_a_model_without_linear_layers_is_empty():
+    assert harvest_linear_shapes(torch.nn.ReLU(), 16) == []
+
+
+MODEL_MODULE = """
+import torch
+
+
+def build():
+    return torch.nn.Sequential(torch.nn.Linear(4096, 11008), torch.nn.Linear(11008, 4096))
+
+
+def not_a_module():
+    return 42
+
+
+NOT_CALLABLE = 3
+"""
+
+
+@pytest.fixture
+def model_package(tmp_path, monkeypatch):
+    package = tmp_path / "shapes_test_models"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "toy.py").write_text(MODEL_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # The test owns this import; drop it afterwards so other tests start clean.
+    yield "shapes_test_models.toy"
+    for name in ("shapes_test_models.toy", "shapes_test_models"):
+        sys.modules.pop(name, None)
+
+
+def test_load_model_builds_on_the_meta_device(model_package):
+    model = load_model(f"{model_package}:build")
+    assert isinstance(model, torch.nn.Module)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert harvest_linear_shapes(model, 16) == [(16, 11008, 4096, 1), (16, 4096, 11008, 1)]
+
+
+def test_load_model_on_cpu_gets_real_parameters(model_package):
+    model = load_model(f"{model_package}:build", device="cpu")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize("spec", ["", "no_colon", ":build", "pkg.mod:", "a:b:c"])
+def test_load_model_rejects_malformed_specs(spec):
+    with pytest.raises(ValueError, match="package.module:callable"):
+        load_model(spec)
+
+
+@pytest.mark.parametrize(
+    ("attribute", "message"),
+    [
+        ("missing", "has no 'missing'"),
+        ("NOT_CALLABLE", "not callable"),
+        ("not_a_module", "returned int"),
+    ],
+)
+def test_load_model_explains_bad_targets(model_package, attribute, message):
+    with pytest.raises(ValueError, match=message):
+        load_model(f"{model_package}:{attribute}")
+
+
+def test_load_model_explains_an_import_error():
+    with pytest.raises(ValueError, match="cannot import 'no_such_package_for_shapes_test.models'"):
+        load_model("no_such_package_for_shapes_test.models:build")

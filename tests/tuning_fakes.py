@@ -1,0 +1,90 @@
+"""A fake tuning backend for CPU tests: builds and timings are made up (from our model), so the
+search's logic (ranking, rounds, failures, budgets, the cache) runs without a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cutlass_ops.errors import BuildError
+from tuning import model
+from tuning.cache import CacheScope
+from tuning.device import named_spec
+
+SCOPE = CacheScope("NVIDIA H100 80GB HBM3", 90, 132, "580.0", "13.0", "4.2.0.0", "test")
+
+
+@dataclasses.dataclass
+class FakeArtifact:
+    seconds: float
+
+
+@dataclasses.dataclass
+class FakeSpec:
+    name: str
+
+
+class FakeSession:
+    def __init__(self, backend, problem):
+        self.backend, self.problem = backend, problem
+
+    def verify(self, choice):
+        self.backend.verified.append(choice)
+        if self.backend.wrong(choice):
+            return "wrong result: relative error 0.5 > 0.01"
+        return None
+
+    def time_ms(self, choice, reps):
+        self.backend.timed.append(choice)
+        if self.backend.interrupt_after is not None and \
+                len(self.backend.timed) > self.backend.interrupt_after:
+            raise KeyboardInterrupt
+        penalty = 1.0 + 0.01 * choice.config.swizzle  # deterministic, distinct per variant
+        return model.estimate_us(self.problem, choice, named_spec("H100")) / 1000 * penalty
+
+    def torch_ms(self, reps):
+        return model.estimate_us(self.problem, _reference_choice(), named_spec("H100")) / 1000
+
+    def close(self):
+        pass
+
+
+def _reference_choice():
+    from cutlass_ops.config import GemmConfig
+    from tuning.choice import Choice
+
+    return Choice(GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64)))
+
+
+class FakeBackend:
+    """Builds fail for tile N = 192, choices with cluster 4x1x1 compute wrong results."""
+
+    jobs = 4
+
+    def __init__(self, interrupt_after=None):
+        self.built, self.verified, self.timed = [], [], []
+        self.interrupt_after = interrupt_after
+        self.build_calls = 0
+
+    def device(self):
+        return named_spec("H100")
+
+    def scope(self):
+        return SCOPE
+
+    def wrong(self, choice):
+        return choice.config.cluster == (4, 1, 1)
+
+    def build(self, items, *, on_done=None):
+        self.build_calls += 1
+        out = {}
+        for operands, config in items:
+            result = (BuildError(config.build_name, "/nonexistent/build.log", "error: fake")
+                      if config.tile[1] == 192 else FakeArtifact(1.0))
+            self.built.append((operands, config))
+            out[(operands, config)] = result
+            if on_done:
+                on_done(FakeSpec(f"{operands.name}-{config.build_name}"), result)
+        return out
+
+    def session(self, problem):
+        return FakeSession(self, problem)

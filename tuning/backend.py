@@ -1,0 +1,175 @@
+"""Where a tune's candidates are built and measured: the GPU backend.
+
+The search (``tuning.search``) only talks to this interface, so its logic (ranking, budgets,
+verification, failure records, the cache) is tested on a CPU with a fake backend, and the GPU
+backend stays a thin layer over ``cutlass_ops`` and ``tuning.timing``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Protocol
+
+from cutlass_ops.config import DType, GemmConfig, GemmOperands, GemmProblem, Layout
+from tuning.cache import CacheScope
+from tuning.choice import Choice
+from tuning.device import DeviceSpec
+
+# Relative (Frobenius) error a correct kernel stays under against a float32 reference: the output
+# rounding of the type dominates (bf16 has 8 bits of mantissa); tf32 inputs lose more.
+TOLERANCE = {DType.BF16: 1e-2, DType.F16: 4e-3, DType.F32: 5e-3}
+
+
+class Session(Protocol):
+    """The inputs of one problem on the device, with their reference result."""
+
+    def verify(self, choice: Choice) -> str | None:
+        """None if the choice computes the right result, else why not."""
+
+    def time_ms(self, choice: Choice, reps: int) -> float: ...
+
+    def torch_ms(self, reps: int) -> float: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    def device(self) -> DeviceSpec: ...
+
+    def scope(self) -> CacheScope: ...
+
+    def build(self, items: Iterable[tuple[GemmOperands, GemmConfig]], *,
+              on_done: Callable | None = None) -> dict: ...
+
+    def session(self, problem: GemmProblem) -> Session: ...
+
+
+class GpuBackend:
+    """Builds through the artifact cache and measures on a CUDA device (the current one)."""
+
+    def __init__(self, device_index: int | None = None, jobs: int | None = None):
+        import torch
+
+        if not torch.cuda.is_available():
+            from cutlass_ops.errors import UnsupportedInputError
+
+            raise UnsupportedInputError("tuning needs a CUDA GPU, and torch sees none (for what "
+                                        "would be built, use `cutlass-tune compile --dry-run`)")
+        self.index = torch.cuda.current_device() if device_index is None else device_index
+        self.jobs = jobs
+
+    def device(self) -> DeviceSpec:
+        from tuning.device import current_spec
+
+        return current_spec(self.index)
+
+    def scope(self) -> CacheScope:
+        from tuning.device import current_scope
+
+        return current_scope(self.index)
+
+    def build(self, items, *, on_done=None) -> dict:
+        from cutlass_ops.kernels import prepare_many
+
+        return prepare_many(items, jobs=self.jobs, on_done=on_done)
+
+    def session(self, problem: GemmProblem) -> GpuSession:
+        return GpuSession(problem, self.index)
+
+
+def _random_matrix(rows: int, cols: int, batch: int, layout: Layout, dtype, device):
+    """Random data (never zeros), scaled so that sums over K stay near 1, in the given layout."""
+    import torch
+
+    shape = (batch, rows, cols) if layout is Layout.ROW else (batch, cols, rows)
+    t = torch.randn(shape, device=device, dtype=torch.float32).to(dtype)
+    t = t if layout is Layout.ROW else t.transpose(-1, -2)
+    return t if batch > 1 else t[0]
+
+
+class GpuSession:
+    def __init__(self, problem: GemmProblem, device_index: int):
+        import torch
+
+        from cutlass_ops.operands import torch_dtype
+
+        self.problem = problem
+        ops = problem.operands
+        device = torch.device("cuda", device_index)
+        self.device = device
+        with torch.cuda.device(device):
+            m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
+            self.a = _random_matrix(m, k, batch, ops.layout_a, torch_dtype(ops.element_a), device)
+            self.b = _random_matrix(k, n, batch, ops.layout_b, torch_dtype(ops.element_b), device)
+            self.a.div_(math.sqrt(k))
+            self.out = _random_matrix(m, n, batch, ops.layout_c, torch_dtype(ops.element_d),
+                                      device)
+            with _exact_float32():
+                self.reference = torch.matmul(self.a.float(), self.b.float())
+            self.reference_norm = self.reference.norm().item()
+        self.tolerance = TOLERANCE[ops.element_a if ops.element_a is DType.F32
+                                   else ops.element_d]
+        self._launchers: dict[Choice, Callable] = {}
+
+    def _launcher(self, choice: Choice) -> Callable:
+        launch = self._launchers.get(choice)
+        if launch is None:
+            import cutlass_ops
+
+            if choice.swap_ab:  # D^T = B^T A^T, written through D's transposed view
+                launch = cutlass_ops.plan(self.b.transpose(-1, -2), self.a.transpose(-1, -2),
+                                          config=choice.config, out=self.out.transpose(-1, -2))
+            else:
+                launch = cutlass_ops.plan(self.a, self.b, config=choice.config, out=self.out)
+            self._launchers[choice] = launch
+        return launch
+
+    def verify(self, choice: Choice) -> str | None:
+        import torch
+
+        from cutlass_ops.errors import CutlassOpsError
+
+        try:
+            launch = self._launcher(choice)
+            self.out.fill_(float("nan"))
+            launch()
+            torch.cuda.synchronize(self.device)
+        except CutlassOpsError as exc:
+            return f"launch: {exc}"
+        error = ((self.out.float() - self.reference).norm() / self.reference_norm).item()
+        if not error <= self.tolerance:  # NaN (unwritten output) fails too
+            return f"wrong result: relative error {error:.3g} > {self.tolerance:g}"
+        return None
+
+    def time_ms(self, choice: Choice, reps: int) -> float:
+        from tuning.timing import do_bench
+
+        return do_bench(self._launcher(choice), warmup=3, reps=reps, device=self.device).median_ms
+
+    def torch_ms(self, reps: int) -> float:
+        import torch
+
+        from tuning.timing import do_bench
+
+        a, b = self.a, self.b  # the call a user makes, output allocation included
+        return do_bench(lambda: torch.matmul(a, b), warmup=3, reps=reps,
+                        device=self.device).median_ms
+
+    def close(self) -> None:
+        self._launchers.clear()
+        self.a = self.b = self.out = self.reference = None
+
+
+class _exact_float32:
+    """A float32 reference computed in float32, not tf32."""
+
+    def __enter__(self):
+        import torch
+
+        self.previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = self.previous

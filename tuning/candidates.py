@@ -1,0 +1,191 @@
+"""Candidates for one problem: the config space, rules against the shape, ranking and the
+run-time variants of a compiled kernel.
+
+A search compiles tens of kernels, not hundreds: ``select`` keeps the best few of the space by our
+model (``tuning.model``) and, when ``nvidia-matmul-heuristics`` is installed, NVIDIA's own picks,
+with room kept for families the model ranks low (swap-A/B, stream-K, each schedule) because the
+model is rough. Run-time knobs (raster order, swizzle, splits) need no compile: ``variants`` lists
+those worth timing for a compiled kernel on this shape.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+
+from cutlass_ops import space
+from cutlass_ops.config import (Arch, EpilogueSchedule, GemmConfig, GemmOperands, GemmProblem,
+                                KernelSchedule, RasterOrder, TileScheduler)
+from tuning import model
+from tuning.choice import Choice
+from tuning.device import DeviceSpec
+
+
+class Strategy(str, enum.Enum):
+    QUICK = "quick"  # a handful of kernels: minutes cold, seconds warm
+    DEFAULT = "default"
+    EXHAUSTIVE = "exhaustive"  # every config the rules allow
+
+    @property
+    def compiled_per_problem(self) -> int | None:
+        return {Strategy.QUICK: 4, Strategy.DEFAULT: 12, Strategy.EXHAUSTIVE: None}[self]
+
+    @property
+    def finalists(self) -> int:
+        """Kernels whose run-time variants are timed after the first round."""
+        return {Strategy.QUICK: 2, Strategy.DEFAULT: 3, Strategy.EXHAUSTIVE: 6}[self]
+
+
+_N_TILES = (16, 32, 64, 128, 192, 256)
+_CLUSTERS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (4, 1, 1), (1, 4, 1))
+
+
+def _k_tiles(operands: GemmOperands) -> tuple[int, ...]:
+    """Tile K spanning 128 or 256 bytes of A (64 and 128 elements of bf16)."""
+    return tuple(b // operands.element_a.bytes for b in (128, 256))
+
+
+def _tiles(schedule: KernelSchedule) -> list[tuple[int, int]]:
+    rows = {KernelSchedule.PINGPONG: (64, 128), KernelSchedule.COOPERATIVE: (128, 256),
+            KernelSchedule.SM100_1SM: (64, 128), KernelSchedule.SM100_2SM: (128, 256)}[schedule]
+    return [(tm, tn) for tm in rows for tn in _N_TILES]
+
+
+def config_space(operands: GemmOperands, arch: Arch | str, *,
+                 exhaustive: bool = False) -> list[GemmConfig]:
+    """Every config our rules accept for the operands: tiles x clusters x schedules x tile
+    schedulers (x explicit stage counts and both epilogues when exhaustive)."""
+    arch = Arch(arch)
+    schedules = ((KernelSchedule.PINGPONG, KernelSchedule.COOPERATIVE) if arch is Arch.SM90A
+                 else (KernelSchedule.SM100_1SM, KernelSchedule.SM100_2SM))
+    epilogues = (EpilogueSchedule.TMA, EpilogueSchedule.NO_SMEM)
+    stages = (0, 3, 4, 5, 6, 7) if exhaustive else (0,)
+    out = []
+    for schedule in schedules:
+        schedulers = [TileScheduler.PERSISTENT]
+        if schedule is KernelSchedule.COOPERATIVE:
+            schedulers.append(TileScheduler.STREAM_K)
+        for (tm, tn), tk, cluster, scheduler, stage, epilogue in itertools.product(
+                _tiles(schedule), _k_tiles(operands), _CLUSTERS, schedulers, stages, epilogues):
+            config = GemmConfig(arch=arch, tile=(tm, tn, tk), cluster=cluster, stages=stage,
+                                kernel_schedule=schedule, epilogue_schedule=epilogue,
+                                tile_scheduler=scheduler)
+            if space.violations(operands, config):
+                continue
+            # Without a smem epilogue only where the TMA one is refused (or when exhaustive).
+            if epilogue is EpilogueSchedule.NO_SMEM and not exhaustive and not space.violations(
+                    operands, config.replace(epilogue_schedule=EpilogueSchedule.TMA)):
+                continue
+            out.append(config)
+    return out
+
+
+def fits_shape(problem: GemmProblem, choice: Choice) -> bool:
+    """Rejects clusters of tiles far larger than the (possibly swapped) problem: such a kernel
+    computes mostly padding and can never win."""
+    p = choice.problem_for(problem)
+    tm, tn, _ = choice.config.tile
+    cm, cn, _ = choice.config.cluster
+    return (cm * tm <= 2 * max(64, math.ceil(p.m / 64) * 64)
+            and cn * tn <= 2 * max(16, math.ceil(p.n / 16) * 16))
+
+
+def orientations(problem: GemmProblem) -> tuple[bool, ...]:
+    """Swap-A/B is worth trying when M is the smaller extent (it never helps the other way)."""
+    return (False, True) if problem.m < problem.n else (False,)
+
+
+def all_choices(problem: GemmProblem, arch: Arch | str, *,
+                exhaustive: bool = False) -> list[Choice]:
+    out = []
+    for swap in orientations(problem):
+        operands = Choice(GemmConfig(), swap).operands_for(problem.operands)
+        for config in config_space(operands, arch, exhaustive=exhaustive):
+            choice = Choice(config, swap)
+            if fits_shape(problem, choice):
+                out.append(choice)
+    return out
+
+
+def _family(choice: Choice) -> tuple:
+    c = choice.config
+    return (choice.swap_ab, c.kernel_schedule, c.tile_scheduler)
+
+
+def rank(problem: GemmProblem, device: DeviceSpec, choices: list[Choice]) -> list[Choice]:
+    """Fastest first by our model; ties broken by name for a stable order."""
+    return sorted(choices, key=lambda c: (model.estimate_us(problem, c, device), c.name))
+
+
+def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *,
+           use_heuristics: bool = True) -> list[Choice]:
+    """The configs to compile for a problem, best first."""
+    strategy = Strategy(strategy)
+    choices = all_choices(problem, device.arch,
+                          exhaustive=strategy is Strategy.EXHAUSTIVE)
+    ranked = rank(problem, device, choices)
+    limit = strategy.compiled_per_problem
+    if limit is None:
+        return ranked
+    picked: list[Choice] = []
+    if use_heuristics:
+        from tuning import heuristics
+
+        allowed = set(choices)
+        suggested = [base_choice(c, c.operands_for(problem.operands))
+                     for c in heuristics.suggest(problem, device, count=limit)]
+        picked += list(dict.fromkeys(c for c in suggested if c in allowed))[: max(1, limit // 3)]
+
+    def take(candidates, quota, key=None):
+        seen = {key(c) for c in picked} if key else set()
+        for choice in candidates:
+            if len(picked) >= quota:
+                return
+            if choice in picked or (key and key(choice) in seen):
+                continue
+            picked.append(choice)
+            if key:
+                seen.add(key(choice))
+
+    # Most of the budget by the model, one per tile shape and family (clusters and tile K of one
+    # tile shape rank alike: the measurement decides between them later); then the best of each
+    # family the model ranked low; then the rest in model order.
+    take(ranked, max(len(picked), (2 * limit + 2) // 3),
+         key=lambda c: (_family(c), c.config.tile[:2]))
+    take(ranked, limit, key=_family)
+    take(ranked, limit)
+    return picked
+
+
+def base_choice(choice: Choice, operands: GemmOperands) -> Choice:
+    """The compiled part of a choice (run-time knobs at their defaults), with the epilogue that
+    our rules accept for it."""
+    base = choice.replace(raster_order=RasterOrder.HEURISTIC, swizzle=1, splits=1)
+    if base.config.epilogue_schedule is EpilogueSchedule.TMA:
+        no_smem = base.replace(epilogue_schedule=EpilogueSchedule.NO_SMEM)
+        if space.violations(operands, base.config) and not space.violations(operands,
+                                                                           no_smem.config):
+            return no_smem
+    return base
+
+
+def variants(problem: GemmProblem, choice: Choice, device: DeviceSpec) -> list[Choice]:
+    """Run-time variants of a compiled kernel worth timing on this shape (the kernel itself first).
+
+    Raster order and swizzle only change the order of tiles, which matters for L2 reuse once
+    there are more tiles than SMs; splits (stream-K kernels) matter when there are too few."""
+    p = choice.problem_for(problem)
+    tm, tn, _ = choice.config.tile
+    tiles = math.ceil(p.m / tm) * math.ceil(p.n / tn) * p.batch
+    base = choice.replace(raster_order=RasterOrder.HEURISTIC, swizzle=1, splits=1)
+    out = [base]
+    if tiles > device.sm_count:
+        for raster, swizzle in itertools.product((RasterOrder.ALONG_M, RasterOrder.ALONG_N),
+                                                 (1, 2, 4, 8)):
+            out.append(choice.replace(raster_order=raster, swizzle=swizzle, splits=1))
+    elif choice.config.tile_scheduler is TileScheduler.STREAM_K:
+        k_steps = math.ceil(p.k / choice.config.tile[2])
+        out += [choice.replace(raster_order=RasterOrder.HEURISTIC, swizzle=1, splits=s)
+                for s in (2, 3, 4, 8) if s <= k_steps and tiles * s <= 2 * device.sm_count]
+    return list(dict.fromkeys(out))

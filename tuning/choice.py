@@ -1,0 +1,66 @@
+"""What the tuner chooses between: a kernel config, and whether to run the problem transposed.
+
+Swap-A/B computes D^T = B^T A^T instead of D = A B. The memory is the same (a row-major D is a
+column-major D^T), so it costs nothing but changes which extent fills the CTA tile's M: for a
+small M (decode, small batches) the large N then fills the 64 or 128 rows of a wgmma tile that M
+would leave mostly empty. It is how cuBLAS and CUTLASS's maintainers handle skinny GEMMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cutlass_ops.config import GemmConfig, GemmOperands, GemmProblem, Layout
+
+_FLIP = {Layout.ROW: Layout.COL, Layout.COL: Layout.ROW}
+
+
+def swapped_operands(operands: GemmOperands) -> GemmOperands:
+    """The operands of D^T = B^T A^T: A and B trade places, and transposing flips every layout."""
+    return GemmOperands(
+        element_a=operands.element_b, element_b=operands.element_a,
+        element_c=operands.element_c, element_d=operands.element_d,
+        element_accumulator=operands.element_accumulator,
+        layout_a=_FLIP[operands.layout_b], layout_b=_FLIP[operands.layout_a],
+        layout_c=_FLIP[operands.layout_c],
+        alignment_a=operands.alignment_b, alignment_b=operands.alignment_a,
+        alignment_c=operands.alignment_c)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One candidate: a config, run on the problem as given or swapped."""
+
+    config: GemmConfig
+    swap_ab: bool = False
+
+    @property
+    def name(self) -> str:
+        return ("swap:" if self.swap_ab else "") + self.config.name
+
+    def operands_for(self, operands: GemmOperands) -> GemmOperands:
+        """The operands the kernel is compiled for."""
+        return swapped_operands(operands) if self.swap_ab else operands
+
+    def problem_for(self, problem: GemmProblem) -> GemmProblem:
+        """The GEMM the kernel computes: M and N trade places when swapped."""
+        if not self.swap_ab:
+            return problem
+        return GemmProblem(swapped_operands(problem.operands), problem.n, problem.m, problem.k,
+                           problem.batch)
+
+    def replace(self, **changes: Any) -> Choice:
+        return Choice(self.config.replace(**changes), self.swap_ab)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "swap_ab": self.swap_ab}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Choice:
+        return cls(GemmConfig.from_dict(data["config"]), bool(data.get("swap_ab", False)))
+
+    @classmethod
+    def from_name(cls, name: str) -> Choice:
+        swap = name.startswith("swap:")
+        return cls(GemmConfig.from_name(name.removeprefix("swap:")), swap)

@@ -1,0 +1,534 @@
+"""``cutlass-tune``: search, inspect and share tuned GEMM configs.
+
+    cutlass-tune tune 16x4096x4096 4096x14336x4096 [--strategy quick|default|exhaustive]
+    cutlass-tune tune --model mypkg.models:build --tokens 4096 [--backward]
+    cutlass-tune bench | list | show SHAPE | export FILE | import FILE... | merge A B -o OUT
+    cutlass-tune clear --yes | doctor | compile --dry-run SHAPES --gpu H100 | report
+
+Listing commands take ``--json``. Nothing is written to the working directory unless a path is
+given: reports go to the cache directory by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from cutlass_ops.config import GemmOperands, GemmProblem
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def _emit(args, data: Any, table: tuple[list[str], list[list]] | None = None,
+          text: str | None = None) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(data, indent=1, default=str))
+        return
+    if table is not None:
+        _print_table(*table)
+    if text:
+        print(text)
+
+
+def _print_table(headers: list[str], rows: list[list]) -> None:
+    if not rows:
+        print("(nothing)")
+        return
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def _operands(args) -> GemmOperands:
+    layout = args.layout.lower()
+    if len(layout) == 2:
+        layout += "t"
+    letters = {"t": "row", "n": "col"}
+    if len(layout) != 3 or any(c not in letters for c in layout):
+        raise ValueError(f"--layout takes 2 or 3 letters of t (row-major) / n (column-major), "
+                         f"got {args.layout!r}")
+    return GemmOperands.make(args.dtype, layout_a=letters[layout[0]],
+                             layout_b=letters[layout[1]], layout_c=letters[layout[2]],
+                             out_dtype=args.out_dtype)
+
+
+def _problems(args) -> list[GemmProblem]:
+    from tuning import shapes
+
+    found = [shapes.parse_shape(s) for s in args.shapes]
+    for path in args.file or []:
+        found += shapes.read_shapes_file(path)
+    if getattr(args, "model", None):
+        if not args.tokens:
+            raise ValueError("--model needs --tokens (rows of activations per call, e.g. batch "
+                             "x sequence length)")
+        model = shapes.load_model(args.model)
+        found += shapes.harvest_linear_shapes(model, args.tokens, backward=args.backward)
+    operands = _operands(args)
+    return list(dict.fromkeys(GemmProblem(operands, m, n, k, batch)
+                              for m, n, k, batch in found))
+
+
+def _shape_label(problem: dict | GemmProblem) -> str:
+    from tuning.shapes import format_shape
+
+    p = problem if isinstance(problem, GemmProblem) else GemmProblem.from_dict(problem)
+    return format_shape(p.m, p.n, p.k, p.batch)
+
+
+def _entry_row(scope, name: str, entry: dict) -> dict:
+    problem = GemmProblem.from_dict(entry["problem"])
+    winner, torch_ms = entry.get("winner_ms"), entry.get("torch_ms")
+    return {
+        "gpu": scope.gpu, "shape": _shape_label(problem), "operands": problem.operands.name,
+        "winner": entry.get("winner_name"), "winner_ms": winner, "torch_ms": torch_ms,
+        "winner_tflops": entry.get("winner_tflops"), "torch_tflops": entry.get("torch_tflops"),
+        "speedup": round(torch_ms / winner, 3) if winner and torch_ms else None,
+        "prefer": entry.get("prefer"), "complete": entry.get("complete", True),
+        "strategy": entry.get("strategy"), "key": name,
+    }
+
+
+def _cache_rows(args) -> list[tuple[Any, str, dict]]:
+    from tuning.cache import all_caches
+
+    rows = []
+    for cache in all_caches():
+        if args.gpu and args.gpu.lower() not in cache.scope.gpu.lower():
+            continue
+        for name, entry in sorted(cache.entries().items()):
+            rows.append((cache, name, entry))
+    return rows
+
+
+def _progress(args):
+    """A tqdm progress bar for builds and one for problems (stderr); none with --json."""
+    if args.json or args.no_progress:
+        return None
+    from tqdm import tqdm
+
+    bars: dict[str, Any] = {}
+
+    def update(what: str, done: int, total: int, label: str) -> None:
+        bar = bars.get(what)
+        if bar is None:
+            bar = bars[what] = tqdm(total=total, desc="compile" if what == "build" else "tune",
+                                    unit="kernel" if what == "build" else "shape",
+                                    file=sys.stderr, leave=True)
+        bar.total = total
+        bar.n = done
+        bar.set_postfix_str(label[-60:], refresh=True)
+        if done >= total:
+            bar.close()
+
+    return update
+
+
+def make_backend(args):
+    """The measuring backend (a seam: tests substitute a fake one)."""
+    from tuning.backend import GpuBackend
+
+    return GpuBackend(jobs=args.jobs)
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+def cmd_tune(args) -> int:
+    from tuning.search import tune
+
+    problems = _problems(args)
+    if not problems:
+        raise ValueError("no shapes: give MxNxK arguments, --file or --model")
+    backend = make_backend(args)
+    report = tune(problems, backend=backend, strategy=args.strategy, budget_s=args.budget,
+                  force=args.force, use_heuristics=not args.no_heuristics,
+                  progress=_progress(args))
+    from tuning import dispatch
+
+    dispatch.reset()
+    rows = []
+    for result in report.results:
+        e = result.entry
+        rows.append({"shape": _shape_label(result.problem), "operands":
+                     result.problem.operands.name, "winner": e.get("winner_name"),
+                     "winner_ms": e.get("winner_ms"), "torch_ms": e.get("torch_ms"),
+                     "speedup": round(e["torch_ms"] / e["winner_ms"], 3)
+                     if e.get("winner_ms") else None,
+                     "prefer": e.get("prefer"), "cached": result.cached,
+                     "complete": e.get("complete", True), "failures": len(e.get("failures", [])),
+                     "tune_seconds": e.get("tune_seconds")})
+    summary = {"results": rows, "build_seconds": round(report.build_seconds, 1),
+               "measure_seconds": round(report.measure_seconds, 1),
+               "kernels_compiled": report.built, "kernels_reused": report.reused}
+    _emit(args, summary,
+          (["shape", "winner", "ms", "torch ms", "speedup", "uses", "failures", "cached"],
+           [[r["shape"], r["winner"] or "-", _fmt(r["winner_ms"]), _fmt(r["torch_ms"]),
+             r["speedup"] or "-", r["prefer"], r["failures"], r["cached"]] for r in rows]),
+          f"compiled {report.built} kernels, reused {report.reused}, build "
+          f"{report.build_seconds:.0f} s, measurement {report.measure_seconds:.0f} s")
+    return EXIT_OK
+
+
+def _fmt(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.4f}"
+
+
+def cmd_bench(args) -> int:
+    """Times tuned winners against torch.matmul now (fresh inputs)."""
+    from tuning.choice import Choice
+
+    backend = make_backend(args)
+    scope = backend.scope()
+    from tuning.cache import TuningCache
+
+    entries = TuningCache(scope).entries()
+    wanted = {p.name for p in _problems(args)} if (args.shapes or args.file) else None
+    rows = []
+    for name, entry in sorted(entries.items()):
+        if wanted is not None and name not in wanted or not entry.get("winner"):
+            continue
+        problem = GemmProblem.from_dict(entry["problem"])
+        choice = Choice.from_dict(entry["winner"])
+        session = backend.session(problem)
+        try:
+            error = session.verify(choice)
+            ours = None if error else session.time_ms(choice, args.reps)
+            ref = session.torch_ms(args.reps)
+        finally:
+            session.close()
+        rows.append({"shape": _shape_label(problem), "operands": problem.operands.name,
+                     "winner": entry["winner_name"], "ours_ms": ours, "torch_ms": ref,
+                     "ours_tflops": round(problem.flops / ours / 1e9, 1) if ours else None,
+                     "torch_tflops": round(problem.flops / ref / 1e9, 1),
+                     "ratio": round(ref / ours, 3) if ours else None, "error": error})
+    _emit(args, {"gpu": scope.gpu, "rows": rows},
+          (["shape", "ours TFLOP/s", "torch TFLOP/s", "ratio", "winner"],
+           [[r["shape"], r["ours_tflops"] or r["error"], r["torch_tflops"], r["ratio"] or "-",
+             r["winner"]] for r in rows]))
+    return EXIT_OK if all(r["error"] is None for r in rows) else EXIT_FAILED
+
+
+def cmd_list(args) -> int:
+    rows = [_entry_row(cache.scope, name, entry) for cache, name, entry in _cache_rows(args)]
+    _emit(args, rows, (["gpu", "shape", "operands", "speedup", "uses", "winner"],
+                       [[r["gpu"], r["shape"], r["operands"], r["speedup"] or "-", r["prefer"],
+                         r["winner"] or "-"] for r in rows]))
+    return EXIT_OK
+
+
+def cmd_show(args) -> int:
+    from tuning.shapes import parse_shape
+
+    m, n, k, batch = parse_shape(args.shape)
+    matches = []
+    for cache, name, entry in _cache_rows(args):
+        p = GemmProblem.from_dict(entry["problem"])
+        if (p.m, p.n, p.k, p.batch) == (m, n, k, batch) and (
+                not args.dtype or p.operands.element_a.value == args.dtype):
+            matches.append({"gpu": cache.scope.gpu, "scope": cache.scope.to_dict(), "key": name,
+                            **entry})
+    if not matches:
+        print(f"no tuned entry for {args.shape}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        _emit(args, matches)
+        return EXIT_OK
+    for e in matches:
+        print(f"{e['key']} on {e['gpu']}: winner {e.get('winner_name')} "
+              f"{_fmt(e.get('winner_ms'))} ms, torch.matmul {_fmt(e.get('torch_ms'))} ms, "
+              f"uses {e.get('prefer')} ({e.get('strategy')}, {e.get('tuned_at')})")
+        _print_table(["runner-up", "ms"], [[r["choice"], _fmt(r["ms"])]
+                                           for r in e.get("runners_up", [])])
+        if e.get("failures"):
+            _print_table(["failed", "stage", "error"],
+                         [[f["choice"], f["stage"], f["error"][:80]] for f in e["failures"]])
+    return EXIT_OK
+
+
+def cmd_export(args) -> int:
+    from cutlass_ops.cache_dir import atomic_write_json
+    from tuning.cache import all_caches, bundle
+
+    docs = [c.export() for c in all_caches()
+            if not args.gpu or args.gpu.lower() in c.scope.gpu.lower()]
+    atomic_write_json(Path(args.file), bundle(docs))
+    print(f"exported {sum(len(d['entries']) for d in docs)} entries of {len(docs)} GPU/software "
+          f"scopes to {args.file}")
+    return EXIT_OK
+
+
+def _read_documents(path: str) -> list[dict]:
+    from tuning.cache import documents_in
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from exc
+    try:
+        return documents_in(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def cmd_import(args) -> int:
+    from tuning import dispatch
+    from tuning.cache import import_document
+
+    changed = 0
+    for path in args.files:
+        for doc in _read_documents(path):
+            changed += import_document(doc)
+    dispatch.reset()
+    _emit(args, {"changed": changed}, text=f"imported: {changed} entries added or improved")
+    return EXIT_OK
+
+
+def cmd_merge(args) -> int:
+    from cutlass_ops.cache_dir import atomic_write_json
+    from tuning.cache import bundle, merge_documents
+
+    docs = [doc for path in args.files for doc in _read_documents(path)]
+    merged = merge_documents(docs)
+    atomic_write_json(Path(args.output), bundle(merged))
+    _emit(args, {"scopes": len(merged), "entries": sum(len(d["entries"]) for d in merged)},
+          text=f"merged {len(args.files)} files into {args.output}: {len(merged)} scopes, "
+               f"{sum(len(d['entries']) for d in merged)} entries")
+    return EXIT_OK
+
+
+def cmd_clear(args) -> int:
+    from tuning.cache import all_caches
+
+    caches = [c for c in all_caches() if not args.gpu or args.gpu.lower() in c.scope.gpu.lower()]
+    if not args.yes:
+        print(f"would delete {len(caches)} tuning cache files; run again with --yes",
+              file=sys.stderr)
+        return EXIT_FAILED
+    for cache in caches:
+        cache.clear()
+    from tuning import dispatch
+
+    dispatch.reset()
+    print(f"deleted {len(caches)} tuning cache files")
+    return EXIT_OK
+
+
+def cmd_doctor(args) -> int:
+    from tuning.doctor import diagnose
+
+    report = diagnose()
+    rows = [[item["what"], "ok" if item["ok"] else "MISSING", item["detail"]]
+            for item in report["checks"]]
+    _emit(args, report, (["check", "status", "detail"], rows),
+          "missing: " + ", ".join(report["missing"]) if report["missing"] else "all present")
+    return EXIT_OK if not report["missing_required"] else EXIT_FAILED
+
+
+def _spec_for_args(args):
+    from tuning import device
+
+    if args.gpu:
+        return device.named_spec(args.gpu)
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return device.current_spec()
+    except ImportError:
+        pass
+    return device.named_spec("H100")
+
+
+def cmd_compile(args) -> int:
+    from cutlass_ops.kernels import is_built
+    from tuning import candidates
+
+    spec = _spec_for_args(args)
+    problems = _problems(args)
+    if not problems:
+        raise ValueError("no shapes: give MxNxK arguments, --file or --model")
+    kernels: dict[tuple, list[str]] = {}
+    for problem in problems:
+        for choice in candidates.select(problem, spec, args.strategy,
+                                        use_heuristics=not args.no_heuristics):
+            key = (choice.operands_for(problem.operands), choice.config)
+            kernels.setdefault(key, []).append(_shape_label(problem))
+    rows = []
+    for (operands, config), shapes in kernels.items():
+        built = _quiet_bool(lambda: is_built(operands, config))
+        rows.append({"operands": operands.name, "kernel": config.build_name, "built": built,
+                     "for": shapes})
+    if args.dry_run:
+        _emit(args, {"gpu": spec.name, "arch": spec.arch, "kernels": rows},
+              (["operands", "kernel", "built", "shapes"],
+               [[r["operands"], r["kernel"], r["built"], ",".join(r["for"][:3])] for r in rows]),
+              f"{len(rows)} kernels for {len(problems)} shapes on {spec.name}; "
+              f"{sum(not r['built'] for r in rows)} to build")
+        return EXIT_OK
+    from cutlass_ops.kernels import prepare_many
+
+    progress = _progress(args)
+    done = 0
+
+    def on_done(build_spec, result):
+        nonlocal done
+        done += 1
+        if progress:
+            progress("build", done, len(kernels), build_spec.name)
+
+    results = prepare_many(list(kernels), jobs=args.jobs, on_done=on_done)
+    failed = {f"{o.name}-{c.build_name}": str(r)[:200] for (o, c), r in results.items()
+              if isinstance(r, Exception)}
+    _emit(args, {"built": len(results) - len(failed), "failed": failed},
+          text=f"built {len(results) - len(failed)} kernels, {len(failed)} failed" +
+               "".join(f"\n  {k}: {v}" for k, v in failed.items()))
+    return EXIT_OK if not failed else EXIT_FAILED
+
+
+def _quiet_bool(fn) -> bool:
+    try:
+        return bool(fn())
+    except Exception:  # no nvcc here: nothing can be built, so nothing is
+        return False
+
+
+def cmd_report(args) -> int:
+    from cutlass_ops import cache_dir
+    from tuning import device
+    from tuning.report import plot_report
+
+    by_gpu: dict[str, list] = {}
+    for cache, name, entry in _cache_rows(args):
+        by_gpu.setdefault(cache.scope.gpu, []).append(entry)
+    if not by_gpu:
+        print("nothing tuned yet", file=sys.stderr)
+        return EXIT_FAILED
+    paths = []
+    for gpu, entries in by_gpu.items():
+        spec = device.spec_for(gpu, 90, 132)
+        rows = []
+        for e in entries:
+            p = GemmProblem.from_dict(e["problem"])
+            ops = p.operands
+            rows.append({"label": f"{_shape_label(p)} {ops.element_a.value}", "flops": p.flops,
+                         "bytes": (p.m * p.k * ops.element_a.bytes + p.k * p.n * ops.element_b.bytes
+                                   + p.m * p.n * ops.element_d.bytes) * p.batch,
+                         "tuned_tflops": e.get("winner_tflops"),
+                         "torch_tflops": e.get("torch_tflops")})
+        rows.sort(key=lambda r: r["flops"])
+        slug = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
+        path = Path(args.out) if args.out and len(by_gpu) == 1 else (
+            Path(args.out).with_name(f"{Path(args.out).stem}-{slug}.png") if args.out
+            else cache_dir.versioned_dir("reports") / f"report-{slug}.png")
+        plot_report(rows, path, title=f"cutlass-ops tuned vs torch.matmul on {gpu}",
+                    peak_tflops=spec.peak_tflops, bandwidth_gbs=spec.dram_gbs)
+        paths.append(str(path))
+    _emit(args, {"reports": paths}, text="\n".join(f"wrote {p}" for p in paths))
+    return EXIT_OK
+
+
+# ---- parser ----------------------------------------------------------------------------------
+
+def _add_problem_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    p.add_argument("shapes", nargs="*", metavar="MxNxK[xL]", help="GEMM shapes (L: batch)")
+    p.add_argument("--file", action="append", help="a file of shapes, one per line")
+    if model:
+        p.add_argument("--model", help="package.module:factory returning an nn.Module; its "
+                       "Linear layers give the shapes (built on the meta device)")
+        p.add_argument("--tokens", type=int, help="rows per call for --model (batch x seq)")
+        p.add_argument("--backward", action="store_true",
+                       help="with --model, add the two backward GEMMs of each Linear")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    p.add_argument("--out-dtype", choices=["bf16", "f16", "f32"], help="default: --dtype")
+    p.add_argument("--layout", default="tn", help="A, B (and D) layouts: t row-major, "
+                   "n column-major; default tn (y = x @ W.T)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cutlass-tune", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name, fn, help, json_flag=True, gpu_filter=False):
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(fn=fn)
+        if json_flag:
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        if gpu_filter:
+            p.add_argument("--gpu", help="only this GPU's entries (substring of its name)")
+        return p
+
+    p = command("tune", cmd_tune, "search configs for shapes and cache the winners")
+    _add_problem_args(p)
+    p.add_argument("--strategy", default="default", choices=["quick", "default", "exhaustive"])
+    p.add_argument("--budget", type=float, help="time budget in seconds (keeps the best so far)")
+    p.add_argument("--force", action="store_true", help="re-tune shapes already in the cache")
+    p.add_argument("--no-heuristics", action="store_true",
+                   help="rank with our model only, not nvidia-matmul-heuristics")
+    p.add_argument("--jobs", type=int, help="parallel nvcc processes (default: CPU count)")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = command("bench", cmd_bench, "time tuned winners against torch.matmul (a table)")
+    _add_problem_args(p, model=False)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--jobs", type=int)
+
+    command("list", cmd_list, "the tuning cache as a table", gpu_filter=True)
+    p = command("show", cmd_show, "one shape's entry: winner, runners-up, failures",
+                gpu_filter=True)
+    p.add_argument("shape", metavar="MxNxK[xL]")
+    p.add_argument("--dtype", choices=["bf16", "f16", "f32"])
+
+    p = command("export", cmd_export, "write the cache (every GPU) to a file", json_flag=False,
+                gpu_filter=True)
+    p.add_argument("file")
+    p = command("import", cmd_import, "merge exported files into the cache")
+    p.add_argument("files", nargs="+")
+    p = command("merge", cmd_merge, "merge exported files into one file (the cache untouched)")
+    p.add_argument("files", nargs="+")
+    p.add_argument("-o", "--output", required=True)
+    p = command("clear", cmd_clear, "delete the tuning cache", json_flag=False, gpu_filter=True)
+    p.add_argument("--yes", action="store_true", help="really delete")
+    command("doctor", cmd_doctor, "what is installed, found and missing")
+
+    p = command("compile", cmd_compile, "build (or list with --dry-run) the kernels a tune "
+                "would compile; needs nvcc, not a GPU")
+    _add_problem_args(p)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--gpu", help="rank for this GPU (H100, H200, ...); default: this machine's")
+    p.add_argument("--strategy", default="default", choices=["quick", "default", "exhaustive"])
+    p.add_argument("--no-heuristics", action="store_true")
+    p.add_argument("--jobs", type=int)
+    p.add_argument("--no-progress", action="store_true")
+
+    p = command("report", cmd_report, "PNG plot of tuned and cuBLAS TFLOP/s with the roofline",
+                gpu_filter=True)
+    p.add_argument("--out", help="PNG path (default: in the cache directory)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from cutlass_ops.errors import CutlassOpsError
+
+    try:
+        return args.fn(args)
+    except (ValueError, CutlassOpsError, ImportError) as exc:
+        print(f"cutlass-tune {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted: finished shapes are in the cache", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""Dispatch of ``cutlass_ops.matmul``: which kernel runs a call.
+
+Order, per (device, dtypes, layouts, strides, shape):
+1. an exact hit in the tuning cache: its winner (or torch.matmul, when the tune found it faster);
+2. the nearest tuned shape with the same operands (same dtypes and layouts): its winner, which
+   already takes any M, N, K at run time, if its kernel is built;
+3. a heuristic default: the best kernel by our model among those already built for these
+   operands, so that an untuned shape runs at once, never behind a compile;
+4. torch.matmul, with one log line per reason, for inputs we do not support or when nothing is
+   built yet. Online modes (``CUTLASS_OPS_ONLINE`` or ``set_online``): ``compile`` builds the
+   heuristic default on first use (about a minute); ``tune`` runs a quick tune on first use.
+
+The decision is memoized per call signature, so a warm call costs one dictionary lookup before
+the launch. ``decide`` is the pure part (tested on a CPU); ``explain`` says what a call would do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+import threading
+from typing import Any, Callable
+
+from cutlass_ops.config import GemmConfig, GemmOperands, GemmProblem
+from tuning.choice import Choice
+from tuning.device import DeviceSpec
+
+log = logging.getLogger("cutlass_ops")
+
+ONLINE_MODES = ("off", "compile", "tune")
+_online: str | None = None
+_routes: dict[tuple, Route] = {}
+_logged: set[str] = set()
+_lock = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    source: str  # "exact", "nearest", "heuristic", "online", or "torch"
+    choice: Choice | None  # None: torch.matmul
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    decision: Decision
+    run: Callable[..., Any]
+
+
+def set_online(mode: str | None) -> None:
+    """What an untuned shape with no built kernel does: "off" (torch.matmul, the default),
+    "compile" (build the heuristic default), "tune" (a quick tune). None: the environment's."""
+    global _online
+    if mode is not None and mode not in ONLINE_MODES:
+        raise ValueError(f"online mode must be one of {ONLINE_MODES}, got {mode!r}")
+    _online = mode
+    reset()
+
+
+def online_mode() -> str:
+    mode = _online or os.environ.get("CUTLASS_OPS_ONLINE", "off")
+    return mode if mode in ONLINE_MODES else "off"
+
+
+def reset() -> None:
+    """Forgets memoized decisions (after a tune in this process, or a cache import)."""
+    with _lock:
+        _routes.clear()
+    _entries_by_scope.clear()
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("cutlass_ops.matmul uses torch.matmul: %s", reason)
+
+
+# ---- the pure decision ---------------------------------------------------------------------
+
+def _distance(a: GemmProblem, b: GemmProblem) -> float:
+    """Log-distance between shapes; N and K weigh more (they are the weights, fixed per layer,
+    while M follows the batch)."""
+    return (abs(math.log2(a.m / b.m)) + 2 * abs(math.log2(a.n / b.n))
+            + 2 * abs(math.log2(a.k / b.k)) + abs(math.log2(a.batch / b.batch)))
+
+
+def decide(problem: GemmProblem, entries: dict[str, dict], device: DeviceSpec,
+           is_built: Callable[[Choice], bool], built_choices: Callable[[], list[Choice]],
+           online: str = "off") -> Decision:
+    """Which kernel runs ``problem``, from the tuning cache's entries and what is built."""
+    entry = entries.get(problem.name)
+    if entry is not None:
+        if not entry.get("winner") or entry.get("prefer", "cutlass") != "cutlass":
+            return Decision("exact", None, "tuned for this shape: torch.matmul was faster")
+        choice = Choice.from_dict(entry["winner"])
+        if is_built(choice) or online != "off":
+            return Decision("exact", choice, "tuned for this shape")
+        # The winner's artifact is not here (a cache imported from another machine): fall
+        # through to a built kernel rather than compile on a call.
+
+    family = []
+    for name, other in entries.items():
+        try:
+            tuned = GemmProblem.from_dict(other["problem"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if tuned.operands == problem.operands and tuned.m and tuned.n and tuned.k and \
+                problem.m and problem.n and problem.k:
+            family.append((_distance(problem, tuned), name, tuned, other))
+    for _, _, tuned, other in sorted(family, key=lambda item: item[:2]):
+        if not other.get("winner"):
+            continue
+        choice = Choice.from_dict(other["winner"])
+        if other.get("prefer", "cutlass") != "cutlass":
+            return Decision("nearest", None, f"nearest tuned shape {tuned.m}x{tuned.n}x{tuned.k}"
+                            " found torch.matmul faster")
+        if is_built(choice):
+            return Decision("nearest", choice, f"nearest tuned shape {tuned.m}x{tuned.n}x"
+                            f"{tuned.k}")
+        break
+
+    from tuning import candidates
+
+    built = [c for c in built_choices() if candidates.fits_shape(problem, c)]
+    if built:
+        best = candidates.rank(problem, device, [c.replace(splits=1) for c in built])[0]
+        return Decision("heuristic", best, "untuned shape: the model's best built kernel")
+    if online in ("compile", "tune"):
+        best = candidates.select(problem, device, candidates.Strategy.QUICK,
+                                 use_heuristics=True)
+        if best:
+            return Decision("online", best[0], f"untuned shape, nothing built: online {online}")
+    return Decision("torch", None, f"no tuned or built kernel for {problem.name} on this GPU; run "
+                    f"`cutlass-tune tune {problem.m}x{problem.n}x{problem.k}` (or set "
+                    "CUTLASS_OPS_ONLINE=compile)")
+
+
+# ---- what is built, from the artifact cache ------------------------------------------------
+
+_ARTIFACT_SUFFIX = re.compile(r"-[0-9a-f]{20}$")
+
+
+def built_choices(operands: GemmOperands, arch: str) -> list[Choice]:
+    """The kernels built for these operands (either orientation), listed from the artifact cache
+    without emitting or compiling anything."""
+    from cutlass_ops import cache_dir
+    from cutlass_ops.kernels import is_built
+    from tuning.choice import swapped_operands
+
+    root = cache_dir.versioned_dir("artifacts", arch)
+    out = []
+    for swap, ops in ((False, operands), (True, swapped_operands(operands))):
+        prefix = ops.name + "-"
+        for path in sorted(root.glob(prefix + "*")):
+            if not path.is_dir() or not (path / "kernel.so").exists():
+                continue
+            build_name = _ARTIFACT_SUFFIX.sub("", path.name[len(prefix):])
+            try:
+                config = GemmConfig.from_name(build_name + "-split1-rheuristic-sw1")
+            except ValueError:
+                continue
+            choice = Choice(config, swap)
+            if choice not in out and is_built(ops, config):  # built from today's sources
+                out.append(choice)
+    return out
+
+
+# ---- the call path ---------------------------------------------------------------------------
+
+_entries_by_scope: dict[Any, dict[str, dict]] = {}
+
+
+def _entries(scope) -> dict[str, dict]:
+    entries = _entries_by_scope.get(scope)
+    if entries is None:
+        from tuning.cache import TuningCache
+
+        entries = TuningCache(scope).entries()
+        _entries_by_scope[scope] = entries
+    return entries
+
+
+def _signature(a, b, out_dtype) -> tuple:
+    aligned = a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    return (a.device, a.dtype, b.dtype, out_dtype, tuple(a.shape), a.stride(), tuple(b.shape),
+            b.stride(), aligned, _grad_needed(a, b))
+
+
+def _grad_needed(a, b) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+
+
+def _torch_route(decision: Decision, out_dtype) -> Route:
+    import torch
+
+    def run(a, b):
+        if out_dtype is None or out_dtype == a.dtype:
+            return torch.matmul(a, b)
+        return torch.matmul(a.to(out_dtype), b.to(out_dtype))
+
+    return Route(decision, run)
+
+
+def _cutlass_route(decision: Decision, out_dtype, key) -> Route:
+    from cutlass_ops import gemm_api
+    from cutlass_ops.errors import InvalidConfigError, UnsupportedInputError
+
+    choice = decision.choice
+    assert choice is not None
+
+    def launch(a, b):
+        if choice.swap_ab:  # D^T = B^T A^T; the output is allocated so that D is row-major
+            out = _row_major_output(a, b, out_dtype)
+            gemm_api.plan(b.transpose(-1, -2), a.transpose(-1, -2), config=choice.config,
+                          out=out.transpose(-1, -2))()
+            return out
+        return gemm_api.plan(a, b, config=choice.config, out_dtype=out_dtype)()
+
+    def run(a, b):
+        try:
+            return launch(a, b)
+        except (UnsupportedInputError, InvalidConfigError) as exc:
+            # A check the signature did not foresee: this call signature goes to torch from now.
+            fallback = _torch_route(Decision("torch", None, str(exc)), out_dtype)
+            _log_once(str(exc))
+            if key is not None:
+                with _lock:
+                    _routes[key] = fallback
+            return fallback.run(a, b)
+
+    return Route(decision, run)
+
+
+def _row_major_output(a, b, out_dtype):
+    import torch
+
+    shape = (*a.shape[:-1], b.shape[-1])
+    return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
+
+
+def _unsupported(a, b, out_dtype) -> str | None:
+    """Why a call cannot run on our kernels (torch.matmul takes it), or None."""
+    import torch
+
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return "the operands are not tensors"
+    if not (a.is_cuda and b.is_cuda):
+        return f"the operands are on {a.device} and {b.device}, not a CUDA device"
+    if a.device != b.device:
+        return f"the operands are on different devices ({a.device}, {b.device})"
+    supported = (torch.bfloat16, torch.float16, torch.float32)
+    if a.dtype not in supported or a.dtype != b.dtype:
+        return f"dtypes {a.dtype} and {b.dtype} (we run bf16, f16 or f32 pairs)"
+    if out_dtype is not None and out_dtype not in supported:
+        return f"output dtype {out_dtype}"
+    if not (a.dim() == b.dim() and a.dim() in (2, 3)) or a.shape[-1] != b.shape[-2] or (
+            a.dim() == 3 and a.shape[0] != b.shape[0]):
+        return f"shapes {tuple(a.shape)} @ {tuple(b.shape)} (we run 2-D @ 2-D and batched 3-D)"
+    if _grad_needed(a, b):
+        return "an operand requires grad: use cutlass_ops.nn / the custom ops for autograd"
+    if torch.cuda.get_device_capability(a.device) != (9, 0):
+        return f"{torch.cuda.get_device_name(a.device)} is not an sm90 GPU"
+    return None
+
+
+def _resolve(a, b, out_dtype, key=None) -> Route:
+    from cutlass_ops import operands as ops
+    from cutlass_ops.errors import CutlassOpsError
+
+    reason = _unsupported(a, b, out_dtype)
+    if reason is not None:
+        _log_once(reason)
+        return _torch_route(Decision("torch", None, reason), out_dtype)
+    batch = a.shape[0] if a.dim() == 3 else 1
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    out_dtype_ = out_dtype or a.dtype
+    try:
+        views = [ops.matrix_view(a, "A", batch), ops.matrix_view(b, "B", batch)]
+        for view, name in zip(views, "AB"):
+            ops.check_tma_alignment(view, name)
+        out_type = ops.element_type(out_dtype_, "the output")
+        if (n * out_type.bytes) % 16:
+            raise CutlassOpsError(f"N = {n} rows of {out_type.value} are not 16-byte aligned")
+    except CutlassOpsError as exc:
+        _log_once(str(exc))
+        return _torch_route(Decision("torch", None, str(exc)), out_dtype)
+    out_view = ops.MatrixView(m, n, batch, ops.Layout.ROW, n, m * n, 0, out_type)
+    problem = GemmProblem(ops.gemm_operands(views[0], views[1], out_view), m, n, k, batch)
+
+    from cutlass_ops.kernels import is_built
+    from tuning.device import current_scope, current_spec
+
+    index = a.device.index
+    device = current_spec(index)
+    decision = decide(
+        problem, _entries(current_scope(index)), device,
+        is_built=lambda c: _safe(lambda: is_built(c.operands_for(problem.operands), c.config)),
+        built_choices=lambda: built_choices(problem.operands, device.arch),
+        online=online_mode())
+    if decision.source == "online" and online_mode() == "tune":
+        from tuning.backend import GpuBackend
+        from tuning.search import tune
+
+        tune([problem], backend=GpuBackend(index), strategy="quick")
+        _entries_by_scope.clear()
+        decision = decide(problem, _entries(current_scope(index)), device, lambda c: True,
+                          lambda: [])
+    if decision.choice is None:
+        if decision.source == "torch":
+            _log_once(decision.reason)
+        return _torch_route(decision, out_dtype)
+    return _cutlass_route(decision, out_dtype, key)
+
+
+def _safe(fn) -> bool:
+    from cutlass_ops.errors import CutlassOpsError
+
+    try:
+        return fn()
+    except (CutlassOpsError, OSError):
+        return False
+
+
+def route(a, b, out_dtype=None) -> Route:
+    key = _signature(a, b, out_dtype) if _tensors(a, b) else None
+    found = _routes.get(key) if key is not None else None
+    if found is None:
+        found = _resolve(a, b, out_dtype, key)
+        if key is not None:
+            with _lock:
+                _routes[key] = found
+    return found
+
+
+def _tensors(a, b) -> bool:
+    import torch
+
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+
+
+def matmul(a, b, *, out_dtype=None):
+    """a @ b on the tuned kernel for this shape (see the module docstring for the order)."""
+    return route(a, b, out_dtype).run(a, b)
+
+
+def explain(a, b, *, out_dtype=None) -> Decision:
+    """What ``matmul(a, b)`` would run, and why."""
+    return route(a, b, out_dtype).decision

@@ -1,0 +1,88 @@
+"""``cutlass-tune doctor``: what this machine has for building and running our kernels, and
+what is missing, without failing on the first gap."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+from typing import Any, Callable
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _check(what: str, probe: Callable[[], str], required: bool) -> dict[str, Any]:
+    try:
+        return {"what": what, "ok": True, "detail": probe(), "required": required}
+    except Exception as exc:  # the point is to report every gap
+        return {"what": what, "ok": False, "detail": str(exc)[:300], "required": required}
+
+
+def _gpu() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"torch {torch.__version__} sees no CUDA GPU (tuning and running need "
+                           "one; compiling does not)")
+    from tuning.device import current_spec, driver_version
+
+    spec = current_spec()
+    return (f"{spec.name}, cc {spec.compute_capability / 10:.1f}, {spec.sm_count} SMs, driver "
+            f"{driver_version()}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+
+
+def _nvcc() -> str:
+    from cutlass_ops.build import nvcc_path, nvcc_version
+
+    return f"{nvcc_path()} ({nvcc_version()})"
+
+
+def _cutlass() -> str:
+    from cutlass_ops.build import cutlass_include_dirs
+
+    version = _version("nvidia-cutlass")
+    if version is None:
+        raise RuntimeError("nvidia-cutlass is not installed")
+    return f"nvidia-cutlass {version}, headers in {cutlass_include_dirs()[0]}"
+
+
+def _package(name: str, purpose: str) -> Callable[[], str]:
+    def probe() -> str:
+        version = _version(name)
+        if version is None:
+            raise RuntimeError(f"not installed ({purpose})")
+        return f"{name} {version}"
+    return probe
+
+
+def _cache() -> str:
+    from cutlass_ops import cache_dir
+    from tuning.cache import all_caches
+
+    root = cache_dir.cache_root()
+    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+    entries = sum(len(c.entries()) for c in all_caches())
+    artifacts = len(list(root.rglob("kernel.so"))) if root.exists() else 0
+    return (f"{root} ({size / 2**20:.1f} MiB: {entries} tuned shapes, {artifacts} built kernels;"
+            f" set CUTLASS_OPS_CACHE_DIR to move it)")
+
+
+def diagnose() -> dict[str, Any]:
+    checks = [
+        _check("python", lambda: platform.python_version(), True),
+        _check("gpu", _gpu, False),
+        _check("nvcc", _nvcc, True),
+        _check("cutlass", _cutlass, True),
+        _check("cuda-python", _package("cuda-python", "custom kernels"), False),
+        _check("nvidia-matmul-heuristics",
+               _package("nvidia-matmul-heuristics", "optional: better ranking"), False),
+        _check("matplotlib", _package("matplotlib", "optional: cutlass-tune report"), False),
+        _check("cache", _cache, True),
+    ]
+    missing = [c["what"] for c in checks if not c["ok"]]
+    return {"checks": checks, "missing": missing,
+            "missing_required": [c["what"] for c in checks if not c["ok"] and c["required"]]}

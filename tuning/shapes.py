@@ -1,0 +1,137 @@
+"""GEMM problem sizes from user input: shape strings, shape files and the Linear layers of a model.
+
+A shape is ``(M, N, K, L)``: D[M, N] = A[M, K] @ B[K, N], repeated over a batch of L. Strings
+are written ``MxNxK`` or ``MxNxKxL`` (L defaults to 1). Models are built on the ``meta`` device by
+default, so harvesting the shapes of a model with billions of parameters allocates nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from typing import Any
+
+Shape = tuple[int, int, int, int]
+
+EXPECTED_FORM = "'MxNxK' or 'MxNxKxL' with positive integers, e.g. '16x4096x4096'"
+
+# Plain decimal digits only: int() alone would also accept '+5', '1_000' or full-width digits.
+_SHAPE_PATTERN = re.compile(r"([0-9]+)x([0-9]+)x([0-9]+)(?:x([0-9]+))?", re.IGNORECASE)
+
+
+def parse_shape(text: str) -> Shape:
+    """Parse ``MxNxK`` or ``MxNxKxL`` into ``(M, N, K, L)``; raise ValueError on anything else."""
+    match = _SHAPE_PATTERN.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"bad GEMM shape {text!r}: expected {EXPECTED_FORM}")
+    m, n, k, batch = match.groups()
+    shape = (int(m), int(n), int(k), int(batch) if batch is not None else 1)
+    if min(shape) < 1:
+        raise ValueError(
+            f"bad GEMM shape {text!r}: every size must be >= 1; expected {EXPECTED_FORM}"
+        )
+    return shape
+
+
+def format_shape(m: int, n: int, k: int, batch: int = 1) -> str:
+    """The inverse of parse_shape: ``MxNxK``, with ``xL`` appended only for a real batch."""
+    text = f"{m}x{n}x{k}"
+    return text if batch == 1 else f"{text}x{batch}"
+
+
+def _strip_comment(line: str) -> str:
+    return line.split("#", 1)[0].strip()
+
+
+def read_shapes_file(path: str | os.PathLike[str]) -> list[Shape]:
+    """One shape per line; blank lines and ``#`` comments (whole-line or trailing) are skipped."""
+    shapes = []
+    with open(path, encoding="utf-8") as file:
+        for line_number, line in enumerate(file, start=1):
+            text = _strip_comment(line)
+            if not text:
+                continue
+            try:
+                shapes.append(parse_shape(text))
+            except ValueError as error:
+                raise ValueError(f"{os.fspath(path)}, line {line_number}: {error}") from None
+    return shapes
+
+
+def _linear_gemms(tokens: int, in_features: int, out_features: int, backward: bool) -> list[Shape]:
+    """The GEMMs of one Linear layer applied to ``tokens`` rows."""
+    forward = (tokens, out_features, in_features, 1)  # y = x W^T
+    if not backward:
+        return [forward]
+    grad_input = (tokens, in_features, out_features, 1)  # dX = dY W
+    grad_weight = (out_features, in_features, tokens, 1)  # dW = dY^T X
+    return [forward, grad_input, grad_weight]
+
+
+def harvest_linear_shapes(model: Any, tokens: int, *, backward: bool = False) -> list[Shape]:
+    """Every distinct GEMM the ``torch.nn.Linear`` layers of ``model`` run on ``tokens`` rows.
+
+    Order is first-seen, so the list follows the model's layer order; layers of equal size (the
+    usual case in a transformer) contribute their shapes once.
+    """
+    import torch
+
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    # A dict keeps insertion order, which makes it an ordered set.
+    shapes: dict[Shape, None] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            gemms = _linear_gemms(tokens, module.in_features, module.out_features, backward)
+            shapes.update(dict.fromkeys(gemms))
+    return list(shapes)
+
+
+def _split_model_spec(spec: str) -> tuple[str, str]:
+    module_name, separator, attribute = spec.partition(":")
+    module_name, attribute = module_name.strip(), attribute.strip()
+    if not separator or not module_name or not attribute or ":" in attribute:
+        raise ValueError(
+            f"bad model spec {spec!r}: expected 'package.module:callable', "
+            "e.g. 'mymodels.llama:build'"
+        )
+    return module_name, attribute
+
+
+def _resolve_attribute(module: Any, dotted_name: str, spec: str) -> Any:
+    # Dotted names let a spec reach a classmethod or a factory nested in a namespace.
+    target = module
+    for name in dotted_name.split("."):
+        try:
+            target = getattr(target, name)
+        except AttributeError:
+            message = f"model spec {spec!r}: {module.__name__!r} has no {dotted_name!r}"
+            raise ValueError(message) from None
+    return target
+
+
+def load_model(spec: str, device: str = "meta") -> Any:
+    """Import ``package.module:callable`` and call it with no arguments to build an nn.Module.
+
+    The call runs under ``torch.device(device)``: on the default ``meta`` device parameters have a
+    shape but no storage, so any model can be inspected for its shapes at no memory cost.
+    """
+    import torch
+
+    module_name, attribute = _split_model_spec(spec)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"model spec {spec!r}: cannot import {module_name!r}: {error}") from error
+    factory = _resolve_attribute(module, attribute, spec)
+    if not callable(factory):
+        raise ValueError(f"model spec {spec!r}: {attribute!r} is not callable")
+    with torch.device(device):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(
+            f"model spec {spec!r}: {attribute}() returned {type(model).__name__}, "
+            "expected a torch.nn.Module"
+        )
+    return model
