@@ -10,7 +10,7 @@ Untuned: "ours" is the best fixed config per shape; every config's figure is in 
 Writes benchmarks/results/gemm_untuned.json.
 Tuned: "ours" is the CUTLASS kernel the tuner chose for the shape, even where dispatch prefers
 torch.matmul (``detail.dispatch`` says what cutlass_ops.matmul runs); ours and torch are timed in
-interleaved rounds. ``detail.matmul_call_tflops`` times the whole cutlass_ops.matmul call, host
+interleaved repetitions. ``detail.matmul_call_tflops`` times the whole cutlass_ops.matmul call, host
 work included. Writes benchmarks/results/gemm_tuned.json.
 
     cutlass-tune tune $(python benchmarks/gemm.py --print-shapes)
@@ -86,13 +86,10 @@ def bench_shape(m, n, k):
     }
 
 
-TUNED_ROUNDS = 5
-TUNED_REPS = 20
+TUNED_REPS = 100
 
 
 def bench_tuned_shape(m, n, k):
-    import statistics
-
     from cutlass_ops.build import compiles_in_process
     from tuning.backend import GpuSession
     from tuning.cache import TuningCache
@@ -115,12 +112,10 @@ def bench_tuned_shape(m, n, k):
     call_ms = do_bench(lambda: cutlass_ops.matmul(x, w_t)).median_ms
     dispatched = cutlass_ops.matmul(x, w_t).float()
     call_err = ((dispatched - session.reference).norm() / session.reference_norm).item()
-    ours, ref = [], []
-    for _ in range(TUNED_ROUNDS):
-        ours.append(session.time_ms(choice, TUNED_REPS))
-        ref.append(session.torch_ms(TUNED_REPS))
+    # Interleaved repetition by repetition (see tuning.timing.do_bench_interleaved).
+    final, torch_ms = session.compare_ms([choice], TUNED_REPS)
+    ours_ms = final[choice]
     session.close()
-    ours_ms, torch_ms = statistics.median(ours), statistics.median(ref)
     ours_tf, ref_tf = tflops(m, n, k, ours_ms), tflops(m, n, k, torch_ms)
     return {
         "case": case, "unit": "TFLOP/s", "ours": round(ours_tf, 1),

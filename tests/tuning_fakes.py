@@ -44,6 +44,9 @@ class FakeSession:
     def torch_ms(self, reps):
         return model.estimate_us(self.problem, _reference_choice(), named_spec("H100")) / 1000
 
+    def compare_ms(self, choices, reps):
+        return {c: self.time_ms(c, reps) for c in choices}, self.torch_ms(reps)
+
     def close(self):
         pass
 

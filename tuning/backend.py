@@ -30,6 +30,9 @@ class Session(Protocol):
 
     def torch_ms(self, reps: int) -> float: ...
 
+    def compare_ms(self, choices: list[Choice], reps: int) -> tuple[dict[Choice, float], float]:
+        """The choices and torch.matmul timed interleaved: ({choice: ms}, torch ms)."""
+
     def close(self) -> None: ...
 
 
@@ -146,14 +149,25 @@ class GpuSession:
 
         return do_bench(self._launcher(choice), warmup=3, reps=reps, device=self.device).median_ms
 
-    def torch_ms(self, reps: int) -> float:
+    def _torch_call(self) -> Callable:
         import torch
 
+        a, b = self.a, self.b  # the call a user makes, output allocation included
+        return lambda: torch.matmul(a, b)
+
+    def torch_ms(self, reps: int) -> float:
         from tuning.timing import do_bench
 
-        a, b = self.a, self.b  # the call a user makes, output allocation included
-        return do_bench(lambda: torch.matmul(a, b), warmup=3, reps=reps,
-                        device=self.device).median_ms
+        return do_bench(self._torch_call(), warmup=3, reps=reps, device=self.device).median_ms
+
+    def compare_ms(self, choices: list[Choice], reps: int) -> tuple[dict[Choice, float], float]:
+        from tuning.timing import do_bench_interleaved
+
+        fns: dict = {choice: self._launcher(choice) for choice in choices}
+        fns["torch"] = self._torch_call()
+        timings = do_bench_interleaved(fns, reps=reps, device=self.device)
+        torch_ms = timings.pop("torch").median_ms
+        return {choice: t.median_ms for choice, t in timings.items()}, torch_ms
 
     def close(self) -> None:
         self._launchers.clear()

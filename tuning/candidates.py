@@ -29,12 +29,12 @@ class Strategy(str, enum.Enum):
 
     @property
     def compiled_per_problem(self) -> int | None:
-        return {Strategy.QUICK: 4, Strategy.DEFAULT: 12, Strategy.EXHAUSTIVE: None}[self]
+        return {Strategy.QUICK: 4, Strategy.DEFAULT: 16, Strategy.EXHAUSTIVE: None}[self]
 
     @property
     def finalists(self) -> int:
         """Kernels whose run-time variants are timed after the first round."""
-        return {Strategy.QUICK: 2, Strategy.DEFAULT: 3, Strategy.EXHAUSTIVE: 6}[self]
+        return {Strategy.QUICK: 2, Strategy.DEFAULT: 5, Strategy.EXHAUSTIVE: 8}[self]
 
 
 _N_TILES = (16, 32, 64, 128, 192, 256)

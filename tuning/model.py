@@ -24,8 +24,9 @@ _SM_LOAD_GBS = 110.0
 _LAUNCH_US = 4.0
 _PER_WAVE_US = 1.2
 _STREAM_K_FIXUP = 1.06
-# L2 to SM bandwidth of the whole chip, as a multiple of HBM bandwidth (about 3x on H100/H200).
-_L2_OVER_DRAM = 3.0
+# L2 to SM bandwidth of the whole chip per SM (GH100: about 6.5 TB/s over 132 SMs). Skinny
+# GEMMs re-read the small operand from L2 for every tile; cluster multicast divides that.
+_L2_GBS_PER_SM = 6500.0 / 132
 # Shared memory the epilogue and barriers keep from the mainloop's stages (bytes).
 _EPILOGUE_SMEM = 32 * 1024
 
@@ -91,7 +92,7 @@ def estimate_us(problem: GemmProblem, choice: Choice, device: DeviceSpec) -> flo
     l2_resident = min(1.0, device.l2_bytes / max(1.0, (m * k + n * k) * elt))
     dram_bytes += reread * (1.0 - l2_resident) * 0.25
     dram_s = dram_bytes / (device.dram_gbs * 1e9 * 0.9)
-    l2_s = tiles * tile_l2_bytes / (device.dram_gbs * 1e9 * _L2_OVER_DRAM)
+    l2_s = tiles * tile_l2_bytes / (_L2_GBS_PER_SM * device.sm_count * 1e9)
 
     # Too few stages cannot hide the load latency; a deep pipeline costs nothing more.
     stage_bytes = (tm + tn) * config.tile[2] * elt

@@ -5,8 +5,8 @@ winner with torch.matmul's time and the runners-up.
 Rounds, so that tens of kernels cost seconds, not minutes, of GPU time per shape:
 1. every built candidate, verified against a float32 reference, then timed briefly;
 2. the run-time variants (raster order, swizzle, splits) of the best few, each verified too;
-3. the best four and torch.matmul, timed again in interleaved rounds (drift between a
-   candidate's and torch's timing would otherwise decide close calls).
+3. the best four and torch.matmul, timed again interleaved repetition by repetition (clock and
+   power drift between a candidate's and torch's timing would otherwise decide close calls).
 Failures (rule, emission, compile, launch, wrong result) are results: kept in the entry, never
 fatal. Each problem's entry is written as soon as it is done, so an interrupted tune keeps them.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import statistics
 import time
 from typing import Callable
 
@@ -27,9 +26,8 @@ from tuning.cache import TuningCache
 from tuning.candidates import Strategy
 from tuning.choice import Choice
 
-FIRST_ROUND_REPS = 10
-FINAL_ROUNDS = 3
-FINAL_REPS = 20
+FIRST_ROUND_REPS = 15
+FINAL_REPS = 60
 FINALISTS = 4
 RUNNERS_UP = 8
 
@@ -181,17 +179,10 @@ def _measure(problem: GemmProblem, plan: list[Choice], built: dict, backend: Bac
                 if variant not in times:
                     try_choice(variant)
 
-        # Round 3: the best few against torch.matmul, interleaved.
+        # Round 3: the best few against torch.matmul, interleaved repetition by repetition.
         finalists = sorted(times, key=times.get)[:FINALISTS]
-        rounds: dict[object, list[float]] = {c: [] for c in finalists}
-        rounds["torch"] = []
-        for _ in range(FINAL_ROUNDS):
-            for key in rounds:
-                rounds[key].append(session.torch_ms(FINAL_REPS) if key == "torch"
-                                   else session.time_ms(key, FINAL_REPS))
-        torch_ms = statistics.median(rounds.pop("torch"))
-        for choice, samples in rounds.items():
-            times[choice] = statistics.median(samples)
+        final, torch_ms = session.compare_ms(finalists, FINAL_REPS)
+        times.update(final)
     finally:
         session.close()
 

@@ -54,3 +54,38 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return Timing(statistics.median(times), q[0], q[2], reps)
+
+
+def do_bench_interleaved(fns: dict, *, warmup: int = 3, reps: int = 50, flush_l2: bool = True,
+                         device=None) -> dict:
+    """Times several functions fairly: each repetition runs every function once (each after
+    its own L2 flush), in an order that rotates, so that clock and power drift over the run
+    reach all of them alike. Sequential timing favours whoever runs first on a cool GPU: on an
+    H200 that alone moved ratios between two kernels by 10%. Returns {key: Timing}."""
+    import torch
+
+    device = device if device is not None else torch.cuda.current_device()
+    flush = _flush_buffer(device) if flush_l2 else None
+    keys = list(fns)
+    for _ in range(warmup):
+        for key in keys:
+            fns[key]()
+    torch.cuda.synchronize(device)
+    events = {key: [] for key in keys}
+    for rep in range(reps):
+        shift = rep % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            if flush is not None:
+                flush.zero_()
+            start.record()
+            fns[key]()
+            end.record()
+            events[key].append((start, end))
+    torch.cuda.synchronize(device)
+    out = {}
+    for key, pairs in events.items():
+        times = sorted(s.elapsed_time(e) for s, e in pairs)
+        q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+        out[key] = Timing(statistics.median(times), q[0], q[2], reps)
+    return out
