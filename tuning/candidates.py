@@ -29,7 +29,7 @@ class Strategy(str, enum.Enum):
 
     @property
     def compiled_per_problem(self) -> int | None:
-        return {Strategy.QUICK: 4, Strategy.DEFAULT: 16, Strategy.EXHAUSTIVE: None}[self]
+        return {Strategy.QUICK: 4, Strategy.DEFAULT: 20, Strategy.EXHAUSTIVE: None}[self]
 
     @property
     def finalists(self) -> int:
@@ -151,9 +151,15 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
     # Most of the budget by the model, one per tile shape and family (clusters and tile K of one
     # tile shape rank alike: the measurement decides between them later); then the best of each
     # family the model ranked low; then the rest in model order.
-    take(ranked, max(len(picked), (2 * limit + 2) // 3),
+    take(ranked, max(len(picked), (3 * limit + 3) // 5),
          key=lambda c: (_family(c), c.config.tile[:2]))
     take(ranked, limit, key=_family)
+    # The model cannot tell which operand a cluster should multicast (that depends on which one
+    # L2 holds): try the other small clusters of the leading tile shapes.
+    allowed = set(choices)
+    alternatives = [c.replace(cluster=cluster) for c in picked[:4]
+                    for cluster in ((2, 1, 1), (1, 2, 1), (1, 1, 1))]
+    take([c for c in alternatives if c in allowed], limit)
     take(ranked, limit)
     return picked
 

@@ -99,5 +99,8 @@ def estimate_us(problem: GemmProblem, choice: Choice, device: DeviceSpec) -> flo
     stages = config.stages or max(1, (228 * 1024 - _EPILOGUE_SMEM) // stage_bytes)
     pipeline = 1.0 + 0.08 * max(0, 4 - stages)
 
-    busy_s = max(compute_s * pipeline, load_s * pipeline, dram_s, l2_s)
+    # The slowest resource bounds the time; the others still cost something (they compete for
+    # power and issue slots), which also separates configs that tie on the bound.
+    terms = (compute_s * pipeline, load_s * pipeline, dram_s, l2_s)
+    busy_s = max(terms) + 0.15 * (sum(terms) - max(terms))
     return busy_s * 1e6 + _LAUNCH_US + _PER_WAVE_US * waves

@@ -68,7 +68,7 @@ def test_quick_tune_then_dispatch_without_compiling():
     if entry["prefer"] == "cutlass":
         assert result["96"]["choice"] == entry["winner_name"]
     assert result["200"]["source"] in ("nearest", "heuristic")
-    assert result["200"]["choice"] and result["200"]["err"] < 1e-2
+    assert result["200"]["err"] < 1e-2  # its choice may be torch, if the nearest shape's was
     assert result["200"]["shape"] == [200, 2048]
 
 
