@@ -354,10 +354,19 @@ def cmd_compile(args) -> int:
     from tuning import candidates
 
     spec = _spec_for_args(args)
-    problems = _problems(args)
-    if not problems:
-        raise ValueError("no shapes: give MxNxK arguments, --file or --model")
     kernels: dict[tuple, list[str]] = {}
+    if args.tuned:  # the winners in the cache (imported from another machine, say)
+        from tuning.choice import Choice
+
+        for cache, name, entry in _cache_rows(args):
+            if entry.get("winner") and spec.name.lower() in cache.scope.gpu.lower():
+                problem = GemmProblem.from_dict(entry["problem"])
+                choice = Choice.from_dict(entry["winner"])
+                key = (choice.operands_for(problem.operands), choice.config)
+                kernels.setdefault(key, []).append(_shape_label(problem))
+    problems = _problems(args)
+    if not problems and not kernels:
+        raise ValueError("no shapes: give MxNxK arguments, --file, --model or --tuned")
     for problem in problems:
         for choice in candidates.select(problem, spec, args.strategy,
                                         use_heuristics=not args.no_heuristics):
@@ -372,7 +381,7 @@ def cmd_compile(args) -> int:
         _emit(args, {"gpu": spec.name, "arch": spec.arch, "kernels": rows},
               (["operands", "kernel", "built", "shapes"],
                [[r["operands"], r["kernel"], r["built"], ",".join(r["for"][:3])] for r in rows]),
-              f"{len(rows)} kernels for {len(problems)} shapes on {spec.name}; "
+              f"{len(rows)} kernels on {spec.name}; "
               f"{sum(not r['built'] for r in rows)} to build")
         return EXIT_OK
     from cutlass_ops.kernels import prepare_many
@@ -504,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "would compile; needs nvcc, not a GPU")
     _add_problem_args(p)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--tuned", action="store_true",
+                   help="also the winners already in the tuning cache for this GPU")
     p.add_argument("--gpu", help="rank for this GPU (H100, H200, ...); default: this machine's")
     p.add_argument("--strategy", default="default", choices=["quick", "default", "exhaustive"])
     p.add_argument("--no-heuristics", action="store_true")

@@ -1,0 +1,116 @@
+import logging
+
+import pytest
+import torch
+
+import cutlass_ops
+from cutlass_ops import cache_dir
+from cutlass_ops.config import GemmConfig, GemmOperands, GemmProblem
+from tuning import dispatch
+from tuning.choice import Choice
+from tuning.device import named_spec
+
+OPS = GemmOperands.make("bf16")
+H100 = named_spec("H100")
+WINNER = Choice(GemmConfig(kernel_schedule="cooperative", tile=(128, 256, 64)))
+SMALL = Choice(GemmConfig(tile=(64, 16, 128)), swap_ab=True)
+
+
+def entry(problem, choice=WINNER, prefer="cutlass"):
+    return {"winner": choice.to_dict() if choice else None, "winner_ms": 1.0, "torch_ms": 1.1,
+            "prefer": prefer, "problem": problem.to_dict()}
+
+
+def entries_for(*items):
+    return {p.name: entry(p, *rest) for p, *rest in items}
+
+
+def decide(problem, entries, built=(), online="off"):
+    return dispatch.decide(problem, entries, H100, is_built=lambda c: True,
+                           built_choices=lambda: list(built), online=online)
+
+
+def test_exact_hit_runs_the_winner_or_torch_when_torch_won():
+    p = GemmProblem(OPS, 4096, 4096, 4096)
+    d = decide(p, entries_for((p,)))
+    assert (d.source, d.choice) == ("exact", WINNER)
+    d = decide(p, entries_for((p, WINNER, "torch")))
+    assert (d.source, d.choice) == ("exact", None) and "torch.matmul was faster" in d.reason
+
+
+def test_exact_hit_whose_kernel_is_not_built_does_not_compile_on_a_call():
+    p = GemmProblem(OPS, 4096, 4096, 4096)
+    d = dispatch.decide(p, entries_for((p,)), H100, is_built=lambda c: False,
+                        built_choices=lambda: [SMALL], online="off")
+    assert d.source == "heuristic" and d.choice is not None
+
+
+def test_nearest_tuned_shape_of_the_same_operands():
+    near = GemmProblem(OPS, 128, 4096, 4096)
+    far = GemmProblem(OPS, 200, 1024, 1024)  # closer in M, but other weights
+    other_ops = GemmProblem(GemmOperands.make("f16"), 200, 4096, 4096)
+    entries = {**entries_for((near, SMALL), (far, WINNER)), **entries_for((other_ops,))}
+    d = decide(GemmProblem(OPS, 200, 4096, 4096), entries)
+    assert (d.source, d.choice) == ("nearest", SMALL) and "128x4096x4096" in d.reason
+
+
+def test_nearest_that_preferred_torch_keeps_torch():
+    near = GemmProblem(OPS, 128, 4096, 4096)
+    d = decide(GemmProblem(OPS, 200, 4096, 4096), entries_for((near, WINNER, "torch")))
+    assert d.source == "nearest" and d.choice is None
+
+
+def test_untuned_shape_gets_the_best_built_kernel_at_once():
+    d = decide(GemmProblem(OPS, 8192, 8192, 8192), {}, built=[SMALL, WINNER])
+    assert (d.source, d.choice) == ("heuristic", WINNER)
+
+
+def test_nothing_built_falls_back_to_torch_unless_online():
+    p = GemmProblem(OPS, 1000, 4096, 4096)
+    d = decide(p, {})
+    assert d.source == "torch" and "cutlass-tune tune 1000x4096x4096" in d.reason
+    d = decide(p, {}, online="compile")
+    assert d.source == "online" and d.choice is not None
+
+
+def test_online_mode_is_validated(monkeypatch):
+    with pytest.raises(ValueError):
+        dispatch.set_online("sometimes")
+    monkeypatch.setenv("CUTLASS_OPS_ONLINE", "compile")
+    assert dispatch.online_mode() == "compile"
+    dispatch.set_online("off")
+    assert dispatch.online_mode() == "off"
+    dispatch.set_online(None)
+
+
+def test_unsupported_inputs_run_on_torch_with_one_log_line(caplog):
+    dispatch._logged.clear()
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    with caplog.at_level(logging.WARNING, logger="cutlass_ops"):
+        for _ in range(3):
+            out = cutlass_ops.matmul(a, b)
+    torch.testing.assert_close(out, a @ b)
+    lines = [r.getMessage() for r in caplog.records if "torch.matmul" in r.getMessage()]
+    assert len(lines) == 1 and "cpu" in lines[0]
+    assert cutlass_ops.explain(a, b).source == "torch"
+    # Bad shapes get torch's own error, not a wrong answer.
+    with pytest.raises(RuntimeError):
+        cutlass_ops.matmul(a, torch.randn(15, 4))
+
+
+def test_built_choices_reads_the_artifact_cache(monkeypatch, tmp_path):
+    from cutlass_ops import build, emit, kernels
+
+    if not build.nvcc_available():
+        pytest.skip("nvcc not found")
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    config = GemmConfig(tile=(64, 16, 128))
+    swapped = SMALL.operands_for(OPS)
+    path = emit._emitted_path(swapped, config)
+    cache_dir.atomic_write_text(path, "// fake emitted source")
+    spec = kernels.build_spec(swapped, config, "// fake emitted source")
+    spec.directory.mkdir(parents=True)
+    assert dispatch.built_choices(OPS, "sm90a") == []
+    (spec.directory / "kernel.so").write_bytes(b"")
+    assert dispatch.built_choices(OPS, "sm90a") == [Choice(config, swap_ab=True)]
+    assert kernels.is_built(swapped, config)
