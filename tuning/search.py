@@ -30,6 +30,8 @@ FIRST_ROUND_REPS = 15
 FINALISTS = 4
 FINAL_REPS = 60
 RUNNERS_UP = 8
+BUILD_SHARE = 0.75
+MIN_MEASURE_S = 2.0
 
 # Progress callback: (what, done, total, label), what in {"build", "problem"}.
 Progress = Callable[[str, int, int, str], None]
@@ -75,6 +77,8 @@ def tune(problems: list[GemmProblem], *, backend: Backend, strategy: Strategy | 
     strategy = Strategy(strategy)
     start = time.perf_counter()
     deadline = start + budget_s if budget_s is not None else None
+    # Builds get most of a budget; measuring is quick but must not be starved.
+    build_deadline = start + BUILD_SHARE * budget_s if budget_s is not None else None
     progress = progress or (lambda *args: None)
     device = backend.device()
     cache = cache if cache is not None else TuningCache(backend.scope())
@@ -98,7 +102,7 @@ def tune(problems: list[GemmProblem], *, backend: Backend, strategy: Strategy | 
     done = 0
     progress("build", 0, len(order), "")
     for i in range(0, len(order), chunk):
-        if deadline is not None and time.perf_counter() > deadline and built:
+        if build_deadline is not None and time.perf_counter() > build_deadline and built:
             break
 
         def on_done(spec, result):
@@ -118,7 +122,10 @@ def tune(problems: list[GemmProblem], *, backend: Backend, strategy: Strategy | 
     measure_start = time.perf_counter()
     for n, problem in enumerate(todo):
         progress("problem", n, len(todo), problem.name)
-        entry = _measure(problem, plans[problem], built, backend, strategy, deadline)
+        # Every problem gets a few seconds to measure its best candidates, budget or not.
+        problem_deadline = None if deadline is None else max(
+            deadline, time.perf_counter() + MIN_MEASURE_S)
+        entry = _measure(problem, plans[problem], built, backend, strategy, problem_deadline)
         entry["build_seconds_total"] = round(build_seconds, 2)
         cache.put(problem, entry)
         results[problem] = TuneResult(problem, cache.get(problem) or entry, cached=False)
