@@ -32,6 +32,9 @@ def test_the_issue_configs_are_valid():
     (GemmConfig(cluster=(1, 1, 2)), "cluster K must be 1"),
     (GemmConfig(tile=(128, 256, 64)), "accumulators per thread"),
     (GemmConfig(tile=(128, 256, 128), stages=4), "exceed"),
+    # 7 x 32 KB fits alone but not with a TMA epilogue's tiles (failed to initialize on a GPU).
+    (GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64), cluster=(2, 2, 1), stages=7),
+     "epilogue"),
     (GemmConfig(stages=1), "at least 2 pipeline stages"),
     (GemmConfig(tile_scheduler="streamk"), "stream-K needs the cooperative"),
     (GemmConfig(splits=2), "splits > 1 needs the stream-K"),

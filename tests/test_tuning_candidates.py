@@ -70,10 +70,13 @@ def test_select_gives_a_ranked_diverse_list(strategy, count, mnk):
             assert any(c.swap_ab for c in picked)
 
 
-def test_exhaustive_selects_every_candidate():
+def test_exhaustive_selects_every_candidate_default_picks_first():
     problem = GemmProblem(OPS, 1024, 4096, 4096)
     picked = candidates.select(problem, H100, "exhaustive", use_heuristics=False)
     assert set(picked) == set(candidates.all_choices(problem, "sm90a", exhaustive=True))
+    assert len(picked) == len(set(picked))
+    default = candidates.select(problem, H100, "default", use_heuristics=False)
+    assert picked[:len(default)] == default  # a budget cut leaves it no worse than default
 
 
 def test_model_prefers_big_tiles_for_big_gemms_and_swap_for_skinny_ones():

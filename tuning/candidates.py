@@ -127,7 +127,10 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
     ranked = rank(problem, device, choices)
     limit = strategy.compiled_per_problem
     if limit is None:
-        return ranked
+        # Everything, but the default strategy's diverse picks first: a budget that cuts an
+        # exhaustive search short must leave it no worse than the default one.
+        first = select(problem, device, Strategy.DEFAULT, use_heuristics=use_heuristics)
+        return list(dict.fromkeys(first + ranked))
     picked: list[Choice] = []
     if use_heuristics:
         from tuning import heuristics
