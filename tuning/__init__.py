@@ -1,2 +1,6 @@
-"""Config search, benchmarking and the tuning cache (see the tuning issue). For now: the shared
-timing function used by benchmarks/ and, later, the tuner."""
+"""Config search and dispatch for cutlass_ops GEMMs.
+
+candidates (space, ranking, run-time variants) -> search (build, verify, time in rounds) -> cache
+(per GPU and software versions) -> dispatch (cutlass_ops.matmul); cli is ``cutlass-tune``.
+timing is the one benchmark clock of the project.
+"""
