@@ -40,8 +40,25 @@ def explain(a, b, *, out_dtype=None):
     return _explain(a, b, out_dtype=out_dtype)
 
 
+def convert(model, *, include=None, exclude=()):
+    """Swaps a model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place where our
+    kernels apply; returns a report of every layer and why (see cutlass_ops.nn.convert)."""
+    from cutlass_ops.nn import convert as _convert
+
+    return _convert(model, include=include, exclude=exclude)
+
+
+def __getattr__(name):
+    # cutlass_ops.nn and cutlass_ops.ops import torch and register the custom ops: only on use.
+    if name in ("nn", "ops"):
+        import importlib
+
+        return importlib.import_module(f"cutlass_ops.{name}")
+    raise AttributeError(f"module 'cutlass_ops' has no attribute {name!r}")
+
+
 __all__ = [
-    "__version__", "gemm", "plan", "matmul", "explain", "Arch", "DType", "EpilogueSchedule",
+    "__version__", "gemm", "plan", "matmul", "explain", "convert", "Arch", "DType", "EpilogueSchedule",
     "GemmConfig",
     "GemmOperands", "GemmProblem", "KernelSchedule", "Layout", "RasterOrder", "TileScheduler",
     "BuildError",

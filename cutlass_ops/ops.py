@@ -1,0 +1,134 @@
+"""torch.library custom ops for the GEMM family: ``cutlass_ops::mm``, ``::bmm``, ``::linear``.
+
+Each op runs on the tuned kernel that ``cutlass_ops.matmul``'s dispatch picks (or torch, where
+dispatch falls back), has a fake implementation so that ``torch.compile(fullgraph=True)`` traces
+it without a graph break, and an autograd formula whose backward GEMMs go through the same ops,
+hence the same dispatch and tuning cache:
+    y = x W^T + b:  dX = dY W,  dW = dY^T X,  db = sum of dY over rows.
+Inside an op, autograd is off (the formulas here handle it), so dispatch never refuses an input
+for requiring grad. Launches use torch's current stream and torch's allocator only, so the ops
+can be captured in CUDA graphs once their first call has resolved the kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from tuning import dispatch
+
+
+def _matmul(a: Tensor, b: Tensor) -> Tensor:
+    with torch.no_grad():
+        return dispatch.matmul(a, b)
+
+
+# ---- mm -----------------------------------------------------------------------------------
+
+@torch.library.custom_op("cutlass_ops::mm", mutates_args=())
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for 2-D a (M x K) and b (K x N)."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"cutlass_ops::mm takes 2-D tensors, got {a.dim()}-D and {b.dim()}-D")
+    return _matmul(a, b)
+
+
+@mm.register_fake
+def _mm_fake(a: Tensor, b: Tensor) -> Tensor:
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "cutlass_ops::mm takes 2-D tensors")
+    torch._check(a.shape[1] == b.shape[0], lambda: "cutlass_ops::mm: shapes do not multiply")
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _mm_setup(ctx, inputs, output) -> None:
+    a, b = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _mm_backward(ctx, grad: Tensor):
+    a, b = ctx.saved_tensors
+    grad_a = mm(grad, b.t()) if ctx.needs_input_grad[0] else None  # dA = dY B^T
+    grad_b = mm(a.t(), grad) if ctx.needs_input_grad[1] else None  # dB = A^T dY
+    return grad_a, grad_b
+
+
+mm.register_autograd(_mm_backward, setup_context=_mm_setup)
+
+
+# ---- bmm ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("cutlass_ops::bmm", mutates_args=())
+def bmm(a: Tensor, b: Tensor) -> Tensor:
+    """Batched a @ b: a (L x M x K), b (L x K x N)."""
+    if a.dim() != 3 or b.dim() != 3:
+        raise ValueError(f"cutlass_ops::bmm takes 3-D tensors, got {a.dim()}-D and {b.dim()}-D")
+    return _matmul(a, b)
+
+
+@bmm.register_fake
+def _bmm_fake(a: Tensor, b: Tensor) -> Tensor:
+    torch._check(a.dim() == 3 and b.dim() == 3, lambda: "cutlass_ops::bmm takes 3-D tensors")
+    torch._check(a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1],
+                 lambda: "cutlass_ops::bmm: shapes do not multiply")
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
+
+def _bmm_backward(ctx, grad: Tensor):
+    a, b = ctx.saved_tensors
+    grad_a = bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+    grad_b = bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+bmm.register_autograd(_bmm_backward, setup_context=_mm_setup)
+
+
+# ---- linear -------------------------------------------------------------------------------
+
+@torch.library.custom_op("cutlass_ops::linear", mutates_args=())
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x @ weight^T + bias for x (..., in_features), weight (out_features, in_features): the
+    semantics of torch.nn.functional.linear."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"cutlass_ops::linear: x {tuple(x.shape)} does not match weight "
+                         f"{tuple(weight.shape)}")
+    rows = x.reshape(-1, x.shape[-1])
+    y = _matmul(rows, weight.t())
+    if bias is not None:
+        # Not fused yet: epilogue fusion (bias, activations) through CUTLASS epilogue visitor
+        # trees is still to come.
+        y = y.add_(bias) if y.dtype == bias.dtype else y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@linear.register_fake
+def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    torch._check(weight.dim() == 2 and x.shape[-1] == weight.shape[1],
+                 lambda: "cutlass_ops::linear: x does not match weight")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx, grad: Tensor):
+    x, weight = ctx.saved_tensors
+    rows = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_x = mm(rows, weight).reshape(x.shape)  # dX = dY W
+    if ctx.needs_input_grad[1]:
+        grad_w = mm(rows.t(), x.reshape(-1, x.shape[-1]))  # dW = dY^T X
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = rows.sum(0)
+    return grad_x, grad_w, grad_b
+
+
+linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+__all__ = ["mm", "bmm", "linear"]

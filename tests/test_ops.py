@@ -1,0 +1,77 @@
+"""The custom ops and modules on a CPU: schema, fake implementations, autograd formulas and
+torch.compile tracing (the kernels themselves fall back to torch off the GPU; tests/gpu runs
+them for real)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cutlass_ops
+from cutlass_ops import ops
+from cutlass_ops.nn import Linear
+
+
+def rand(*shape):
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+@pytest.mark.parametrize("op,args", [
+    (ops.mm, (rand(8, 16), rand(16, 4))),
+    (ops.bmm, (rand(2, 8, 16), rand(2, 16, 4))),
+    (ops.linear, (rand(2, 3, 16), rand(4, 16), rand(4))),
+    (ops.linear, (rand(5, 16), rand(4, 16), None)),
+])
+def test_opcheck(op, args):
+    torch.library.opcheck(op, args)
+
+
+def test_autograd_matches_torch():
+    x, w, b = rand(3, 5, 16), rand(8, 16), rand(8)
+    torch.autograd.gradcheck(lambda x, w, b: ops.linear(x, w, b), (x, w, b))
+    torch.autograd.gradcheck(lambda a, b: ops.mm(a, b), (rand(4, 6), rand(6, 3)))
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="does not match"):
+        ops.linear(torch.randn(2, 16), torch.randn(4, 15))
+    with pytest.raises(ValueError, match="2-D"):
+        ops.mm(torch.randn(2, 3, 4), torch.randn(4, 5))
+
+
+def test_compiles_without_graph_breaks():
+    layer = Linear(16, 8)
+    x = torch.randn(4, 16)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_linear_state_dict_is_torch_s():
+    theirs = nn.Linear(16, 8)
+    ours = Linear(16, 8)
+    ours.load_state_dict(theirs.state_dict())
+    again = nn.Linear(16, 8)
+    again.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(again.weight, theirs.weight)
+    shared = Linear.from_linear(theirs)
+    assert shared.weight is theirs.weight and shared.bias is theirs.bias
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(shared(x), theirs(x))
+
+
+def test_convert_reports_why_layers_stay():
+    class Custom(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), Custom(32, 8))
+    before = copy.deepcopy(model)
+    report = cutlass_ops.convert(model)
+    assert report.converted == []
+    assert "move the model to a CUDA device" in report.skipped["0"]
+    assert "subclasses Linear" in report.skipped["2"]
+    assert "converted 0 of 2" in str(report)
+    assert type(model[0]) is nn.Linear  # nothing swapped
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(model(x), before(x))
+    assert cutlass_ops.nn.Linear is Linear  # lazy attribute
