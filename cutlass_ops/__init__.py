@@ -58,8 +58,8 @@ def __getattr__(name):
 
 
 __all__ = [
-    "__version__", "gemm", "plan", "matmul", "explain", "convert", "Arch", "DType", "EpilogueSchedule",
-    "GemmConfig",
+    "__version__", "gemm", "plan", "matmul", "explain", "convert", "Arch", "DType",
+    "EpilogueSchedule", "GemmConfig",
     "GemmOperands", "GemmProblem", "KernelSchedule", "Layout", "RasterOrder", "TileScheduler",
     "BuildError",
     "CutlassOpsError", "EmissionError", "InvalidConfigError", "KernelLaunchError",

@@ -153,6 +153,8 @@ def plan(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0,
         return out
 
     launch.workspace = workspace  # keeps the workspace alive as long as the launcher
+    # For callers that relaunch the same checked problem on other tensors (dispatch's fast path).
+    launch.kernel, launch.args, launch.workspace_bytes = kernel, args, workspace_bytes
     return launch
 
 

@@ -207,23 +207,49 @@ def _torch_route(decision: Decision, out_dtype) -> Route:
 
 
 def _cutlass_route(decision: Decision, out_dtype, key) -> Route:
-    from cutlass_ops import gemm_api
+    """Runs the chosen kernel. The first call goes through gemm_api.plan (every check); later
+    calls with the same signature (shapes, strides, dtypes, alignment, device) reuse its checked
+    launch arguments and only swap in this call's pointers: the per-call host work is an output
+    allocation, a struct copy and the launch."""
+    import torch
+
+    from cutlass_ops import gemm_api, runtime
     from cutlass_ops.errors import InvalidConfigError, UnsupportedInputError
 
     choice = decision.choice
     assert choice is not None
+    prepared: dict[str, Any] = {}
 
-    def launch(a, b):
-        if choice.swap_ab:  # D^T = B^T A^T; the output is allocated so that D is row-major
-            out = _row_major_output(a, b, out_dtype)
-            gemm_api.plan(b.transpose(-1, -2), a.transpose(-1, -2), config=choice.config,
-                          out=out.transpose(-1, -2))()
-            return out
-        return gemm_api.plan(a, b, config=choice.config, out_dtype=out_dtype)()
+    def first_launch(a, b):
+        out = _row_major_output(a, b, out_dtype)
+        if choice.swap_ab:  # D^T = B^T A^T, written through D's transposed view
+            launch = gemm_api.plan(b.transpose(-1, -2), a.transpose(-1, -2),
+                                   config=choice.config, out=out.transpose(-1, -2))
+        else:
+            launch = gemm_api.plan(a, b, config=choice.config, out=out)
+        launch()
+        if hasattr(launch, "kernel"):  # not for empty problems, which launch nothing
+            prepared.update(kernel=launch.kernel, args=launch.args,
+                            workspace_bytes=launch.workspace_bytes)
+        return out
+
+    def fast_launch(a, b):
+        out = _row_major_output(a, b, out_dtype)
+        args = runtime.GemmArgs.from_buffer_copy(prepared["args"])
+        first, second = (b, a) if choice.swap_ab else (a, b)
+        args.a, args.b = first.data_ptr(), second.data_ptr()
+        args.c = args.d = out.data_ptr()
+        size = prepared["workspace_bytes"]
+        workspace = torch.empty(size, dtype=torch.uint8, device=out.device) if size else None
+        prepared["kernel"].run(args, workspace.data_ptr() if size else 0, size,
+                               torch.cuda.current_stream(out.device).cuda_stream)
+        return out
 
     def run(a, b):
+        if prepared:
+            return fast_launch(a, b)
         try:
-            return launch(a, b)
+            return first_launch(a, b)
         except (UnsupportedInputError, InvalidConfigError) as exc:
             # A check the signature did not foresee: this call signature goes to torch from now.
             fallback = _torch_route(Decision("torch", None, str(exc)), out_dtype)

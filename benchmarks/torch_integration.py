@@ -1,0 +1,144 @@
+"""cutlass_ops.nn.Linear against torch.nn.functional.linear: a training step (forward + backward)
+on the LLM shapes, and host overhead per call at a tiny shape.
+
+Step rows: bf16, no bias, y = x W^T then dX = dY W and dW = dY^T X (torch.autograd.grad, so no
+gradient accumulation kernel), ours and torch timed interleaved repetition by repetition with an
+L2 flush; figures are steps per second. ``--tune quick`` first tunes the forward (tn), dX (tt)
+and dW (nt) GEMMs of every shape, so that all three run tuned kernels.
+Host rows: a 16 x 256 x 256 forward in eager mode, calls per second over 3000 back-to-back calls
+(host-bound at this size), for the module and for cutlass_ops.matmul alone.
+Writes benchmarks/results/torch_integration.json.
+
+    python benchmarks/torch_integration.py [--tune quick] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import cutlass_ops  # noqa: E402
+from benchmarks.common import copy_bandwidth_gbs, print_table, write_result  # noqa: E402
+from cutlass_ops import GemmOperands, GemmProblem  # noqa: E402
+from cutlass_ops.nn import Linear  # noqa: E402
+from tuning.timing import do_bench_interleaved  # noqa: E402
+
+SHAPES = [(m, n, k) for m in (128, 1024, 4096) for n, k in ((4096, 4096), (14336, 4096),
+                                                             (4096, 14336))]
+
+
+def step_problems(m, n, k):
+    """The three GEMMs of a Linear step, with their layouts."""
+    return [GemmProblem(GemmOperands.make("bf16", layout_a="row", layout_b="col"), m, n, k),
+            GemmProblem(GemmOperands.make("bf16", layout_a="row", layout_b="row"), m, k, n),
+            GemmProblem(GemmOperands.make("bf16", layout_a="col", layout_b="row"), n, k, m)]
+
+
+def tune(shapes, strategy):
+    from tuning.backend import GpuBackend
+    from tuning.search import tune as run_tune
+
+    problems = [p for shape in shapes for p in step_problems(*shape)]
+    report = run_tune(problems, backend=GpuBackend(), strategy=strategy)
+    print(f"tuned {len(problems)} GEMMs: compiled {report.built} kernels in "
+          f"{report.build_seconds:.0f} s, measured in {report.measure_seconds:.0f} s", flush=True)
+    from tuning import dispatch
+
+    dispatch.reset()
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def step_row(m, n, k):
+    torch.manual_seed(0)
+    theirs = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    ours = Linear.from_linear(theirs)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def step(layer):
+        return lambda: torch.autograd.grad(layer(x), (x, layer.weight), g)
+
+    got, want = step(ours)(), step(theirs)()
+    errors = [rel(a, b) for a, b in zip(got, want)] + [rel(ours(x), theirs(x))]
+    sources = [cutlass_ops.explain(x.detach(), theirs.weight.t()).source,
+               cutlass_ops.explain(g, theirs.weight).source,
+               cutlass_ops.explain(g.t(), x.detach()).source]
+    timings = do_bench_interleaved({"ours": step(ours), "torch": step(theirs)}, reps=30)
+    ours_ms, torch_ms = timings["ours"].median_ms, timings["torch"].median_ms
+    return {"case": f"linear fwd+bwd bf16 M={m} N={n} K={k}", "unit": "steps/s",
+            "ours": round(1e3 / ours_ms, 1), "reference": round(1e3 / torch_ms, 1),
+            "reference_name": "torch.nn.functional.linear",
+            "ratio": round(round(1e3 / ours_ms, 1) / round(1e3 / torch_ms, 1), 4),
+            "correct": max(errors) < 3e-2,
+            "detail": {"ours_ms": round(ours_ms, 4), "reference_ms": round(torch_ms, 4),
+                       "dispatch_fwd_dx_dw": sources, "max_rel_error": round(max(errors), 5),
+                       "tflops_ours": round(6 * m * n * k / ours_ms / 1e9, 1),
+                       "tflops_torch": round(6 * m * n * k / torch_ms / 1e9, 1)}}
+
+
+def calls_per_second(fn, calls=3000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return calls / (time.perf_counter() - start)
+
+
+def host_rows():
+    m, n, k = 16, 256, 256
+    theirs = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    ours = Linear.from_linear(theirs)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w_t = theirs.weight.t()
+    decision = cutlass_ops.explain(x, w_t)
+    rows = []
+    with torch.no_grad():
+        torch_cps = calls_per_second(lambda: F.linear(x, theirs.weight))
+        for name, fn in (("cutlass_ops.nn.Linear", lambda: ours(x)),
+                         ("cutlass_ops.matmul", lambda: cutlass_ops.matmul(x, w_t))):
+            cps = calls_per_second(fn)
+            rows.append({"case": f"host overhead {name} bf16 {m}x{n}x{k} eager", "unit": "calls/s",
+                         "ours": round(cps), "reference": round(torch_cps),
+                         "reference_name": "torch.nn.functional.linear",
+                         "ratio": round(round(cps) / round(torch_cps), 4),
+                         "correct": rel(fn(), F.linear(x, theirs.weight)) < 2e-2,
+                         "detail": {"us_per_call_ours": round(1e6 / cps, 2),
+                                    "us_per_call_reference": round(1e6 / torch_cps, 2),
+                                    "dispatch": decision.source,
+                                    "kernel": decision.choice.name if decision.choice
+                                    else "torch.matmul"}})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tune", choices=["quick", "default"], help="tune the step GEMMs first")
+    parser.add_argument("--quick", action="store_true", help="three shapes, to a _quick file")
+    args = parser.parse_args()
+    shapes = SHAPES[::4] if args.quick else SHAPES
+    if args.tune:
+        tune(shapes + [(16, 256, 256)], args.tune)
+    rows = [step_row(*shape) for shape in shapes] + host_rows()
+    print_table(["case", "ours", "torch", "unit", "ratio", "correct"],
+                [[r["case"], r["ours"], r["reference"], r["unit"], r["ratio"], r["correct"]]
+                 for r in rows])
+    path = write_result("torch_integration_quick" if args.quick else "torch_integration", rows,
+                        copy_bandwidth_gbs=round(copy_bandwidth_gbs(), 1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
