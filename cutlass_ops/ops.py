@@ -94,13 +94,10 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"cutlass_ops::linear: x {tuple(x.shape)} does not match weight "
                          f"{tuple(weight.shape)}")
-    rows = x.reshape(-1, x.shape[-1])
-    y = _matmul(rows, weight.t())
-    if bias is not None:
-        # Not fused yet: epilogue fusion (bias, activations) through CUTLASS epilogue visitor
-        # trees is still to come.
-        y = y.add_(bias) if y.dtype == bias.dtype else y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    # Bias is not fused yet: epilogue fusion (bias, activations) through CUTLASS epilogue
+    # visitor trees is still to come.
+    with torch.no_grad():
+        return _linear_forward(x, weight, bias)
 
 
 @linear.register_fake
@@ -131,4 +128,55 @@ def _linear_backward(ctx, grad: Tensor):
 
 linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
-__all__ = ["mm", "bmm", "linear"]
+
+# ---- eager fast path ------------------------------------------------------------------------
+
+def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    y = dispatch.matmul(rows, weight.t())
+    if bias is not None:
+        y = y.add_(bias) if y.dtype == bias.dtype else y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class _EagerLinear(torch.autograd.Function):
+    """The linear op's formulas as an autograd.Function: in eager mode it costs a few
+    microseconds per call where the custom op's Python dispatch costs about 17 (measured on an
+    H200 host: 27.6 us per nn.Linear call against 9.9 for F.linear)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        with torch.no_grad():
+            if ctx.needs_input_grad[0]:
+                grad_x = dispatch.matmul(rows, weight).reshape(x.shape)
+            if ctx.needs_input_grad[1]:
+                grad_w = dispatch.matmul(rows.t(), x.reshape(-1, x.shape[-1]))
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = rows.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def linear_fast(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``linear`` with the least host work: the custom op while torch.compile traces (it needs
+    the op and its fake), an autograd.Function when gradients are needed, a direct call when
+    not. Same kernels and formulas in all three."""
+    if torch.compiler.is_compiling():
+        return linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
+            bias is not None and bias.requires_grad)):
+        return _EagerLinear.apply(x, weight, bias)
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"cutlass_ops::linear: x {tuple(x.shape)} does not match weight "
+                         f"{tuple(weight.shape)}")
+    return _linear_forward(x, weight, bias)
+
+__all__ = ["mm", "bmm", "linear", "linear_fast"]

@@ -33,11 +33,23 @@ def test_autograd_matches_torch():
     torch.autograd.gradcheck(lambda a, b: ops.mm(a, b), (rand(4, 6), rand(6, 3)))
 
 
+def test_eager_fast_path_matches_the_op():
+    x, w, b = rand(3, 5, 16), rand(8, 16), rand(8)
+    torch.autograd.gradcheck(lambda x, w, b: ops.linear_fast(x, w, b), (x, w, b))
+    with torch.no_grad():
+        torch.testing.assert_close(ops.linear_fast(x, w, b), ops.linear(x, w, b))
+    layer = Linear(16, 8)
+    y = layer(torch.randn(2, 16, requires_grad=True))
+    assert y.grad_fn is not None and "_EagerLinear" in type(y.grad_fn).__name__
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="does not match"):
         ops.linear(torch.randn(2, 16), torch.randn(4, 15))
     with pytest.raises(ValueError, match="2-D"):
         ops.mm(torch.randn(2, 3, 4), torch.randn(4, 5))
+    with pytest.raises(ValueError, match="does not match"), torch.no_grad():
+        ops.linear_fast(torch.randn(2, 16), torch.randn(4, 15))
 
 
 def test_compiles_without_graph_breaks():
