@@ -74,6 +74,11 @@ def step_row(m, n, k):
         decisions = [cutlass_ops.explain(x.detach(), theirs.weight.t()),
                      cutlass_ops.explain(g, theirs.weight), cutlass_ops.explain(g.t(), x.detach())]
     sources = [d.choice.name if d.choice else f"torch ({d.source})" for d in decisions]
+    from tuning import dispatch
+
+    before = dict(dispatch.calls)
+    step(ours)()
+    ran = {kind: dispatch.calls[kind] - before.get(kind, 0) for kind in ("cutlass", "torch")}
     timings = do_bench_interleaved({"ours": step(ours), "torch": step(theirs)}, reps=30)
     ours_ms, torch_ms = timings["ours"].median_ms, timings["torch"].median_ms
     return {"case": f"linear fwd+bwd bf16 M={m} N={n} K={k}", "unit": "steps/s",
@@ -82,7 +87,8 @@ def step_row(m, n, k):
             "ratio": round(round(1e3 / ours_ms, 1) / round(1e3 / torch_ms, 1), 4),
             "correct": max(errors) < 3e-2,
             "detail": {"ours_ms": round(ours_ms, 4), "reference_ms": round(torch_ms, 4),
-                       "dispatch_fwd_dx_dw": sources, "max_rel_error": round(max(errors), 5),
+                       "dispatch_fwd_dx_dw": sources, "gemms_run_per_step": ran,
+                       "max_rel_error": round(max(errors), 5),
                        "tflops_ours": round(6 * m * n * k / ours_ms / 1e9, 1),
                        "tflops_torch": round(6 * m * n * k / torch_ms / 1e9, 1)}}
 

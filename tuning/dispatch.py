@@ -16,6 +16,7 @@ the launch. ``decide`` is the pure part (tested on a CPU); ``explain`` says what
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -48,6 +49,10 @@ class Decision:
 class Route:
     decision: Decision
     run: Callable[..., Any]
+
+    @property
+    def kind(self) -> str:
+        return "torch" if self.decision.choice is None else "cutlass"
 
 
 def set_online(mode: str | None) -> None:
@@ -369,9 +374,16 @@ def _tensors(a, b) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
 
 
+# Calls per route kind ("cutlass" or "torch") in this process: what really ran, for benchmarks
+# and for users checking that a model runs our kernels.
+calls: collections.Counter = collections.Counter()
+
+
 def matmul(a, b, *, out_dtype=None):
     """a @ b on the tuned kernel for this shape (see the module docstring for the order)."""
-    return route(a, b, out_dtype).run(a, b)
+    found = route(a, b, out_dtype)
+    calls[found.kind] += 1
+    return found.run(a, b)
 
 
 def explain(a, b, *, out_dtype=None) -> Decision:
