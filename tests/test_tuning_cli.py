@@ -69,6 +69,11 @@ def test_tune_reads_files_and_models(capsys, tmp_path, monkeypatch):
                       "--tokens", "64", "--strategy", "quick", "--no-heuristics")
     assert [r["shape"] for r in result["results"]] == [
         "16x1024x1024", "32x1024x1024", "64x512x256", "64x256x512"]
+    backward = run_json(capsys, "tune", "--model", "tiny_model:build", "--tokens", "64",
+                        "--backward", "--strategy", "quick", "--no-heuristics")
+    layouts = {(r["shape"], r["operands"].split("_")[5]) for r in backward["results"]}
+    # forward tn, dX = dY W in tt, dW = dY^T X in nt (output row-major: third letter t)
+    assert {("64x512x256", "tnt"), ("64x256x512", "ttt"), ("512x256x64", "ntt")} <= layouts
 
 
 def test_bad_input_is_a_clear_usage_error(capsys):

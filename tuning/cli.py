@@ -63,18 +63,24 @@ def _operands(args) -> GemmOperands:
 def _problems(args) -> list[GemmProblem]:
     from tuning import shapes
 
+    operands = _operands(args)
     found = [shapes.parse_shape(s) for s in args.shapes]
     for path in args.file or []:
         found += shapes.read_shapes_file(path)
+    problems = [GemmProblem(operands, m, n, k, batch) for m, n, k, batch in found]
     if getattr(args, "model", None):
         if not args.tokens:
             raise ValueError("--model needs --tokens (rows of activations per call, e.g. batch "
                              "x sequence length)")
         model = shapes.load_model(args.model)
-        found += shapes.harvest_linear_shapes(model, args.tokens, backward=args.backward)
-    operands = _operands(args)
-    return list(dict.fromkeys(GemmProblem(operands, m, n, k, batch)
-                              for m, n, k, batch in found))
+        # Each of a Linear's GEMMs in the layouts cutlass_ops.nn.Linear runs it with.
+        for (m, n, k, batch), layout in shapes.harvest_linear_gemms(model, args.tokens,
+                                                                     backward=args.backward):
+            letters = {"t": "row", "n": "col"}
+            ops = GemmOperands.make(args.dtype, layout_a=letters[layout[0]],
+                                    layout_b=letters[layout[1]], out_dtype=args.out_dtype)
+            problems.append(GemmProblem(ops, m, n, k, batch))
+    return list(dict.fromkeys(problems))
 
 
 def _shape_label(problem: dict | GemmProblem) -> str:
@@ -459,7 +465,8 @@ def _add_problem_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                        "Linear layers give the shapes (built on the meta device)")
         p.add_argument("--tokens", type=int, help="rows per call for --model (batch x seq)")
         p.add_argument("--backward", action="store_true",
-                       help="with --model, add the two backward GEMMs of each Linear")
+                       help="with --model, add the two backward GEMMs of each Linear (dX = dY W "
+                       "in layout tt, dW = dY^T X in nt, as cutlass_ops.nn.Linear runs them)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
     p.add_argument("--out-dtype", choices=["bf16", "f16", "f32"], help="default: --dtype")
     p.add_argument("--layout", default="tn", help="A, B (and D) layouts: t row-major, "

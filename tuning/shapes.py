@@ -88,6 +88,28 @@ def harvest_linear_shapes(model: Any, tokens: int, *, backward: bool = False) ->
     return list(shapes)
 
 
+# Layouts (A, B as t = row-major, n = column-major) of a Linear layer's GEMMs as cutlass_ops.ops
+# runs them: y = x W^T reads W as a column-major B; dX = dY W reads W row-major; dW = dY^T X reads
+# dY transposed (column-major A).
+LINEAR_LAYOUTS = ("tn", "tt", "nt")
+
+
+def harvest_linear_gemms(model: Any, tokens: int, *,
+                         backward: bool = False) -> list[tuple[Shape, str]]:
+    """Like ``harvest_linear_shapes``, with each GEMM's operand layouts: what to tune so that
+    cutlass_ops.nn.Linear finds exact hits in forward and backward."""
+    import torch
+
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    gemms: dict[tuple[Shape, str], None] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            shapes = _linear_gemms(tokens, module.in_features, module.out_features, backward)
+            gemms.update(dict.fromkeys(zip(shapes, LINEAR_LAYOUTS)))
+    return list(gemms)
+
+
 def _split_model_spec(spec: str) -> tuple[str, str]:
     module_name, separator, attribute = spec.partition(":")
     module_name, attribute = module_name.strip(), attribute.strip()
