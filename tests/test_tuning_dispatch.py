@@ -115,3 +115,46 @@ def test_built_choices_reads_the_artifact_cache(monkeypatch, tmp_path):
     (spec.directory / "kernel.so").write_bytes(b"")
     assert dispatch.built_choices(OPS, "sm90a") == [Choice(config, swap_ab=True)]
     assert kernels.is_built(swapped, config)
+
+
+class _FakeKernel:
+    def __init__(self):
+        self.launches = []
+
+    def run(self, args, workspace_ptr, workspace_bytes, stream):
+        self.launches.append((args.a, args.b, args.c, args.d, args.m, args.n))
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_fast_path_swaps_in_the_pointers_plan_would_use(monkeypatch, swap):
+    """After the first (fully checked) launch, a call with the same signature reuses the launch
+    arguments with this call's pointers: they must be the ones plan() would have set."""
+    from cutlass_ops import gemm_api, runtime
+
+    kernel = _FakeKernel()
+
+    def fake_plan(a, b, c=None, *, config, out=None, out_dtype=None, **_):
+        args = runtime.GemmArgs(m=a.shape[0], n=b.shape[1], a=a.data_ptr(), b=b.data_ptr(),
+                                c=out.data_ptr(), d=out.data_ptr())
+
+        def launch():
+            kernel.run(args, 0, 0, 0)
+            return out
+
+        launch.kernel, launch.args, launch.workspace_bytes = kernel, args, 0
+        return launch
+
+    monkeypatch.setattr(gemm_api, "plan", fake_plan)
+    monkeypatch.setattr(dispatch, "_current_stream", lambda index: 0)
+    route = dispatch._cutlass_route(
+        dispatch.Decision("exact", Choice(GemmConfig(), swap_ab=swap), "test"), None, None)
+    for _ in range(3):  # the first launch goes through plan, the others through the fast path
+        a, b = torch.randn(16, 32), torch.randn(32, 8)
+        out = route.run(a, b)
+        assert out.shape == (16, 8) and out.is_contiguous()
+        want = ((b.data_ptr(), a.data_ptr()) if swap else (a.data_ptr(), b.data_ptr())) + (
+            out.data_ptr(), out.data_ptr())
+        assert kernel.launches[-1][:4] == want
+        # Sizes come from the first launch's checked arguments (same signature).
+        assert kernel.launches[-1][4:] == kernel.launches[0][4:]
+    assert len(kernel.launches) == 3
