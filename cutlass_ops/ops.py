@@ -20,7 +20,10 @@ from torch import Tensor
 from tuning import dispatch
 
 
-def _matmul(a: Tensor, b: Tensor) -> Tensor:
+def _matmul(a: Tensor, b: Tensor, dims: int, op: str) -> Tensor:
+    if a.dim() != dims or b.dim() != dims:
+        raise ValueError(f"cutlass_ops::{op} takes {dims}-D tensors, got {a.dim()}-D and "
+                         f"{b.dim()}-D")
     with torch.no_grad():
         return dispatch.matmul(a, b)
 
@@ -30,9 +33,7 @@ def _matmul(a: Tensor, b: Tensor) -> Tensor:
 @torch.library.custom_op("cutlass_ops::mm", mutates_args=())
 def mm(a: Tensor, b: Tensor) -> Tensor:
     """a @ b for 2-D a (M x K) and b (K x N)."""
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"cutlass_ops::mm takes 2-D tensors, got {a.dim()}-D and {b.dim()}-D")
-    return _matmul(a, b)
+    return _matmul(a, b, 2, "mm")
 
 
 @mm.register_fake
@@ -62,9 +63,7 @@ mm.register_autograd(_mm_backward, setup_context=_mm_setup)
 @torch.library.custom_op("cutlass_ops::bmm", mutates_args=())
 def bmm(a: Tensor, b: Tensor) -> Tensor:
     """Batched a @ b: a (L x M x K), b (L x K x N)."""
-    if a.dim() != 3 or b.dim() != 3:
-        raise ValueError(f"cutlass_ops::bmm takes 3-D tensors, got {a.dim()}-D and {b.dim()}-D")
-    return _matmul(a, b)
+    return _matmul(a, b, 3, "bmm")
 
 
 @bmm.register_fake
@@ -91,9 +90,6 @@ bmm.register_autograd(_bmm_backward, setup_context=_mm_setup)
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """x @ weight^T + bias for x (..., in_features), weight (out_features, in_features): the
     semantics of torch.nn.functional.linear."""
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"cutlass_ops::linear: x {tuple(x.shape)} does not match weight "
-                         f"{tuple(weight.shape)}")
     # Bias is not fused yet: epilogue fusion (bias, activations) through CUTLASS epilogue
     # visitor trees is still to come.
     with torch.no_grad():
@@ -132,6 +128,9 @@ linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 # ---- eager fast path ------------------------------------------------------------------------
 
 def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"cutlass_ops::linear: x {tuple(x.shape)} does not match weight "
+                         f"{tuple(weight.shape)}")
     flat = x.dim() == 2  # the common case in a host-bound loop: no reshapes
     y = dispatch.matmul(x if flat else x.reshape(-1, x.shape[-1]), weight.t())
     if bias is not None:
@@ -174,9 +173,6 @@ def linear_fast(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Ten
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
             bias is not None and bias.requires_grad)):
         return _EagerLinear.apply(x, weight, bias)
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"cutlass_ops::linear: x {tuple(x.shape)} does not match weight "
-                         f"{tuple(weight.shape)}")
     return _linear_forward(x, weight, bias)
 
 __all__ = ["mm", "bmm", "linear", "linear_fast"]

@@ -50,6 +50,10 @@ def test_bad_shapes_raise():
         ops.mm(torch.randn(2, 3, 4), torch.randn(4, 5))
     with pytest.raises(ValueError, match="does not match"), torch.no_grad():
         ops.linear_fast(torch.randn(2, 16), torch.randn(4, 15))
+    with pytest.raises(ValueError, match="does not match"):  # the autograd path checks too
+        ops.linear_fast(torch.randn(2, 16, requires_grad=True), torch.randn(4, 15))
+    with pytest.raises(ValueError, match="3-D"):
+        ops.bmm(torch.randn(2, 3), torch.randn(3, 4))
 
 
 def test_compiles_without_graph_breaks():

@@ -47,11 +47,14 @@ def _print_table(headers: list[str], rows: list[list]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
 
 
+_LAYOUT_LETTERS = {"t": "row", "n": "col"}  # BLAS-style: t row-major, n column-major
+
+
 def _operands(args) -> GemmOperands:
     layout = args.layout.lower()
     if len(layout) == 2:
         layout += "t"
-    letters = {"t": "row", "n": "col"}
+    letters = _LAYOUT_LETTERS
     if len(layout) != 3 or any(c not in letters for c in layout):
         raise ValueError(f"--layout takes 2 or 3 letters of t (row-major) / n (column-major), "
                          f"got {args.layout!r}")
@@ -76,9 +79,9 @@ def _problems(args) -> list[GemmProblem]:
         # Each of a Linear's GEMMs in the layouts cutlass_ops.nn.Linear runs it with.
         for (m, n, k, batch), layout in shapes.harvest_linear_gemms(model, args.tokens,
                                                                      backward=args.backward):
-            letters = {"t": "row", "n": "col"}
-            ops = GemmOperands.make(args.dtype, layout_a=letters[layout[0]],
-                                    layout_b=letters[layout[1]], out_dtype=args.out_dtype)
+            ops = GemmOperands.make(args.dtype, layout_a=_LAYOUT_LETTERS[layout[0]],
+                                    layout_b=_LAYOUT_LETTERS[layout[1]],
+                                    out_dtype=args.out_dtype)
             problems.append(GemmProblem(ops, m, n, k, batch))
     return list(dict.fromkeys(problems))
 
