@@ -4,48 +4,64 @@ Importing this package does nothing else: no CUDA initialization, no files, no c
 """
 
 from cutlass_ops._version import __version__
-from cutlass_ops.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
-                                GemmProblem, KernelSchedule, Layout, RasterOrder, TileScheduler)
+from cutlass_ops.config import (Activation, Arch, BiasMode, DType, Epilogue, EpilogueSchedule,
+                                GemmConfig, GemmOperands, GemmProblem, KernelSchedule, Layout,
+                                RasterOrder, TileScheduler)
 from cutlass_ops.errors import (BuildError, CutlassOpsError, EmissionError, InvalidConfigError,
                                 KernelLaunchError, ToolchainError, UnsupportedInputError)
 
 
-def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, config, out=None, out_dtype=None):
-    """D = alpha * (a @ b) + beta * c with one chosen CUTLASS config (see gemm_api.gemm)."""
+def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, bias=None, activation="identity", config,
+         out=None, out_dtype=None):
+    """D = activation(alpha * (a @ b) + bias) + beta * c with one chosen CUTLASS config (see
+    gemm_api.gemm)."""
     from cutlass_ops.gemm_api import gemm as _gemm
 
-    return _gemm(a, b, c, alpha=alpha, beta=beta, config=config, out=out, out_dtype=out_dtype)
+    return _gemm(a, b, c, alpha=alpha, beta=beta, bias=bias, activation=activation,
+                 config=config, out=out, out_dtype=out_dtype)
 
 
-def plan(a, b, c=None, *, alpha=1.0, beta=0.0, config, out=None, out_dtype=None):
+def plan(a, b, c=None, *, alpha=1.0, beta=0.0, bias=None, activation="identity", config,
+         out=None, out_dtype=None):
     """Checks once and returns ``launch()`` for repeated runs (see gemm_api.plan)."""
     from cutlass_ops.gemm_api import plan as _plan
 
-    return _plan(a, b, c, alpha=alpha, beta=beta, config=config, out=out, out_dtype=out_dtype)
+    return _plan(a, b, c, alpha=alpha, beta=beta, bias=bias, activation=activation,
+                 config=config, out=out, out_dtype=out_dtype)
 
 
-def matmul(a, b, *, out_dtype=None):
-    """a @ b on the tuned CUTLASS kernel for this GPU and shape: an exact tuning-cache hit, else
-    the nearest tuned shape's kernel, else the best already-built kernel, else torch.matmul (with
-    one log line saying why). See tuning.dispatch."""
-    from tuning.dispatch import matmul as _matmul
-
-    return _matmul(a, b, out_dtype=out_dtype)
-
-
-def explain(a, b, *, out_dtype=None):
-    """What ``matmul(a, b)`` runs and why: a Decision(source, choice, reason)."""
-    from tuning.dispatch import explain as _explain
-
-    return _explain(a, b, out_dtype=out_dtype)
+def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=None, alpha=1.0,
+           beta=1.0):
+    """activation(alpha * (a @ b) + bias) + beta * residual on the tuned CUTLASS kernel for this
+    GPU, shape and epilogue: an exact tuning-cache hit, else the nearest tuned shape's kernel,
+    else the best already-built kernel, else torch (with one log line saying why); an epilogue
+    without a fused kernel runs after the plain GEMM, in torch. See tuning.dispatch."""
+    return _dispatch().matmul(a, b, out_dtype=out_dtype, bias=bias, activation=activation,
+                              residual=residual, alpha=alpha, beta=beta)
 
 
-def convert(model, *, include=None, exclude=()):
+def explain(a, b, *, out_dtype=None, bias=None, activation="identity", residual=None):
+    """What ``matmul(a, b, ...)`` runs and why: a Decision(source, choice, reason)."""
+    return _dispatch().explain(a, b, out_dtype=out_dtype, bias=bias, activation=activation,
+                               residual=residual)
+
+
+def _dispatch():
+    import sys
+
+    module = sys.modules.get("tuning.dispatch")
+    if module is None:  # first call: import it (and torch) now, not at package import
+        import tuning.dispatch as module
+    return module
+
+
+def convert(model, **options):
     """Swaps a model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place where our
-    kernels apply; returns a report of every layer and why (see cutlass_ops.nn.convert)."""
+    kernels apply, fusing activations that follow them in an nn.Sequential; returns a report of
+    every layer and why (see cutlass_ops.nn.convert for the options)."""
     from cutlass_ops.nn import convert as _convert
 
-    return _convert(model, include=include, exclude=exclude)
+    return _convert(model, **options)
 
 
 def __getattr__(name):
@@ -58,7 +74,8 @@ def __getattr__(name):
 
 
 __all__ = [
-    "__version__", "gemm", "plan", "matmul", "explain", "convert", "Arch", "DType",
+    "__version__", "gemm", "plan", "matmul", "explain", "convert", "Activation", "Arch",
+    "BiasMode", "DType", "Epilogue",
     "EpilogueSchedule", "GemmConfig",
     "GemmOperands", "GemmProblem", "KernelSchedule", "Layout", "RasterOrder", "TileScheduler",
     "BuildError",

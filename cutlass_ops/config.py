@@ -76,6 +76,99 @@ class Arch(str, enum.Enum):
         return 90 if self is Arch.SM90A else 100
 
 
+class Activation(str, enum.Enum):
+    """The elementwise function of a fused epilogue (CUTLASS's epilogue thread functors)."""
+
+    IDENTITY = "identity"
+    RELU = "relu"
+    GELU = "gelu"  # erf form, torch's F.gelu default (cutlass::epilogue::thread::GELU)
+    GELU_TANH = "gelu_tanh"  # F.gelu(approximate="tanh") (cutlass::epilogue::thread::GELU_taylor)
+    SILU = "silu"
+
+
+class BiasMode(str, enum.Enum):
+    """Which extent a fused bias vector runs along. ``N``: one value per output column, the same
+    for every row (nn.Linear's bias; CUTLASS's row broadcast). ``M``: one value per output row
+    (what nn.Linear's bias becomes when the GEMM runs swapped, D^T = B^T A^T)."""
+
+    NONE = "none"
+    N = "n"
+    M = "m"
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """What a kernel does to the accumulator before it stores D, fused into the GEMM through a
+    CUTLASS epilogue visitor tree:
+
+        D = activation(alpha * (A @ B) + bias) + beta * C
+
+    C is the residual (read only when ``residual``); alpha and beta are run-time scalars. The
+    default (no bias, identity, no residual flag) is the plain ``alpha * AB + beta * C`` of every
+    kernel, which still takes a C at run time.
+    """
+
+    activation: Activation = Activation.IDENTITY
+    bias: BiasMode = BiasMode.NONE
+    residual: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "activation", Activation(self.activation))
+        object.__setattr__(self, "bias", BiasMode(self.bias))
+        object.__setattr__(self, "residual", bool(self.residual))
+
+    @property
+    def is_default(self) -> bool:
+        return self == Epilogue()
+
+    @property
+    def name(self) -> str:
+        """"" for the default, else e.g. ``bias_n-gelu_tanh-res``."""
+        parts = []
+        if self.bias is not BiasMode.NONE:
+            parts.append(f"bias_{self.bias.value}")
+        if self.activation is not Activation.IDENTITY:
+            parts.append(self.activation.value)
+        if self.residual:
+            parts.append("res")
+        return "-".join(parts)
+
+    def transposed(self) -> Epilogue:
+        """The same epilogue on D^T: a bias along N runs along M there, and the other way."""
+        flip = {BiasMode.N: BiasMode.M, BiasMode.M: BiasMode.N, BiasMode.NONE: BiasMode.NONE}
+        return dataclasses.replace(self, bias=flip[self.bias])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Epilogue:
+        return cls(**(data or {}))
+
+    @classmethod
+    def parse(cls, text: str | None) -> Epilogue:
+        """From a comma list as the CLI takes it: ``bias,gelu_tanh,residual`` (``bias`` is
+        ``bias_n``; the order does not matter; ``""`` or ``none`` is the default)."""
+        fields: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in (text or "").split(","))):
+            if part == "none":
+                continue
+            if part in ("bias", "bias_n"):
+                fields["bias"] = BiasMode.N
+            elif part == "bias_m":
+                fields["bias"] = BiasMode.M
+            elif part in ("res", "residual"):
+                fields["residual"] = True
+            else:
+                try:
+                    fields["activation"] = Activation(part)
+                except ValueError:
+                    known = ", ".join(a.value for a in Activation)
+                    raise ValueError(f"unknown epilogue part {part!r}: use bias, bias_m, "
+                                     f"residual, or an activation ({known})") from None
+        return cls(**fields)
+
+
 Triple = tuple[int, int, int]
 
 
@@ -95,7 +188,9 @@ class GemmOperands:
     """What a kernel is compiled for: element types, layouts and alignments (in elements).
 
     D = alpha * (A @ B) + beta * C, with A (M x K), B (K x N), C and D (M x N). C and D share one
-    element type and layout. The accumulator is f32 (f16 is allowed for f16 operands).
+    element type and layout. The accumulator is f32 (f16 is allowed for f16 operands). A fused
+    ``epilogue`` (bias, activation, residual) is compiled in, so it is part of the kernel's and
+    the tuned problem's identity.
     """
 
     element_a: DType
@@ -109,8 +204,11 @@ class GemmOperands:
     alignment_a: int
     alignment_b: int
     alignment_c: int
+    epilogue: Epilogue = Epilogue()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.epilogue, Epilogue):
+            object.__setattr__(self, "epilogue", Epilogue.from_dict(self.epilogue))
         for name in ("element_a", "element_b", "element_c", "element_d", "element_accumulator"):
             object.__setattr__(self, name, DType(getattr(self, name)))
         for name in ("layout_a", "layout_b", "layout_c"):
@@ -126,12 +224,19 @@ class GemmOperands:
     @classmethod
     def make(cls, dtype: str | DType, *, layout_a: str | Layout = Layout.ROW,
              layout_b: str | Layout = Layout.COL, layout_c: str | Layout = Layout.ROW,
-             out_dtype: str | DType | None = None) -> GemmOperands:
+             out_dtype: str | DType | None = None,
+             epilogue: Epilogue | str | None = None) -> GemmOperands:
         """The common case: A and B of one type, f32 accumulation, 16-byte (TMA) alignment."""
         dtype = DType(dtype)
         out = DType(out_dtype) if out_dtype is not None else dtype
+        if not isinstance(epilogue, Epilogue):
+            epilogue = Epilogue.parse(epilogue)
         return cls(dtype, dtype, out, out, DType.F32, Layout(layout_a), Layout(layout_b),
-                   Layout(layout_c), 16 // dtype.bytes, 16 // dtype.bytes, 16 // out.bytes)
+                   Layout(layout_c), 16 // dtype.bytes, 16 // dtype.bytes, 16 // out.bytes,
+                   epilogue)
+
+    def with_epilogue(self, epilogue: Epilogue) -> GemmOperands:
+        return dataclasses.replace(self, epilogue=epilogue)
 
     @property
     def layout_name(self) -> str:
@@ -142,14 +247,20 @@ class GemmOperands:
         types = "_".join(e.value for e in (self.element_a, self.element_b, self.element_c,
                                             self.element_d, self.element_accumulator))
         aligns = f"align{self.alignment_a}x{self.alignment_b}x{self.alignment_c}"
-        return f"{types}_{self.layout_name}_{aligns}"
+        # The default epilogue adds nothing, so names (and cache keys) of plain GEMMs are stable.
+        epilogue = f"_{self.epilogue.name}" if not self.epilogue.is_default else ""
+        return f"{types}_{self.layout_name}_{aligns}{epilogue}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if self.epilogue.is_default:  # plain GEMMs keep the dict (and the hashes) they had
+            del out["epilogue"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GemmOperands:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "epilogue"}
+        return cls(**fields, epilogue=Epilogue.from_dict(data.get("epilogue")))
 
 
 @dataclasses.dataclass(frozen=True)

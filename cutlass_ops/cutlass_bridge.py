@@ -17,8 +17,8 @@ import sys
 import traceback
 from typing import Any
 
-from cutlass_ops.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
-                                KernelSchedule, Layout, TileScheduler)
+from cutlass_ops.config import (Activation, Arch, BiasMode, DType, Epilogue, EpilogueSchedule,
+                                GemmConfig, GemmOperands, KernelSchedule, Layout, TileScheduler)
 
 _DTYPES = {DType.BF16: "bf16", DType.F16: "f16", DType.F32: "f32"}
 
@@ -58,6 +58,81 @@ def _plan(operands: GemmOperands, arch: Arch):
         element_accumulator=element[operands.element_accumulator],
         layout_A=layout[operands.layout_a], layout_B=layout[operands.layout_b],
         layout_C=layout[operands.layout_c], cc=arch.cc, kernel_cc=arch.cc)
+
+
+# Names the EVT frontend knows (cutlass_cppgen.backend.evt.frontend.python_ast); "gelu_tanh" is
+# ours, mapped below onto CUTLASS's GELU_taylor, which cutlass_cppgen has but does not name.
+_ACTIVATION_CALLS = {Activation.RELU: "relu", Activation.GELU: "gelu",
+                     Activation.GELU_TANH: "gelu_tanh", Activation.SILU: "silu"}
+
+
+def epilogue_function(epilogue: Epilogue) -> str:
+    """The Python source cutlass_cppgen traces into an epilogue visitor tree:
+    ``D = activation(alpha * accum + bias) + beta * C``, each part only where the epilogue has
+    it. The launcher fills the tree's arguments by node kind, in this order: alpha before beta."""
+    params, expr = ["accum", "alpha"], "alpha * accum"
+    if epilogue.bias is not BiasMode.NONE:
+        params.append("bias")
+        expr += " + bias"
+    if epilogue.activation is not Activation.IDENTITY:
+        expr = f"{_ACTIVATION_CALLS[epilogue.activation]}({expr})"
+    if epilogue.residual:
+        params += ["beta", "C"]
+        expr += " + beta * C"
+    return f"def epilogue({', '.join(params)}):\n    D = {expr}\n    return D\n"
+
+
+def _patch_evt_frontend() -> None:
+    """Two gaps in cutlass_cppgen 4.2's EVT frontend: tracing from source text uses ``ast`` and
+    ``textwrap`` without importing them, and the tanh GELU has no name."""
+    import ast
+    import textwrap
+
+    import cutlass_cppgen.epilogue.epilogue as epilogue_module
+    from cutlass_cppgen.backend.evt.frontend.python_ast import PythonASTFrontend
+    from cutlass_cppgen.backend.library import ActivationOp
+
+    epilogue_module.ast, epilogue_module.textwrap = ast, textwrap
+    if getattr(PythonASTFrontend, "_cutlass_ops_patched", False):
+        return
+    known = PythonASTFrontend.ast_op_to_bindings
+
+    def bindings(op):
+        return ActivationOp.GeluTaylor if op == "gelu_tanh" else known(op)
+
+    PythonASTFrontend.ast_op_to_bindings = staticmethod(bindings)
+    PythonASTFrontend._cutlass_ops_patched = True
+
+
+def _epilogue_visitor(operands: GemmOperands, arch: Arch):
+    """The traced visitor tree. Example operands are described, not allocated: C and D in the
+    operands' layout with dynamic batch strides (so batched GEMMs work), the bias as a (1, 1, N)
+    or (1, M, 1) broadcast."""
+    cutlass_cppgen, cutlass_library = _cutlass()
+    from cutlass_cppgen.backend.evt.ir.tensor import Tensor
+
+    _patch_evt_frontend()
+    element = {DType.BF16: cutlass_library.DataType.bf16, DType.F16: cutlass_library.DataType.f16,
+               DType.F32: cutlass_library.DataType.f32}
+    batch, m, n = 2, 256, 512  # any sizes: only the layouts and broadcasts are read
+
+    def matrix(dtype: DType, layout: Layout):
+        stride = (m * n, n, 1) if layout is Layout.ROW else (m * n, 1, m)
+        return Tensor(element=element[dtype], shape=(batch, m, n), stride=stride)
+
+    epilogue = operands.epilogue
+    examples = {"accum": matrix(operands.element_accumulator, Layout.ROW), "alpha": 1.0,
+                "D": matrix(operands.element_d, operands.layout_c)}
+    if epilogue.bias is BiasMode.N:
+        examples["bias"] = Tensor(element=element[operands.element_d], shape=(1, 1, n),
+                                  stride=(n, n, 1))
+    elif epilogue.bias is BiasMode.M:
+        examples["bias"] = Tensor(element=element[operands.element_d], shape=(1, m, 1),
+                                  stride=(m, 1, 1))
+    if epilogue.residual:
+        examples["beta"] = 1.0
+        examples["C"] = matrix(operands.element_c, operands.layout_c)
+    return cutlass_cppgen.epilogue.trace(epilogue_function(epilogue), examples, cc=arch.cc)
 
 
 def tile_descriptions(operands: GemmOperands, arch: Arch) -> list[dict[str, Any]]:
@@ -131,10 +206,16 @@ def emit(operands: GemmOperands, config: GemmConfig) -> str:
         "epilogue_schedule": epilogue,
         "tile_scheduler": tile_scheduler,
     })
+    if not operands.epilogue.is_default:
+        plan.epilogue_visitor = _epilogue_visitor(operands, config.arch)
     operation = plan.construct(td, operands.alignment_a, operands.alignment_b, operands.alignment_c)
     emitter = EmitGemmUniversalInstance3x("_type")
     includes = "".join(f'#include "{header}"\n' for header in emitter.includes)
     body = emitter.emit(operation.device_op())
+    if "using DeviceKernel" not in body:  # the visitor template declares the kernel type only
+        name = operation.device_op().procedural_name()
+        body += ("\nusing DeviceKernel = "
+                 f"cutlass::gemm::device::GemmUniversalAdapter<{name}_type>;\n")
     return f"// cutlass-ops kernel {config.build_name} for {operands.name}\n{includes}{body}"
 
 

@@ -1,6 +1,8 @@
 """``gemm``: one CUTLASS GEMM with an explicit config on torch tensors.
 
-D = alpha * (A @ B) + beta * C, for 2-D operands or batches of them (3-D, batch first). The kernel
+D = activation(alpha * (A @ B) + bias) + beta * C, for 2-D operands or batches of them (3-D, batch
+first); bias and activation are fused into the kernel's epilogue (a CUTLASS epilogue visitor
+tree), so a fused problem has kernels of its own (``GemmOperands.epilogue``). The kernel
 for (operands, config) is emitted, built and loaded on first use and memoized; it runs on torch's
 current stream on the tensors' own device, with its workspace from torch's caching allocator.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from cutlass_ops import kernels, operands as ops, runtime, space
-from cutlass_ops.config import GemmConfig, Layout
+from cutlass_ops.config import Activation, BiasMode, Epilogue, GemmConfig, Layout
 from cutlass_ops.errors import UnsupportedInputError
 
 
@@ -73,19 +75,49 @@ def _check_like(t, name: str, shape, dtype) -> None:
         raise UnsupportedInputError(f"{name} has dtype {t.dtype}, expected {dtype}")
 
 
-def gemm(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0,
+def gemm(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0, bias=None,
+         activation: Activation | str = Activation.IDENTITY,
          config: GemmConfig | str | dict, out=None, out_dtype=None):
-    """D = alpha * (a @ b) + beta * c with the CUTLASS kernel ``config`` describes.
+    """D = activation(alpha * (a @ b) + bias) + beta * c with the CUTLASS kernel ``config``
+    describes.
 
     a: (M, K) or (L, M, K); b: (K, N) or (L, K, N); c and out: the output's shape. Each operand
     may be row- or column-major with any 16-byte aligned leading dimension. bf16, f16 and f32
     (tf32) operands; the output type is ``out_dtype``, else out's, else c's, else a's. Like
-    torch.addmm, beta = 0 ignores c (NaNs included). Returns ``out`` (allocated if not given).
+    torch.addmm, beta = 0 ignores c (NaNs included). ``bias``: (N,) or (1, N), one value per
+    output column (nn.Linear's), or (M, 1), one per row; contiguous, the output's dtype, shared
+    by every batch. ``activation``: identity, relu, gelu (erf), gelu_tanh or silu. Returns ``out``
+    (allocated if not given).
     """
-    return plan(a, b, c, alpha=alpha, beta=beta, config=config, out=out, out_dtype=out_dtype)()
+    return plan(a, b, c, alpha=alpha, beta=beta, bias=bias, activation=activation, config=config,
+                out=out, out_dtype=out_dtype)()
 
 
-def plan(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0,
+def bias_mode(bias, m: int, n: int) -> BiasMode:
+    """Which extent ``bias`` runs along, from its shape as torch would broadcast it."""
+    if bias is None:
+        return BiasMode.NONE
+    shape = tuple(bias.shape)
+    if shape in ((n,), (1, n)):
+        return BiasMode.N
+    if shape == (m, 1):
+        return BiasMode.M
+    raise UnsupportedInputError(f"bias has shape {shape}; a fused bias is ({n},) or (1, {n}) "
+                                f"(one per output column) or ({m}, 1) (one per row)")
+
+
+def _check_bias(bias, dtype, device) -> None:
+    if bias.device != device:
+        raise UnsupportedInputError(f"bias is on {bias.device}, the operands on {device}")
+    if bias.dtype != dtype:
+        raise UnsupportedInputError(f"bias has dtype {bias.dtype}; the fused epilogue reads it "
+                                    f"in the output's dtype {dtype} (convert it)")
+    if not bias.is_contiguous() or bias.data_ptr() % 16:
+        raise UnsupportedInputError("bias must be contiguous and 16-byte aligned")
+
+
+def plan(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0, bias=None,
+         activation: Activation | str = Activation.IDENTITY,
          config: GemmConfig | str | dict, out=None, out_dtype=None) -> Callable[[], Any]:
     """Checks everything, loads the kernel and returns ``launch()``, which runs the GEMM on the
     current stream and returns ``out``. Repeated launches redo no Python-side work: for
@@ -114,10 +146,21 @@ def plan(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0,
             Layout.ROW
         out = _output(out_shape, out_dtype, layout, device)
 
+    activation = Activation(activation)
+    mode = bias_mode(bias, m, n)
+    if bias is not None:
+        _check_bias(bias, out_dtype, device)
     if out.numel() == 0:
         return lambda: out
-    if k == 0:  # an empty sum: torch gives beta * C, or zeros
-        return lambda: out.copy_(c).mul_(beta) if c is not None else out.zero_()
+    if k == 0:  # an empty sum: the epilogue of a zero accumulator
+        def empty_sum():
+            from cutlass_ops import epilogues
+
+            zero = torch.zeros(out_shape, dtype=torch.float32, device=device)
+            return out.copy_(epilogues.apply(zero, bias=bias, activation=activation, c=c,
+                                             beta=beta))
+
+        return empty_sum
 
     views = {"A": ops.matrix_view(a, "A", batch), "B": ops.matrix_view(b, "B", batch),
              "out": ops.matrix_view(out, "out", batch)}
@@ -133,7 +176,12 @@ def plan(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0,
             raise UnsupportedInputError(f"out overlaps {name} in memory; the result would be "
                                         "wrong: write to a separate tensor")
 
-    problem_operands = ops.gemm_operands(views["A"], views["B"], views["out"])
+    # The residual needs its own kernels only beside a bias or an activation: every plain kernel
+    # already computes alpha * AB + beta * C.
+    fused = mode is not BiasMode.NONE or activation is not Activation.IDENTITY
+    epilogue = Epilogue(activation, mode, residual=fused and c is not None)
+    problem_operands = ops.gemm_operands(views["A"], views["B"], views["out"]).with_epilogue(
+        epilogue)
     sm_count, cc, gpu = runtime.device_facts(device.index)
     if config.arch.cc != cc:
         raise UnsupportedInputError(f"config {config.name} is for {config.arch.value}, but {gpu} "
@@ -142,6 +190,7 @@ def plan(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0,
     kernel = kernels.kernel_for(problem_operands, config)
     args = _launch_args(views, alpha, beta if c is not None else 0.0, config, device.index,
                         sm_count, m, n, k, batch)
+    args.bias = bias.data_ptr() if bias is not None else None
     workspace_bytes = kernel.workspace_bytes(args)
     workspace = (torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
                  if workspace_bytes else None)
@@ -153,6 +202,7 @@ def plan(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0,
         return out
 
     launch.workspace = workspace  # keeps the workspace alive as long as the launcher
+    launch.bias = bias
     # For callers that relaunch the same checked problem on other tensors (dispatch's fast path).
     launch.kernel, launch.args, launch.workspace_bytes = kernel, args, workspace_bytes
     return launch
@@ -183,4 +233,4 @@ def _launch_args(views, alpha, beta, config: GemmConfig, device_index: int, sm_c
         raster_order=config.raster_order.abi_value, swizzle=config.swizzle, splits=config.splits)
 
 
-__all__ = ["gemm", "plan", "as_config"]
+__all__ = ["gemm", "plan", "as_config", "bias_mode"]

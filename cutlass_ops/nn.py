@@ -1,8 +1,11 @@
 """Module drop-ins and ``convert``.
 
 ``cutlass_ops.nn.Linear`` is a ``torch.nn.Linear`` (same parameters, same state_dict, loads and
-saves interchangeably) whose forward runs ``cutlass_ops::linear``. ``convert(model)`` swaps
-Linear layers in place where our kernels apply and reports every decision with its reason.
+saves interchangeably) whose forward runs ``cutlass_ops::linear``, with the bias and an optional
+activation fused into the GEMM's epilogue. ``convert(model)`` swaps Linear layers in place where
+our kernels apply, fuses an activation module that directly follows a Linear inside an
+``nn.Sequential`` (where the order of calls is certain), and reports every decision with its
+reason.
 """
 
 from __future__ import annotations
@@ -13,25 +16,48 @@ import torch
 from torch import nn
 
 from cutlass_ops import ops
+from cutlass_ops.config import Activation
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class Linear(nn.Linear):
-    """torch.nn.Linear on tuned CUTLASS kernels (forward and backward)."""
+    """torch.nn.Linear on tuned CUTLASS kernels (forward and backward), computing
+    ``activation(x W^T + b)`` with the bias and the activation (identity, relu, gelu, gelu_tanh,
+    silu) in the GEMM's epilogue. The activation is not state: the state_dict is nn.Linear's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, activation: str = "identity"):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.activation = Activation(activation).value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear_fast(x, self.weight, self.bias)
+        return ops.linear_fast(x, self.weight, self.bias, self.activation)
+
+    def extra_repr(self) -> str:
+        fused = f", activation={self.activation}" if self.activation != "identity" else ""
+        return super().extra_repr() + fused
 
     @classmethod
-    def from_linear(cls, layer: nn.Linear) -> Linear:
+    def from_linear(cls, layer: nn.Linear, activation: str = "identity") -> Linear:
         """A Linear sharing ``layer``'s parameters (no copy: optimizers keep working)."""
         new = cls(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                  device="meta")
+                  device="meta", activation=activation)
         new.weight = layer.weight
         new.bias = layer.bias
         new.train(layer.training)
         return new
+
+
+def fusable_activation(module: nn.Module) -> str | None:
+    """The epilogue activation that computes ``module`` exactly, or None."""
+    if type(module) is nn.ReLU:
+        return "relu"
+    if type(module) is nn.SiLU:
+        return "silu"
+    if type(module) is nn.GELU:
+        return "gelu_tanh" if module.approximate == "tanh" else "gelu"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +105,13 @@ def _why_not(layer: nn.Linear) -> str | None:
     return None
 
 
-def convert(model: nn.Module, *, include=None, exclude=()) -> ConversionReport:
+def convert(model: nn.Module, *, include=None, exclude=(),
+            fuse_activations: bool = True) -> ConversionReport:
     """Swaps the model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place (sharing
     parameters), leaving unsupported ones alone. ``include``: names to consider (default all);
-    ``exclude``: names to leave alone. Returns what was done and why, per layer."""
+    ``exclude``: names to leave alone. With ``fuse_activations``, a ReLU / GELU / SiLU module
+    that directly follows a converted Linear in an nn.Sequential moves into the Linear's
+    epilogue and becomes nn.Identity. Returns what was done and why, per layer."""
     decisions = []
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or isinstance(module, Linear):
@@ -95,15 +124,35 @@ def convert(model: nn.Module, *, include=None, exclude=()) -> ConversionReport:
         if reason is not None:
             decisions.append(Decision(name, kind, False, reason))
             continue
-        replacement = Linear.from_linear(module)
-        if name:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, replacement)
-            decisions.append(Decision(name, kind, True, "bf16/fp16 on an sm90 GPU"))
-        else:
+        if not name:
             decisions.append(Decision(name, kind, False, "the model itself is a Linear: wrap "
                                       "it or use cutlass_ops.nn.Linear.from_linear"))
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        activation, follower = "identity", None
+        if fuse_activations and isinstance(parent, nn.Sequential):
+            follower = _next_in_sequential(parent, child)
+            activation = fusable_activation(follower) if follower is not None else None
+            activation = activation or "identity"
+        setattr(parent, child, Linear.from_linear(module, activation))
+        reason = "bf16/fp16 on an sm90 GPU"
+        if activation != "identity":
+            follower_name = f"{parent_name}.{_child_name(parent, follower)}".lstrip(".")
+            setattr(parent, _child_name(parent, follower), nn.Identity())
+            reason += f"; {follower_name} ({type(follower).__name__}) fused as {activation}"
+        decisions.append(Decision(name, kind, True, reason))
     return ConversionReport(decisions)
+
+
+def _next_in_sequential(parent: nn.Sequential, child: str) -> nn.Module | None:
+    names = list(parent._modules)
+    i = names.index(child)
+    return parent._modules[names[i + 1]] if i + 1 < len(names) else None
+
+
+def _child_name(parent: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in parent._modules.items() if m is module)
 
 
 __all__ = ["Linear", "convert", "ConversionReport"]

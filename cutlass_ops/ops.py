@@ -5,6 +5,11 @@ dispatch falls back), has a fake implementation so that ``torch.compile(fullgrap
 it without a graph break, and an autograd formula whose backward GEMMs go through the same ops,
 hence the same dispatch and tuning cache:
     y = x W^T + b:  dX = dY W,  dW = dY^T X,  db = sum of dY over rows.
+``linear`` takes an ``activation`` fused into the GEMM's epilogue with the bias (a CUTLASS
+epilogue visitor tree: one kernel writes act(x W^T + b)). Its backward needs the
+pre-activation z = x W^T + b: the eager autograd path computes z with the bias fused, keeps it,
+and applies the activation in torch; the custom op's own formula recomputes z. Without gradients
+the whole epilogue is fused.
 Inside an op, autograd is off (the formulas here handle it), so dispatch never refuses an input
 for requiring grad. Launches use torch's current stream and torch's allocator only, so the ops
 can be captured in CUDA graphs once their first call has resolved the kernel.
@@ -17,6 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from cutlass_ops import epilogues
 from tuning import dispatch
 
 
@@ -87,39 +93,58 @@ bmm.register_autograd(_bmm_backward, setup_context=_mm_setup)
 # ---- linear -------------------------------------------------------------------------------
 
 @torch.library.custom_op("cutlass_ops::linear", mutates_args=())
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """x @ weight^T + bias for x (..., in_features), weight (out_features, in_features): the
-    semantics of torch.nn.functional.linear."""
-    # Bias is not fused yet: epilogue fusion (bias, activations) through CUTLASS epilogue
-    # visitor trees is still to come.
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+           activation: str = "identity") -> Tensor:
+    """activation(x @ weight^T + bias) for x (..., in_features), weight (out_features,
+    in_features): torch.nn.functional.linear, then the activation (identity, relu, gelu,
+    gelu_tanh or silu), fused into one kernel where one is tuned or built."""
     with torch.no_grad():
-        return _linear_forward(x, weight, bias)
+        return _linear_forward(x, weight, bias, activation)
 
 
 @linear.register_fake
-def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                 activation: str = "identity") -> Tensor:
     torch._check(weight.dim() == 2 and x.shape[-1] == weight.shape[1],
                  lambda: "cutlass_ops::linear: x does not match weight")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _linear_setup(ctx, inputs, output) -> None:
-    x, weight, bias = inputs
-    ctx.save_for_backward(x, weight)
+    x, weight, bias, activation = inputs
+    ctx.save_for_backward(x, weight, bias)
     ctx.has_bias = bias is not None
+    ctx.activation = activation
 
 
-def _linear_backward(ctx, grad: Tensor):
-    x, weight = ctx.saved_tensors
+def _activation_grad(z: Tensor, grad: Tensor, activation: str) -> Tensor:
+    """d activation(z) / dz times grad, through torch's own derivative of the activation."""
+    if activation == "identity":
+        return grad
+    with torch.enable_grad():
+        z = z.detach().requires_grad_()
+        (grad_z,) = torch.autograd.grad(epilogues.activate(z, activation), z, grad)
+    return grad_z
+
+
+def _linear_grads(ctx, grad: Tensor, x: Tensor, weight: Tensor, matmul):
     rows = grad.reshape(-1, grad.shape[-1])
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[0]:
-        grad_x = mm(rows, weight).reshape(x.shape)  # dX = dY W
+        grad_x = matmul(rows, weight).reshape(x.shape)  # dX = dY W
     if ctx.needs_input_grad[1]:
-        grad_w = mm(rows.t(), x.reshape(-1, x.shape[-1]))  # dW = dY^T X
+        grad_w = matmul(rows.t(), x.reshape(-1, x.shape[-1]))  # dW = dY^T X
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_b = rows.sum(0)
     return grad_x, grad_w, grad_b
+
+
+def _linear_backward(ctx, grad: Tensor):
+    x, weight, bias = ctx.saved_tensors
+    if ctx.activation != "identity":  # the op kept only its output: recompute z
+        z = linear(x, weight, bias)
+        grad = _activation_grad(z, grad, ctx.activation)
+    return (*_linear_grads(ctx, grad, x, weight, mm), None)
 
 
 linear.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -127,52 +152,59 @@ linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 # ---- eager fast path ------------------------------------------------------------------------
 
-def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    activation: str = "identity") -> Tensor:
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"cutlass_ops::linear: x {tuple(x.shape)} does not match weight "
                          f"{tuple(weight.shape)}")
     flat = x.dim() == 2  # the common case in a host-bound loop: no reshapes
-    y = dispatch.matmul(x if flat else x.reshape(-1, x.shape[-1]), weight.t())
-    if bias is not None:
-        y = y.add_(bias) if y.dtype == bias.dtype else y + bias
+    y = dispatch.matmul(x if flat else x.reshape(-1, x.shape[-1]), weight.t(), bias=bias,
+                        activation=activation)
     return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class _EagerLinear(torch.autograd.Function):
     """The linear op's formulas as an autograd.Function: in eager mode it costs a few
     microseconds per call where the custom op's Python dispatch costs about 17 (measured on an
-    H200 host: 27.6 us per nn.Linear call against 9.9 for F.linear)."""
+    H200 host: 27.6 us per nn.Linear call against 9.9 for F.linear). With an activation it
+    keeps z = x W^T + b (bias fused) for the backward and applies the activation in torch."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, bias, activation):
         ctx.has_bias = bias is not None
-        return _linear_forward(x, weight, bias)
+        ctx.activation = activation
+        if activation == "identity":
+            ctx.save_for_backward(x, weight, None)
+            return _linear_forward(x, weight, bias)
+        z = _linear_forward(x, weight, bias)
+        ctx.save_for_backward(x, weight, z)
+        return epilogues.activate(z, activation)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_w = grad_b = None
+        x, weight, z = ctx.saved_tensors
         with torch.no_grad():
-            if ctx.needs_input_grad[0]:
-                grad_x = dispatch.matmul(rows, weight).reshape(x.shape)
-            if ctx.needs_input_grad[1]:
-                grad_w = dispatch.matmul(rows.t(), x.reshape(-1, x.shape[-1]))
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = rows.sum(0)
-        return grad_x, grad_w, grad_b
+            if ctx.activation != "identity":
+                grad = _activation_grad(z, grad, ctx.activation)
+            grads = _linear_grads(ctx, grad, x, weight,
+                                  lambda a, b: dispatch.matmul(a, b))
+        return (*grads, None)
 
 
-def linear_fast(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def linear_fast(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                activation: str = "identity") -> Tensor:
     """``linear`` with the least host work: the custom op while torch.compile traces (it needs
     the op and its fake), an autograd.Function when gradients are needed, a direct call when
     not. Same kernels and formulas in all three."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
+        bias is not None and bias.requires_grad))
     if torch.compiler.is_compiling():
-        return linear(x, weight, bias)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
-            bias is not None and bias.requires_grad)):
-        return _EagerLinear.apply(x, weight, bias)
-    return _linear_forward(x, weight, bias)
+        if needs_grad and activation != "identity":
+            # Keep z for the backward instead of recomputing it: Inductor fuses the activation.
+            return epilogues.activate(linear(x, weight, bias), activation)
+        return linear(x, weight, bias, activation)
+    if needs_grad:
+        return _EagerLinear.apply(x, weight, bias, activation)
+    return _linear_forward(x, weight, bias, activation)
 
 __all__ = ["mm", "bmm", "linear", "linear_fast"]

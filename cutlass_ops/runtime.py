@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cutlass_ops.errors import KernelLaunchError
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _STATUS = {1: "the kernel cannot implement this problem", 2: "workspace too small",
            3: "initialization failed", 4: "launch failed", 5: "CUDA error"}
@@ -38,6 +38,7 @@ class GemmArgs(ctypes.Structure):
         ("alpha", ctypes.c_float), ("beta", ctypes.c_float),
         ("device_id", ctypes.c_int32), ("sm_count", ctypes.c_int32),
         ("raster_order", ctypes.c_int32), ("swizzle", ctypes.c_int32), ("splits", ctypes.c_int32),
+        ("bias", ctypes.c_void_p),
     ]
 
 

@@ -112,6 +112,9 @@ def violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
         why.append(f"{min_stages} stages of {stage_bytes} bytes (+ {epilogue_bytes} for the "
                    f"epilogue) exceed {SMEM_BYTES} bytes of shared memory")
 
+    if not operands.epilogue.is_default and config.epilogue_schedule is not EpilogueSchedule.TMA:
+        why.append(f"a fused epilogue ({operands.epilogue.name}) is an epilogue visitor tree, "
+                   "which needs the TMA epilogue schedule")
     if config.tile_scheduler is TileScheduler.STREAM_K and schedule in (
             KernelSchedule.PINGPONG, KernelSchedule.WARP_SPECIALIZED):
         why.append("stream-K needs the cooperative schedule on sm90a")

@@ -4,7 +4,6 @@ each). The artifacts must load and report their launcher ABI and shared-memory s
 import pytest
 
 from cutlass_ops import GemmConfig, GemmOperands, runtime
-from cutlass_ops.kernels import prepare
 
 pytestmark = pytest.mark.compile
 
@@ -17,9 +16,28 @@ KERNELS = {
 }
 
 
+# A fused epilogue (bias, tanh GELU, residual), traced into a visitor tree whose arguments the
+# launcher fills by node kind.
+FUSED = GemmOperands.make("bf16", epilogue="bias,gelu_tanh,residual")
+
+
 @pytest.fixture(scope="module")
 def built():
-    return prepare(GemmOperands.make("bf16"), KERNELS.values(), jobs=2)
+    from cutlass_ops.kernels import prepare_many
+
+    items = [(GemmOperands.make("bf16"), c) for c in KERNELS.values()]
+    items.append((FUSED, KERNELS["sm90a pingpong"]))
+    results = prepare_many(items, jobs=2)
+    return {config: results[(ops, config)] for ops, config in items[:-1]} | {
+        "fused": results[items[-1]]}
+
+
+def test_fused_epilogue_kernel_compiles_and_loads(built):
+    artifact = built["fused"]
+    assert not isinstance(artifact, Exception), artifact
+    kernel = runtime.load(str(artifact.library), "fused")
+    assert kernel.shared_storage_bytes > 0
+    assert "Sm90RowBroadcast" in (artifact.library.parent / "cutlass_ops_kernel.h").read_text()
 
 
 @pytest.mark.parametrize("name", list(KERNELS))

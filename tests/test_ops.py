@@ -91,3 +91,63 @@ def test_convert_reports_why_layers_stay():
     x = torch.randn(2, 16)
     torch.testing.assert_close(model(x), before(x))
     assert cutlass_ops.nn.Linear is Linear  # lazy attribute
+
+
+ACTIVATIONS = ["identity", "relu", "gelu", "gelu_tanh", "silu"]
+
+
+def torch_linear_act(x, w, b, activation):
+    y = nn.functional.linear(x, w, b)
+    return {"identity": lambda y: y, "relu": torch.relu, "silu": nn.functional.silu,
+            "gelu": nn.functional.gelu,
+            "gelu_tanh": lambda y: nn.functional.gelu(y, approximate="tanh")}[activation](y)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_linear_with_activation_matches_torch(activation):
+    x, w, b = rand(3, 5, 16), rand(8, 16), rand(8)
+    torch.library.opcheck(ops.linear, (x, w, b, activation))
+    # The op's own formula (recomputes z) and the eager path (keeps z) both differentiate right.
+    torch.autograd.gradcheck(lambda x, w, b: ops.linear(x, w, b, activation), (x, w, b))
+    torch.autograd.gradcheck(lambda x, w, b: ops.linear_fast(x, w, b, activation), (x, w, b))
+    with torch.no_grad():
+        torch.testing.assert_close(ops.linear_fast(x, w, b, activation),
+                                   torch_linear_act(x, w, b, activation))
+
+
+def test_unknown_activation_raises():
+    with pytest.raises(ValueError, match="tanh"), torch.no_grad():
+        ops.linear_fast(torch.randn(2, 16), torch.randn(4, 16), None, "tanh")
+    with pytest.raises(ValueError):
+        Linear(16, 8, activation="tanh")
+
+
+def test_fused_linear_module_compiles_and_keeps_torch_state_dict():
+    layer = Linear(16, 8, activation="gelu_tanh")
+    assert "activation=gelu_tanh" in repr(layer)
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    x = torch.randn(4, 16, requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    expected = torch_linear_act(x, layer.weight, layer.bias, "gelu_tanh")
+    torch.testing.assert_close(compiled(x), expected)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), expected)
+
+
+def test_convert_fuses_activations_that_follow_in_sequential(monkeypatch):
+    monkeypatch.setattr(cutlass_ops.nn, "_why_not", lambda layer: None)  # as on an sm90 GPU
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 32),
+                          nn.Dropout(0.0), nn.ReLU(), nn.Linear(32, 8), nn.SiLU())
+    before = copy.deepcopy(model)
+    report = cutlass_ops.convert(model)
+    assert report.converted == ["0", "2", "5"]
+    assert [getattr(model[i], "activation", None) for i in (0, 2, 5)] == \
+        ["gelu_tanh", "identity", "silu"]
+    assert isinstance(model[1], nn.Identity) and isinstance(model[6], nn.Identity)
+    assert isinstance(model[4], nn.ReLU)  # after a Dropout: not directly after the Linear
+    assert "fused as gelu_tanh" in report.decisions[0].reason
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(model(x), before(x))
+    plain = copy.deepcopy(before)
+    cutlass_ops.convert(plain, fuse_activations=False)
+    assert isinstance(plain[1], nn.GELU) and plain[0].activation == "identity"

@@ -158,3 +158,62 @@ def test_fast_path_swaps_in_the_pointers_plan_would_use(monkeypatch, swap):
         # Sizes come from the first launch's checked arguments (same signature).
         assert kernel.launches[-1][4:] == kernel.launches[0][4:]
     assert len(kernel.launches) == 3
+
+
+def test_fused_epilogue_is_its_own_tuned_problem():
+    from cutlass_ops.config import Epilogue
+
+    fused = GemmProblem(OPS.with_epilogue(Epilogue.parse("bias,gelu_tanh")), 128, 4096, 4096)
+    plain = GemmProblem(OPS, 128, 4096, 4096)
+    assert decide(fused, entries_for((plain, WINNER))).source != "exact"  # no borrowing
+    assert decide(fused, entries_for((fused, SMALL))) == dispatch.Decision(
+        "exact", SMALL, "tuned for this shape")
+
+
+@pytest.mark.parametrize("activation", ["identity", "relu", "gelu", "gelu_tanh", "silu"])
+def test_epilogue_arguments_on_torch_match_the_formula(activation):
+    """Off the GPU the epilogue runs in torch: act(alpha * a @ b + bias) + beta * residual."""
+    from cutlass_ops import epilogues
+
+    a, b, bias, res = torch.randn(8, 16), torch.randn(16, 4), torch.randn(4), torch.randn(8, 4)
+    got = cutlass_ops.matmul(a, b, bias=bias, activation=activation, residual=res, alpha=0.5,
+                             beta=2.0)
+    want = epilogues.activate(0.5 * (a @ b) + bias, activation) + 2.0 * res
+    torch.testing.assert_close(got, want)
+    # beta = 0 ignores the residual, NaNs included, as torch.addmm ignores C.
+    nan = torch.full((8, 4), float("nan"))
+    torch.testing.assert_close(cutlass_ops.matmul(a, b, residual=nan, beta=0.0), a @ b)
+    with pytest.raises(ValueError):
+        cutlass_ops.matmul(a, b, activation="tanh")
+
+
+def test_fast_path_sets_bias_residual_and_scalars(monkeypatch):
+    from cutlass_ops import gemm_api, runtime
+
+    seen = []
+
+    class Kernel:
+        def run(self, args, workspace_ptr, workspace_bytes, stream):
+            seen.append((args.c, args.d, args.bias, args.alpha, args.beta))
+
+    def fake_plan(a, b, c=None, *, alpha, beta, bias, activation, config, out, **_):
+        assert activation == "relu"
+        args = runtime.GemmArgs(a=a.data_ptr(), b=b.data_ptr(), c=c.data_ptr(),
+                                d=out.data_ptr(), alpha=alpha, beta=beta, bias=bias.data_ptr())
+
+        def launch():
+            Kernel().run(args, 0, 0, 0)
+            return out
+
+        launch.kernel, launch.args, launch.workspace_bytes = Kernel(), args, 0
+        return launch
+
+    monkeypatch.setattr(gemm_api, "plan", fake_plan)
+    monkeypatch.setattr(dispatch, "_current_stream", lambda index: 0)
+    route = dispatch._cutlass_route(dispatch.Decision("exact", Choice(GemmConfig()), "test"),
+                                    None, None, "relu")
+    for alpha, beta in ((1.0, 1.0), (0.5, 2.0), (2.0, 0.25)):
+        a, b, bias, res = torch.randn(16, 32), torch.randn(32, 8), torch.randn(8), \
+            torch.randn(16, 8)
+        out = route.run(a, b, bias, res, alpha, beta)
+        assert seen[-1] == (res.data_ptr(), out.data_ptr(), bias.data_ptr(), alpha, beta)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable, Protocol
 
-from cutlass_ops.config import DType, GemmConfig, GemmOperands, GemmProblem, Layout
+from cutlass_ops import epilogues
+from cutlass_ops.config import (Activation, BiasMode, DType, GemmConfig, GemmOperands,
+                                GemmProblem, Layout)
 from tuning.cache import CacheScope
 from tuning.choice import Choice
 from tuning.device import DeviceSpec
@@ -107,8 +109,24 @@ class GpuSession:
             self.a.div_(math.sqrt(k))
             self.out = _random_matrix(m, n, batch, ops.layout_c, torch_dtype(ops.element_d),
                                       device)
+            # A fused epilogue's operands: a bias along its extent, a residual in C's layout,
+            # and alpha / beta that are not 1, so that a launcher mixing them up fails.
+            epilogue = ops.epilogue
+            out_dtype = torch_dtype(ops.element_d)
+            self.activation = epilogue.activation
+            self.alpha, self.beta = (1.0, 0.0) if epilogue.is_default else (0.75, 0.5)
+            self.bias = self.c = None
+            if epilogue.bias is BiasMode.N:
+                self.bias = torch.randn(n, device=device).to(out_dtype)
+            elif epilogue.bias is BiasMode.M:
+                self.bias = torch.randn(m, 1, device=device).to(out_dtype)
+            if epilogue.residual:
+                self.c = _random_matrix(m, n, batch, ops.layout_c, out_dtype, device)
             with _exact_float32():
-                self.reference = torch.matmul(self.a.float(), self.b.float())
+                product = torch.matmul(self.a.float(), self.b.float())
+            self.reference = epilogues.apply(
+                product, alpha=self.alpha, bias=self.bias, activation=self.activation,
+                c=self.c, beta=self.beta)
             self.reference_norm = self.reference.norm().item()
         self.tolerance = TOLERANCE[ops.element_a if ops.element_a is DType.F32
                                    else ops.element_d]
@@ -119,11 +137,17 @@ class GpuSession:
         if launch is None:
             import cutlass_ops
 
+            fused = dict(alpha=self.alpha, beta=self.beta, activation=self.activation)
             if choice.swap_ab:  # D^T = B^T A^T, written through D's transposed view
-                launch = cutlass_ops.plan(self.b.transpose(-1, -2), self.a.transpose(-1, -2),
-                                          config=choice.config, out=self.out.transpose(-1, -2))
+                bias = None if self.bias is None else (
+                    self.bias.view(-1, 1) if self.bias.dim() == 1 else self.bias.view(-1))
+                launch = cutlass_ops.plan(
+                    self.b.transpose(-1, -2), self.a.transpose(-1, -2),
+                    None if self.c is None else self.c.transpose(-1, -2), bias=bias,
+                    config=choice.config, out=self.out.transpose(-1, -2), **fused)
             else:
-                launch = cutlass_ops.plan(self.a, self.b, config=choice.config, out=self.out)
+                launch = cutlass_ops.plan(self.a, self.b, self.c, bias=self.bias,
+                                          config=choice.config, out=self.out, **fused)
             self._launchers[choice] = launch
         return launch
 
@@ -153,7 +177,20 @@ class GpuSession:
         import torch
 
         a, b = self.a, self.b  # the call a user makes, output allocation included
-        return lambda: torch.matmul(a, b)
+        if self.bias is None and self.c is None and self.activation is Activation.IDENTITY:
+            return lambda: torch.matmul(a, b)
+        bias, c, alpha, beta, activation = self.bias, self.c, self.alpha, self.beta, \
+            self.activation
+
+        def unfused():  # what a model does without fusion (cuBLAS fuses a 2-D bias in addmm)
+            if bias is not None and bias.dim() == 1 and a.dim() == 2:
+                y = torch.addmm(bias, a, b, alpha=alpha)
+            else:
+                y = epilogues.apply(torch.matmul(a, b), alpha=alpha, bias=bias)
+            y = epilogues.activate(y, activation)
+            return y if c is None else y.add_(c, alpha=beta)
+
+        return unfused
 
     def torch_ms(self, reps: int) -> float:
         from tuning.timing import do_bench
@@ -171,7 +208,7 @@ class GpuSession:
 
     def close(self) -> None:
         self._launchers.clear()
-        self.a = self.b = self.out = self.reference = None
+        self.a = self.b = self.out = self.reference = self.bias = self.c = None
 
 
 class _exact_float32:

@@ -17,7 +17,8 @@ _FLIP = {Layout.ROW: Layout.COL, Layout.COL: Layout.ROW}
 
 
 def swapped_operands(operands: GemmOperands) -> GemmOperands:
-    """The operands of D^T = B^T A^T: A and B trade places, and transposing flips every layout."""
+    """The operands of D^T = B^T A^T: A and B trade places, transposing flips every layout, and a
+    fused bias changes the extent it runs along."""
     return GemmOperands(
         element_a=operands.element_b, element_b=operands.element_a,
         element_c=operands.element_c, element_d=operands.element_d,
@@ -25,7 +26,9 @@ def swapped_operands(operands: GemmOperands) -> GemmOperands:
         layout_a=_FLIP[operands.layout_b], layout_b=_FLIP[operands.layout_a],
         layout_c=_FLIP[operands.layout_c],
         alignment_a=operands.alignment_b, alignment_b=operands.alignment_a,
-        alignment_c=operands.alignment_c)
+        alignment_c=operands.alignment_c,
+        # A bias along N (nn.Linear's) runs along the rows of D^T.
+        epilogue=operands.epilogue.transposed())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,7 @@ def _operands(args) -> GemmOperands:
                          f"got {args.layout!r}")
     return GemmOperands.make(args.dtype, layout_a=letters[layout[0]],
                              layout_b=letters[layout[1]], layout_c=letters[layout[2]],
-                             out_dtype=args.out_dtype)
+                             out_dtype=args.out_dtype, epilogue=getattr(args, "epilogue", None))
 
 
 def _problems(args) -> list[GemmProblem]:
@@ -77,11 +77,11 @@ def _problems(args) -> list[GemmProblem]:
                              "x sequence length)")
         model = shapes.load_model(args.model)
         # Each of a Linear's GEMMs in the layouts cutlass_ops.nn.Linear runs it with.
-        for (m, n, k, batch), layout in shapes.harvest_linear_gemms(model, args.tokens,
-                                                                     backward=args.backward):
+        gemms = shapes.harvest_linear_gemms(model, args.tokens, backward=args.backward)
+        for (m, n, k, batch), layout, epilogue in gemms:
             ops = GemmOperands.make(args.dtype, layout_a=_LAYOUT_LETTERS[layout[0]],
                                     layout_b=_LAYOUT_LETTERS[layout[1]],
-                                    out_dtype=args.out_dtype)
+                                    out_dtype=args.out_dtype, epilogue=epilogue)
             problems.append(GemmProblem(ops, m, n, k, batch))
     return list(dict.fromkeys(problems))
 
@@ -474,6 +474,9 @@ def _add_problem_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--out-dtype", choices=["bf16", "f16", "f32"], help="default: --dtype")
     p.add_argument("--layout", default="tn", help="A, B (and D) layouts: t row-major, "
                    "n column-major; default tn (y = x @ W.T)")
+    p.add_argument("--epilogue", default="", help="a fused epilogue, D = act(AB + bias) + C: "
+                   "a comma list of bias (per column, nn.Linear's), bias_m (per row), residual, "
+                   "and one of relu, gelu, gelu_tanh, silu; e.g. bias,gelu_tanh")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,10 @@ Order, per (device, dtypes, layouts, strides, shape):
    built yet. Online modes (``CUTLASS_OPS_ONLINE`` or ``set_online``): ``compile`` builds the
    heuristic default on first use (about a minute); ``tune`` runs a quick tune on first use.
 
+A fused epilogue (``bias``, ``activation``, ``residual``, alpha / beta) is part of the problem:
+its kernels are tuned and built on their own. Where none is tuned or built, the call runs the
+plain GEMM's route and the epilogue in torch (never a compile, never a wrong answer).
+
 The decision is memoized per call signature, so a warm call costs one dictionary lookup before
 the launch. ``decide`` is the pure part (tested on a CPU); ``explain`` says what a call would do.
 """
@@ -27,7 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from cutlass_ops.config import GemmConfig, GemmOperands, GemmProblem
+from cutlass_ops import epilogues
+from cutlass_ops.config import Activation, BiasMode, Epilogue, GemmConfig, GemmOperands, GemmProblem
 from tuning.choice import Choice
 from tuning.device import DeviceSpec
 
@@ -36,13 +41,13 @@ log = logging.getLogger("cutlass_ops")
 ONLINE_MODES = ("off", "compile", "tune")
 _online: str | None = None
 _routes: dict[tuple, Route] = {}
-_logged: set[str] = set()
+_logged: set[tuple[str, str]] = set()
 _lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    source: str  # "exact", "nearest", "heuristic", "online", or "torch"
+    source: str  # "exact", "nearest", "heuristic", "online", "torch", or "unfused"
     choice: Choice | None  # None: torch.matmul
     reason: str
 
@@ -54,7 +59,9 @@ class Route:
     kind: str = ""  # "cutlass" or "torch", set from the decision
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", "torch" if self.decision.choice is None else "cutlass")
+        if not self.kind:
+            object.__setattr__(self, "kind",
+                               "torch" if self.decision.choice is None else "cutlass")
 
 
 def set_online(mode: str | None) -> None:
@@ -79,10 +86,10 @@ def reset() -> None:
     _entries_by_scope.clear()
 
 
-def _log_once(reason: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        log.warning("cutlass_ops.matmul uses torch.matmul: %s", reason)
+def _log_once(reason: str, what: str = "cutlass_ops.matmul uses torch.matmul") -> None:
+    if (what, reason) not in _logged:
+        _logged.add((what, reason))
+        log.warning("%s: %s", what, reason)
 
 
 # ---- the pure decision ---------------------------------------------------------------------
@@ -200,20 +207,33 @@ def _grad_needed(a, b) -> bool:
     return torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
 
 
-def _torch_route(decision: Decision, out_dtype) -> Route:
-    def run(a, b):
-        if out_dtype is None or out_dtype == a.dtype:
+def _torch_route(decision: Decision, out_dtype, activation="identity") -> Route:
+    def run(a, b, bias=None, residual=None, alpha=1.0, beta=1.0):
+        if out_dtype is not None and out_dtype != a.dtype:
+            a, b = a.to(out_dtype), b.to(out_dtype)
+        if bias is None and residual is None and activation == "identity" and alpha == 1.0:
             return torch.matmul(a, b)
-        return torch.matmul(a.to(out_dtype), b.to(out_dtype))
+        return epilogues.apply(torch.matmul(a, b), alpha=alpha, bias=bias,
+                               activation=activation, c=residual, beta=beta)
 
     return Route(decision, run)
 
 
-def _cutlass_route(decision: Decision, out_dtype, key) -> Route:
+def _unfused_route(decision: Decision, plain: Route, activation) -> Route:
+    """No fused kernel for this epilogue: the plain GEMM's own route, then the epilogue in torch."""
+    def run(a, b, bias=None, residual=None, alpha=1.0, beta=1.0):
+        return epilogues.apply(plain.run(a, b), alpha=alpha, bias=bias, activation=activation,
+                               c=residual, beta=beta)
+
+    return Route(dataclasses.replace(decision, choice=plain.decision.choice), run,
+                 kind=plain.kind)
+
+
+def _cutlass_route(decision: Decision, out_dtype, key, activation="identity") -> Route:
     """Runs the chosen kernel. The first call goes through gemm_api.plan (every check); later
     calls with the same signature (shapes, strides, dtypes, alignment, device) reuse its checked
-    launch arguments and only swap in this call's pointers: the per-call host work is an output
-    allocation, a struct copy and the launch."""
+    launch arguments and only swap in this call's pointers and scalars: the per-call host work is
+    an output allocation, a struct copy and the launch."""
     from cutlass_ops import gemm_api, runtime
     from cutlass_ops.errors import InvalidConfigError, UnsupportedInputError
 
@@ -221,44 +241,57 @@ def _cutlass_route(decision: Decision, out_dtype, key) -> Route:
     assert choice is not None
     prepared: dict[str, Any] = {}
 
-    def first_launch(a, b):
+    def first_launch(a, b, bias, residual, alpha, beta):
         out = _row_major_output(a, b, out_dtype)
+        c = residual  # matmul() turned a residual with beta = 0 into None
         if choice.swap_ab:  # D^T = B^T A^T, written through D's transposed view
-            launch = gemm_api.plan(b.transpose(-1, -2), a.transpose(-1, -2),
-                                   config=choice.config, out=out.transpose(-1, -2))
+            launch = gemm_api.plan(
+                b.transpose(-1, -2), a.transpose(-1, -2),
+                c.transpose(-1, -2) if c is not None else None, alpha=alpha, beta=beta,
+                # nn.Linear's bias runs along N, the rows of D^T
+                bias=bias.view(-1, 1) if bias is not None else None, activation=activation,
+                config=choice.config, out=out.transpose(-1, -2))
         else:
-            launch = gemm_api.plan(a, b, config=choice.config, out=out)
+            launch = gemm_api.plan(a, b, c, alpha=alpha, beta=beta, bias=bias,
+                                   activation=activation, config=choice.config, out=out)
         launch()
         if hasattr(launch, "kernel"):  # not for empty problems, which launch nothing
             prepared.update(kernel=launch.kernel, args=launch.args,
-                            workspace_bytes=launch.workspace_bytes)
+                            workspace_bytes=launch.workspace_bytes, has_c=c is not None)
         return out
 
-    def fast_launch(a, b):
+    def fast_launch(a, b, bias, residual, alpha, beta):
         out = _row_major_output(a, b, out_dtype)
         args = runtime.GemmArgs.from_buffer_copy(prepared["args"])
         first, second = (b, a) if choice.swap_ab else (a, b)
         args.a, args.b = first.data_ptr(), second.data_ptr()
-        args.c = args.d = out.data_ptr()
+        args.d = out.data_ptr()
+        if prepared["has_c"]:  # the signature fixes whether a residual comes, and its strides
+            args.c, args.beta = residual.data_ptr(), beta
+        else:
+            args.c = args.d
+        args.alpha = alpha
+        if bias is not None:
+            args.bias = bias.data_ptr()
         size = prepared["workspace_bytes"]
         workspace = torch.empty(size, dtype=torch.uint8, device=out.device) if size else None
         prepared["kernel"].run(args, workspace.data_ptr() if size else 0, size,
                                _current_stream(out.device.index))
         return out
 
-    def run(a, b):
+    def run(a, b, bias=None, residual=None, alpha=1.0, beta=1.0):
         if prepared:
-            return fast_launch(a, b)
+            return fast_launch(a, b, bias, residual, alpha, beta)
         try:
-            return first_launch(a, b)
+            return first_launch(a, b, bias, residual, alpha, beta)
         except (UnsupportedInputError, InvalidConfigError) as exc:
             # A check the signature did not foresee: this call signature goes to torch from now.
-            fallback = _torch_route(Decision("torch", None, str(exc)), out_dtype)
+            fallback = _torch_route(Decision("torch", None, str(exc)), out_dtype, activation)
             _log_once(str(exc))
             if key is not None:
                 with _lock:
                     _routes[key] = fallback
-            return fallback.run(a, b)
+            return fallback.run(a, b, bias, residual, alpha, beta)
 
     return Route(decision, run)
 
@@ -300,14 +333,37 @@ def _unsupported(a, b, out_dtype) -> str | None:
     return None
 
 
-def _resolve(a, b, out_dtype, key=None) -> Route:
+def _epilogue_problem_reason(bias, residual, activation, m, n, out_dtype) -> str | None:
+    """Why this call's epilogue cannot be fused (its torch form runs instead), or None."""
+    if activation not in _ACTIVATIONS:
+        return f"activation {activation!r} (we fuse {', '.join(sorted(_ACTIVATIONS))})"
+    for name, t, shapes in (("bias", bias, ((n,), (1, n))), ("residual", residual, ((m, n),))):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != out_dtype or not t.is_cuda:
+            return f"the {name} is not a CUDA tensor of the output's dtype {out_dtype}"
+        if tuple(t.shape) not in shapes:
+            return f"the {name} has shape {tuple(t.shape)} (fused: {shapes[0]})"
+    if bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16):
+        return "the bias is not contiguous and 16-byte aligned"
+    return None
+
+
+_ACTIVATIONS = {a.value for a in Activation}
+
+
+def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
+             residual=None) -> Route:
     from cutlass_ops import operands as ops
     from cutlass_ops.errors import CutlassOpsError
 
     reason = _unsupported(a, b, out_dtype)
+    if reason is None and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (bias, residual)):
+        reason = "the bias or residual requires grad: use cutlass_ops.nn / the custom ops"
     if reason is not None:
         _log_once(reason)
-        return _torch_route(Decision("torch", None, reason), out_dtype)
+        return _torch_route(Decision("torch", None, reason), out_dtype, activation)
     batch = a.shape[0] if a.dim() == 3 else 1
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     out_dtype_ = out_dtype or a.dtype
@@ -320,9 +376,22 @@ def _resolve(a, b, out_dtype, key=None) -> Route:
             raise CutlassOpsError(f"N = {n} rows of {out_type.value} are not 16-byte aligned")
     except CutlassOpsError as exc:
         _log_once(str(exc))
-        return _torch_route(Decision("torch", None, str(exc)), out_dtype)
+        return _torch_route(Decision("torch", None, str(exc)), out_dtype, activation)
     out_view = ops.MatrixView(m, n, batch, ops.Layout.ROW, n, m * n, 0, out_type)
     problem = GemmProblem(ops.gemm_operands(views[0], views[1], out_view), m, n, k, batch)
+    fused = bias is not None or activation != "identity"
+    if fused:
+        reason = _epilogue_problem_reason(bias, residual, activation, m, n, out_dtype_)
+        if reason is not None or batch != 1:
+            reason = reason or "a fused epilogue on batched (3-D) operands"
+            _log_once(reason, "cutlass_ops.matmul runs the epilogue unfused, in torch")
+            return _unfused_route(Decision("unfused", None, reason), route(a, b, out_dtype),
+                                  activation)
+        epilogue = Epilogue(Activation(activation),
+                            BiasMode.N if bias is not None else BiasMode.NONE,
+                            residual=residual is not None)
+        problem = dataclasses.replace(problem,
+                                      operands=problem.operands.with_epilogue(epilogue))
 
     from cutlass_ops.kernels import is_built
     from tuning.device import current_scope, current_spec
@@ -343,10 +412,15 @@ def _resolve(a, b, out_dtype, key=None) -> Route:
         decision = decide(problem, _entries(current_scope(index)), device, lambda c: True,
                           lambda: [])
     if decision.choice is None:
+        if fused and decision.source == "torch":
+            # Nothing tuned or built for this epilogue: the plain GEMM's route, unfused.
+            plain = route(a, b, out_dtype)
+            return _unfused_route(Decision("unfused", None, f"{decision.reason}; the plain GEMM "
+                                           "runs with the epilogue in torch"), plain, activation)
         if decision.source == "torch":
             _log_once(decision.reason)
-        return _torch_route(decision, out_dtype)
-    return _cutlass_route(decision, out_dtype, key)
+        return _torch_route(decision, out_dtype, activation)
+    return _cutlass_route(decision, out_dtype, key, activation)
 
 
 def _safe(fn) -> bool:
@@ -358,15 +432,26 @@ def _safe(fn) -> bool:
         return False
 
 
-def route(a, b, out_dtype=None) -> Route:
-    key = _signature(a, b, out_dtype) if _tensors(a, b) else None
-    found = _routes.get(key) if key is not None else None
+def route(a, b, out_dtype=None, bias=None, activation="identity", residual=None) -> Route:
+    if not _tensors(a, b):
+        return _resolve(a, b, out_dtype, None, bias, activation, residual)
+    key = _signature(a, b, out_dtype)
+    if bias is not None or residual is not None or activation != "identity":
+        key += (_meta(bias), activation, _meta(residual))
+    found = _routes.get(key)
     if found is None:
-        found = _resolve(a, b, out_dtype, key)
-        if key is not None:
-            with _lock:
-                _routes[key] = found
+        found = _resolve(a, b, out_dtype, key, bias, activation, residual)
+        with _lock:
+            _routes[key] = found
     return found
+
+
+def _meta(t) -> tuple | None:
+    """What of an epilogue tensor decides the route: its layout, type and alignment."""
+    if not isinstance(t, torch.Tensor):
+        return None if t is None else (type(t),)
+    return (t.device, t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0,
+            torch.is_grad_enabled() and t.requires_grad)
 
 
 def _tensors(a, b) -> bool:
@@ -378,13 +463,21 @@ def _tensors(a, b) -> bool:
 calls: collections.Counter = collections.Counter()
 
 
-def matmul(a, b, *, out_dtype=None):
-    """a @ b on the tuned kernel for this shape (see the module docstring for the order)."""
-    found = route(a, b, out_dtype)
+def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=None,
+           alpha: float = 1.0, beta: float = 1.0):
+    """``activation(alpha * (a @ b) + bias) + beta * residual`` on the tuned kernel for this
+    shape and epilogue (see the module docstring for the order). ``bias``: (N,), the output's
+    dtype; ``activation``: identity, relu, gelu, gelu_tanh or silu; ``residual``: the output's
+    shape and dtype (beta = 0 ignores it, as torch.addmm ignores C)."""
+    if residual is not None and beta == 0:
+        residual = None
+    activation = getattr(activation, "value", activation)
+    found = route(a, b, out_dtype, bias, activation, residual)
     calls[found.kind] += 1
-    return found.run(a, b)
+    return found.run(a, b, bias, residual, alpha, beta)
 
 
-def explain(a, b, *, out_dtype=None) -> Decision:
-    """What ``matmul(a, b)`` would run, and why."""
-    return route(a, b, out_dtype).decision
+def explain(a, b, *, out_dtype=None, bias=None, activation="identity", residual=None) -> Decision:
+    """What ``matmul(a, b, ...)`` would run, and why."""
+    return route(a, b, out_dtype, bias, getattr(activation, "value", activation),
+                 residual).decision

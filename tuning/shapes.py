@@ -95,18 +95,20 @@ LINEAR_LAYOUTS = ("tn", "tt", "nt")
 
 
 def harvest_linear_gemms(model: Any, tokens: int, *,
-                         backward: bool = False) -> list[tuple[Shape, str]]:
-    """Like ``harvest_linear_shapes``, with each GEMM's operand layouts: what to tune so that
+                         backward: bool = False) -> list[tuple[Shape, str, str]]:
+    """Like ``harvest_linear_shapes``, with each GEMM's operand layouts and fused epilogue
+    ("bias" for the forward GEMM of a Linear with a bias, else ""): what to tune so that
     cutlass_ops.nn.Linear finds exact hits in forward and backward."""
     import torch
 
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
-    gemms: dict[tuple[Shape, str], None] = {}
+    gemms: dict[tuple[Shape, str, str], None] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             shapes = _linear_gemms(tokens, module.in_features, module.out_features, backward)
-            gemms.update(dict.fromkeys(zip(shapes, LINEAR_LAYOUTS)))
+            epilogues = ["bias" if module.bias is not None else ""] + [""] * (len(shapes) - 1)
+            gemms.update(dict.fromkeys(zip(shapes, LINEAR_LAYOUTS, epilogues)))
     return list(gemms)
 
 

@@ -25,7 +25,7 @@
 namespace {
 
 // Bump when CutlassOpsGemmArgs or an entry point changes; Python refuses a mismatched artifact.
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 enum CutlassOpsStatus : int {
   kOk = 0,
@@ -78,6 +78,69 @@ void set_splits(SchedulerArgs& scheduler, int splits) {
   if constexpr (has_splits<SchedulerArgs>::value) scheduler.splits = splits;
 }
 
+// The epilogue's arguments. A plain kernel's fusion (LinearCombination) has alpha and beta members.
+// A fused kernel's is an epilogue visitor tree traced by cutlass_cppgen from
+// D = activation(alpha * accum + bias) + beta * C: its arguments are nested tuples, one per node
+// (children first), which we fill by node kind in that order: the first scalar broadcast is alpha,
+// the second beta; a row or column broadcast is the bias; fetches and compute nodes take nothing.
+template <class T, class = void>
+struct has_alpha : std::false_type {};
+template <class T>
+struct has_alpha<T, std::void_t<decltype(std::declval<T&>().alpha)>> : std::true_type {};
+template <class T, class = void>
+struct has_scalars : std::false_type {};
+template <class T>
+struct has_scalars<T, std::void_t<decltype(std::declval<T&>().scalars)>> : std::true_type {};
+template <class T, class = void>
+struct has_ptr_row : std::false_type {};
+template <class T>
+struct has_ptr_row<T, std::void_t<decltype(std::declval<T&>().ptr_row)>> : std::true_type {};
+template <class T, class = void>
+struct has_ptr_col : std::false_type {};
+template <class T>
+struct has_ptr_col<T, std::void_t<decltype(std::declval<T&>().ptr_col)>> : std::true_type {};
+
+struct EpilogueValues {
+  float alpha, beta;
+  const void* bias;
+  int scalars_filled;
+  int biases_filled;
+};
+
+template <class Args>
+void fill_visitor_tree(Args& args, EpilogueValues& values) {
+  if constexpr (cute::is_tuple<Args>::value) {
+    cute::for_each(args, [&](auto& child) { fill_visitor_tree(child, values); });
+  } else if constexpr (has_scalars<Args>::value) {
+    using Scalar = std::remove_reference_t<decltype(args.scalars[0])>;
+    args.scalars[0] = Scalar(values.scalars_filled++ == 0 ? values.alpha : values.beta);
+  } else if constexpr (has_ptr_row<Args>::value) {
+    args.ptr_row = static_cast<decltype(args.ptr_row)>(values.bias);
+    ++values.biases_filled;
+  } else if constexpr (has_ptr_col<Args>::value) {
+    args.ptr_col = static_cast<decltype(args.ptr_col)>(values.bias);
+    ++values.biases_filled;
+  }
+}
+
+// A template, so that only the branch for this kernel's epilogue is instantiated.
+template <class ThreadArgs>
+bool set_epilogue_arguments(ThreadArgs& thread, float alpha, float beta, const void* bias) {
+  if constexpr (has_alpha<ThreadArgs>::value) {
+    thread.alpha = alpha;
+    thread.beta = beta;
+    return true;
+  } else {
+    EpilogueValues values{alpha, beta, bias, 0, 0};
+    fill_visitor_tree(thread, values);
+    if (values.biases_filled && bias == nullptr) {
+      set_error("epilogue", "this kernel adds a bias, and no bias pointer was given");
+      return false;
+    }
+    return true;
+  }
+}
+
 template <class Stride>
 bool make_stride(Stride& stride, int64_t s0, int64_t s1, int64_t s_batch) {
   return set_mode(cute::get<0>(stride), s0) && set_mode(cute::get<1>(stride), s1) &&
@@ -105,6 +168,7 @@ struct CutlassOpsGemmArgs {
   int32_t raster_order;  // 0 heuristic, 1 along M, 2 along N
   int32_t swizzle;       // max swizzle size: 1, 2, 4 or 8
   int32_t splits;        // stream-K schedulers only: 1 lets CUTLASS decide, >1 forces split-K
+  const void* bias;      // fused-bias kernels: M or N contiguous elements of D's type (ABI 2)
 };
 
 __attribute__((visibility("default"))) int cutlass_ops_abi_version() { return kAbiVersion; }
@@ -139,12 +203,12 @@ bool to_arguments(const CutlassOpsGemmArgs& in, typename DeviceKernel::Arguments
   out.mainloop.dA = stride_a;
   out.mainloop.ptr_B = static_cast<const ElementB*>(in.b);
   out.mainloop.dB = stride_b;
-  out.epilogue.ptr_C = static_cast<const ElementC*>(in.c);
+  // A fused kernel without a residual has no C at all (ElementC is void).
+  out.epilogue.ptr_C = std::is_void_v<ElementC> ? nullptr : static_cast<const ElementC*>(in.c);
   out.epilogue.dC = stride_c;
   out.epilogue.ptr_D = static_cast<ElementD*>(in.d);
   out.epilogue.dD = stride_d;
-  out.epilogue.thread.alpha = in.alpha;
-  out.epilogue.thread.beta = in.beta;
+  if (!set_epilogue_arguments(out.epilogue.thread, in.alpha, in.beta, in.bias)) return false;
 
   out.hw_info.device_id = in.device_id;
   out.hw_info.sm_count = in.sm_count;
