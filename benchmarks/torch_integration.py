@@ -9,6 +9,10 @@ Host rows: a 16 x 256 x 256 forward in eager mode on a CUTLASS kernel, calls per
 3000 back-to-back calls (host-bound at this size): our functional linear against F.linear (the
 issue's reference), our module against nn.Linear, cutlass_ops.matmul against torch.matmul, and
 the custom op itself (what torch.compile sees) against F.linear.
+Fused rows: inference forward of an MLP's up projection, gelu_tanh(x W^T + b), and of its down
+projection with the residual, x + (h W^T + b), each one CUTLASS kernel with the epilogue fused,
+against torch eager (cuBLAS addmm, then the elementwise ops; the reference) with torch.compile
+in ``detail``; TFLOP/s of the GEMM. ``--tune`` tunes these fused problems too.
 Writes benchmarks/results/torch_integration.json.
 
     python benchmarks/torch_integration.py [--tune quick] [--quick]
@@ -43,11 +47,22 @@ def step_problems(m, n, k):
             GemmProblem(GemmOperands.make("bf16", layout_a="col", layout_b="row"), n, k, m)]
 
 
-def tune(shapes, strategy):
+# (m, n, k, epilogue): the MLP's up projection (bias + tanh GELU) and down projection (bias +
+# residual) at three token counts.
+FUSED = [(m, n, k, epilogue) for m in (128, 1024, 4096)
+         for n, k, epilogue in ((14336, 4096, "bias,gelu_tanh"), (4096, 14336, "bias,residual"))]
+
+
+def fused_problems(cases):
+    return [GemmProblem(GemmOperands.make("bf16", epilogue=epilogue), m, n, k)
+            for m, n, k, epilogue in cases]
+
+
+def tune(shapes, strategy, fused=()):
     from tuning.backend import GpuBackend
     from tuning.search import tune as run_tune
 
-    problems = [p for shape in shapes for p in step_problems(*shape)]
+    problems = [p for shape in shapes for p in step_problems(*shape)] + fused_problems(fused)
     report = run_tune(problems, backend=GpuBackend(), strategy=strategy)
     print(f"tuned {len(problems)} GEMMs: compiled {report.built} kernels in "
           f"{report.build_seconds:.0f} s, measured in {report.measure_seconds:.0f} s", flush=True)
@@ -93,6 +108,50 @@ def step_row(m, n, k):
                        "max_rel_error": round(max(errors), 5),
                        "tflops_ours": round(6 * m * n * k / ours_ms / 1e9, 1),
                        "tflops_torch": round(6 * m * n * k / torch_ms / 1e9, 1)}}
+
+
+def fused_row(m, n, k, epilogue):
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    if "gelu_tanh" in epilogue:
+        def ours():
+            return cutlass_ops.ops.linear_fast(x, w, b, "gelu_tanh")
+
+        def eager():
+            return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+        kwargs = dict(bias=b, activation="gelu_tanh")
+    else:
+        residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+        def ours():
+            return cutlass_ops.matmul(x, w.t(), bias=b, residual=residual)
+
+        def eager():
+            return residual + F.linear(x, w, b)
+
+        kwargs = dict(bias=b, residual=residual)
+    compiled = torch.compile(eager)
+    with torch.no_grad():
+        error = rel(ours(), eager())
+        compiled()
+        decision = cutlass_ops.explain(x, w.t(), **kwargs)
+        timings = do_bench_interleaved({"ours": ours, "eager": eager, "compile": compiled},
+                                       reps=50)
+    ms = {name: t.median_ms for name, t in timings.items()}
+    tflops = {name: round(2 * m * n * k / v / 1e9, 1) for name, v in ms.items()}
+    return {"case": f"fused linear {epilogue} fwd bf16 M={m} N={n} K={k}", "unit": "TFLOP/s",
+            "ours": tflops["ours"], "reference": tflops["eager"],
+            "reference_name": "torch eager (F.linear, then the epilogue ops)",
+            "ratio": round(tflops["ours"] / tflops["eager"], 4), "correct": error < 2e-2,
+            "detail": {"ours_ms": round(ms["ours"], 4), "reference_ms": round(ms["eager"], 4),
+                       "torch.compile": tflops["compile"],
+                       "torch.compile_ms": round(ms["compile"], 4),
+                       "dispatch": decision.source,
+                       "kernel": decision.choice.name if decision.choice else "torch",
+                       "max_rel_error": round(error, 5)}}
 
 
 def calls_per_second(fn, calls=3000):
@@ -172,10 +231,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="three shapes, to a _quick file")
     args = parser.parse_args()
     shapes = SHAPES[::4] if args.quick else SHAPES
+    fused = FUSED[::3] if args.quick else FUSED
     host = host_rows()
     if args.tune:
-        tune(shapes, args.tune)
-    rows = [step_row(*shape) for shape in shapes] + host
+        tune(shapes, args.tune, fused)
+    rows = [step_row(*shape) for shape in shapes] + [fused_row(*case) for case in fused] + host
     print_table(["case", "ours", "torch", "unit", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["unit"], r["ratio"], r["correct"]]
                  for r in rows])

@@ -63,6 +63,10 @@ class LoadedKernel:
         self._run.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_void_p, ctypes.c_size_t,
                               ctypes.c_void_p]
         self._run.restype = ctypes.c_int
+        # For dispatch's per-call path: no can_implement or workspace query (checked once).
+        self.run_checked_raw = lib.cutlass_ops_gemm_run_checked
+        self.run_checked_raw.argtypes = self._run.argtypes
+        self.run_checked_raw.restype = ctypes.c_int
         self._lib = lib
         self.shared_storage_bytes = lib.cutlass_ops_shared_storage_bytes()
 
@@ -81,6 +85,15 @@ class LoadedKernel:
     def run(self, args: GemmArgs, workspace_ptr: int, workspace_bytes: int, stream: int) -> None:
         status = self._run(ctypes.byref(args), workspace_ptr or None, workspace_bytes,
                            stream or None)
+        if status:
+            self._raise(status)
+
+    def run_checked(self, args: GemmArgs, workspace_ptr: int, workspace_bytes: int,
+                    stream: int) -> None:
+        """``run`` for arguments that differ from checked ones only in pointers (of the same
+        alignment) and scalars: skips can_implement and the workspace query."""
+        status = self.run_checked_raw(ctypes.byref(args), workspace_ptr or None, workspace_bytes,
+                                      stream or None)
         if status:
             self._raise(status)
 

@@ -124,6 +124,8 @@ class _FakeKernel:
     def run(self, args, workspace_ptr, workspace_bytes, stream):
         self.launches.append((args.a, args.b, args.c, args.d, args.m, args.n))
 
+    run_checked = run
+
 
 @pytest.mark.parametrize("swap", [False, True])
 def test_fast_path_swaps_in_the_pointers_plan_would_use(monkeypatch, swap):
@@ -195,6 +197,8 @@ def test_fast_path_sets_bias_residual_and_scalars(monkeypatch):
     class Kernel:
         def run(self, args, workspace_ptr, workspace_bytes, stream):
             seen.append((args.c, args.d, args.bias, args.alpha, args.beta))
+
+        run_checked = run
 
     def fake_plan(a, b, c=None, *, alpha, beta, bias, activation, config, out, **_):
         assert activation == "relu"

@@ -275,8 +275,8 @@ def _cutlass_route(decision: Decision, out_dtype, key, activation="identity") ->
             args.bias = bias.data_ptr()
         size = prepared["workspace_bytes"]
         workspace = torch.empty(size, dtype=torch.uint8, device=out.device) if size else None
-        prepared["kernel"].run(args, workspace.data_ptr() if size else 0, size,
-                               _current_stream(out.device.index))
+        prepared["kernel"].run_checked(args, workspace.data_ptr() if size else 0, size,
+                                       _current_stream(out.device.index))
         return out
 
     def run(a, b, bias=None, residual=None, alpha=1.0, beta=1.0):

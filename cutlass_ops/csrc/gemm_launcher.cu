@@ -256,23 +256,29 @@ __attribute__((visibility("default"))) int cutlass_ops_gemm_check(const CutlassO
   return kOk;
 }
 
-// Runs the GEMM on `stream` (a cudaStream_t) with a caller-owned workspace.
-__attribute__((visibility("default"))) int cutlass_ops_gemm_run(const CutlassOpsGemmArgs* args,
-                                                                void* workspace,
-                                                                size_t workspace_bytes,
-                                                                void* stream) {
+}  // extern "C"
+
+namespace {
+
+// The launch itself; `checked` skips can_implement and the workspace query, for callers that ran
+// cutlass_ops_gemm_check on arguments differing only in pointers of the same 16-byte alignment.
+int run_gemm(const CutlassOpsGemmArgs* args, void* workspace, size_t workspace_bytes,
+             void* stream, bool checked) {
   return on_device(args->device_id, [&]() -> int {
     typename DeviceKernel::Arguments arguments{};
     if (!to_arguments(*args, arguments)) return kCannotImplement;
-    cutlass::Status status = DeviceKernel::can_implement(arguments);
-    if (status != cutlass::Status::kSuccess) {
-      set_error("can_implement", cutlass::cutlassGetStatusString(status));
-      return kCannotImplement;
+    if (!checked) {
+      cutlass::Status status = DeviceKernel::can_implement(arguments);
+      if (status != cutlass::Status::kSuccess) {
+        set_error("can_implement", cutlass::cutlassGetStatusString(status));
+        return kCannotImplement;
+      }
+      if (DeviceKernel::get_workspace_size(arguments) > workspace_bytes) {
+        set_error("workspace", "the workspace given is smaller than get_workspace_size()");
+        return kWorkspaceTooSmall;
+      }
     }
-    if (DeviceKernel::get_workspace_size(arguments) > workspace_bytes) {
-      set_error("workspace", "the workspace given is smaller than get_workspace_size()");
-      return kWorkspaceTooSmall;
-    }
+    cutlass::Status status;
     auto cuda_stream = static_cast<cudaStream_t>(stream);
     DeviceKernel gemm;
     status = gemm.initialize(arguments, workspace, cuda_stream);
@@ -294,6 +300,25 @@ __attribute__((visibility("default"))) int cutlass_ops_gemm_run(const CutlassOps
     }
     return kOk;
   });
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs the GEMM on `stream` (a cudaStream_t) with a caller-owned workspace.
+__attribute__((visibility("default"))) int cutlass_ops_gemm_run(const CutlassOpsGemmArgs* args,
+                                                                void* workspace,
+                                                                size_t workspace_bytes,
+                                                                void* stream) {
+  return run_gemm(args, workspace, workspace_bytes, stream, false);
+}
+
+// The same without can_implement and the workspace query: the per-call path of a problem already
+// checked with these sizes, strides and alignments (dispatch's memoized routes).
+__attribute__((visibility("default"))) int cutlass_ops_gemm_run_checked(
+    const CutlassOpsGemmArgs* args, void* workspace, size_t workspace_bytes, void* stream) {
+  return run_gemm(args, workspace, workspace_bytes, stream, true);
 }
 
 }  // extern "C"

@@ -15,6 +15,7 @@ sys.path[:0] = [str(root), str(Path(__file__).parent)]
 from benchmarks.gemm import FIXED_CONFIGS  # noqa: E402
 from cutlass_ops import GemmConfig, GemmOperands  # noqa: E402
 from cutlass_ops.kernels import prepare  # noqa: E402
+from test_epilogue_gpu import work as epilogue_work  # noqa: E402
 from test_gemm_gpu import CONFIGS, STREAM_K  # noqa: E402
 
 PINGPONG = CONFIGS["pingpong"]
@@ -27,6 +28,7 @@ WORK = [
     (GemmOperands.make("bf16", layout_c="col"), PINGPONG),
     (GemmOperands.make("f32"), GemmConfig(kernel_schedule="pingpong", tile=(128, 128, 32))),
     *((GemmOperands.make("bf16"), config) for config in FIXED_CONFIGS),
+    *epilogue_work(),
 ]
 
 
