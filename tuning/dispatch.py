@@ -244,6 +244,7 @@ def _cutlass_route(decision: Decision, out_dtype, key, activation="identity") ->
     def first_launch(a, b, bias, residual, alpha, beta):
         out = _row_major_output(a, b, out_dtype)
         c = residual  # matmul() turned a residual with beta = 0 into None
+        beta = beta if c is not None else 0.0
         if choice.swap_ab:  # D^T = B^T A^T, written through D's transposed view
             launch = gemm_api.plan(
                 b.transpose(-1, -2), a.transpose(-1, -2),
