@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from cutlass_ops import build, emit, runtime, space
-from cutlass_ops.config import GemmConfig, GemmOperands
-from cutlass_ops.errors import CutlassOpsError
+from cutlass_ops.config import BiasMode, GemmConfig, GemmOperands
+from cutlass_ops.errors import CutlassOpsError, KernelLaunchError
 
 _loaded: dict[tuple, runtime.LoadedKernel] = {}
 
@@ -86,6 +86,24 @@ def is_built(operands: GemmOperands, config: GemmConfig) -> bool:
     return source is not None and build.is_built(build_spec(operands, config, source))
 
 
+def expected_epilogue_slots(operands: GemmOperands) -> tuple[int, int]:
+    """(scalars, bias pointers) a kernel for these operands must take: a plain kernel alpha and
+    beta; a fused one alpha, beta with a residual, and one bias pointer with a bias."""
+    epilogue = operands.epilogue
+    if epilogue.is_default:
+        return 2, 0
+    return 1 + int(epilogue.residual), int(epilogue.bias is not BiasMode.NONE)
+
+
+def check_epilogue_slots(operands: GemmOperands, kernel: runtime.LoadedKernel) -> None:
+    expected = expected_epilogue_slots(operands)
+    if kernel.epilogue_slots != expected:
+        raise KernelLaunchError(
+            f"{kernel.name} for {operands.name}: the launcher fills {kernel.epilogue_slots} "
+            f"(scalars, bias pointers) of the epilogue, the operands need {expected}; this "
+            "kernel would compute something else, so it is refused")
+
+
 def kernel_for(operands: GemmOperands, config: GemmConfig) -> runtime.LoadedKernel:
     """The loaded kernel for a config, built if needed. Raises the error that prevented it."""
     key = (operands, config.build_fields())
@@ -95,5 +113,6 @@ def kernel_for(operands: GemmOperands, config: GemmConfig) -> runtime.LoadedKern
         if isinstance(result, Exception):
             raise result
         kernel = runtime.load(str(result.library), config.build_name)
+        check_epilogue_slots(operands, kernel)
         _loaded[key] = kernel
     return kernel

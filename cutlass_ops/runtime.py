@@ -69,6 +69,10 @@ class LoadedKernel:
         self.run_checked_raw.restype = ctypes.c_int
         self._lib = lib
         self.shared_storage_bytes = lib.cutlass_ops_shared_storage_bytes()
+        scalars, biases = ctypes.c_int(0), ctypes.c_int(0)
+        lib.cutlass_ops_epilogue_slots(ctypes.byref(scalars), ctypes.byref(biases))
+        # (scalars, bias pointers) the launcher fills in the epilogue's arguments
+        self.epilogue_slots = (scalars.value, biases.value)
 
     def _raise(self, status: int) -> None:
         detail = self._lib.cutlass_ops_last_error().decode(errors="replace")

@@ -4,6 +4,7 @@ each). The artifacts must load and report their launcher ABI and shared-memory s
 import pytest
 
 from cutlass_ops import GemmConfig, GemmOperands, runtime
+from cutlass_ops.kernels import check_epilogue_slots
 
 pytestmark = pytest.mark.compile
 
@@ -37,6 +38,9 @@ def test_fused_epilogue_kernel_compiles_and_loads(built):
     assert not isinstance(artifact, Exception), artifact
     kernel = runtime.load(str(artifact.library), "fused")
     assert kernel.shared_storage_bytes > 0
+    # The launcher finds alpha, beta and the bias pointer in the traced tree (no GPU needed).
+    assert kernel.epilogue_slots == (2, 1)
+    check_epilogue_slots(FUSED, kernel)
     assert "Sm90RowBroadcast" in (artifact.library.parent / "cutlass_ops_kernel.h").read_text()
 
 
@@ -47,6 +51,7 @@ def test_kernel_compiles_and_loads(built, name):
     assert not isinstance(artifact, Exception), artifact
     assert artifact.library.exists()
     kernel = runtime.load(str(artifact.library), config.build_name)  # no GPU needed to load
+    assert kernel.epilogue_slots == (2, 0)
     assert 0 < kernel.shared_storage_bytes <= 232448
     source = (artifact.library.parent / "cutlass_ops_kernel.h").read_text()
     assert config.build_name in source

@@ -80,8 +80,8 @@ void set_splits(SchedulerArgs& scheduler, int splits) {
 
 // The epilogue's arguments. A plain kernel's fusion (LinearCombination) has alpha and beta members.
 // A fused kernel's is an epilogue visitor tree traced by cutlass_cppgen from
-// D = activation(alpha * accum + bias) + beta * C: its arguments are nested tuples, one per node
-// (children first), which we fill by node kind in that order: the first scalar broadcast is alpha,
+// D = activation(alpha * accum + bias) + beta * C: its arguments nest one level per node
+// (children first, then the node's own), which we fill by node kind in that order: the first scalar broadcast is alpha,
 // the second beta; a row or column broadcast is the bias; fetches and compute nodes take nothing.
 template <class T, class = void>
 struct has_alpha : std::false_type {};
@@ -107,9 +107,27 @@ struct EpilogueValues {
   int biases_filled;
 };
 
+// A tree node's arguments hold its children's (then its own): as members op_0 .. op_3 for nodes of
+// up to four operations (CUTLASS specializes those), as a cute::tuple beyond.
+#define CUTLASS_OPS_HAS_MEMBER(name)                                                      \
+  template <class T, class = void>                                                        \
+  struct has_##name : std::false_type {};                                                 \
+  template <class T>                                                                      \
+  struct has_##name<T, std::void_t<decltype(std::declval<T&>().name)>> : std::true_type {};
+CUTLASS_OPS_HAS_MEMBER(op_0)
+CUTLASS_OPS_HAS_MEMBER(op_1)
+CUTLASS_OPS_HAS_MEMBER(op_2)
+CUTLASS_OPS_HAS_MEMBER(op_3)
+#undef CUTLASS_OPS_HAS_MEMBER
+
 template <class Args>
 void fill_visitor_tree(Args& args, EpilogueValues& values) {
-  if constexpr (cute::is_tuple<Args>::value) {
+  if constexpr (has_op_0<Args>::value) {
+    fill_visitor_tree(args.op_0, values);
+    if constexpr (has_op_1<Args>::value) fill_visitor_tree(args.op_1, values);
+    if constexpr (has_op_2<Args>::value) fill_visitor_tree(args.op_2, values);
+    if constexpr (has_op_3<Args>::value) fill_visitor_tree(args.op_3, values);
+  } else if constexpr (cute::is_tuple<Args>::value) {
     cute::for_each(args, [&](auto& child) { fill_visitor_tree(child, values); });
   } else if constexpr (has_scalars<Args>::value) {
     using Scalar = std::remove_reference_t<decltype(args.scalars[0])>;
@@ -179,7 +197,28 @@ __attribute__((visibility("default"))) int cutlass_ops_shared_storage_bytes() {
   return int(GemmKernel::SharedStorageSize);
 }
 
+// How many scalars (alpha, beta) and bias pointers the epilogue's arguments take, as the launcher
+// fills them: a plain kernel reports 2 and 0. Python checks these against the kernel's declared
+// epilogue when it loads the artifact, so that a tree the filler misreads is refused, not run.
+__attribute__((visibility("default"))) void cutlass_ops_epilogue_slots(int* scalars,
+                                                                       int* biases);
+
 }  // extern "C"
+
+void cutlass_ops_epilogue_slots(int* scalars, int* biases) {
+  typename DeviceKernel::Arguments arguments{};
+  using ThreadArgs = std::remove_reference_t<decltype(arguments.epilogue.thread)>;
+  if constexpr (has_alpha<ThreadArgs>::value) {
+    *scalars = 2;
+    *biases = 0;
+  } else {
+    static const char kNotNull = 0;
+    EpilogueValues values{1.0f, 1.0f, &kNotNull, 0, 0};
+    fill_visitor_tree(arguments.epilogue.thread, values);
+    *scalars = values.scalars_filled;
+    *biases = values.biases_filled;
+  }
+}
 
 namespace {
 

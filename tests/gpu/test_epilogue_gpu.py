@@ -75,7 +75,8 @@ def test_fused_gemm_matches_float32_reference(epilogue, config, swapped):
     m, n, k = (48, 4096, 1024) if swapped else (512, 768, 1024)
     x, w, bias, res = operands(m, n, k, residual=spec.residual)
     bias = bias if spec.bias.value != "none" else None
-    alpha, beta = 0.75, 0.5  # not 1: a launcher that swapped them would fail
+    alpha = 0.75  # not 1, and unlike beta: a launcher that swapped them would fail
+    beta = 0.5 if res is not None else 0.0
     want = epilogues.apply(x.float() @ w.float().t(), alpha=alpha,
                            bias=None if bias is None else bias.float(),
                            activation=spec.activation, c=None if res is None else res.float(),
