@@ -1,0 +1,143 @@
+// Sum and max reductions at warp, block and thread-block-cluster scope.
+//
+// Every thread of the group gets the same result, bit for bit: the final combination runs in
+// the same order in every warp of every block. Values may be `float` or `float2` (two
+// independent reductions for the price of one barrier).
+//
+// Block and cluster reductions exchange partials through shared memory (distributed shared
+// memory across the cluster: each warp pushes its partial into every block of the cluster with
+// `map_shared_rank`, then one `cluster.sync()`), using a `Reducer` that owns a buffer of
+// `Reducer::kSlots` values of static shared memory and alternates between two halves of it, so
+// consecutive reductions need one barrier each and no barrier between them: a block cannot
+// write into half h again before every block has passed the barrier of the next reduction,
+// which it reaches only after reading half h.
+//
+// Rules: every thread of the block (cluster) calls each reduction the same number of times
+// (the barrier is collective), and the kernel must be launched with a cluster of exactly
+// CLUSTER blocks along x when CLUSTER > 1. A cluster Reducer must reduce at least once (its
+// constructor's barrier arrival is matched by the first reduction's wait).
+#pragma once
+
+#include <cooperative_groups.h>
+
+namespace ck {
+
+namespace cg = cooperative_groups;
+
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+  __device__ __forceinline__ float2 operator()(float2 a, float2 b) const {
+    return make_float2(a.x + b.x, a.y + b.y);
+  }
+};
+
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  __device__ __forceinline__ float2 operator()(float2 a, float2 b) const {
+    return make_float2(fmaxf(a.x, b.x), fmaxf(a.y, b.y));
+  }
+};
+
+__device__ __forceinline__ float shfl_xor(float v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+
+__device__ __forceinline__ float2 shfl_xor(float2 v, int mask) {
+  return make_float2(__shfl_xor_sync(0xffffffffu, v.x, mask),
+                     __shfl_xor_sync(0xffffffffu, v.y, mask));
+}
+
+// All 32 lanes must be active; every lane gets the result.
+template <class T, class Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) v = op(v, shfl_xor(v, mask));
+  return v;
+}
+
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) { return warp_reduce(v, SumOp{}); }
+
+template <class T>
+__device__ __forceinline__ T warp_max(T v) { return warp_reduce(v, MaxOp{}); }
+
+// Reduction over NUM_WARPS warps of a block (threads 0 .. 32*NUM_WARPS-1) and CLUSTER blocks.
+// NUM_WARPS == 1 and CLUSTER == 1 is a plain warp reduction (no shared memory, no barrier).
+template <class T, int NUM_WARPS, int CLUSTER = 1>
+struct Reducer {
+  static constexpr int kPartials = NUM_WARPS * CLUSTER;
+  static constexpr int kSlots = 2 * kPartials;
+
+  T* smem;  // kSlots values of shared memory, the same address in every block of the cluster
+  int phase = 0;
+  bool started = CLUSTER == 1;
+
+  // With a cluster, the constructor arrives on the cluster barrier and the first reduction waits
+  // on it before writing into another block's shared memory: a block's shared memory may be
+  // written only once that block is running. Construct the Reducer early (before the loads) so
+  // the wait costs nothing, and reduce at least once.
+  __device__ explicit Reducer(T* smem_) : smem(smem_) {
+    if constexpr (CLUSTER > 1) cg::this_cluster().barrier_arrive();
+  }
+
+  template <class Op>
+  __device__ __forceinline__ T reduce(T v, Op op) {
+    v = warp_reduce(v, op);
+    if constexpr (kPartials == 1) {
+      return v;
+    } else {
+      const int warp = threadIdx.x / 32;
+      const int lane = threadIdx.x % 32;
+      T* half = smem + phase * kPartials;
+      phase ^= 1;
+      if constexpr (CLUSTER == 1) {
+        if (lane == 0) half[warp] = v;
+        __syncthreads();
+      } else {
+        cg::cluster_group cluster = cg::this_cluster();
+        if (!started) {
+          cluster.barrier_wait();
+          started = true;
+        }
+        const int slot = static_cast<int>(cluster.block_rank()) * NUM_WARPS + warp;
+        // Lane r pushes this warp's partial into block r of the cluster.
+        for (int r = lane; r < CLUSTER; r += 32) {
+          T* remote = cluster.map_shared_rank(half, r);
+          remote[slot] = v;
+        }
+        cluster.sync();
+      }
+      // Each lane combines a fixed subset in a fixed order, then the warp combines the lanes:
+      // the same arithmetic in every warp of every block.
+      T acc = half[lane < kPartials ? lane : 0];
+      for (int i = lane + 32; i < kPartials; i += 32) acc = op(acc, half[i]);
+      if (lane >= kPartials) acc = identity_like(acc, half[0], op);
+      return warp_reduce(acc, op);
+    }
+  }
+
+  __device__ __forceinline__ T sum(T v) { return reduce(v, SumOp{}); }
+  __device__ __forceinline__ T max(T v) { return reduce(v, MaxOp{}); }
+
+ private:
+  // Lanes without a partial contribute the identity: 0 for a sum, a copy of partial 0 for a max
+  // (max is idempotent, so repeating a partial changes nothing).
+  __device__ __forceinline__ static T identity_like(T, T first, SumOp) { return zero(first); }
+  __device__ __forceinline__ static T identity_like(T, T first, MaxOp) { return first; }
+  __device__ __forceinline__ static float zero(float) { return 0.0f; }
+  __device__ __forceinline__ static float2 zero(float2) { return make_float2(0.0f, 0.0f); }
+};
+
+// One-shot helpers for code that reduces once per kernel: `smem` holds Reducer::kSlots values.
+// Two calls on the same buffer without a barrier between them race: use one Reducer instead.
+template <int NUM_WARPS, int CLUSTER = 1, class T>
+__device__ __forceinline__ T block_or_cluster_sum(T v, T* smem) {
+  return Reducer<T, NUM_WARPS, CLUSTER>(smem).sum(v);
+}
+
+template <int NUM_WARPS, int CLUSTER = 1, class T>
+__device__ __forceinline__ T block_or_cluster_max(T v, T* smem) {
+  return Reducer<T, NUM_WARPS, CLUSTER>(smem).max(v);
+}
+
+}  // namespace ck

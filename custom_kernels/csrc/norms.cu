@@ -1,0 +1,425 @@
+// RMSNorm and LayerNorm, forward and backward, with an optional fused residual add.
+//
+//   h = x + residual (rounded to x's type; written out as the new residual), or h = x
+//   RMSNorm:   y = h * rstd * w,                 rstd = 1 / sqrt(mean(h^2) + eps)
+//   LayerNorm: y = (h - mean) * rstd * w + b,    rstd = 1 / sqrt(mean((h - mean)^2) + eps)
+//
+// Statistics in fp32; per-row rstd (and mean) saved for the backward pass.
+//
+// Layout of the work (all compile-time, from -D values chosen by custom_kernels/norm_config.py):
+// a row is split among `kTpr` threads of one block (a warp when NORM_WARP_PER_ROW, else the
+// whole block) times NORM_CLUSTER blocks of a thread block cluster. Thread `lane` of cluster
+// rank `rank` handles the NORM_VEC-element vectors at columns
+//   ((it * NORM_CLUSTER + rank) * kTpr + lane) * NORM_VEC,   it = 0 .. NORM_ITERS-1,
+// so each iteration is one coalesced sweep of the row by the whole cluster. With NORM_CACHE the
+// row is read from global memory once and kept in registers; without it (rows too long for the
+// register budget, or the scalar path) the later passes read it again (mostly from L2).
+// NORM_VEC > 1 requires every pointer 16-byte aligned and hidden and the row strides multiples of
+// NORM_VEC (the Python side checks; otherwise it compiles NORM_VEC = 1).
+//
+// Kernels: norm_fwd (one row, or one row per warp, per block/cluster: grid = row groups),
+// norm_bwd (persistent: a fixed grid of row units walks the rows, accumulating dW/dB partials
+// per unit in registers, written once to a [units, hidden] fp32 workspace), norm_dw_reduce
+// (sums the workspace over units into dW/dB in the weight's type; deterministic).
+
+#include "cluster_reduce.cuh"
+#include "norm_common.cuh"
+
+#ifndef NORM_IN
+#define NORM_IN 2
+#endif
+#ifndef NORM_OUT
+#define NORM_OUT NORM_IN
+#endif
+#ifndef NORM_W
+#define NORM_W NORM_IN
+#endif
+#ifndef NORM_LN
+#define NORM_LN 0
+#endif
+#ifndef NORM_THREADS
+#define NORM_THREADS 256
+#endif
+#ifndef NORM_WARP_PER_ROW
+#define NORM_WARP_PER_ROW 0
+#endif
+#ifndef NORM_CLUSTER
+#define NORM_CLUSTER 1
+#endif
+#ifndef NORM_VEC
+#define NORM_VEC 1
+#endif
+#ifndef NORM_ITERS
+#define NORM_ITERS 1
+#endif
+#ifndef NORM_CACHE
+#define NORM_CACHE 1
+#endif
+// Which kernel this compilation holds: 0 norm_fwd, 1 norm_bwd, 2 norm_dw_reduce, -1 all.
+#ifndef NORM_PART
+#define NORM_PART -1
+#endif
+#define NORM_HAS_PART(p) (NORM_PART < 0 || NORM_PART == (p))
+
+using In = ck::DType<NORM_IN>::type;    // x, residual, residual_out, dx
+using Out = ck::DType<NORM_OUT>::type;  // y and dy
+using W = ck::DType<NORM_W>::type;      // weight, bias, dweight, dbias
+
+constexpr int kThreads = NORM_THREADS;
+constexpr bool kWarpPerRow = NORM_WARP_PER_ROW != 0;
+constexpr int kCluster = NORM_CLUSTER;
+constexpr int kVec = NORM_VEC;
+constexpr int kIters = NORM_ITERS;
+constexpr bool kCache = NORM_CACHE != 0;
+constexpr bool kLN = NORM_LN != 0;
+constexpr int kTpr = kWarpPerRow ? 32 : kThreads;
+constexpr int kRowsPerBlock = kWarpPerRow ? kThreads / 32 : 1;
+
+static_assert(kThreads % 32 == 0 && kThreads <= 1024, "threads: a multiple of 32, at most 1024");
+static_assert(!(kWarpPerRow && kCluster > 1), "a warp per row needs no cluster");
+static_assert(kCluster >= 1 && kCluster <= 16, "cluster of 1 to 16 blocks");
+
+using ck::from_float;
+using ck::load;
+using ck::store;
+using ck::to_float;
+using ck::Vec;
+using VIn = Vec<In, kVec>;
+using VOut = Vec<Out, kVec>;
+using VW = Vec<W, kVec>;
+
+template <class T>
+using RowReducer = ck::Reducer<T, kTpr / 32, kCluster>;
+
+__device__ __forceinline__ int cluster_rank() {
+  if constexpr (kCluster > 1) {
+    return static_cast<int>(cooperative_groups::this_cluster().block_rank());
+  } else {
+    return 0;
+  }
+}
+
+__device__ __forceinline__ int vec_col(int it, int rank, int lane) {
+  return ((it * kCluster + rank) * kTpr + lane) * kVec;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------------
+
+#if NORM_HAS_PART(0)
+// Pass 1 of the forward: h = x (+ residual), written to residual_out, kept in `h` when caching.
+// Returns this thread's sum of h (LayerNorm) or of h^2 (RMSNorm).
+__device__ __forceinline__ float fwd_load(VIn (&h)[kCache ? kIters : 1], const In* xr,
+                                          const In* rr, In* hr, int hidden, int rank, int lane) {
+  float s = 0.0f;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int col = vec_col(it, rank, lane);
+    VIn v;
+    if (col < hidden) {
+      load(v, xr + col);
+      if (rr != nullptr) {
+        VIn r;
+        load(r, rr + col);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v.v[j] = from_float<In>(to_float(v.v[j]) + to_float(r.v[j]));
+        store(hr + col, v);
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float f = to_float(v.v[j]);
+        s += kLN ? f : f * f;
+      }
+      if constexpr (kCache) h[it] = v;
+    }
+  }
+  return s;
+}
+
+__device__ __forceinline__ void get_row_vec(VIn& v, const VIn (&h)[kCache ? kIters : 1], int it,
+                                            const In* src, int col) {
+  if constexpr (kCache) {
+    v = h[it];
+  } else {
+    load(v, src + col);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) norm_fwd(
+    const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
+    const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
+    float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
+    long long res_stride, float eps) {
+  __shared__ float red_smem[RowReducer<float>::kSlots];
+  const int lane = kWarpPerRow ? threadIdx.x % 32 : threadIdx.x;
+  const int rank = cluster_rank();
+  long long row;
+  if constexpr (kWarpPerRow) {
+    row = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+    if (row >= rows) return;  // a whole warp; its reductions involve no other warp
+  } else {
+    row = blockIdx.x / kCluster;  // the grid has exactly rows * kCluster blocks
+  }
+  const In* xr = x + row * x_stride;
+  const In* rr = res != nullptr ? res + row * res_stride : nullptr;
+  In* hr = res_out != nullptr ? res_out + row * static_cast<long long>(hidden) : nullptr;
+  const In* src = hr != nullptr ? hr : xr;  // where h is read again without the cache
+
+  RowReducer<float> red(red_smem);
+  VIn h[kCache ? kIters : 1];
+  const float inv_n = 1.0f / static_cast<float>(hidden);
+  const float s = fwd_load(h, xr, rr, hr, hidden, rank, lane);
+  float mean = 0.0f;
+  float var;
+  if constexpr (kLN) {
+    mean = red.sum(s) * inv_n;
+    float s2 = 0.0f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int col = vec_col(it, rank, lane);
+      if (col < hidden) {
+        VIn v;
+        get_row_vec(v, h, it, src, col);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float d = to_float(v.v[j]) - mean;
+          s2 += d * d;
+        }
+      }
+    }
+    var = red.sum(s2) * inv_n;
+  } else {
+    var = red.sum(s) * inv_n;
+  }
+  const float rstd = rsqrtf(var + eps);
+  if (lane == 0 && rank == 0) {
+    rstd_out[row] = rstd;
+    if constexpr (kLN) mean_out[row] = mean;
+  }
+  Out* yr = y + row * static_cast<long long>(hidden);
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int col = vec_col(it, rank, lane);
+    if (col < hidden) {
+      VIn v;
+      get_row_vec(v, h, it, src, col);
+      VW wv;
+      load(wv, w + col);
+      VW bv;
+      if constexpr (kLN) load(bv, b + col);
+      VOut o;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        float f = (to_float(v.v[j]) - mean) * rstd * to_float(wv.v[j]);
+        if constexpr (kLN) f += to_float(bv.v[j]);
+        o.v[j] = from_float<Out>(f);
+      }
+      store(yr + col, o);
+    }
+  }
+}
+
+#endif  // NORM_HAS_PART(0)
+
+#if NORM_HAS_PART(1)
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+//   xhat = (h - mean) * rstd,  g = dy * w
+//   dh = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g) term, mean = 0)
+//   dx = dh + d_residual_out;  dW += dy * xhat;  dB += dy
+
+using RedT = ck::Conditional<kLN, float2, float>::type;
+constexpr int kAccRows = kLN ? 2 : 1;  // dW, and dB for LayerNorm
+
+// The row's sum of g * xhat (and of g, LayerNorm only) over the whole cluster.
+__device__ __forceinline__ void row_sums(RowReducer<float>& red, float s1, float, float& c1,
+                                         float& c2) {
+  c1 = red.sum(s1);
+  c2 = 0.0f;
+}
+
+__device__ __forceinline__ void row_sums(RowReducer<float2>& red, float s1, float s2, float& c1,
+                                         float& c2) {
+  const float2 r = red.sum(make_float2(s1, s2));
+  c1 = r.x;
+  c2 = r.y;
+}
+
+__device__ __forceinline__ void write_partials_direct(const float (&acc)[kIters][kVec],
+                                                      float* part, int hidden, int rank,
+                                                      int lane) {
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int col = vec_col(it, rank, lane);
+    if (col < hidden) {
+      Vec<float, kVec> v;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v.v[j] = acc[it][j];
+      store(part + col, v);
+    }
+  }
+}
+
+// A warp per row: the warps of a block first add their partials in shared memory.
+__device__ __forceinline__ void write_partials_block(const float (&acc)[kIters][kVec],
+                                                     float* part, float* smem, int hidden,
+                                                     int lane) {
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int col = vec_col(it, 0, lane);
+    if (col < hidden) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) smem[warp * hidden + col + j] = acc[it][j];
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < hidden; c += kThreads) {
+    float t = 0.0f;
+    for (int r = 0; r < kRowsPerBlock; ++r) t += smem[r * hidden + c];
+    part[c] = t;
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads) norm_bwd(
+    const In* __restrict__ x, const Out* __restrict__ dy, const In* __restrict__ dres,
+    const W* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd,
+    In* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part, long long rows,
+    int hidden, long long x_stride, long long dy_stride, long long dres_stride) {
+  extern __shared__ float partial_smem[];  // a warp per row: kRowsPerBlock * hidden floats
+  __shared__ RedT red_smem[RowReducer<RedT>::kSlots];
+  const int lane = kWarpPerRow ? threadIdx.x % 32 : threadIdx.x;
+  const int rank = cluster_rank();
+  long long unit, units;
+  if constexpr (kWarpPerRow) {
+    unit = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+    units = static_cast<long long>(gridDim.x) * kRowsPerBlock;
+  } else {
+    unit = blockIdx.x / kCluster;
+    units = gridDim.x / kCluster;
+  }
+  float acc[kAccRows][kIters][kVec];
+#pragma unroll
+  for (int a = 0; a < kAccRows; ++a)
+#pragma unroll
+    for (int it = 0; it < kIters; ++it)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc[a][it][j] = 0.0f;
+
+  RowReducer<RedT> red(red_smem);
+  const float inv_n = 1.0f / static_cast<float>(hidden);
+  for (long long row = unit; row < rows; row += units) {
+    const float m = kLN ? mean[row] : 0.0f;
+    const float rs = rstd[row];
+    const In* xr = x + row * x_stride;
+    const Out* dyr = dy + row * dy_stride;
+    VIn xc[kCache ? kIters : 1];
+    VOut dyc[kCache ? kIters : 1];
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int col = vec_col(it, rank, lane);
+      if (col < hidden) {
+        VIn xv;
+        VOut dv;
+        VW wv;
+        load(xv, xr + col);
+        load(dv, dyr + col);
+        load(wv, w + col);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float xhat = (to_float(xv.v[j]) - m) * rs;
+          const float d = to_float(dv.v[j]);
+          const float g = d * to_float(wv.v[j]);
+          s1 += g * xhat;
+          s2 += g;
+          acc[0][it][j] += d * xhat;
+          if constexpr (kLN) acc[kAccRows - 1][it][j] += d;
+        }
+        if constexpr (kCache) {
+          xc[it] = xv;
+          dyc[it] = dv;
+        }
+      }
+    }
+    float c1, c2;
+    row_sums(red, s1, s2, c1, c2);
+    c1 *= inv_n;
+    c2 *= inv_n;
+    In* dxr = dx + row * static_cast<long long>(hidden);
+    const In* drr = dres != nullptr ? dres + row * dres_stride : nullptr;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int col = vec_col(it, rank, lane);
+      if (col < hidden) {
+        VIn xv;
+        VOut dv;
+        VW wv;
+        if constexpr (kCache) {
+          xv = xc[it];
+          dv = dyc[it];
+        } else {
+          load(xv, xr + col);
+          load(dv, dyr + col);
+        }
+        load(wv, w + col);
+        VIn rv;
+        if (drr != nullptr) load(rv, drr + col);
+        VIn o;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float xhat = (to_float(xv.v[j]) - m) * rs;
+          const float g = to_float(dv.v[j]) * to_float(wv.v[j]);
+          float d = rs * (g - c2 - xhat * c1);
+          if (drr != nullptr) d += to_float(rv.v[j]);
+          o.v[j] = from_float<In>(d);
+        }
+        store(dxr + col, o);
+      }
+    }
+  }
+  if constexpr (kWarpPerRow) {
+    write_partials_block(acc[0], dw_part + static_cast<long long>(blockIdx.x) * hidden,
+                         partial_smem, hidden, lane);
+    if constexpr (kLN)
+      write_partials_block(acc[kAccRows - 1], db_part + static_cast<long long>(blockIdx.x) * hidden,
+                           partial_smem, hidden, lane);
+  } else {
+    write_partials_direct(acc[0], dw_part + unit * hidden, hidden, rank, lane);
+    if constexpr (kLN)
+      write_partials_direct(acc[kAccRows - 1], db_part + unit * hidden, hidden, rank, lane);
+  }
+}
+
+#endif  // NORM_HAS_PART(1)
+
+#if NORM_HAS_PART(2)
+// parts x hidden fp32 partials -> hidden values of W; blockIdx.y 0: dW, 1: dB.
+// Block of 1024 threads: 32 columns x 32 slices of the parts, then a fixed-order sum.
+__global__ void __launch_bounds__(1024) norm_dw_reduce(const float* __restrict__ part_w,
+                                                       W* __restrict__ dw,
+                                                       const float* __restrict__ part_b,
+                                                       W* __restrict__ db, int parts, int hidden) {
+  __shared__ float tile[32][33];
+  const float* part = blockIdx.y == 0 ? part_w : part_b;
+  W* out = blockIdx.y == 0 ? dw : db;
+  const int tx = threadIdx.x % 32;
+  const int ty = threadIdx.x / 32;
+  const int col = blockIdx.x * 32 + tx;
+  float acc = 0.0f;
+  if (col < hidden) {
+    for (int p = ty; p < parts; p += 32) acc += part[static_cast<long long>(p) * hidden + col];
+  }
+  tile[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && col < hidden) {
+    float t = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 32; ++r) t += tile[r][tx];
+    out[col] = from_float<W>(t);
+  }
+}
+#endif  // NORM_HAS_PART(2)

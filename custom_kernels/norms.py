@@ -1,0 +1,440 @@
+"""Fused RMSNorm and LayerNorm (``csrc/norms.cu``), forward and backward, with an optional fused
+residual add (pre-norm: ``h = x + residual; y = norm(h); return y, h``).
+
+Read top-down: the launchers, the tensor-free compile function, the custom ops with their fake
+impls and autograd, the public functions, then the reference implementations.
+
+Inputs: ``x`` of float32, float16 or bfloat16, any shape ``[..., hidden]`` with a contiguous last
+dimension (other strides are fine: rows with a uniform stride are read in place, anything else is
+copied), 1 <= hidden <= 262144, any number of rows. ``weight`` (and ``bias``) of shape
+``[hidden]`` with ``x``'s dtype or float32 (a float32 weight with a bf16/fp16 input is the usual
+mixed-precision layout; any other mix is refused). ``residual`` has ``x``'s shape and dtype; the
+returned new residual ``h`` has ``x``'s dtype (rounded from the fp32 sum, exactly the value the
+norm reads). ``out_dtype`` (default ``x.dtype``) is the dtype of ``y``. Statistics are fp32; the
+fp32 ``rstd`` (and ``mean``) per row are saved for the backward pass, which returns dx (also the
+gradient of ``residual``, with the gradient of the new residual added), dweight and dbias.
+
+Everything runs on torch's current stream with memory from torch's allocator and no host sync,
+so the ops work eagerly, under ``torch.compile(fullgraph=True)`` and inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from custom_kernels import jit
+from custom_kernels import norm_config as nc
+from custom_kernels.launch import launch, max_active_blocks_per_sm, sm_count
+from cutlass_ops.errors import UnsupportedInputError
+
+SOURCE = "norms.cu"
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+def _launch_fwd(kind, x2, weight, bias, res2, y, res_out, mean, rstd, eps, config):
+    rows, hidden = x2.shape
+    device = x2.device.index
+    aligned = _vector_ok(x2.dtype, hidden, (x2, res2, y, res_out, weight, bias),
+                         (x2.stride(0), res2.stride(0) if res2 is not None else 0))
+    plan = _fwd_plan(kind, hidden, _DTYPES[x2.dtype], _DTYPES[y.dtype], _DTYPES[weight.dtype],
+                     aligned, config, device)
+    launch(plan.kernel, x2.data_ptr(), _ptr(res2), weight.data_ptr(), _ptr(bias), y.data_ptr(),
+           _ptr(res_out), _ptr(mean), rstd.data_ptr(), np.int64(rows), np.int32(hidden),
+           np.int64(x2.stride(0)), np.int64(res2.stride(0) if res2 is not None else 0),
+           np.float32(eps),
+           grid=math.ceil(rows / plan.config.rows_per_block) * plan.config.cluster,
+           block=plan.config.threads, cluster=plan.config.cluster, device=device)
+
+
+def _launch_bwd(kind, dy2, h2, weight, mean, rstd, dres2, dx, dw, db, config):
+    rows, hidden = h2.shape
+    device = h2.device.index
+    strides = (h2.stride(0), dy2.stride(0), dres2.stride(0) if dres2 is not None else 0)
+    aligned = _vector_ok(h2.dtype, hidden, (dy2, h2, weight, dres2, dx), strides)
+    plan = _bwd_plan(kind, hidden, _DTYPES[h2.dtype], _DTYPES[dy2.dtype], _DTYPES[weight.dtype],
+                     aligned, config, device)
+    cfg = plan.config
+    units = min(math.ceil(rows / cfg.rows_per_block), plan.max_units)
+    parts = units  # one partial row per block (a warp per row) or per block cluster
+    dw_part = torch.empty((parts, hidden), dtype=torch.float32, device=h2.device)
+    db_part = torch.empty((parts, hidden), dtype=torch.float32, device=h2.device) \
+        if kind == "ln" else None
+    launch(plan.kernel, h2.data_ptr(), dy2.data_ptr(), _ptr(dres2), weight.data_ptr(),
+           _ptr(mean), rstd.data_ptr(), dx.data_ptr(), dw_part.data_ptr(), _ptr(db_part),
+           np.int64(rows), np.int32(hidden), *(np.int64(s) for s in strides),
+           grid=units * cfg.cluster, block=cfg.threads, cluster=cfg.cluster,
+           shared_mem=plan.shared_mem, device=device)
+    launch(plan.reduce_kernel, dw_part.data_ptr(), dw.data_ptr(), _ptr(db_part), _ptr(db),
+           np.int32(parts), np.int32(hidden), grid=(math.ceil(hidden / 32), 2 if db is not None
+                                                   else 1), block=1024, device=device)
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _vector_ok(dtype, hidden, tensors, strides) -> bool:
+    """The 16-byte vector path: every pointer 16-byte aligned, hidden and the row strides
+    multiples of the vector width. Otherwise the scalar kernel runs."""
+    vec = 16 // dtype.itemsize
+    if hidden % vec or any(s % vec for s in strides):
+        return False
+    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    config: nc.NormConfig
+    kernel: object
+    reduce_kernel: object = None
+    max_units: int = 0
+    shared_mem: int = 0
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, config, device) -> _Plan:
+    problem = nc.NormProblem(kind, "fwd", hidden, dtype, out_dtype, weight_dtype, aligned)
+    cfg = _choose(problem, config)
+    return _Plan(cfg, jit.get_kernel(SOURCE, "norm_fwd", defines=cfg.defines(problem),
+                                     device=device))
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, config, device) -> _Plan:
+    problem = nc.NormProblem(kind, "bwd", hidden, dtype, out_dtype, weight_dtype, aligned)
+    cfg = _choose(problem, config)
+    kernel = jit.get_kernel(SOURCE, "norm_bwd", defines=cfg.defines(problem), device=device)
+    shared_mem = cfg.shared_mem(problem)
+    per_sm = max(1, max_active_blocks_per_sm(kernel, cfg.threads, shared_mem))
+    max_blocks = sm_count(device) * per_sm
+    max_units = max(1, max_blocks // cfg.cluster)
+    reduce_kernel = jit.get_kernel(SOURCE, "norm_dw_reduce",
+                                   defines=nc.reduce_defines(weight_dtype), device=device)
+    return _Plan(cfg, kernel, reduce_kernel, max_units, shared_mem)
+
+
+def _choose(problem: nc.NormProblem, config: Optional[str]) -> nc.NormConfig:
+    """The override when given (its vector width dropped to 1 where the pointers do not allow
+    16-byte accesses), else the heuristic."""
+    if config is None:
+        return nc.heuristic(problem)
+    cfg = nc.NormConfig.from_name(config)
+    if cfg.vec != 1 and not problem.aligned:
+        cfg = dataclasses.replace(cfg, vec=1)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile (tensor-free: scalars in, cubins on disk; for a process pool or a GPU-less machine)
+# ---------------------------------------------------------------------------------------------
+
+def kernel_specs(problem: nc.NormProblem, config: Optional[nc.NormConfig] = None) -> list:
+    """(source, name, defines) of every kernel ``problem`` runs."""
+    cfg = config or nc.heuristic(problem)
+    name = "norm_fwd" if problem.direction == "fwd" else "norm_bwd"
+    specs = [(SOURCE, name, cfg.defines(problem))]
+    if problem.direction == "bwd":
+        specs.append((SOURCE, "norm_dw_reduce", nc.reduce_defines(problem.weight_dtype)))
+    return specs
+
+
+def compile_problem(problem: nc.NormProblem, config: Optional[nc.NormConfig] = None,
+                    arch: str = jit.DEFAULT_ARCH) -> list:
+    """Compiles (or finds cached) the cubins of ``problem``; returns their paths. No GPU."""
+    return [jit.compile_cubin(source, defines=defines, name_expressions=(name,), arch=arch)
+            for source, name, defines in kernel_specs(problem, config)]
+
+
+def precompile(problems, workers: int = 8, arch: str = jit.DEFAULT_ARCH) -> None:
+    """Compiles the kernels of many problems in parallel processes (before tests/benchmarks)."""
+    import concurrent.futures
+    import multiprocessing
+
+    jobs = {(source, name, tuple(sorted(defines.items())))
+            for problem in problems for source, name, defines in kernel_specs(problem)}
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        futures = [pool.submit(jit.compile_cubin, source, defines=dict(defines),
+                               name_expressions=(name,), arch=arch)
+                   for source, name, defines in sorted(jobs)]
+        for future in futures:
+            future.result()
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops: real impl, fake impl and autograd next to each other
+# ---------------------------------------------------------------------------------------------
+
+def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """``t`` as [rows, hidden] with a unit last stride (a view when possible)."""
+    t2 = t.reshape(-1, hidden)
+    return t2 if hidden == 1 or t2.stride(1) == 1 else t2.contiguous()
+
+
+def _fwd_impl(kind, x, weight, bias, residual, eps, out_dtype, config):
+    hidden = x.shape[-1]
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) \
+        if residual is not None else x.new_empty(0)
+    stats_shape = x.shape[:-1]
+    rstd = torch.empty(stats_shape, dtype=torch.float32, device=x.device)
+    mean = torch.empty(stats_shape, dtype=torch.float32, device=x.device) \
+        if kind == "ln" else None
+    if x.numel():
+        _launch_fwd(kind, _rows(x, hidden), weight, bias,
+                    _rows(residual, hidden) if residual is not None else None, y,
+                    res_out if residual is not None else None, mean, rstd, eps, config)
+    return y, res_out, mean, rstd
+
+
+def _bwd_impl(kind, dy, h, weight, mean, rstd, d_res_out, config):
+    hidden = h.shape[-1]
+    dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    db = torch.empty_like(weight, memory_format=torch.contiguous_format) \
+        if kind == "ln" else None
+    if h.numel():
+        _launch_bwd(kind, _rows(dy, hidden), _rows(h, hidden), weight, mean, rstd,
+                    _rows(d_res_out, hidden) if d_res_out is not None else None, dx, dw, db,
+                    config)
+    else:
+        dw.zero_()
+        if db is not None:
+            db.zero_()
+    return dx, dw, db
+
+
+@torch.library.custom_op("custom_kernels::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor],
+                 eps: float, out_dtype: torch.dtype, config: Optional[str] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, new residual or an empty tensor, rstd [rows...])."""
+    y, res_out, _, rstd = _fwd_impl("rms", x, weight, None, residual, eps, out_dtype, config)
+    return y, res_out, rstd
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, residual, eps, out_dtype, config=None):
+    return (x.new_empty(x.shape, dtype=out_dtype),
+            x.new_empty(x.shape) if residual is not None else x.new_empty(0),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("custom_kernels::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                 d_residual_out: Optional[torch.Tensor], config: Optional[str] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dx, dweight); dx includes ``d_residual_out`` when given."""
+    dx, dw, _ = _bwd_impl("rms", dy, h, weight, None, rstd, d_residual_out, config)
+    return dx, dw
+
+
+@rms_norm_bwd.register_fake
+def _(dy, h, weight, rstd, d_residual_out, config=None):
+    return h.new_empty(h.shape), weight.new_empty(weight.shape)
+
+
+@torch.library.custom_op("custom_kernels::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   residual: Optional[torch.Tensor], eps: float, out_dtype: torch.dtype,
+                   config: Optional[str] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, new residual or an empty tensor, mean, rstd)."""
+    y, res_out, mean, rstd = _fwd_impl("ln", x, weight, bias, residual, eps, out_dtype, config)
+    return y, res_out, mean, rstd
+
+
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, residual, eps, out_dtype, config=None):
+    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return (x.new_empty(x.shape, dtype=out_dtype),
+            x.new_empty(x.shape) if residual is not None else x.new_empty(0),
+            stats, torch.empty_like(stats))
+
+
+@torch.library.custom_op("custom_kernels::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(dy: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                   rstd: torch.Tensor, d_residual_out: Optional[torch.Tensor],
+                   config: Optional[str] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dweight, dbias); dx includes ``d_residual_out`` when given."""
+    return _bwd_impl("ln", dy, h, weight, mean, rstd, d_residual_out, config)
+
+
+@layer_norm_bwd.register_fake
+def _(dy, h, weight, mean, rstd, d_residual_out, config=None):
+    return h.new_empty(h.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, residual, _eps, _out_dtype, _config = inputs
+    _y, res_out, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.save_for_backward(res_out if ctx.has_residual else x, weight, rstd)
+
+
+def _rms_backward(ctx, dy, d_res_out, _d_rstd):
+    h, weight, rstd = ctx.saved_tensors
+    dy = dy if dy is not None else torch.zeros_like(h)
+    dx, dw = torch.ops.custom_kernels.rms_norm_bwd(
+        dy, h, weight, rstd, d_res_out if ctx.has_residual else None, None)
+    return dx, dw, (dx if ctx.has_residual else None), None, None, None
+
+
+def _ln_setup(ctx, inputs, output):
+    x, weight, bias, residual, _eps, _out_dtype, _config = inputs
+    _y, res_out, mean, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.save_for_backward(res_out if ctx.has_residual else x, weight, mean, rstd)
+
+
+def _ln_backward(ctx, dy, d_res_out, _d_mean, _d_rstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    dy = dy if dy is not None else torch.zeros_like(h)
+    dx, dw, db = torch.ops.custom_kernels.layer_norm_bwd(
+        dy, h, weight, mean, rstd, d_res_out if ctx.has_residual else None, None)
+    return dx, dw, db, (dx if ctx.has_residual else None), None, None, None
+
+
+torch.library.register_autograd("custom_kernels::rms_norm_fwd", _rms_backward,
+                                setup_context=_rms_setup)
+torch.library.register_autograd("custom_kernels::layer_norm_fwd", _ln_backward,
+                                setup_context=_ln_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+             residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+             *, config=None):
+    """RMSNorm of ``x`` (after adding ``residual`` when given) scaled by ``weight``.
+    Returns ``y``, or ``(y, new_residual)`` with a residual. ``config``: a ``NormConfig`` or its
+    name, overriding the forward heuristic (the tuner's hook)."""
+    check_inputs("rms", x, weight, None, residual, out_dtype)
+    y, res_out, _ = torch.ops.custom_kernels.rms_norm_fwd(
+        x, weight, residual, float(eps), out_dtype or x.dtype, _config_name(config))
+    return (y, res_out) if residual is not None else y
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
+               residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+               *, config=None):
+    """LayerNorm over the last dimension of ``x`` (after adding ``residual`` when given).
+    Returns ``y``, or ``(y, new_residual)`` with a residual."""
+    check_inputs("ln", x, weight, bias, residual, out_dtype)
+    y, res_out, _, _ = torch.ops.custom_kernels.layer_norm_fwd(
+        x, weight, bias, residual, float(eps), out_dtype or x.dtype, _config_name(config))
+    return (y, res_out) if residual is not None else y
+
+
+def _config_name(config) -> Optional[str]:
+    if config is None or isinstance(config, str):
+        return config
+    return config.name
+
+
+def check_inputs(kind, x, weight, bias, residual, out_dtype) -> None:
+    """Raises UnsupportedInputError naming the problem. Runs on any device (meta and CPU
+    tensors included) and touches no data, so it runs before anything is launched; the device
+    check comes last so that every other rule can be tested without a GPU."""
+    why = why_unsupported(kind, x, weight, bias, residual, out_dtype)
+    if why:
+        raise UnsupportedInputError(why)
+
+
+def why_unsupported(kind, x, weight, bias, residual, out_dtype) -> Optional[str]:
+    """The reason these inputs cannot run on the kernels, or None."""
+    name = "rms_norm" if kind == "rms" else "layer_norm"
+    tensors = {"x": x, "weight": weight, "bias": bias, "residual": residual}
+    for key, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            return f"{name}: {key} must be a torch.Tensor, got {type(t).__name__}"
+    if kind == "ln" and bias is None:
+        return "layer_norm: bias is required (pass zeros for a norm without bias)"
+    why = _why_dtypes(name, x, weight, bias, residual, out_dtype)
+    if why:
+        return why
+    why = _why_shapes(name, x, weight, bias, residual)
+    if why:
+        return why
+    devices = {key: t.device for key, t in tensors.items() if t is not None}
+    if any(d.type != "cuda" for d in devices.values()):
+        where = ", ".join(f"{k} on {d}" for k, d in devices.items())
+        return f"{name}: all tensors must be on one CUDA device ({where})"
+    if len(set(devices.values())) > 1:
+        return f"{name}: tensors on different devices: {devices}"
+    return None
+
+
+def _why_dtypes(name, x, weight, bias, residual, out_dtype) -> Optional[str]:
+    if x.dtype not in _DTYPES:
+        return f"{name}: x has dtype {x.dtype}; supported: float32, float16, bfloat16"
+    if out_dtype is not None and out_dtype not in _DTYPES:
+        return f"{name}: out_dtype {out_dtype} not supported; use float32, float16 or bfloat16"
+    if weight.dtype not in (x.dtype, torch.float32):
+        return (f"{name}: mixed dtypes: weight is {weight.dtype} but x is {x.dtype}; the weight "
+                f"must have x's dtype or float32")
+    if bias is not None and bias.dtype != weight.dtype:
+        return f"{name}: mixed dtypes: bias is {bias.dtype} but weight is {weight.dtype}"
+    if residual is not None and residual.dtype != x.dtype:
+        return f"{name}: mixed dtypes: residual is {residual.dtype} but x is {x.dtype}"
+    return None
+
+
+def _why_shapes(name, x, weight, bias, residual) -> Optional[str]:
+    if x.dim() == 0:
+        return f"{name}: x must have at least one dimension"
+    hidden = x.shape[-1]
+    if not nc.MIN_HIDDEN <= hidden <= nc.MAX_HIDDEN:
+        return (f"{name}: hidden size (last dimension) {hidden} outside the supported "
+                f"{nc.MIN_HIDDEN}..{nc.MAX_HIDDEN}")
+    for key, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (hidden,):
+            return f"{name}: {key} has shape {tuple(t.shape)}, expected ({hidden},)"
+        if t is not None and hidden > 1 and t.stride(0) != 1:
+            return f"{name}: {key} must be contiguous (stride {t.stride(0)})"
+    if residual is not None and residual.shape != x.shape:
+        return f"{name}: residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}"
+    for key, t in (("x", x), ("residual", residual)):
+        if t is not None and hidden > 1 and t.stride(-1) != 1:
+            return (f"{name}: {key} has a non-contiguous last dimension (stride {t.stride(-1)}); "
+                    f"call .contiguous() first")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference implementations (float32 math; the tests' and benchmarks' ground truth)
+# ---------------------------------------------------------------------------------------------
+
+def _residual_add(x, residual):
+    if residual is None:
+        return x
+    return (x.float() + residual.float()).to(x.dtype)
+
+
+def rms_norm_reference(x, weight, eps=1e-6, residual=None, out_dtype=None):
+    h = _residual_add(x, residual)
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    y = y.to(out_dtype or x.dtype)
+    return (y, h) if residual is not None else y
+
+
+def layer_norm_reference(x, weight, bias, eps=1e-5, residual=None, out_dtype=None):
+    h = _residual_add(x, residual)
+    y = torch.nn.functional.layer_norm(h.float(), (h.shape[-1],), weight.float(), bias.float(),
+                                       eps)
+    y = y.to(out_dtype or x.dtype)
+    return (y, h) if residual is not None else y

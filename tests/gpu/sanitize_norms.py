@@ -1,0 +1,45 @@
+"""One small and one clustered norm size, forward and backward, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck  python tests/gpu/sanitize_norms.py
+    compute-sanitizer --tool racecheck python tests/gpu/sanitize_norms.py
+    compute-sanitizer --tool synccheck python tests/gpu/sanitize_norms.py
+
+Compile first without the sanitizer (NVRTC under memcheck is slow): run the script once plainly
+with the same CUTLASS_OPS_CACHE_DIR. Exits non-zero if a result is wrong.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from custom_kernels import norms  # noqa: E402
+
+CASES = [  # (rows, hidden, dtype): warp per row with a scalar tail case, and a cluster of 4
+    (37, 1000, torch.bfloat16),
+    (5, 4097, torch.float16),
+    (9, 65536, torch.bfloat16),
+]
+
+
+def run(rows, hidden, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(rows, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    res = torch.randn_like(x, requires_grad=True)
+    w = torch.rand(hidden, device="cuda", dtype=torch.float32, requires_grad=True)
+    b = torch.randn(hidden, device="cuda", dtype=torch.float32, requires_grad=True)
+    y, h = norms.rms_norm(x, w, residual=res)
+    z = norms.layer_norm(h, w, b)
+    ((y.float() ** 2).sum() + (z.float() * 3).sum() + h.float().sum()).backward()
+    torch.cuda.synchronize()
+    ry, rh = norms.rms_norm_reference(x.detach(), w.detach(), 1e-6, residual=res.detach())
+    ok = torch.allclose(y.float(), ry.float(), atol=5e-2, rtol=5e-2) and torch.equal(h, rh)
+    ok = ok and bool(torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all())
+    print(f"rows={rows} hidden={hidden} {dtype}: {'ok' if ok else 'WRONG'}", flush=True)
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(0 if all([run(*case) for case in CASES]) else 1)

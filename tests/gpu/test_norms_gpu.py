@@ -1,0 +1,283 @@
+"""Fused norms on the GPU (marker gpu): forward and backward against a float32 torch reference for
+each dtype, with and without residual, at the issue's hidden sizes and row counts; the scalar path
+(odd hidden, misaligned pointers, strided rows); opcheck; torch.compile(fullgraph=True); CUDA graph
+replay; the modules.
+
+All kernels are compiled once, in parallel, by the session fixture (about 100 NVRTC compiles);
+set CUTLASS_OPS_TEST_CACHE_DIR to keep them between runs.
+"""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from custom_kernels import modules, norms
+from custom_kernels import norm_config as nc
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN = [256, 1000, 4096, 8192, 32768, 65536, 262144]
+ROWS = [1, 7, 4096, 32768]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# Relative Frobenius error against the float32 reference.
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+CHUNK = 1 << 25  # reference elements per chunk
+
+
+def _rows_for(hidden, rows):
+    return 8192 if hidden == 262144 and rows == 32768 else rows
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled():
+    problems = []
+    for kind, direction, hidden, dtype, aligned in itertools.product(
+            nc.KINDS, nc.DIRECTIONS, HIDDEN + [4097, 4096], DTYPES, (True, False)):
+        name = NAMES[dtype]
+        aligned = aligned and hidden % (16 // dtype.itemsize) == 0
+        problems.append(nc.NormProblem(kind, direction, hidden, name, name, name, aligned))
+    problems += [nc.NormProblem(k, d, 4096, "bfloat16", "float32", "float32", True)
+                 for k in nc.KINDS for d in nc.DIRECTIONS]
+    norms.precompile(problems, workers=min(16, os.cpu_count() or 4))
+
+
+def _rel_err(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _fits(rows, hidden, dtype, residual):
+    """Skip what does not fit: inputs, outputs and gradients plus a float32 chunk."""
+    tensors = 8 if residual else 6
+    need = rows * hidden * (tensors * dtype.itemsize) + 16 * CHUNK * 4
+    free, _ = torch.cuda.mem_get_info()
+    return need < 0.85 * free
+
+
+def _reference(kind, x, w, b, res, dy, dres, eps):
+    """float32 forward and backward, chunk by chunk of rows; dW/dB summed over chunks."""
+    hidden = x.shape[-1]
+    step = max(1, CHUNK // hidden)
+    ys, hs, dxs = [], [], []
+    dw = torch.zeros(hidden, device=x.device)
+    db = torch.zeros(hidden, device=x.device)
+    for start in range(0, x.shape[0], step):
+        sl = slice(start, start + step)
+        xf = x[sl].float().requires_grad_()
+        rf = res[sl].float().requires_grad_() if res is not None else None
+        wf = w.float().requires_grad_()
+        bf = b.float().requires_grad_() if b is not None else None
+        h = xf + rf if rf is not None else xf
+        if kind == "rms":
+            y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * wf
+        else:
+            y = torch.nn.functional.layer_norm(h, (hidden,), wf, bf, eps)
+        loss = (y * dy[sl].float()).sum()
+        if rf is not None:
+            loss = loss + (h * dres[sl].float()).sum()
+        loss.backward()
+        ys.append(y.detach())
+        hs.append(h.detach())
+        dxs.append(xf.grad)
+        dw += wf.grad
+        if bf is not None:
+            db += bf.grad
+    return torch.cat(ys), torch.cat(hs), torch.cat(dxs), dw, db
+
+
+def _run(kind, x, w, b, res, eps, out_dtype=None):
+    if kind == "rms":
+        return norms.rms_norm(x, w, eps, residual=res, out_dtype=out_dtype)
+    return norms.layer_norm(x, w, b, eps, residual=res, out_dtype=out_dtype)
+
+
+def _inputs(rows, hidden, dtype, residual, kind, weight_dtype=None, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    wd = weight_dtype or dtype
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dt)
+
+    x = randn(rows, hidden)
+    w = (1 + 0.5 * randn(hidden, dt=torch.float32)).to(wd)
+    b = randn(hidden, dt=wd) if kind == "ln" else None
+    res = randn(rows, hidden) if residual else None
+    return x, w, b, res, randn
+
+
+def check(kind, rows, hidden, dtype, residual, *, x=None, res=None, out_dtype=None,
+          weight_dtype=None):
+    x0, w, b, res0, randn = _inputs(rows, hidden, dtype, residual, kind, weight_dtype)
+    x = x0 if x is None else x
+    res = res0 if res is None and residual else res
+    if x is not x0:
+        x.copy_(x0)
+    if res is not None and res is not res0:
+        res.copy_(res0)
+    eps = 1e-6 if kind == "rms" else 1e-5
+    xg = x.requires_grad_()
+    rg = res.requires_grad_() if res is not None else None
+    wg = w.clone().requires_grad_()
+    bg = b.clone().requires_grad_() if b is not None else None
+    out = _run(kind, xg, wg, bg, rg, eps, out_dtype)
+    y, h = out if residual else (out, None)
+    assert y.dtype == (out_dtype or dtype) and y.shape == x.shape
+    dy = randn(rows, hidden, dt=y.dtype)
+    dres = randn(rows, hidden) if residual else None
+    torch.autograd.backward([y, h] if residual else [y], [dy, dres] if residual else [dy])
+    ry, rh, rdx, rdw, rdb = _reference(kind, x.detach(), w, b, res.detach() if residual else None,
+                                       dy, dres, eps)
+    tol = TOL[dtype] if out_dtype is None else max(TOL[dtype], TOL[out_dtype])
+    errs = {"y": _rel_err(y, ry), "dx": _rel_err(xg.grad, rdx), "dw": _rel_err(wg.grad, rdw)}
+    if residual:
+        errs["h"] = _rel_err(h, rh)
+        errs["dres"] = _rel_err(rg.grad, rdx)
+    if kind == "ln":
+        errs["db"] = _rel_err(bg.grad, rdb)
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"relative errors above {tol}: {bad}"
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("kind", nc.KINDS)
+def test_matches_float32_reference(kind, hidden, rows, dtype, residual):
+    rows = _rows_for(hidden, rows)
+    if not _fits(rows, hidden, dtype, residual):
+        pytest.skip(f"{rows}x{hidden} {dtype} does not fit in free GPU memory")
+    check(kind, rows, hidden, dtype, residual)
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("kind", nc.KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
+@pytest.mark.parametrize("rows", [1, 7, 4096])
+def test_odd_hidden_takes_the_scalar_path(kind, dtype, rows):
+    check(kind, rows, 4097, dtype, residual=True)
+
+
+@pytest.mark.parametrize("kind", nc.KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
+def test_misaligned_and_strided_inputs(kind, dtype):
+    rows, hidden = 333, 4096
+    big = torch.empty(rows, hidden + 1, dtype=dtype, device="cuda")
+    x = big[:, 1:]  # pointer off by one element, row stride hidden + 1
+    assert x.data_ptr() % 16 and x.stride() == (hidden + 1, 1)
+    resbig = torch.empty(rows * hidden + 3, dtype=dtype, device="cuda")
+    res = resbig[3:].view(rows, hidden)
+    check(kind, rows, hidden, dtype, residual=True, x=x, res=res)
+    wide = torch.empty(rows, 2 * hidden, dtype=dtype, device="cuda")
+    check(kind, rows, hidden, dtype, residual=False, x=wide[:, :hidden])  # aligned row stride
+
+
+@pytest.mark.parametrize("kind", nc.KINDS)
+def test_float32_weight_and_output_with_bf16_input(kind):
+    check(kind, 257, 4096, torch.bfloat16, True, out_dtype=torch.float32,
+          weight_dtype=torch.float32)
+
+
+def test_three_dimensional_input_and_zero_rows():
+    x = torch.randn(3, 5, 1000, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(1000, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(norms.rms_norm(x, w), norms.rms_norm_reference(x, w),
+                               atol=2e-2, rtol=2e-2)
+    empty = torch.empty(0, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = norms.rms_norm(empty, w.requires_grad_())
+    y.sum().backward()
+    assert y.shape == (0, 1000) and w.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("hidden", [1000, 32768])
+@pytest.mark.parametrize("residual", [False, True])
+def test_opcheck(hidden, residual):
+    x = torch.randn(9, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(hidden, device="cuda", dtype=torch.float32, requires_grad=True)
+    b = torch.randn(hidden, device="cuda", dtype=torch.float32, requires_grad=True)
+    res = torch.randn_like(x, requires_grad=True) if residual else None
+    ops = torch.ops.custom_kernels
+    torch.library.opcheck(ops.rms_norm_fwd.default, (x, w, res, 1e-6, torch.bfloat16, None))
+    torch.library.opcheck(ops.layer_norm_fwd.default,
+                          (x, w, b, res, 1e-5, torch.float32, None))
+    _, h, rstd = ops.rms_norm_fwd(x, w, res, 1e-6, torch.bfloat16, None)
+    h = h if residual else x
+    dy = torch.randn_like(x)
+    dres = torch.randn_like(x) if residual else None
+    torch.library.opcheck(ops.rms_norm_bwd.default,
+                          (dy, h.detach(), w.detach(), rstd, dres, None))
+    _, _, mean, rstd = ops.layer_norm_fwd(x, w, b, res, 1e-5, torch.bfloat16, None)
+    torch.library.opcheck(ops.layer_norm_bwd.default,
+                          (dy, h.detach(), w.detach(), mean, rstd, dres, None))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    def block(x, res, w1, w2, b2):
+        y, h = norms.rms_norm(x, w1, residual=res)
+        z = norms.layer_norm(y * 2, w2, b2)
+        return (z.float() ** 2).sum() + h.float().sum()
+
+    compiled = torch.compile(block, fullgraph=True)
+    args = [torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True),
+            torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True),
+            torch.rand(4096, device="cuda", requires_grad=True),
+            torch.rand(4096, device="cuda", requires_grad=True),
+            torch.randn(4096, device="cuda", requires_grad=True)]
+    out = compiled(*args)
+    out.backward()
+    grads = [a.grad.clone() for a in args]
+    for a in args:
+        a.grad = None
+    block(*args).backward()
+    for ours, eager in zip(grads, [a.grad for a in args]):
+        torch.testing.assert_close(ours, eager, atol=1e-2, rtol=1e-2)
+
+
+def test_cuda_graph_replay():
+    x = torch.randn(512, 8192, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    w = torch.rand(8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up (compile, load) outside the capture
+            norms.rms_norm(x, w, residual=res)
+            norms.layer_norm(x, w, b)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, h = norms.rms_norm(x, w, residual=res)
+        z = norms.layer_norm(x, w, b)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn_like(x))
+        res.copy_(torch.randn_like(res))
+        graph.replay()
+        ry, rh = norms.rms_norm_reference(x, w, 1e-6, residual=res)
+        torch.testing.assert_close(h, rh)
+        torch.testing.assert_close(y, ry, atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(z, norms.layer_norm_reference(x, w, b), atol=3e-2,
+                                   rtol=2e-2)
+
+
+def test_modules_state_dict_round_trip_and_output():
+    ref = torch.nn.RMSNorm(4096, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+    ref_ln = torch.nn.LayerNorm(4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref_ln.bias.normal_()
+    ours = modules.RMSNorm(4096, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+    ours.load_state_dict(ref.state_dict())
+    ours_ln = modules.LayerNorm.from_module(ref_ln)
+    ref_ln.load_state_dict(ours_ln.state_dict())
+    x = torch.randn(128, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(ours(x), ref(x), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(ours_ln(x), ref_ln(x), atol=3e-2, rtol=2e-2)
+    res = torch.randn_like(x)
+    y, h = ours(x, res)
+    torch.testing.assert_close(y, ref(h), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(h, x + res)

@@ -1,0 +1,278 @@
+"""Fused norms without a GPU: config heuristics and space, input validation (before anything is
+launched), fake-impl shapes, kernel specs, the modules' torch fallback and state_dict, and (marker
+compile) nvcc syntax checks of norms.cu with the -D values Python passes."""
+
+import concurrent.futures
+import os
+import subprocess
+
+import pytest
+import torch
+from torch._subclasses import FakeTensorMode
+
+from custom_kernels import jit, modules, norms
+from custom_kernels import norm_config as nc
+from cutlass_ops.errors import UnsupportedInputError
+
+ISSUE_HIDDEN = [256, 1000, 4096, 8192, 32768, 65536, 262144]
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def problem(hidden, dtype="bfloat16", direction="fwd", kind="rms", aligned=True, out=None,
+            weight=None):
+    aligned = aligned and hidden % (16 // nc.DTYPE_SIZES[dtype]) == 0
+    return nc.NormProblem(kind, direction, hidden, dtype, out or dtype, weight or dtype, aligned)
+
+
+# --- configs -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("direction", nc.DIRECTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", ISSUE_HIDDEN + [1, 7, 4097, 131072])
+def test_heuristic_is_valid_and_covers_the_row(hidden, dtype, direction):
+    p = problem(hidden, dtype, direction)
+    cfg = nc.heuristic(p)
+    assert cfg.why_invalid(p) is None
+    assert cfg.iters(hidden) * cfg.threads_per_row * cfg.cluster * cfg.vec >= hidden
+    defines = cfg.defines(p)
+    assert defines["NORM_PART"] == (0 if direction == "fwd" else 1)
+    assert defines["NORM_VEC"] == (16 // nc.DTYPE_SIZES[dtype] if p.aligned else 1)
+
+
+def test_heuristic_splits_rows_as_documented():
+    assert nc.heuristic(problem(256)).warp_per_row
+    assert nc.heuristic(problem(1000)).rows_per_block == 8
+    assert nc.heuristic(problem(4096)).cluster == 1
+    assert nc.heuristic(problem(32768)).cluster == 2
+    assert nc.heuristic(problem(65536)).cluster == 4
+    assert nc.heuristic(problem(262144)).cluster == 8
+    assert nc.heuristic(problem(262144, direction="bwd")).threads == 512
+    assert nc.heuristic(problem(4096)).cache(problem(4096))
+
+
+def test_unaligned_problems_take_the_scalar_path():
+    p = problem(4097)
+    assert not p.aligned and p.vec == 1 and nc.heuristic(p).vec == 1
+    p = problem(4096, aligned=False)
+    assert nc.heuristic(p).defines(p)["NORM_VEC"] == 1
+
+
+@pytest.mark.parametrize("hidden", [256, 1000, 4097, 65536, 262144])
+def test_space_is_valid_heuristic_first_and_named(hidden):
+    for direction in nc.DIRECTIONS:
+        p = problem(hidden, direction=direction, kind="ln")
+        configs = list(nc.space(p))
+        assert configs[0] == nc.heuristic(p)
+        assert len(set(configs)) == len(configs) > 3
+        for cfg in configs:
+            assert cfg.why_invalid(p) is None
+            assert nc.NormConfig.from_name(cfg.name) == cfg
+
+
+def test_invalid_configs_are_refused_with_a_reason():
+    p = problem(4096)
+    assert "cluster" in nc.NormConfig(256, 8, 2, 8).why_invalid(p)
+    assert "threads" in nc.NormConfig(96, 1, 1, 8).why_invalid(p)
+    assert "vector" in nc.NormConfig(256, 1, 1, 4).why_invalid(p)
+    assert "idle" in nc.NormConfig(1024, 1, 8, 8).why_invalid(p)
+    with pytest.raises(ValueError, match="invalid"):
+        nc.NormConfig(256, 8, 2, 8).defines(p)
+    with pytest.raises(ValueError, match="not a norm config"):
+        nc.NormConfig.from_name("fast")
+    with pytest.raises(ValueError, match="hidden"):
+        problem(262145)
+    with pytest.raises(ValueError, match="dtype"):
+        nc.NormProblem("rms", "fwd", 8, "int8", "int8", "int8")
+
+
+def test_kernel_specs_name_each_kernel():
+    fwd = norms.kernel_specs(problem(4096))
+    assert [name for _, name, _ in fwd] == ["norm_fwd"]
+    bwd = norms.kernel_specs(problem(4096, direction="bwd", kind="ln", weight="float32"))
+    assert [name for _, name, _ in bwd] == ["norm_bwd", "norm_dw_reduce"]
+    assert bwd[1][2] == {"NORM_W": 0, "NORM_PART": 2}
+
+
+def test_compile_cache_key_changes_with_the_config():
+    try:
+        jit.include_dirs()
+    except Exception as exc:
+        pytest.skip(str(exc))
+    p = problem(4096)
+    a = norms.kernel_specs(p, nc.NormConfig(128, 1, 1, 8))[0]
+    b = norms.kernel_specs(p, nc.NormConfig(256, 1, 1, 8))[0]
+    assert jit.cache_key(a[0], a[2], (a[1],)) != jit.cache_key(b[0], b[2], (b[1],))
+
+
+# --- validation --------------------------------------------------------------------------------
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("case, match", [
+    ("non_contiguous", "non-contiguous last dimension"),
+    ("weight_shape", "weight has shape"),
+    ("mixed_weight", "mixed dtypes: weight"),
+    ("mixed_residual", "mixed dtypes: residual"),
+    ("residual_shape", "residual has shape"),
+    ("int_dtype", "x has dtype torch.int32"),
+    ("out_dtype", "out_dtype"),
+    ("hidden_too_large", "outside the supported"),
+    ("hidden_zero", "outside the supported"),
+    ("scalar", "at least one dimension"),
+    ("cpu", "CUDA device"),
+])
+def test_bad_input_gets_a_clear_error(case, match):
+    x, w, res, out = meta(8, 64), meta(64), None, None
+    if case == "non_contiguous":
+        x = meta(64, 8).t()
+    elif case == "weight_shape":
+        w = meta(63)
+    elif case == "mixed_weight":
+        w = meta(64, dtype=torch.float16)
+    elif case == "mixed_residual":
+        res = meta(8, 64, dtype=torch.float32)
+    elif case == "residual_shape":
+        res = meta(4, 64)
+    elif case == "int_dtype":
+        x = torch.empty(8, 64, dtype=torch.int32, device="meta")
+    elif case == "out_dtype":
+        out = torch.int8
+    elif case == "hidden_too_large":
+        x, w = meta(2, 262145), meta(262145)
+    elif case == "hidden_zero":
+        x, w = meta(2, 0), meta(0)
+    elif case == "scalar":
+        x = meta()
+    elif case == "cpu":
+        x, w = torch.randn(8, 64), torch.randn(64)
+    with pytest.raises(UnsupportedInputError, match=match):
+        norms.rms_norm(x, w, residual=res, out_dtype=out)
+    bias = torch.zeros_like(w) if case != "weight_shape" else meta(64)
+    with pytest.raises(UnsupportedInputError, match=match):
+        norms.layer_norm(x, w, bias, residual=res, out_dtype=out)
+
+
+def test_layer_norm_bias_rules():
+    x, w = meta(8, 64), meta(64)
+    with pytest.raises(UnsupportedInputError, match="bias is required"):
+        norms.layer_norm(x, w, None)
+    with pytest.raises(UnsupportedInputError, match="mixed dtypes: bias"):
+        norms.layer_norm(x, w, meta(64, dtype=torch.float32))
+    with pytest.raises(UnsupportedInputError, match="bias has shape"):
+        norms.layer_norm(x, w, meta(65))
+
+
+def test_float32_weight_with_half_input_is_accepted():
+    x, w = meta(8, 64), meta(64, dtype=torch.float32)
+    assert norms.why_unsupported("ln", x, w, w, None, None) == (
+        "layer_norm: all tensors must be on one CUDA device (x on meta, weight on meta, "
+        "bias on meta)")
+
+
+# --- fake impls --------------------------------------------------------------------------------
+
+def test_fake_impls_give_the_real_shapes():
+    with FakeTensorMode():
+        x = torch.empty(3, 5, 1000, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(1000, dtype=torch.float32, device="cuda")
+        y, h = norms.rms_norm(x, w, residual=torch.empty_like(x))
+        assert y.shape == h.shape == x.shape and y.dtype == h.dtype == torch.bfloat16
+        y = norms.layer_norm(x, w, w, out_dtype=torch.float32)
+        assert y.shape == x.shape and y.dtype == torch.float32
+        y, res, rstd = torch.ops.custom_kernels.rms_norm_fwd(x, w, None, 1e-6, x.dtype, None)
+        assert res.numel() == 0 and rstd.shape == (3, 5) and rstd.dtype == torch.float32
+        _, _, mean, rstd = torch.ops.custom_kernels.layer_norm_fwd(x, w, w, x, 1e-5, x.dtype,
+                                                                   "t128_r1_c1_v8")
+        assert mean.shape == rstd.shape == (3, 5)
+        dx, dw = torch.ops.custom_kernels.rms_norm_bwd(x, x, w, rstd, None, None)
+        assert dx.shape == x.shape and dx.dtype == x.dtype and dw.dtype == torch.float32
+        dx, dw, db = torch.ops.custom_kernels.layer_norm_bwd(x, x, w, mean, rstd, x, None)
+        assert db.shape == (1000,) and db.dtype == torch.float32
+
+
+# --- modules -----------------------------------------------------------------------------------
+
+def test_modules_share_state_dict_with_torch_and_fall_back_on_cpu():
+    torch.manual_seed(0)
+    ref = torch.nn.RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+    ours = modules.RMSNorm(64, eps=1e-6)
+    ours.load_state_dict(ref.state_dict())
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(ours(x), ref(x))
+    res = torch.randn(4, 64)
+    y, h = ours(x, res)
+    torch.testing.assert_close(h, x + res)
+    torch.testing.assert_close(y, ref(x + res))
+
+    ref_ln = torch.nn.LayerNorm(64)
+    ours_ln = modules.LayerNorm.from_module(ref_ln)
+    assert ours_ln.weight is ref_ln.weight and ours_ln.bias is ref_ln.bias
+    torch.testing.assert_close(ours_ln(x), ref_ln(x))
+    ref.load_state_dict(modules.RMSNorm.from_module(ref).state_dict())
+
+
+def test_modules_fall_back_without_weight_or_bias():
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(modules.LayerNorm(16, bias=False)(x),
+                               torch.nn.LayerNorm(16, bias=False)(x))
+    torch.testing.assert_close(modules.RMSNorm(16, elementwise_affine=False)(x),
+                               torch.nn.RMSNorm(16, elementwise_affine=False)(x))
+
+
+def test_references_match_torch():
+    x, res, w, b = torch.randn(4, 32), torch.randn(4, 32), torch.rand(32), torch.randn(32)
+    y, h = norms.rms_norm_reference(x, w, 1e-6, residual=res)
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x + res, (32,), w, 1e-6))
+    torch.testing.assert_close(norms.layer_norm_reference(x, w, b),
+                               torch.nn.functional.layer_norm(x, (32,), w, b))
+
+
+# --- nvcc syntax check of every kernel shape Python asks for (marker compile) ----------------
+
+def _variants():
+    """One of each kernel shape: warp per row, block per row, cluster, uncached cluster, scalar
+    path, mixed dtypes, the three dW reductions. CUTLASS_OPS_FULL_COMPILE_CHECK=1: every issue
+    size with three dtype mixes, aligned and not (about 100 compiles)."""
+    if os.environ.get("CUTLASS_OPS_FULL_COMPILE_CHECK"):
+        cases = [(h, dt, out, w, aligned) for h in ISSUE_HIDDEN + [4097]
+                 for dt, out, w in [("bfloat16",) * 3, ("float16", "float32", "float32"),
+                                    ("float32",) * 3] for aligned in (True, False)]
+    else:
+        cases = [(256, "bfloat16", "bfloat16", "bfloat16", True),
+                 (4096, "float16", "float32", "float32", True),
+                 (65536, "bfloat16", "bfloat16", "bfloat16", True),
+                 (262144, "float32", "float32", "float32", True),
+                 (4097, "bfloat16", "bfloat16", "bfloat16", False)]
+    seen = {}
+    for kind in nc.KINDS:
+        for direction in nc.DIRECTIONS:
+            for hidden, dtype, out, weight, aligned in cases:
+                p = problem(hidden, dtype, direction, kind, aligned, out, weight)
+                for _, _, defines in norms.kernel_specs(p):
+                    seen[tuple(sorted(defines.items()))] = defines
+    for weight in DTYPES:
+        seen[weight] = nc.reduce_defines(weight)
+    return list(seen.values())
+
+
+def _nvcc(defines):
+    from cutlass_ops.build import nvcc_path
+
+    cmd = [nvcc_path(), "-std=c++17", "-arch=sm_90a", "--cubin", "-o", "/dev/null",
+           *(f"-I{d}" for d in jit.include_dirs()), *(f"-D{k}={v}" for k, v in defines.items()),
+           str(jit.CSRC / norms.SOURCE)]
+    return defines, subprocess.run(cmd, capture_output=True, text=True)
+
+
+@pytest.mark.compile
+def test_norms_cu_compiles_with_nvcc_for_every_variant_python_uses():
+    variants = _variants()
+    assert len(variants) >= 20
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        failed = [(d, r.stderr[-2000:]) for d, r in pool.map(_nvcc, variants) if r.returncode]
+    assert not failed, failed[0]
