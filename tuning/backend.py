@@ -114,7 +114,8 @@ class GpuSession:
             epilogue = ops.epilogue
             out_dtype = torch_dtype(ops.element_d)
             self.activation = epilogue.activation
-            self.alpha, self.beta = (1.0, 0.0) if epilogue.is_default else (0.75, 0.5)
+            self.alpha = 1.0 if epilogue.is_default else 0.75
+            self.beta = 0.5 if epilogue.residual else 0.0
             self.bias = self.c = None
             if epilogue.bias is BiasMode.N:
                 self.bias = torch.randn(n, device=device).to(out_dtype)

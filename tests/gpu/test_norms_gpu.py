@@ -207,11 +207,13 @@ def test_opcheck(hidden, residual):
     h = h if residual else x
     dy = torch.randn_like(x)
     dres = torch.randn_like(x) if residual else None
+    # The backward ops have no autograd of their own (no double backward): detached inputs.
     torch.library.opcheck(ops.rms_norm_bwd.default,
-                          (dy, h.detach(), w.detach(), rstd, dres, None))
+                          (dy, h.detach(), w.detach(), rstd.detach(), dres, None))
     _, _, mean, rstd = ops.layer_norm_fwd(x, w, b, res, 1e-5, torch.bfloat16, None)
     torch.library.opcheck(ops.layer_norm_bwd.default,
-                          (dy, h.detach(), w.detach(), mean, rstd, dres, None))
+                          (dy, h.detach(), w.detach(), mean.detach(), rstd.detach(), dres,
+                           None))
 
 
 def test_torch_compile_fullgraph_forward_and_backward():
