@@ -4,8 +4,9 @@
 saves interchangeably) whose forward runs ``cutlass_ops::linear``, with the bias and an optional
 activation fused into the GEMM's epilogue. ``convert(model)`` swaps Linear layers in place where
 our kernels apply, fuses an activation module that directly follows a Linear inside an
-``nn.Sequential`` (where the order of calls is certain), and reports every decision with its
-reason.
+``nn.Sequential`` (where the order of calls is certain), swaps RMSNorm and LayerNorm for the
+fused norm kernels' modules (``custom_kernels.modules``, re-exported here), and reports every
+decision with its reason.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from cutlass_ops import ops
 from cutlass_ops.config import Activation
+from custom_kernels.modules import LayerNorm, RMSNorm
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -105,15 +107,20 @@ def _why_not(layer: nn.Linear) -> str | None:
     return None
 
 
-def convert(model: nn.Module, *, include=None, exclude=(),
-            fuse_activations: bool = True) -> ConversionReport:
+def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: bool = True,
+            norms: bool = True) -> ConversionReport:
     """Swaps the model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place (sharing
     parameters), leaving unsupported ones alone. ``include``: names to consider (default all);
     ``exclude``: names to leave alone. With ``fuse_activations``, a ReLU / GELU / SiLU module
     that directly follows a converted Linear in an nn.Sequential moves into the Linear's
-    epilogue and becomes nn.Identity. Returns what was done and why, per layer."""
+    epilogue and becomes nn.Identity. With ``norms``, torch.nn.RMSNorm and LayerNorm layers
+    become the fused norm modules (same parameters; they fall back to torch for input the
+    kernels do not take). Returns what was done and why, per layer."""
     decisions = []
     for name, module in list(model.named_modules()):
+        if norms and type(module) in (nn.RMSNorm, nn.LayerNorm):
+            decisions.append(_convert_norm(model, name, module, include, exclude))
+            continue
         if not isinstance(module, nn.Linear) or isinstance(module, Linear):
             continue
         kind = type(module).__name__
@@ -145,6 +152,28 @@ def convert(model: nn.Module, *, include=None, exclude=(),
     return ConversionReport(decisions)
 
 
+def _convert_norm(model, name, module, include, exclude) -> Decision:
+    kind = type(module).__name__
+    if include is not None and name not in include or name in exclude:
+        return Decision(name, kind, False, "excluded by the caller")
+    weight = module.weight
+    if weight is None or len(module.normalized_shape) != 1:
+        return Decision(name, kind, False, "no weight or a multi-dimensional normalized_shape: "
+                        "the fused kernels normalize the last dimension with a weight")
+    if isinstance(module, nn.LayerNorm) and module.bias is None:
+        return Decision(name, kind, False, "LayerNorm without bias: left to torch")
+    if weight.device.type != "cuda":
+        return Decision(name, kind, False, f"weights on {weight.device}: move the model to a "
+                        "CUDA device first")
+    if not name:
+        return Decision(name, kind, False, "the model itself is a norm: use "
+                        f"cutlass_ops.nn.{kind}.from_module")
+    ours = (RMSNorm if isinstance(module, nn.RMSNorm) else LayerNorm).from_module(module)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, ours)
+    return Decision(name, kind, True, "fused norm kernel (torch where the input does not fit)")
+
+
 def _next_in_sequential(parent: nn.Sequential, child: str) -> nn.Module | None:
     names = list(parent._modules)
     i = names.index(child)
@@ -155,4 +184,4 @@ def _child_name(parent: nn.Module, module: nn.Module) -> str:
     return next(name for name, m in parent._modules.items() if m is module)
 
 
-__all__ = ["Linear", "convert", "ConversionReport"]
+__all__ = ["Linear", "RMSNorm", "LayerNorm", "convert", "ConversionReport"]

@@ -151,3 +151,16 @@ def test_convert_fuses_activations_that_follow_in_sequential(monkeypatch):
     plain = copy.deepcopy(before)
     cutlass_ops.convert(plain, fuse_activations=False)
     assert isinstance(plain[1], nn.GELU) and plain[0].activation == "identity"
+
+
+def test_convert_swaps_norms_where_the_kernels_apply(monkeypatch):
+    model = nn.Sequential(nn.LayerNorm(16), nn.RMSNorm(16), nn.LayerNorm(16, bias=False),
+                          nn.LayerNorm((4, 4)))
+    report = cutlass_ops.convert(model)
+    assert "move the model to a CUDA device" in report.skipped["0"]
+    assert "without bias" in report.skipped["2"] and "multi-dimensional" in report.skipped["3"]
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    report = cutlass_ops.convert(model, norms=True)
+    assert report.converted == ["0", "1"]
+    assert type(model[0]) is cutlass_ops.nn.LayerNorm and type(model[1]) is cutlass_ops.nn.RMSNorm
+    assert model[0].weight is not None and set(model[0].state_dict()) == {"weight", "bias"}

@@ -55,7 +55,8 @@ def models():
     ref = Block().cuda().to(torch.bfloat16)
     ours = copy.deepcopy(ref)
     report = cutlass_ops.convert(ours)
-    assert sorted(report.converted) == ["down", "proj", "qkv", "up"], str(report)
+    assert sorted(report.converted) == ["down", "norm1", "norm2", "proj", "qkv", "up"], \
+        str(report)
     assert all(isinstance(getattr(ours, n), Linear) for n in report.converted)
     return ref, ours
 
