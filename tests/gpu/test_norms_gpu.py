@@ -66,10 +66,13 @@ def _reference(kind, x, w, b, res, dy, dres, eps):
     db = torch.zeros(hidden, device=x.device)
     for start in range(0, x.shape[0], step):
         sl = slice(start, start + step)
-        xf = x[sl].float().requires_grad_()
-        rf = res[sl].float().requires_grad_() if res is not None else None
-        wf = w.float().requires_grad_()
-        bf = b.float().requires_grad_() if b is not None else None
+        # Fresh leaves every chunk: for float32 inputs ``.float()`` returns the tensor itself,
+        # so without ``detach()`` the same ``w`` would collect ``.grad`` over the chunks and
+        # ``dw += wf.grad`` would add running sums (chunk k counted n - k + 1 times).
+        xf = x[sl].detach().float().requires_grad_()
+        rf = res[sl].detach().float().requires_grad_() if res is not None else None
+        wf = w.detach().float().requires_grad_()
+        bf = b.detach().float().requires_grad_() if b is not None else None
         h = xf + rf if rf is not None else xf
         if kind == "rms":
             y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * wf
