@@ -83,22 +83,21 @@ void set_splits(SchedulerArgs& scheduler, int splits) {
 // D = activation(alpha * accum + bias) + beta * C: its arguments nest one level per node
 // (children first, then the node's own), which we fill by node kind in that order: the first scalar broadcast is alpha,
 // the second beta; a row or column broadcast is the bias; fetches and compute nodes take nothing.
-template <class T, class = void>
-struct has_alpha : std::false_type {};
-template <class T>
-struct has_alpha<T, std::void_t<decltype(std::declval<T&>().alpha)>> : std::true_type {};
-template <class T, class = void>
-struct has_scalars : std::false_type {};
-template <class T>
-struct has_scalars<T, std::void_t<decltype(std::declval<T&>().scalars)>> : std::true_type {};
-template <class T, class = void>
-struct has_ptr_row : std::false_type {};
-template <class T>
-struct has_ptr_row<T, std::void_t<decltype(std::declval<T&>().ptr_row)>> : std::true_type {};
-template <class T, class = void>
-struct has_ptr_col : std::false_type {};
-template <class T>
-struct has_ptr_col<T, std::void_t<decltype(std::declval<T&>().ptr_col)>> : std::true_type {};
+// Member detection for the argument structs below: has_<name><T>::value.
+#define CUTLASS_OPS_HAS_MEMBER(name)                                                      \
+  template <class T, class = void>                                                        \
+  struct has_##name : std::false_type {};                                                 \
+  template <class T>                                                                      \
+  struct has_##name<T, std::void_t<decltype(std::declval<T&>().name)>> : std::true_type {};
+CUTLASS_OPS_HAS_MEMBER(alpha)
+CUTLASS_OPS_HAS_MEMBER(scalars)
+CUTLASS_OPS_HAS_MEMBER(ptr_row)
+CUTLASS_OPS_HAS_MEMBER(ptr_col)
+CUTLASS_OPS_HAS_MEMBER(op_0)
+CUTLASS_OPS_HAS_MEMBER(op_1)
+CUTLASS_OPS_HAS_MEMBER(op_2)
+CUTLASS_OPS_HAS_MEMBER(op_3)
+#undef CUTLASS_OPS_HAS_MEMBER
 
 struct EpilogueValues {
   float alpha, beta;
@@ -109,17 +108,6 @@ struct EpilogueValues {
 
 // A tree node's arguments hold its children's (then its own): as members op_0 .. op_3 for nodes of
 // up to four operations (CUTLASS specializes those), as a cute::tuple beyond.
-#define CUTLASS_OPS_HAS_MEMBER(name)                                                      \
-  template <class T, class = void>                                                        \
-  struct has_##name : std::false_type {};                                                 \
-  template <class T>                                                                      \
-  struct has_##name<T, std::void_t<decltype(std::declval<T&>().name)>> : std::true_type {};
-CUTLASS_OPS_HAS_MEMBER(op_0)
-CUTLASS_OPS_HAS_MEMBER(op_1)
-CUTLASS_OPS_HAS_MEMBER(op_2)
-CUTLASS_OPS_HAS_MEMBER(op_3)
-#undef CUTLASS_OPS_HAS_MEMBER
-
 template <class Args>
 void fill_visitor_tree(Args& args, EpilogueValues& values) {
   if constexpr (has_op_0<Args>::value) {
