@@ -186,8 +186,7 @@ class _EagerLinear(torch.autograd.Function):
         with torch.no_grad():
             if ctx.activation != "identity":
                 grad = _activation_grad(z, grad, ctx.activation)
-            grads = _linear_grads(ctx, grad, x, weight,
-                                  lambda a, b: dispatch.matmul(a, b))
+            grads = _linear_grads(ctx, grad, x, weight, dispatch.matmul)
         return (*grads, None)
 
 
