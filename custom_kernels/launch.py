@@ -7,8 +7,9 @@ Arguments go to the kernel as cuda.core packs them: a Python ``int`` becomes a 6
 ``long long``). A torch tensor passed directly is turned into its ``data_ptr()``.
 
 The stream is torch's current stream on ``device`` (torch's current device when None; launchers
-pass the tensors' device): the cuda.core ``Stream`` wrapper is cached per raw handle, so a launch
-costs the handle lookup, one dict lookup, a ``LaunchConfig`` and ``cuda.core.launch`` (3.4 us).
+pass the tensors' device): the cuda.core ``Stream`` wrapper is cached per raw handle and the
+``LaunchConfig`` per shape, so a launch costs the handle lookup, two cache lookups and
+``cuda.core.launch`` (3.4 us).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ def launch(kernel, *args, grid, block, shared_mem: int = 0, cluster=None, stream
     ``cluster`` blocks when given (``grid`` then counts blocks, as in CUDA C++; it must be a
     multiple of the cluster). ``stream``: a raw ``cudaStream_t`` handle (int), an object with
     ``__cuda_stream__`` or a ``torch.cuda.Stream``; torch's current stream when None."""
-    from cuda.core import LaunchConfig
     from cuda.core import launch as cuda_launch
 
     args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
@@ -41,16 +41,25 @@ def launch(kernel, *args, grid, block, shared_mem: int = 0, cluster=None, stream
         handle = stream.cuda_stream
     else:
         handle = stream.__cuda_stream__()[1]
-    if cluster is not None and cluster > 1:
-        grid = _cluster_grid(grid, cluster)
-        config = LaunchConfig(grid=grid, block=block, shmem_size=shared_mem, cluster=cluster)
-    else:
-        config = LaunchConfig(grid=grid, block=block, shmem_size=shared_mem)
+    config = _launch_config(grid, block, shared_mem, cluster if cluster and cluster > 1 else 1)
     if device != current:
         with torch.cuda.device(device):
             cuda_launch(_stream(handle), config, kernel, *args)
     else:
         cuda_launch(_stream(handle), config, kernel, *args)
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_config(grid, block, shared_mem: int, cluster: int):
+    """A cached ``LaunchConfig`` (building one costs more than the launch's own Python work).
+    Grids are bounded (one wave for the persistent kernels, the row count otherwise), so the
+    cache stays small in practice; it is an LRU anyway."""
+    from cuda.core import LaunchConfig
+
+    if cluster > 1:
+        return LaunchConfig(grid=_cluster_grid(grid, cluster), block=block, shmem_size=shared_mem,
+                            cluster=cluster)
+    return LaunchConfig(grid=grid, block=block, shmem_size=shared_mem)
 
 
 def _cluster_grid(grid, cluster: int):
@@ -93,6 +102,41 @@ def _stream(handle: int):
             stream = Device().create_stream(_Handle(handle))
         _streams[handle] = stream
     return stream
+
+
+def set_max_dynamic_shared(kernel, nbytes: int, device: int) -> None:
+    """Lets ``kernel`` take ``nbytes`` of dynamic shared memory (above 48 KB a block must opt
+    in, counting static shared memory too: cudaFuncSetAttribute in CUDA C++; cuda.core has no
+    setter, so the driver call)."""
+    if nbytes <= 0:
+        return
+    from cuda.bindings import driver
+
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    (err,) = driver.cuKernelSetAttribute(attr, nbytes, kernel.handle, driver.CUdevice(device))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cannot give the kernel {nbytes} bytes of shared memory: {err}")
+
+
+def allow_large_clusters(kernel, device: int) -> None:
+    """Lets ``kernel`` run in clusters of more than 8 blocks (non-portable: Hopper takes 16)."""
+    from cuda.bindings import driver
+
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    (err,) = driver.cuKernelSetAttribute(attr, 1, kernel.handle, driver.CUdevice(device))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"clusters of more than 8 blocks are not available: {err}")
+
+
+def max_active_clusters(kernel, block: int, cluster: int, shared_mem: int, device: int) -> int:
+    """How many clusters of ``cluster`` blocks fit on the GPU at once (the GPC layout decides:
+    clusters of 8 on 132 SMs leave some SMs idle)."""
+    from cuda.core import LaunchConfig
+
+    config = LaunchConfig(grid=1, block=block, shmem_size=shared_mem, cluster=cluster)
+    with torch.cuda.device(device):
+        stream = _stream(_current_stream(device))
+        return kernel.occupancy.max_active_clusters(config, stream=stream)
 
 
 def max_active_blocks_per_sm(kernel, block: int, shared_mem: int = 0) -> int:

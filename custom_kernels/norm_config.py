@@ -2,9 +2,12 @@
 
 A ``NormProblem`` names what changes the compiled kernel (norm kind, direction, hidden size,
 dtypes, whether the 16-byte vector path is allowed); a ``NormConfig`` names how a row is split:
-threads per block, rows per block (1, or one row per warp), thread block cluster size and vector
-width. ``heuristic(problem)`` picks one; ``space(problem)`` lists the valid ones for a tuner;
-``NormConfig.defines(problem)`` gives the ``-D`` values of norms.cu.
+threads per block, rows per block (1, or one row per warp), thread block cluster size, vector
+width, and the kernel: ``stages`` 0 is the direct kernel of ``csrc/norms.cu`` (registers only,
+one row per block or warp, any alignment); ``stages`` >= 1 is the persistent kernel of
+``csrc/norms_staged.cu``, which keeps ``stages - 1`` rows per row unit in flight through shared
+memory (16-byte-aligned rows only). ``heuristic(problem)`` picks one; ``space(problem)`` lists the
+valid ones for a tuner; ``NormConfig.defines(problem)`` gives the ``-D`` values.
 
 How the heuristic splits a row: each thread should hold about 32 elements in the forward pass
 (16 in the backward pass, which also keeps dW/dB accumulators in registers). Rows up to 32 such
@@ -23,16 +26,21 @@ import dataclasses
 import math
 from typing import Iterator
 
+REDUCE_SOURCE = "norms.cu"  # holds norm_dw_reduce, which both backward kernels use
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 KINDS = ("rms", "ln")
 DIRECTIONS = ("fwd", "bwd")
 MIN_HIDDEN, MAX_HIDDEN = 1, 262144
 THREAD_CHOICES = (64, 128, 256, 512, 1024)
-CLUSTER_CHOICES = (1, 2, 4, 8)  # portable cluster sizes
+CLUSTER_CHOICES = (1, 2, 4, 8, 16)  # 16 is a non-portable size (Hopper allows it on request)
 _ELEMS_PER_THREAD = {"fwd": 32, "bwd": 16}
 _MAX_ITERS = 64
 _SMEM_LIMIT = 48 * 1024  # static + default dynamic shared memory without an opt-in
+STAGED_SMEM_LIMIT = 227 * 1024  # the opt-in dynamic shared memory of a Hopper block
+STAGE_CHOICES = (1, 2, 3, 4)
+_STAGED_MAX_ITERS = 32
+_BASE_REGS = 40  # kBaseRegs of norms_staged.cu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +52,7 @@ class NormProblem:
     out_dtype: str  # y, dy
     weight_dtype: str  # weight, bias, dweight, dbias
     aligned: bool = True  # 16-byte aligned pointers and hidden, strides multiples of the vector
+    residual: bool = False  # forward: a residual to add; backward: a residual gradient to add
 
     def __post_init__(self):
         if self.kind not in KINDS or self.direction not in DIRECTIONS:
@@ -59,6 +68,22 @@ class NormProblem:
         """Elements per 16-byte access of x; 1 on the scalar path."""
         return 16 // DTYPE_SIZES[self.dtype] if self.aligned else 1
 
+    @property
+    def name(self) -> str:
+        """A stable key (the tuning cache's): ``norm-rms-fwd-h4096-bfloat16-bfloat16-bfloat16``
+        with ``-scalar`` and ``-residual`` suffixes."""
+        name = (f"norm-{self.kind}-{self.direction}-h{self.hidden}-{self.dtype}-"
+                f"{self.out_dtype}-{self.weight_dtype}")
+        return name + ("-scalar" if not self.aligned else "") + \
+            ("-residual" if self.residual else "")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "NormProblem":
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
 
 @dataclasses.dataclass(frozen=True)
 class NormConfig:
@@ -66,6 +91,14 @@ class NormConfig:
     rows_per_block: int
     cluster: int
     vec: int
+    stages: int = 0  # 0: the direct kernel (norms.cu); >= 1: the staged kernel (norms_staged.cu)
+
+    @property
+    def source(self) -> str:
+        return "norms_staged.cu" if self.stages else "norms.cu"
+
+    def kernel_name(self, direction: str) -> str:
+        return f"norm_{direction}" + ("_staged" if self.stages else "")
 
     @property
     def warp_per_row(self) -> bool:
@@ -77,22 +110,31 @@ class NormConfig:
 
     @property
     def name(self) -> str:
-        return f"t{self.threads}_r{self.rows_per_block}_c{self.cluster}_v{self.vec}"
+        name = f"t{self.threads}_r{self.rows_per_block}_c{self.cluster}_v{self.vec}"
+        return name + (f"_s{self.stages}" if self.stages else "")
 
     @classmethod
     def from_name(cls, name: str) -> "NormConfig":
+        parts = name.split("_")
+        prefixes = "trcvs"[:len(parts)]
         try:
-            t, r, c, v = (int(part[1:]) for part in name.split("_"))
-        except ValueError:
-            raise ValueError(f"not a norm config name: {name!r} (expected t256_r8_c1_v8)") from None
-        return cls(t, r, c, v)
+            if len(parts) not in (4, 5) or any(p[0] != k for p, k in zip(parts, prefixes)):
+                raise ValueError
+            values = [int(part[1:]) for part in parts]
+        except (ValueError, IndexError):
+            raise ValueError(f"not a norm config name: {name!r} (expected t256_r8_c1_v8 or "
+                             "t256_r8_c1_v8_s3)") from None
+        return cls(*values)
 
     def iters(self, hidden: int) -> int:
         """Vector accesses per thread to cover a row."""
         return math.ceil(hidden / (self.threads_per_row * self.cluster * self.vec))
 
     def cache(self, problem: NormProblem) -> bool:
-        """Whether the row fits the register budget (else later passes read it again)."""
+        """Direct kernel: whether the row fits the register budget (else later passes read it
+        again). The staged kernel keeps it in shared memory."""
+        if self.stages:
+            return True
         budget = 32 if self.threads <= 512 else 16
         iters = self.iters(problem.hidden)
         regs = _regs(self.vec, problem.dtype)
@@ -104,10 +146,29 @@ class NormConfig:
         return iters * regs <= budget
 
     def shared_mem(self, problem: NormProblem) -> int:
-        """Dynamic shared memory: the backward warp-per-row partials."""
-        if problem.direction == "bwd" and self.warp_per_row:
-            return self.rows_per_block * problem.hidden * 4
-        return 0
+        """Dynamic shared memory of a block: the backward warp-per-row partials, and the
+        staged kernel's stages (norms_staged.cu's header gives the layout)."""
+        residual = problem.residual
+        partials = (self.rows_per_block * problem.hidden * 4
+                    if problem.direction == "bwd" and self.warp_per_row else 0)
+        if not self.stages:
+            return partials
+        slots = self.stages * self.rows_per_block * self.iters(problem.hidden) \
+            * self.threads_per_row
+        x_vec = self.vec * DTYPE_SIZES[problem.dtype]
+        if problem.direction == "fwd":
+            return slots * x_vec * (2 if residual else 1)
+        dy_vec = self.vec * DTYPE_SIZES[problem.out_dtype]
+        stats = (self.stages * (self.threads // 32) + 1) // 2 * 2 * 8
+        staged = stats + slots * (x_vec + dy_vec + (x_vec if residual else 0))
+        return max(staged, partials)
+
+    def registers_needed(self, problem: NormProblem) -> int:
+        """The staged backward's estimate: base registers plus the dW/dB accumulators."""
+        acc_rows = 2 if problem.kind == "ln" else 1
+        extra = acc_rows * self.iters(problem.hidden) * self.vec if problem.direction == "bwd" \
+            else 0
+        return _BASE_REGS + extra
 
     def why_invalid(self, problem: NormProblem) -> str | None:
         if self.threads not in THREAD_CHOICES:
@@ -120,13 +181,32 @@ class NormConfig:
             return "a warp per row takes no cluster"
         if self.vec not in (1, problem.vec):
             return f"vector width {self.vec} not allowed here (1 or {problem.vec})"
-        if self.iters(problem.hidden) > _MAX_ITERS:
+        if self.stages:
+            why = self._why_invalid_staged(problem)
+            if why:
+                return why
+        elif self.iters(problem.hidden) > _MAX_ITERS:
             return f"{self.iters(problem.hidden)} accesses per thread (max {_MAX_ITERS})"
         if self.threads_per_row * self.cluster * self.vec > 2 * problem.hidden and (
                 self.cluster > 1 or not self.warp_per_row):
             return "more than half of the threads would idle"
-        if self.shared_mem(problem) > _SMEM_LIMIT:
-            return f"needs {self.shared_mem(problem)} bytes of shared memory"
+        limit = STAGED_SMEM_LIMIT if self.stages else _SMEM_LIMIT
+        if self.shared_mem(problem) > limit:
+            return f"needs {self.shared_mem(problem)} bytes of shared memory (max {limit})"
+        return None
+
+    def _why_invalid_staged(self, problem: NormProblem) -> str | None:
+        if self.stages not in STAGE_CHOICES:
+            return f"stages {self.stages} not in {STAGE_CHOICES}"
+        if not problem.aligned or self.vec != problem.vec:
+            return "the staged kernel needs 16-byte vectors (aligned rows)"
+        if self.iters(problem.hidden) > _STAGED_MAX_ITERS:
+            return (f"{self.iters(problem.hidden)} vectors per thread "
+                    f"(max {_STAGED_MAX_ITERS} staged)")
+        max_regs = min(255, 65536 // self.threads)
+        if self.registers_needed(problem) > max_regs:
+            return (f"about {self.registers_needed(problem)} registers per thread needed, "
+                    f"{max_regs} available at {self.threads} threads (it would spill)")
         return None
 
     def defines(self, problem: NormProblem) -> dict[str, int]:
@@ -140,6 +220,8 @@ class NormConfig:
             "NORM_CLUSTER": self.cluster, "NORM_VEC": self.vec,
             "NORM_ITERS": self.iters(problem.hidden), "NORM_CACHE": int(self.cache(problem)),
             "NORM_PART": 0 if problem.direction == "fwd" else 1,
+            **({"NORM_STAGES": self.stages, "NORM_RESIDUAL": int(problem.residual)}
+               if self.stages else {}),
         }
 
 
@@ -152,6 +234,56 @@ def _next_pow2(n: int) -> int:
 
 
 def heuristic(problem: NormProblem) -> NormConfig:
+    """The staged kernel for aligned rows, the direct kernel with scalar accesses otherwise
+    and where no staged split fits the shared memory (fp32 backward rows of 262144)."""
+    if problem.aligned:
+        config = _staged_heuristic(problem)
+        if config.why_invalid(problem) is None:
+            return config
+    return _direct_heuristic(problem)
+
+
+def _staged_heuristic(problem: NormProblem) -> NormConfig:
+    """Rules read off a sweep of the whole space on an H200 (bf16, 32768 rows; in vectors of 16
+    bytes, so they carry over to other dtypes): devrun/norm_sweep.py, numbers in the README."""
+    vec = problem.vec
+    vectors = math.ceil(problem.hidden / vec)
+    if problem.direction == "fwd":
+        if vectors <= 128:  # up to 4 vectors a lane: a warp per row, 3 rows in flight per warp
+            return _fit(NormConfig(256, 8, 1, vec, 3), problem)
+        if vectors <= 1024:  # a block per row, not persistent: the block scheduler overlaps rows
+            return _fit(NormConfig(256, 1, 1, vec, 1), problem)
+        if vectors <= 4096:
+            return _fit(NormConfig(1024, 1, 1, vec, 2), problem)
+        threads, per_thread = 512, 8
+    else:
+        if vectors <= 32:
+            return _fit(NormConfig(512, 16, 1, vec, 3), problem)
+        if vectors <= 128:
+            return _fit(NormConfig(256, 8, 1, vec, 2), problem)
+        if vectors <= 1024:  # a vector per thread, 2 stages
+            return _fit(NormConfig(max(128, _next_pow2(vectors)), 1, 1, vec, 2), problem)
+        threads, per_thread = 512, 4  # the dW accumulators take registers: fewer per thread
+    cluster = min(16, _next_pow2(math.ceil(vectors / (threads * per_thread))))
+    return _fit(NormConfig(threads, 1, cluster, vec, 3 if problem.direction == "bwd" else 2),
+                problem)
+
+
+def _fit(config: NormConfig, problem: NormProblem) -> NormConfig:
+    """``config``, or the nearest valid one: fewer stages (down to 2), then a larger cluster
+    (the same row over more blocks takes less shared memory in each), then 1 stage."""
+    clusters = [c for c in CLUSTER_CHOICES if c >= config.cluster] if not config.warp_per_row \
+        else [1]
+    tries = [(c, s) for c in clusters for s in range(config.stages, 1, -1)]
+    tries += [(c, 1) for c in clusters]
+    for cluster, stages in tries:
+        candidate = dataclasses.replace(config, cluster=cluster, stages=stages)
+        if candidate.why_invalid(problem) is None:
+            return candidate
+    return config  # invalid: heuristic() falls back to the direct kernel
+
+
+def _direct_heuristic(problem: NormProblem) -> NormConfig:
     vec = problem.vec
     per_thread = _ELEMS_PER_THREAD[problem.direction]
     if problem.hidden <= 32 * per_thread:
@@ -171,16 +303,17 @@ def heuristic(problem: NormProblem) -> NormConfig:
 
 
 def space(problem: NormProblem) -> Iterator[NormConfig]:
-    """Every valid config, heuristic's choice first."""
+    """Every valid config (direct and staged), the heuristic's choice first."""
     first = heuristic(problem)
     yield first
     for threads in THREAD_CHOICES:
         for rows in sorted({1, threads // 32}):
             for cluster in CLUSTER_CHOICES:
                 for vec in sorted({1, problem.vec}):
-                    config = NormConfig(threads, rows, cluster, vec)
-                    if config != first and config.why_invalid(problem) is None:
-                        yield config
+                    for stages in (0, *STAGE_CHOICES):
+                        config = NormConfig(threads, rows, cluster, vec, stages)
+                        if config != first and config.why_invalid(problem) is None:
+                            yield config
 
 
 def reduce_defines(weight_dtype: str) -> dict[str, int]:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
+import os
 from typing import Optional
 
 import numpy as np
@@ -30,10 +32,11 @@ import torch
 
 from custom_kernels import jit
 from custom_kernels import norm_config as nc
-from custom_kernels.launch import launch, max_active_blocks_per_sm, sm_count
+from custom_kernels.launch import (allow_large_clusters, launch, max_active_blocks_per_sm,
+                                   max_active_clusters, set_max_dynamic_shared, sm_count)
 from cutlass_ops.errors import UnsupportedInputError
 
-SOURCE = "norms.cu"
+_log = logging.getLogger(__name__)
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -47,13 +50,14 @@ def _launch_fwd(kind, x2, weight, bias, res2, y, res_out, mean, rstd, eps, confi
     aligned = _vector_ok(x2.dtype, hidden, (x2, res2, y, res_out, weight, bias),
                          (x2.stride(0), res2.stride(0) if res2 is not None else 0))
     plan = _fwd_plan(kind, hidden, _DTYPES[x2.dtype], _DTYPES[y.dtype], _DTYPES[weight.dtype],
-                     aligned, config, device)
+                     aligned, res2 is not None, config, device)
+    cfg = plan.config
+    blocks = plan.blocks(rows)
     launch(plan.kernel, x2.data_ptr(), _ptr(res2), weight.data_ptr(), _ptr(bias), y.data_ptr(),
            _ptr(res_out), _ptr(mean), rstd.data_ptr(), np.int64(rows), np.int32(hidden),
            np.int64(x2.stride(0)), np.int64(res2.stride(0) if res2 is not None else 0),
-           np.float32(eps),
-           grid=math.ceil(rows / plan.config.rows_per_block) * plan.config.cluster,
-           block=plan.config.threads, cluster=plan.config.cluster, device=device)
+           np.float32(eps), grid=blocks, block=cfg.threads, cluster=cfg.cluster,
+           shared_mem=plan.shared_mem, device=device)
 
 
 def _launch_bwd(kind, dy2, h2, weight, mean, rstd, dres2, dx, dw, db, config):
@@ -62,18 +66,19 @@ def _launch_bwd(kind, dy2, h2, weight, mean, rstd, dres2, dx, dw, db, config):
     strides = (h2.stride(0), dy2.stride(0), dres2.stride(0) if dres2 is not None else 0)
     aligned = _vector_ok(h2.dtype, hidden, (dy2, h2, weight, dres2, dx), strides)
     plan = _bwd_plan(kind, hidden, _DTYPES[h2.dtype], _DTYPES[dy2.dtype], _DTYPES[weight.dtype],
-                     aligned, config, device)
+                     aligned, dres2 is not None, config, device)
     cfg = plan.config
-    units = min(math.ceil(rows / cfg.rows_per_block), plan.max_units)
-    parts = units  # one partial row per block (a warp per row) or per block cluster
+    blocks = plan.blocks(rows)
+    # One partial row per block (a warp per row) or per row unit (a block or a cluster).
+    parts = blocks if cfg.warp_per_row else blocks // cfg.cluster
     dw_part = torch.empty((parts, hidden), dtype=torch.float32, device=h2.device)
     db_part = torch.empty((parts, hidden), dtype=torch.float32, device=h2.device) \
         if kind == "ln" else None
     launch(plan.kernel, h2.data_ptr(), dy2.data_ptr(), _ptr(dres2), weight.data_ptr(),
            _ptr(mean), rstd.data_ptr(), dx.data_ptr(), dw_part.data_ptr(), _ptr(db_part),
            np.int64(rows), np.int32(hidden), *(np.int64(s) for s in strides),
-           grid=units * cfg.cluster, block=cfg.threads, cluster=cfg.cluster,
-           shared_mem=plan.shared_mem, device=device)
+           grid=blocks, block=cfg.threads, cluster=cfg.cluster, shared_mem=plan.shared_mem,
+           device=device)
     launch(plan.reduce_kernel, dw_part.data_ptr(), dw.data_ptr(), _ptr(db_part), _ptr(db),
            np.int32(parts), np.int32(hidden), grid=(math.ceil(hidden / 32), 2 if db is not None
                                                    else 1), block=1024, device=device)
@@ -94,43 +99,108 @@ def _vector_ok(dtype, hidden, tensors, strides) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
+    """A compiled kernel and how to launch it for any number of rows. ``persistent``: the grid
+    is at most one wave of ``max_units`` row units (blocks of warps, blocks or clusters), each
+    walking the rows with a stride; otherwise one unit per row (group of rows)."""
     config: nc.NormConfig
     kernel: object
+    persistent: bool
+    max_units: int
+    shared_mem: int  # dynamic bytes per block
     reduce_kernel: object = None
-    max_units: int = 0
-    shared_mem: int = 0
+
+    def blocks(self, rows: int) -> int:
+        cfg = self.config
+        units = math.ceil(rows / cfg.rows_per_block)
+        if self.persistent:
+            units = min(units, self.max_units)
+        return units * cfg.cluster
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, config, device) -> _Plan:
-    problem = nc.NormProblem(kind, "fwd", hidden, dtype, out_dtype, weight_dtype, aligned)
-    cfg = _choose(problem, config)
-    return _Plan(cfg, jit.get_kernel(SOURCE, "norm_fwd", defines=cfg.defines(problem),
-                                     device=device))
+def _fwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, residual, config,
+              device) -> _Plan:
+    problem = nc.NormProblem(kind, "fwd", hidden, dtype, out_dtype, weight_dtype, aligned,
+                             residual)
+    cfg = _choose(problem, config, device)
+    # One stage has nothing to prefetch: one row unit per row, and the block scheduler overlaps
+    # rows (the direct kernel is never persistent in the forward pass).
+    return _plan(problem, cfg, device, persistent=cfg.stages > 1)
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, config, device) -> _Plan:
-    problem = nc.NormProblem(kind, "bwd", hidden, dtype, out_dtype, weight_dtype, aligned)
-    cfg = _choose(problem, config)
-    kernel = jit.get_kernel(SOURCE, "norm_bwd", defines=cfg.defines(problem), device=device)
-    shared_mem = cfg.shared_mem(problem)
-    per_sm = max(1, max_active_blocks_per_sm(kernel, cfg.threads, shared_mem))
-    max_blocks = sm_count(device) * per_sm
-    max_units = max(1, max_blocks // cfg.cluster)
-    reduce_kernel = jit.get_kernel(SOURCE, "norm_dw_reduce",
+def _bwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, residual, config,
+              device) -> _Plan:
+    problem = nc.NormProblem(kind, "bwd", hidden, dtype, out_dtype, weight_dtype, aligned,
+                             residual)
+    reduce_kernel = jit.get_kernel(nc.REDUCE_SOURCE, "norm_dw_reduce",
                                    defines=nc.reduce_defines(weight_dtype), device=device)
-    return _Plan(cfg, kernel, reduce_kernel, max_units, shared_mem)
+    # Both backward kernels are persistent (their dW/dB partials are per row unit).
+    return dataclasses.replace(_plan(problem, _choose(problem, config, device), device,
+                                     persistent=True),
+                               reduce_kernel=reduce_kernel)
 
 
-def _choose(problem: nc.NormProblem, config: Optional[str]) -> nc.NormConfig:
-    """The override when given (its vector width dropped to 1 where the pointers do not allow
-    16-byte accesses), else the heuristic."""
+def _plan(problem: nc.NormProblem, cfg: nc.NormConfig, device: int, persistent: bool) -> _Plan:
+    kernel = jit.get_kernel(cfg.source, cfg.kernel_name(problem.direction),
+                            defines=cfg.defines(problem), device=device)
+    shared_mem = cfg.shared_mem(problem)
+    set_max_dynamic_shared(kernel, shared_mem, device)
+    if cfg.cluster > 8:
+        allow_large_clusters(kernel, device)
+    return _Plan(cfg, kernel, persistent, _max_units(kernel, cfg, shared_mem, device),
+                 shared_mem)
+
+
+def _tuned(problem: nc.NormProblem, device: int) -> Optional[nc.NormConfig]:
+    """The tuned config of ``problem``, if the tuning layer is installed and has one that is
+    valid here. The tuning layer sits above this one, so it is imported lazily and optionally;
+    a broken cache never stops a norm (the heuristic runs)."""
+    if os.environ.get("CUTLASS_OPS_NORM_TUNED", "1") == "0":
+        return None
+    try:
+        from tuning.norm_tune import tuned_config_name
+    except ImportError:
+        return None
+    try:
+        name = tuned_config_name(problem, device)
+        config = nc.NormConfig.from_name(name) if name else None
+    except Exception as exc:  # noqa: BLE001 - a lookup must never fail a call
+        _log.warning("norm tuning cache unreadable (%s); using the heuristic", exc)
+        return None
+    if config is None or config.why_invalid(problem) is not None:
+        return None
+    return config
+
+
+def _max_units(kernel, cfg: nc.NormConfig, shared_mem: int, device: int) -> int:
+    """Row units that are resident at once: one wave of the persistent grid."""
+    if cfg.cluster > 1:
+        clusters = max_active_clusters(kernel, cfg.threads, cfg.cluster, shared_mem, device)
+        if clusters < 1:
+            raise UnsupportedInputError(
+                f"norm config {cfg.name}: a cluster of {cfg.cluster} blocks of {cfg.threads} "
+                f"threads with {shared_mem} bytes of shared memory does not fit this GPU")
+        return clusters
+    per_sm = max(1, max_active_blocks_per_sm(kernel, cfg.threads, shared_mem))
+    return sm_count(device) * per_sm
+
+
+def _choose(problem: nc.NormProblem, config: Optional[str], device: int = 0) -> nc.NormConfig:
+    """The override when given, else the tuning cache's winner for this problem on this GPU
+    (``cutlass-tune norms tune``), else the heuristic. Where the pointers do not allow 16-byte
+    accesses, an override runs as the direct kernel with scalar accesses, or as the heuristic's
+    choice when that split is not valid for scalars."""
     if config is None:
-        return nc.heuristic(problem)
+        return _tuned(problem, device) or nc.heuristic(problem)
     cfg = nc.NormConfig.from_name(config)
     if cfg.vec != 1 and not problem.aligned:
-        cfg = dataclasses.replace(cfg, vec=1)
+        cfg = dataclasses.replace(cfg, vec=1, stages=0)
+        if cfg.why_invalid(problem):
+            return nc.heuristic(problem)
+    why = cfg.why_invalid(problem)
+    if why:
+        raise ValueError(f"norm config {cfg.name} is invalid for {problem}: {why}")
     return cfg
 
 
@@ -141,10 +211,10 @@ def _choose(problem: nc.NormProblem, config: Optional[str]) -> nc.NormConfig:
 def kernel_specs(problem: nc.NormProblem, config: Optional[nc.NormConfig] = None) -> list:
     """(source, name, defines) of every kernel ``problem`` runs."""
     cfg = config or nc.heuristic(problem)
-    name = "norm_fwd" if problem.direction == "fwd" else "norm_bwd"
-    specs = [(SOURCE, name, cfg.defines(problem))]
+    specs = [(cfg.source, cfg.kernel_name(problem.direction), cfg.defines(problem))]
     if problem.direction == "bwd":
-        specs.append((SOURCE, "norm_dw_reduce", nc.reduce_defines(problem.weight_dtype)))
+        specs.append((nc.REDUCE_SOURCE, "norm_dw_reduce",
+                      nc.reduce_defines(problem.weight_dtype)))
     return specs
 
 
@@ -171,6 +241,28 @@ def precompile(problems, workers: int = 8, arch: str = jit.DEFAULT_ARCH) -> None
             future.result()
 
 
+def precompile_configs(problem: nc.NormProblem, configs, workers: int = 8) -> dict[str, str]:
+    """Compiles ``problem``'s kernels for each config in parallel (a tuner's candidates).
+    Returns {config name: error} for the configs that failed to build."""
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    failures = {}
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        futures = {config.name: [pool.submit(jit.compile_cubin, source, defines=defines,
+                                             name_expressions=(name,))
+                                 for source, name, defines in kernel_specs(problem, config)]
+                   for config in configs}
+        for config_name, jobs in futures.items():
+            for future in jobs:
+                try:
+                    future.result()
+                except Exception as exc:  # noqa: BLE001 - a failed build is a tuning result
+                    failures[config_name] = f"build: {type(exc).__name__}: {exc}"[:300]
+    return failures
+
+
 # ---------------------------------------------------------------------------------------------
 # Custom ops: real impl, fake impl and autograd next to each other
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +277,7 @@ def _fwd_impl(kind, x, weight, bias, residual, eps, out_dtype, config):
     hidden = x.shape[-1]
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) \
-        if residual is not None else x.new_empty(0)
+        if residual is not None else None
     stats_shape = x.shape[:-1]
     rstd = torch.empty(stats_shape, dtype=torch.float32, device=x.device)
     mean = torch.empty(stats_shape, dtype=torch.float32, device=x.device) \
@@ -193,7 +285,7 @@ def _fwd_impl(kind, x, weight, bias, residual, eps, out_dtype, config):
     if x.numel():
         _launch_fwd(kind, _rows(x, hidden), weight, bias,
                     _rows(residual, hidden) if residual is not None else None, y,
-                    res_out if residual is not None else None, mean, rstd, eps, config)
+                    res_out, mean, rstd, eps, config)
     return y, res_out, mean, rstd
 
 
@@ -214,13 +306,18 @@ def _bwd_impl(kind, dy, h, weight, mean, rstd, d_res_out, config):
     return dx, dw, db
 
 
+def _or_empty(t, like):
+    """Custom ops return tensors only: an empty one stands for "no new residual"."""
+    return t if t is not None else like.new_empty(0)
+
+
 @torch.library.custom_op("custom_kernels::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor],
                  eps: float, out_dtype: torch.dtype, config: Optional[str] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, new residual or an empty tensor, rstd [rows...])."""
     y, res_out, _, rstd = _fwd_impl("rms", x, weight, None, residual, eps, out_dtype, config)
-    return y, res_out, rstd
+    return y, _or_empty(res_out, x), rstd
 
 
 @rms_norm_fwd.register_fake
@@ -251,7 +348,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, new residual or an empty tensor, mean, rstd)."""
     y, res_out, mean, rstd = _fwd_impl("ln", x, weight, bias, residual, eps, out_dtype, config)
-    return y, res_out, mean, rstd
+    return y, _or_empty(res_out, x), mean, rstd
 
 
 @layer_norm_fwd.register_fake
@@ -323,9 +420,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     Returns ``y``, or ``(y, new_residual)`` with a residual. ``config``: a ``NormConfig`` or its
     name, overriding the forward heuristic (the tuner's hook)."""
     check_inputs("rms", x, weight, None, residual, out_dtype)
-    y, res_out, _ = torch.ops.custom_kernels.rms_norm_fwd(
-        x, weight, residual, float(eps), out_dtype or x.dtype, _config_name(config))
-    return (y, res_out) if residual is not None else y
+    return _norm("rms", x, weight, None, residual, float(eps), out_dtype or x.dtype,
+                 _config_name(config))
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
@@ -334,9 +430,66 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     """LayerNorm over the last dimension of ``x`` (after adding ``residual`` when given).
     Returns ``y``, or ``(y, new_residual)`` with a residual."""
     check_inputs("ln", x, weight, bias, residual, out_dtype)
-    y, res_out, _, _ = torch.ops.custom_kernels.layer_norm_fwd(
-        x, weight, bias, residual, float(eps), out_dtype or x.dtype, _config_name(config))
+    return _norm("ln", x, weight, bias, residual, float(eps), out_dtype or x.dtype,
+                 _config_name(config))
+
+
+def _norm(kind, x, weight, bias, residual, eps, out_dtype, config):
+    """Under torch.compile (and export), the custom ops: the graph sees them with their fake
+    impls. Eagerly, the same kernels without torch's Python custom-op dispatch (it costs about
+    15 us a call, more than the launch): directly when no gradient is needed, else through an
+    autograd.Function whose backward is the custom ops' backward."""
+    if torch.compiler.is_compiling() or not _plain_eager(x, weight, bias, residual):
+        if kind == "rms":
+            y, res_out, _ = torch.ops.custom_kernels.rms_norm_fwd(
+                x, weight, residual, eps, out_dtype, config)
+        else:
+            y, res_out, _, _ = torch.ops.custom_kernels.layer_norm_fwd(
+                x, weight, bias, residual, eps, out_dtype, config)
+        return (y, res_out) if residual is not None else y
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias, residual)):
+        return _EagerNorm.apply(kind, x, weight, bias, residual, eps, out_dtype, config)
+    y, res_out, _, _ = _fwd_impl(kind, x, weight, bias, residual, eps, out_dtype, config)
     return (y, res_out) if residual is not None else y
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_eager(*tensors) -> bool:
+    """Whether the direct path is exact: plain tensors (not fake, functional or other subclass
+    tensors) and no torch dispatch mode active (fake tensor mode, profiling modes). Anything
+    else goes through the custom ops, which the dispatcher handles."""
+    if not all(t is None or type(t) in _PLAIN for t in tensors):
+        return False
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+    except ImportError:  # a torch without it: play safe
+        return False
+    return _get_current_dispatch_mode() is None
+
+
+class _EagerNorm(torch.autograd.Function):
+    """Eager autograd for both norms, calling the kernels' launchers directly."""
+
+    @staticmethod
+    def forward(ctx, kind, x, weight, bias, residual, eps, out_dtype, config):
+        y, res_out, mean, rstd = _fwd_impl(kind, x, weight, bias, residual, eps, out_dtype,
+                                           config)
+        ctx.kind = kind
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(res_out if ctx.has_residual else x, weight, mean, rstd)
+        ctx.set_materialize_grads(False)
+        return (y, res_out) if ctx.has_residual else y
+
+    @staticmethod
+    def backward(ctx, dy, d_res_out=None):
+        h, weight, mean, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(h)
+        dx, dw, db = _bwd_impl(ctx.kind, dy, h, weight, mean, rstd, d_res_out, None)
+        return (None, dx, dw, db, dx if ctx.has_residual else None, None, None, None)
 
 
 def _config_name(config) -> Optional[str]:

@@ -4,6 +4,8 @@
     cutlass-tune tune --model mypkg.models:build --tokens 4096 [--backward]
     cutlass-tune bench | list | show SHAPE | export FILE | import FILE... | merge A B -o OUT
     cutlass-tune clear --yes | doctor | compile --dry-run SHAPES --gpu H100 | report
+    cutlass-tune norms tune --hidden 4096 8192 [--kind rms ln] [--direction fwd bwd]
+    cutlass-tune norms list | norms clear --yes
 
 Listing commands take ``--json``. Nothing is written to the working directory unless a path is
 given: reports go to the cache directory by default.
@@ -335,6 +337,82 @@ def cmd_clear(args) -> int:
     return EXIT_OK
 
 
+# ---- norms: the fused RMSNorm / LayerNorm kernels' launch configs ------------------------------
+
+_NORM_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+
+
+def _norm_problems(args):
+    from custom_kernels import norm_config as nc
+
+    dtype = _NORM_DTYPES[args.dtype]
+    out = _NORM_DTYPES[args.out_dtype] if args.out_dtype else dtype
+    weight = _NORM_DTYPES[args.weight_dtype] if args.weight_dtype else dtype
+    vec = 16 // nc.DTYPE_SIZES[dtype]
+    return [nc.NormProblem(kind, direction, hidden, dtype, out, weight,
+                           aligned=hidden % vec == 0, residual=args.residual)
+            for hidden in args.hidden for kind in args.kind for direction in args.direction]
+
+
+def cmd_norms_tune(args) -> int:
+    from tuning import norm_tune
+
+    problems = _norm_problems(args)
+    say = (lambda message: print(message, file=sys.stderr)) if args.json else print
+    results = norm_tune.tune(problems, strategy=args.strategy, force=args.force, rows=args.rows,
+                             reps=args.reps, jobs=args.jobs or 8, progress=say)
+    if args.json:
+        _emit(args, [{"problem": p.name, **entry} for p, entry in results])
+    return EXIT_OK
+
+
+def _norm_rows(args) -> list[dict]:
+    from tuning import norm_tune
+    from tuning.cache import all_caches, tuning_dir
+
+    rows = []
+    for cache in all_caches(tuning_dir() / norm_tune.NORMS_DIR):
+        if args.gpu and args.gpu.lower() not in cache.scope.gpu.lower():
+            continue
+        for name, entry in sorted(cache.entries().items()):
+            heuristic_ms, winner_ms = entry.get("heuristic_ms"), entry.get("winner_ms")
+            rows.append({
+                "gpu": cache.scope.gpu, "problem": name, "winner": entry.get("winner"),
+                "winner_ms": winner_ms, "gbps": entry.get("gbps"),
+                "vs_heuristic": round(heuristic_ms / winner_ms, 3)
+                if heuristic_ms and winner_ms else None,
+                "vs_torch": round(entry["torch_ms"] / winner_ms, 3)
+                if entry.get("torch_ms") and winner_ms else None,
+                "failures": len(entry.get("failures", {}))})
+    return rows
+
+
+def cmd_norms_list(args) -> int:
+    rows = _norm_rows(args)
+    _emit(args, rows, (["gpu", "problem", "winner", "ms", "GB/s", "x heuristic", "x torch",
+                        "failed"],
+                       [[r["gpu"], r["problem"], r["winner"], _fmt(r["winner_ms"]), r["gbps"],
+                         r["vs_heuristic"] or "-", r["vs_torch"] or "-", r["failures"]]
+                        for r in rows]))
+    return EXIT_OK
+
+
+def cmd_norms_clear(args) -> int:
+    from tuning import norm_tune
+    from tuning.cache import all_caches, tuning_dir
+
+    caches = [c for c in all_caches(tuning_dir() / norm_tune.NORMS_DIR)
+              if not args.gpu or args.gpu.lower() in c.scope.gpu.lower()]
+    if not args.yes:
+        print(f"would delete {len(caches)} norm tuning files; run again with --yes",
+              file=sys.stderr)
+        return EXIT_FAILED
+    for cache in caches:
+        cache.clear()
+    print(f"deleted {len(caches)} norm tuning files")
+    return EXIT_OK
+
+
 def cmd_doctor(args) -> int:
     from tuning.doctor import diagnose
 
@@ -540,6 +618,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("report", cmd_report, "PNG plot of tuned and cuBLAS TFLOP/s with the roofline",
                 gpu_filter=True)
     p.add_argument("--out", help="PNG path (default: in the cache directory)")
+
+    norms = sub.add_parser("norms", help="tune / list / clear the fused norms' launch configs",
+                           description="The RMSNorm / LayerNorm kernels' configs (threads, rows "
+                           "per block, cluster, stages), searched on this GPU and cached.")
+    norm_sub = norms.add_subparsers(dest="norm_command", required=True)
+    p = norm_sub.add_parser("tune", help="search configs for hidden sizes and cache the winners")
+    p.set_defaults(fn=cmd_norms_tune)
+    p.add_argument("--hidden", type=int, nargs="+", required=True)
+    p.add_argument("--kind", nargs="+", default=["rms", "ln"], choices=["rms", "ln"])
+    p.add_argument("--direction", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    p.add_argument("--dtype", default="bf16", choices=list(_NORM_DTYPES))
+    p.add_argument("--out-dtype", choices=list(_NORM_DTYPES), help="y (and dy); default --dtype")
+    p.add_argument("--weight-dtype", choices=list(_NORM_DTYPES), help="default --dtype")
+    p.add_argument("--residual", action="store_true", help="the fused residual-add variant")
+    p.add_argument("--strategy", default="default", choices=["quick", "default", "exhaustive"])
+    p.add_argument("--rows", type=int, help="rows to time with (default: 32768, fewer when long)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--force", action="store_true", help="re-tune problems already cached")
+    p.add_argument("--jobs", type=int, help="parallel NVRTC processes (default 8)")
+    p.add_argument("--json", action="store_true")
+    p = norm_sub.add_parser("list", help="the norm entries of the tuning cache as a table")
+    p.set_defaults(fn=cmd_norms_list)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--gpu", help="only this GPU's entries (substring of its name)")
+    p = norm_sub.add_parser("clear", help="delete the norm tuning entries")
+    p.set_defaults(fn=cmd_norms_clear)
+    p.add_argument("--gpu", help="only this GPU's entries (substring of its name)")
+    p.add_argument("--yes", action="store_true", help="really delete")
     return parser
 
 

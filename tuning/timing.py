@@ -32,9 +32,19 @@ def _flush_buffer(device):
     return _flush_buffers[device]
 
 
+# What keeps the GPU busy while the host enqueues a timed call (pad_host): about 200 us.
+_PAD_CYCLES = 400_000
+
+
 def do_bench(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
-             flush_l2: bool = True, device=None) -> Timing:
-    """Times ``fn`` on the current stream. ``reps`` of at least 20 per BENCHMARKS.md."""
+             flush_l2: bool = True, pad_host: bool = False, device=None) -> Timing:
+    """Times ``fn`` on the current stream. ``reps`` of at least 20 per BENCHMARKS.md.
+
+    ``pad_host``: before each timed call, the GPU gets a short spin kernel, so the host has
+    enqueued the call (and its end event) by the time the GPU reaches it: the events then time
+    the GPU work alone. Without it, a call whose Python/launch cost exceeds the GPU work of the
+    flush before it is timed with that host cost included (GPU idle between the events). Kernel
+    throughput figures (GB/s of memory-bound kernels) use it; host cost is measured apart."""
     import torch
 
     device = device if device is not None else torch.cuda.current_device()
@@ -47,6 +57,8 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
     for start, end in zip(starts, ends):
         if flush is not None:
             flush.zero_()
+        if pad_host:
+            torch.cuda._sleep(_PAD_CYCLES)
         start.record()
         fn()
         end.record()
@@ -57,11 +69,12 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
 
 
 def do_bench_interleaved(fns: dict, *, warmup: int = 3, reps: int = 50, flush_l2: bool = True,
-                         device=None) -> dict:
+                         pad_host: bool = False, device=None) -> dict:
     """Times several functions fairly: each repetition runs every function once (each after
     its own L2 flush), in an order that rotates, so that clock and power drift over the run
     reach all of them alike. Sequential timing favours whoever runs first on a cool GPU: on an
-    H200 that alone moved ratios between two kernels by 10%. Returns {key: Timing}."""
+    H200 that alone moved ratios between two kernels by 10%. ``pad_host`` as in ``do_bench``.
+    Returns {key: Timing}."""
     import torch
 
     device = device if device is not None else torch.cuda.current_device()
@@ -78,6 +91,8 @@ def do_bench_interleaved(fns: dict, *, warmup: int = 3, reps: int = 50, flush_l2
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             if flush is not None:
                 flush.zero_()
+            if pad_host:
+                torch.cuda._sleep(_PAD_CYCLES)
             start.record()
             fns[key]()
             end.record()

@@ -6,102 +6,20 @@
 //
 // Statistics in fp32; per-row rstd (and mean) saved for the backward pass.
 //
-// Layout of the work (all compile-time, from -D values chosen by custom_kernels/norm_config.py):
-// a row is split among `kTpr` threads of one block (a warp when NORM_WARP_PER_ROW, else the
-// whole block) times NORM_CLUSTER blocks of a thread block cluster. Thread `lane` of cluster
-// rank `rank` handles the NORM_VEC-element vectors at columns
-//   ((it * NORM_CLUSTER + rank) * kTpr + lane) * NORM_VEC,   it = 0 .. NORM_ITERS-1,
-// so each iteration is one coalesced sweep of the row by the whole cluster. With NORM_CACHE the
-// row is read from global memory once and kept in registers; without it (rows too long for the
-// register budget, or the scalar path) the later passes read it again (mostly from L2).
+// Direct loads: each thread reads its vectors of the row (norm_layout.cuh says which) straight
+// into registers. With NORM_CACHE the row is read from global memory once and kept there;
+// without it (rows too long for the register budget) the later passes read it again (mostly
+// from L2). This is the kernel of the scalar path (NORM_VEC = 1: unaligned pointers, or hidden
+// or a row stride not a multiple of the vector); norms_staged.cu is the fast path of aligned rows.
 // NORM_VEC > 1 requires every pointer 16-byte aligned and hidden and the row strides multiples of
-// NORM_VEC (the Python side checks; otherwise it compiles NORM_VEC = 1).
+// NORM_VEC (the Python side checks).
 //
 // Kernels: norm_fwd (one row, or one row per warp, per block/cluster: grid = row groups),
 // norm_bwd (persistent: a fixed grid of row units walks the rows, accumulating dW/dB partials
 // per unit in registers, written once to a [units, hidden] fp32 workspace), norm_dw_reduce
 // (sums the workspace over units into dW/dB in the weight's type; deterministic).
 
-#include "cluster_reduce.cuh"
-#include "norm_common.cuh"
-
-#ifndef NORM_IN
-#define NORM_IN 2
-#endif
-#ifndef NORM_OUT
-#define NORM_OUT NORM_IN
-#endif
-#ifndef NORM_W
-#define NORM_W NORM_IN
-#endif
-#ifndef NORM_LN
-#define NORM_LN 0
-#endif
-#ifndef NORM_THREADS
-#define NORM_THREADS 256
-#endif
-#ifndef NORM_WARP_PER_ROW
-#define NORM_WARP_PER_ROW 0
-#endif
-#ifndef NORM_CLUSTER
-#define NORM_CLUSTER 1
-#endif
-#ifndef NORM_VEC
-#define NORM_VEC 1
-#endif
-#ifndef NORM_ITERS
-#define NORM_ITERS 1
-#endif
-#ifndef NORM_CACHE
-#define NORM_CACHE 1
-#endif
-// Which kernel this compilation holds: 0 norm_fwd, 1 norm_bwd, 2 norm_dw_reduce, -1 all.
-#ifndef NORM_PART
-#define NORM_PART -1
-#endif
-#define NORM_HAS_PART(p) (NORM_PART < 0 || NORM_PART == (p))
-
-using In = ck::DType<NORM_IN>::type;    // x, residual, residual_out, dx
-using Out = ck::DType<NORM_OUT>::type;  // y and dy
-using W = ck::DType<NORM_W>::type;      // weight, bias, dweight, dbias
-
-constexpr int kThreads = NORM_THREADS;
-constexpr bool kWarpPerRow = NORM_WARP_PER_ROW != 0;
-constexpr int kCluster = NORM_CLUSTER;
-constexpr int kVec = NORM_VEC;
-constexpr int kIters = NORM_ITERS;
-constexpr bool kCache = NORM_CACHE != 0;
-constexpr bool kLN = NORM_LN != 0;
-constexpr int kTpr = kWarpPerRow ? 32 : kThreads;
-constexpr int kRowsPerBlock = kWarpPerRow ? kThreads / 32 : 1;
-
-static_assert(kThreads % 32 == 0 && kThreads <= 1024, "threads: a multiple of 32, at most 1024");
-static_assert(!(kWarpPerRow && kCluster > 1), "a warp per row needs no cluster");
-static_assert(kCluster >= 1 && kCluster <= 16, "cluster of 1 to 16 blocks");
-
-using ck::from_float;
-using ck::load;
-using ck::store;
-using ck::to_float;
-using ck::Vec;
-using VIn = Vec<In, kVec>;
-using VOut = Vec<Out, kVec>;
-using VW = Vec<W, kVec>;
-
-template <class T>
-using RowReducer = ck::Reducer<T, kTpr / 32, kCluster>;
-
-__device__ __forceinline__ int cluster_rank() {
-  if constexpr (kCluster > 1) {
-    return static_cast<int>(cooperative_groups::this_cluster().block_rank());
-  } else {
-    return 0;
-  }
-}
-
-__device__ __forceinline__ int vec_col(int it, int rank, int lane) {
-  return ((it * kCluster + rank) * kTpr + lane) * kVec;
-}
+#include "norm_layout.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // Forward
@@ -226,63 +144,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd(
 // ---------------------------------------------------------------------------------------------
 // Backward
 // ---------------------------------------------------------------------------------------------
-//   xhat = (h - mean) * rstd,  g = dy * w
-//   dh = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g) term, mean = 0)
-//   dx = dh + d_residual_out;  dW += dy * xhat;  dB += dy
-
-using RedT = ck::Conditional<kLN, float2, float>::type;
-constexpr int kAccRows = kLN ? 2 : 1;  // dW, and dB for LayerNorm
-
-// The row's sum of g * xhat (and of g, LayerNorm only) over the whole cluster.
-__device__ __forceinline__ void row_sums(RowReducer<float>& red, float s1, float, float& c1,
-                                         float& c2) {
-  c1 = red.sum(s1);
-  c2 = 0.0f;
-}
-
-__device__ __forceinline__ void row_sums(RowReducer<float2>& red, float s1, float s2, float& c1,
-                                         float& c2) {
-  const float2 r = red.sum(make_float2(s1, s2));
-  c1 = r.x;
-  c2 = r.y;
-}
-
-__device__ __forceinline__ void write_partials_direct(const float (&acc)[kIters][kVec],
-                                                      float* part, int hidden, int rank,
-                                                      int lane) {
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int col = vec_col(it, rank, lane);
-    if (col < hidden) {
-      Vec<float, kVec> v;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) v.v[j] = acc[it][j];
-      store(part + col, v);
-    }
-  }
-}
-
-// A warp per row: the warps of a block first add their partials in shared memory.
-__device__ __forceinline__ void write_partials_block(const float (&acc)[kIters][kVec],
-                                                     float* part, float* smem, int hidden,
-                                                     int lane) {
-  const int warp = threadIdx.x / 32;
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int col = vec_col(it, 0, lane);
-    if (col < hidden) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) smem[warp * hidden + col + j] = acc[it][j];
-    }
-  }
-  __syncthreads();
-  for (int c = threadIdx.x; c < hidden; c += kThreads) {
-    float t = 0.0f;
-    for (int r = 0; r < kRowsPerBlock; ++r) t += smem[r * hidden + c];
-    part[c] = t;
-  }
-  __syncthreads();
-}
+// (the formulas are in norm_layout.cuh)
 
 __global__ void __launch_bounds__(kThreads) norm_bwd(
     const In* __restrict__ x, const Out* __restrict__ dy, const In* __restrict__ dres,

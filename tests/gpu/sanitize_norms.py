@@ -17,10 +17,12 @@ import torch  # noqa: E402
 
 from custom_kernels import norms  # noqa: E402
 
-CASES = [  # (rows, hidden, dtype): warp per row with a scalar tail case, and a cluster of 4
-    (37, 1000, torch.bfloat16),
-    (5, 4097, torch.float16),
-    (9, 65536, torch.bfloat16),
+CASES = [  # (rows, hidden, dtype)
+    (37, 1000, torch.bfloat16),  # staged, a warp per row, 3 stages
+    (5, 4097, torch.float16),  # the direct kernel's scalar path
+    (21, 4096, torch.bfloat16),  # staged, a block per row (1 stage forward, 2 backward)
+    (9, 65536, torch.bfloat16),  # staged clusters of 2 (forward) and 4 (backward)
+    (3, 262144, torch.bfloat16),  # clusters of 8 (forward) and 16 (backward, non-portable)
 ]
 
 

@@ -3,7 +3,10 @@ each dtype, with and without residual, at the issue's hidden sizes and row count
 (odd hidden, misaligned pointers, strided rows); opcheck; torch.compile(fullgraph=True); CUDA graph
 replay; the modules.
 
-All kernels are compiled once, in parallel, by the session fixture (about 100 NVRTC compiles);
+The candidates of a quick tune are each checked too (the tuner rejects a wrong one; here none may
+be wrong), and the eager path (kernels launched directly) must equal the custom ops bit for bit.
+
+All kernels are compiled once, in parallel, by the session fixture (a few hundred NVRTC compiles);
 set CUTLASS_OPS_TEST_CACHE_DIR to keep them between runs.
 """
 
@@ -34,13 +37,15 @@ def _rows_for(hidden, rows):
 @pytest.fixture(scope="session", autouse=True)
 def compiled():
     problems = []
-    for kind, direction, hidden, dtype, aligned in itertools.product(
-            nc.KINDS, nc.DIRECTIONS, HIDDEN + [4097, 4096], DTYPES, (True, False)):
+    for kind, direction, hidden, dtype, aligned, residual in itertools.product(
+            nc.KINDS, nc.DIRECTIONS, HIDDEN + [4097, 4096], DTYPES, (True, False),
+            (True, False)):
         name = NAMES[dtype]
         aligned = aligned and hidden % (16 // dtype.itemsize) == 0
-        problems.append(nc.NormProblem(kind, direction, hidden, name, name, name, aligned))
-    problems += [nc.NormProblem(k, d, 4096, "bfloat16", "float32", "float32", True)
-                 for k in nc.KINDS for d in nc.DIRECTIONS]
+        problems.append(nc.NormProblem(kind, direction, hidden, name, name, name, aligned,
+                                       residual))
+    problems += [nc.NormProblem(k, d, 4096, "bfloat16", "float32", "float32", True, r)
+                 for k in nc.KINDS for d in nc.DIRECTIONS for r in (True, False)]
     norms.precompile(problems, workers=min(16, os.cpu_count() or 4))
 
 
@@ -286,3 +291,44 @@ def test_modules_state_dict_round_trip_and_output():
     y, h = ours(x, res)
     torch.testing.assert_close(y, ref(h), atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(h, x + res)
+
+
+@pytest.mark.parametrize("kind", nc.KINDS)
+@pytest.mark.parametrize("residual", [False, True])
+def test_eager_path_equals_the_custom_ops(kind, residual):
+    x = torch.randn(300, 8192, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x) if residual else None
+    ops = torch.ops.custom_kernels
+    if kind == "rms":
+        eager = norms.rms_norm(x, w, 1e-6, residual=res)
+        op = ops.rms_norm_fwd(x, w, res, 1e-6, x.dtype, None)
+    else:
+        eager = norms.layer_norm(x, w, b, 1e-5, residual=res)
+        op = ops.layer_norm_fwd(x, w, b, res, 1e-5, x.dtype, None)
+    eager = eager if residual else (eager,)
+    for ours, theirs in zip(eager, op):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("problem", [
+    nc.NormProblem("rms", "fwd", 1000, "bfloat16", "bfloat16", "bfloat16"),
+    nc.NormProblem("ln", "fwd", 65536, "float16", "float16", "float32", residual=True),
+    nc.NormProblem("rms", "bwd", 8192, "bfloat16", "bfloat16", "bfloat16", residual=True),
+    nc.NormProblem("ln", "bwd", 32768, "float32", "float32", "float32"),
+    nc.NormProblem("rms", "fwd", 4097, "bfloat16", "bfloat16", "bfloat16", aligned=False),
+], ids=lambda p: p.name)
+def test_quick_tune_checks_every_candidate_and_caches_the_winner(problem, tmp_path,
+                                                                 monkeypatch):
+    from tuning import norm_tune
+
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    entry = norm_tune.tune_problem(problem, strategy="quick", rows=2048, reps=5)
+    assert entry["failures"] == {}, entry["failures"]
+    assert nc.NormConfig.from_name(entry["winner"]).why_invalid(problem) is None
+    assert entry["winner_ms"] <= entry["heuristic_ms"] * 1.10 + 1e-3
+    norm_tune.norm_cache().put(problem, entry)
+    assert norm_tune.tuned_config_name(problem) == entry["winner"]
+    assert norms._tuned(problem, torch.cuda.current_device()) == \
+        nc.NormConfig.from_name(entry["winner"])

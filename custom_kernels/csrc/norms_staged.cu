@@ -1,0 +1,434 @@
+// RMSNorm and LayerNorm, forward and backward, with rows staged through shared memory by a
+// cp.async pipeline: the fast path of 16-byte-aligned rows. Same math, arguments and outputs as
+// norms.cu (whose header states the formulas); norm_layout.cuh says which vectors of a row each
+// thread owns.
+//
+// Why: the direct kernels load a row into registers, reduce it, then write it, so a block's
+// loads stop at every reduction; on long rows few blocks fit on an SM and HBM idles during those
+// gaps (about 0.6 of the copy bandwidth measured at hidden >= 32768 on an H200). Here every
+// kernel is persistent: a grid that fills the GPU once (one wave) is split into row units (a
+// warp, a block or a thread block cluster), and unit u walks rows u, u + units, u + 2 units, ...
+// Each thread copies its vectors of the next NORM_STAGES - 1 rows into shared memory with
+// cp.async while it reduces and writes the current row, so reads are always in flight.
+//
+// A thread only reads the shared-memory slots that it filled itself, so the pipeline needs no
+// barrier: cp.async.wait_group makes a thread's own copies visible to it, and a slot is refilled
+// only after the same thread has read it. Per-row statistics for the backward pass are copied
+// by lane 0 of each warp and shared with __syncwarp.
+//
+// Dynamic shared memory (the host computes the same sizes, custom_kernels/norm_config.py):
+//   stats:   kStages * kWarps float2s, rounded up to an even count (backward only)
+//   streams: kStages * kSlotsPerStage vectors each; forward x (and residual), backward x, dy
+//            (and d_residual_out), the residual streams only when compiled with NORM_RESIDUAL
+// The backward with a warp per row reuses it for the block's dW/dB partials once the rows are done.
+
+#include "norm_layout.cuh"
+
+static_assert(kVec * sizeof(In) == 16, "the staged kernels copy 16-byte vectors of x");
+
+// 1: outputs are written with st.global.cs (evict-first: they are not read again soon).
+#ifndef NORM_STORE_CS
+#define NORM_STORE_CS 0
+#endif
+#ifndef NORM_RESIDUAL
+#define NORM_RESIDUAL 0
+#endif
+
+constexpr int kStages = NORM_STAGES;
+// Whether the residual (forward) or the residual gradient (backward) is staged too: fixed at
+// compile time because it sizes the shared memory; the host launches the matching kernel.
+constexpr bool kResidual = NORM_RESIDUAL != 0;
+constexpr int kWarps = kThreads / 32;
+constexpr int kSlotsPerStage = kRowsPerBlock * kIters * kTpr;  // vectors of one stage, one stream
+[[maybe_unused]] constexpr int kStatSlots = (kStages * kWarps + 1) / 2 * 2;  // float2s; keeps the streams 16-aligned
+static_assert(kStages >= 1 && kStages <= 8, "1 to 8 stages");
+
+// ---------------------------------------------------------------------------------------------
+// cp.async (sm_80+): 16-byte copies bypass L1 (.cg); 4- and 8-byte ones must go through it (.ca)
+// ---------------------------------------------------------------------------------------------
+
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(kBytes)
+                 : "memory");
+  }
+}
+
+template <class V>
+__device__ __forceinline__ void cp_async_vec(V* smem, const void* gmem) {
+  constexpr int kBytes = sizeof(V);
+  static_assert(kBytes % 16 == 0 || kBytes == 8 || kBytes == 4, "4, 8 or 16n-byte vectors");
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i)
+      cp_async<16>(reinterpret_cast<char*>(smem) + 16 * i,
+                   reinterpret_cast<const char*>(gmem) + 16 * i);
+  } else {
+    cp_async<kBytes>(smem, gmem);
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row units and staging slots
+// ---------------------------------------------------------------------------------------------
+
+struct RowUnits {
+  long long first;  // this thread's unit: its first row
+  long long stride;  // number of units: the distance between its rows
+  int in_block;      // which of the block's rows (warp per row), else 0
+};
+
+__device__ __forceinline__ RowUnits row_units() {
+  if constexpr (kWarpPerRow) {
+    const int warp = threadIdx.x / 32;
+    return {static_cast<long long>(blockIdx.x) * kRowsPerBlock + warp,
+            static_cast<long long>(gridDim.x) * kRowsPerBlock, warp};
+  } else {
+    return {static_cast<long long>(blockIdx.x / kCluster),
+            static_cast<long long>(gridDim.x / kCluster), 0};
+  }
+}
+
+// One stream of staged vectors: this thread's slot of iteration `it` in stage `stage`.
+template <class V>
+struct Stream {
+  V* mine;  // slot (stage 0, it 0) of this thread
+  __device__ Stream(void* base, int in_block, int lane)
+      : mine(reinterpret_cast<V*>(base) + in_block * kIters * kTpr + lane) {}
+  __device__ __forceinline__ V* slot(int stage, int it) const {
+    return mine + (stage * kRowsPerBlock * kIters + it) * kTpr;
+  }
+  __device__ __forceinline__ void* end_of_region(void* base) const {
+    return reinterpret_cast<V*>(base) + kStages * kSlotsPerStage;
+  }
+};
+
+template <class T, int N>
+__device__ __forceinline__ void store_out(T* p, const Vec<T, N>& v) {
+  if constexpr (NORM_STORE_CS != 0 && sizeof(v) % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(v)) / 16; ++i)
+      __stcs(reinterpret_cast<uint4*>(p) + i, reinterpret_cast<const uint4*>(v.v)[i]);
+  } else {
+    store(p, v);
+  }
+}
+
+__device__ __forceinline__ int next_stage(int stage) { return stage + 1 == kStages ? 0 : stage + 1; }
+
+// The stage that row k + kStages - 1 goes to while row k (in `stage`) is processed.
+__device__ __forceinline__ int prefetch_stage(int stage) {
+  return stage == 0 ? kStages - 1 : stage - 1;
+}
+
+// This thread's weight (or bias) vectors: kept in registers when they fit beside everything
+// else the kernel holds (a thread has 65536 / kThreads of them, at most 255), else read from
+// global memory (L2) for each row.
+constexpr int kMaxRegs = 65536 / kThreads < 255 ? 65536 / kThreads : 255;
+constexpr int kBaseRegs = 40;  // addresses, loop state, the current vectors (measured: ptxas -v)
+constexpr int kWeightRegs = kIters * static_cast<int>(sizeof(VW)) / 4;
+[[maybe_unused]] constexpr bool kFwdWeightInRegs =
+    kWeightRegs * (kLN ? 2 : 1) <= 32 && kBaseRegs + kWeightRegs * (kLN ? 2 : 1) <= kMaxRegs;
+constexpr int kAccRegs = kAccRows * kIters * kVec;  // the backward's dW (and dB) accumulators
+[[maybe_unused]] constexpr bool kBwdWeightInRegs =
+    kWeightRegs <= 32 && kBaseRegs + kAccRegs + kWeightRegs <= kMaxRegs;
+
+template <bool kInRegs>
+struct RowWeights {
+  VW w[kInRegs ? kIters : 1];
+  VW b[kInRegs && kLN ? kIters : 1];
+  const W* wg;
+  const W* bg;
+
+  __device__ RowWeights(const W* w_, const W* b_, int hidden, int rank, int lane)
+      : wg(w_), bg(b_) {
+    if constexpr (kInRegs) {
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int col = vec_col(it, rank, lane);
+        if (col < hidden) {
+          load(w[it], wg + col);
+          if constexpr (kLN) {
+            if (bg != nullptr) load(b[it], bg + col);
+          }
+        }
+      }
+    }
+  }
+  __device__ __forceinline__ void weight(VW& v, int it, int col) const {
+    if constexpr (kInRegs) {
+      v = w[it];
+    } else {
+      load(v, wg + col);
+    }
+  }
+  __device__ __forceinline__ void bias(VW& v, int it, int col) const {
+    if constexpr (kInRegs) {
+      v = b[it];
+    } else {
+      load(v, bg + col);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------------
+
+#if NORM_HAS_PART(0)
+__global__ void __launch_bounds__(kThreads) norm_fwd_staged(
+    const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
+    const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
+    float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
+    long long res_stride, float eps) {
+  extern __shared__ __align__(16) unsigned char staging[];
+  __shared__ float red_smem[RowReducer<float>::kSlots];
+  const int lane = kWarpPerRow ? threadIdx.x % 32 : threadIdx.x;
+  const int rank = cluster_rank();
+  const RowUnits units = row_units();
+  const Stream<VIn> xs(staging, units.in_block, lane);
+  const Stream<VIn> rs(xs.end_of_region(staging), units.in_block, lane);
+
+  auto issue = [&](long long row, int stage) {
+    if (row < rows) {
+      const In* xr = x + row * x_stride;
+      const In* rr = kResidual ? res + row * res_stride : nullptr;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int col = vec_col(it, rank, lane);
+        if (col < hidden) {
+          cp_async_vec(xs.slot(stage, it), xr + col);
+          if constexpr (kResidual) cp_async_vec(rs.slot(stage, it), rr + col);
+        }
+      }
+    }
+    cp_async_commit();  // an empty group past the last row keeps the group count uniform
+  };
+
+  for (int s = 0; s + 1 < kStages; ++s) issue(units.first + s * units.stride, s);
+  RowReducer<float> red(red_smem);
+  const RowWeights<kFwdWeightInRegs> weights(w, b, hidden, rank, lane);
+  const float inv_n = 1.0f / static_cast<float>(hidden);
+  int stage = 0;
+  for (long long row = units.first; row < rows; row += units.stride) {
+    issue(row + (kStages - 1) * units.stride, prefetch_stage(stage));
+    cp_async_wait<kStages - 1>();
+    In* hr = kResidual ? res_out + row * static_cast<long long>(hidden) : nullptr;
+    float s = 0.0f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int col = vec_col(it, rank, lane);
+      if (col < hidden) {
+        VIn v = *xs.slot(stage, it);
+        if constexpr (kResidual) {
+          const VIn r = *rs.slot(stage, it);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            v.v[j] = from_float<In>(to_float(v.v[j]) + to_float(r.v[j]));
+          store(hr + col, v);
+          *xs.slot(stage, it) = v;  // h, read again below
+        }
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float f = to_float(v.v[j]);
+          s += kLN ? f : f * f;
+        }
+      }
+    }
+    float mean = 0.0f;
+    float var;
+    if constexpr (kLN) {
+      mean = red.sum(s) * inv_n;
+      float s2 = 0.0f;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        if (vec_col(it, rank, lane) < hidden) {
+          const VIn v = *xs.slot(stage, it);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            const float d = to_float(v.v[j]) - mean;
+            s2 += d * d;
+          }
+        }
+      }
+      var = red.sum(s2) * inv_n;
+    } else {
+      var = red.sum(s) * inv_n;
+    }
+    const float rstd = rsqrtf(var + eps);
+    if (lane == 0 && rank == 0) {
+      rstd_out[row] = rstd;
+      if constexpr (kLN) mean_out[row] = mean;
+    }
+    Out* yr = y + row * static_cast<long long>(hidden);
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int col = vec_col(it, rank, lane);
+      if (col < hidden) {
+        const VIn v = *xs.slot(stage, it);
+        VW wv;
+        weights.weight(wv, it, col);
+        VW bv;
+        if constexpr (kLN) weights.bias(bv, it, col);
+        VOut o;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          float f = (to_float(v.v[j]) - mean) * rstd * to_float(wv.v[j]);
+          if constexpr (kLN) f += to_float(bv.v[j]);
+          o.v[j] = from_float<Out>(f);
+        }
+        store_out(yr + col, o);
+      }
+    }
+    stage = next_stage(stage);
+  }
+  cp_async_wait<0>();
+}
+#endif  // NORM_HAS_PART(0)
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------------
+
+#if NORM_HAS_PART(1)
+__global__ void __launch_bounds__(kThreads) norm_bwd_staged(
+    const In* __restrict__ x, const Out* __restrict__ dy, const In* __restrict__ dres,
+    const W* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd,
+    In* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part, long long rows,
+    int hidden, long long x_stride, long long dy_stride, long long dres_stride) {
+  extern __shared__ __align__(16) unsigned char staging[];
+  __shared__ RedT red_smem[RowReducer<RedT>::kSlots];
+  const int lane = kWarpPerRow ? threadIdx.x % 32 : threadIdx.x;
+  const int warp = threadIdx.x / 32;
+  const int rank = cluster_rank();
+  const RowUnits units = row_units();
+  // stats[stage][warp] = (mean, rstd) of the stage's row, copied by the warp's lane 0.
+  float2* stats = reinterpret_cast<float2*>(staging);
+  void* streams = stats + kStatSlots;
+  const Stream<VIn> xs(streams, units.in_block, lane);
+  const Stream<VOut> dys(xs.end_of_region(streams), units.in_block, lane);
+  const Stream<VIn> drs(dys.end_of_region(xs.end_of_region(streams)), units.in_block, lane);
+
+  auto issue = [&](long long row, int stage) {
+    if (row < rows) {
+      const In* xr = x + row * x_stride;
+      const Out* dyr = dy + row * dy_stride;
+      const In* drr = kResidual ? dres + row * dres_stride : nullptr;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int col = vec_col(it, rank, lane);
+        if (col < hidden) {
+          cp_async_vec(xs.slot(stage, it), xr + col);
+          cp_async_vec(dys.slot(stage, it), dyr + col);
+          if constexpr (kResidual) cp_async_vec(drs.slot(stage, it), drr + col);
+        }
+      }
+      if (threadIdx.x % 32 == 0) {
+        float2* st = stats + stage * kWarps + warp;
+        if constexpr (kLN) cp_async<4>(&st->x, mean + row);
+        cp_async<4>(&st->y, rstd + row);
+      }
+    }
+    cp_async_commit();
+  };
+
+  for (int s = 0; s + 1 < kStages; ++s) issue(units.first + s * units.stride, s);
+  float acc[kAccRows][kIters][kVec];
+#pragma unroll
+  for (int a = 0; a < kAccRows; ++a)
+#pragma unroll
+    for (int it = 0; it < kIters; ++it)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc[a][it][j] = 0.0f;
+  RowReducer<RedT> red(red_smem);
+  const RowWeights<kBwdWeightInRegs> weights(w, nullptr, hidden, rank, lane);
+  const float inv_n = 1.0f / static_cast<float>(hidden);
+  int stage = 0;
+  for (long long row = units.first; row < rows; row += units.stride) {
+    issue(row + (kStages - 1) * units.stride, prefetch_stage(stage));
+    cp_async_wait<kStages - 1>();
+    __syncwarp();  // lane 0's copy of the statistics is visible to the warp
+    const float2 st = stats[stage * kWarps + warp];
+    const float m = kLN ? st.x : 0.0f;
+    const float rs = st.y;
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int col = vec_col(it, rank, lane);
+      if (col < hidden) {
+        const VIn xv = *xs.slot(stage, it);
+        const VOut dv = *dys.slot(stage, it);
+        VW wv;
+        weights.weight(wv, it, col);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float xhat = (to_float(xv.v[j]) - m) * rs;
+          const float d = to_float(dv.v[j]);
+          const float g = d * to_float(wv.v[j]);
+          s1 += g * xhat;
+          s2 += g;
+          acc[0][it][j] += d * xhat;
+          if constexpr (kLN) acc[kAccRows - 1][it][j] += d;
+        }
+      }
+    }
+    float c1, c2;
+    row_sums(red, s1, s2, c1, c2);
+    c1 *= inv_n;
+    c2 *= inv_n;
+    In* dxr = dx + row * static_cast<long long>(hidden);
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int col = vec_col(it, rank, lane);
+      if (col < hidden) {
+        const VIn xv = *xs.slot(stage, it);
+        const VOut dv = *dys.slot(stage, it);
+        VW wv;
+        weights.weight(wv, it, col);
+        VIn rv;
+        if constexpr (kResidual) rv = *drs.slot(stage, it);
+        VIn o;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float xhat = (to_float(xv.v[j]) - m) * rs;
+          const float g = to_float(dv.v[j]) * to_float(wv.v[j]);
+          float d = rs * (g - c2 - xhat * c1);
+          if constexpr (kResidual) d += to_float(rv.v[j]);
+          o.v[j] = from_float<In>(d);
+        }
+        store_out(dxr + col, o);
+      }
+    }
+    // Lane 0 refills this statistics slot in the next iteration: the whole warp has read it.
+    __syncwarp();
+    stage = next_stage(stage);
+  }
+  cp_async_wait<0>();
+  if constexpr (kWarpPerRow) {
+    __syncthreads();  // every warp is done with its staged rows: the memory holds partials now
+    float* partials = reinterpret_cast<float*>(staging);
+    write_partials_block(acc[0], dw_part + static_cast<long long>(blockIdx.x) * hidden, partials,
+                         hidden, lane);
+    if constexpr (kLN)
+      write_partials_block(acc[kAccRows - 1], db_part + static_cast<long long>(blockIdx.x) * hidden,
+                           partials, hidden, lane);
+  } else {
+    write_partials_direct(acc[0], dw_part + units.first * hidden, hidden, rank, lane);
+    if constexpr (kLN)
+      write_partials_direct(acc[kAccRows - 1], db_part + units.first * hidden, hidden, rank, lane);
+  }
+}
+#endif  // NORM_HAS_PART(1)
