@@ -134,19 +134,23 @@ class _Case:
         import torch.nn.functional as F
 
         p = self.problem
+        # torch's norms want one dtype: the parameters in x's (a float32 weight is cast once).
+        w = self.w.to(self.h.dtype)
+        b = self.b.to(self.h.dtype) if self.b is not None else None
         if p.direction == "fwd":
             if p.kind == "rms":
-                return lambda: F.rms_norm(self.h, (p.hidden,), self.w, self.eps)
-            return lambda: F.layer_norm(self.h, (p.hidden,), self.w, self.b, self.eps)
+                return lambda: F.rms_norm(self.h, (p.hidden,), w, self.eps)
+            return lambda: F.layer_norm(self.h, (p.hidden,), w, b, self.eps)
         import torch
 
         hg = self.h.detach().requires_grad_()
-        wg = self.w.detach().requires_grad_()
+        wg = w.detach().requires_grad_()
+        dy = self.dy.to(self.h.dtype)
         if p.kind == "rms":
             y = F.rms_norm(hg, (p.hidden,), wg, self.eps)
         else:
-            y = F.layer_norm(hg, (p.hidden,), wg, self.b, self.eps)
-        return lambda: torch.autograd.grad(y, (hg, wg), self.dy, retain_graph=True)
+            y = F.layer_norm(hg, (p.hidden,), wg, b, self.eps)
+        return lambda: torch.autograd.grad(y, (hg, wg), dy, retain_graph=True)
 
     def runner(self, config: nc.NormConfig) -> Callable[[], object]:
         from custom_kernels import norms
