@@ -248,6 +248,19 @@ def _staged_heuristic(problem: NormProblem) -> NormConfig:
     bytes, so they carry over to other dtypes): devrun/norm_sweep.py, numbers in the README."""
     vec = problem.vec
     vectors = math.ceil(problem.hidden / vec)
+    if problem.direction == "fwd" and problem.kind == "ln":
+        # LayerNorm reduces twice per row: one stage, not persistent, wins at every size
+        # (more blocks per SM cover each block's two barriers), 4 vectors a thread, then
+        # clusters of 512-thread blocks with 8.
+        if vectors <= 32:
+            return _fit(NormConfig(256, 8, 1, vec, 3), problem)
+        if vectors <= 128:
+            return _fit(NormConfig(256, 8, 1, vec, 1), problem)
+        if vectors <= 1024:
+            return _fit(NormConfig(max(64, _next_pow2(math.ceil(vectors / 4))), 1, 1, vec, 1),
+                        problem)
+        cluster = min(16, _next_pow2(math.ceil(vectors / (512 * 8))))
+        return _fit(NormConfig(512, 1, cluster, vec, 1), problem)
     if problem.direction == "fwd":
         if vectors <= 128:  # up to 4 vectors a lane: a warp per row, 3 rows in flight per warp
             return _fit(NormConfig(256, 8, 1, vec, 3), problem)

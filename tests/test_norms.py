@@ -53,6 +53,9 @@ def test_heuristic_splits_rows_as_documented():
     assert nc.heuristic(problem(65536)).cluster == 2
     assert nc.heuristic(problem(262144)).cluster == 8
     assert nc.heuristic(problem(262144, direction="bwd")) == nc.NormConfig(512, 1, 16, 8, 3)
+    # LayerNorm forward (two reductions a row): one stage, not persistent, at every length.
+    assert nc.heuristic(problem(8192, kind="ln")) == nc.NormConfig(256, 1, 1, 8, 1)
+    assert nc.heuristic(problem(262144, kind="ln")) == nc.NormConfig(512, 1, 8, 8, 1)
     # A residual stream doubles the staged bytes: the same row takes a larger cluster.
     with_residual = dataclasses.replace(problem(32768), residual=True)
     assert nc.heuristic(with_residual).cluster == 2

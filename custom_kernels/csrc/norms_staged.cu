@@ -140,8 +140,20 @@ __device__ __forceinline__ int prefetch_stage(int stage) {
 constexpr int kMaxRegs = 65536 / kThreads < 255 ? 65536 / kThreads : 255;
 constexpr int kBaseRegs = 40;  // addresses, loop state, the current vectors (measured: ptxas -v)
 constexpr int kWeightRegs = kIters * static_cast<int>(sizeof(VW)) / 4;
+// NORM_WEIGHT_REGS: -1 (default) the rule below, 0 never, 1 whenever they fit (tuning sweeps).
+// The rule, from sweeps on an H200: RMSNorm keeps up to 32 registers of weights (they save an
+// L2 read per element in the output loop); LayerNorm, whose weight and bias double that, keeps
+// them only when they take at most 8 (one vector each): beyond, the registers cost occupancy
+// that its one-stage configs need more (0.63 -> 0.95 of the copy bandwidth at hidden 8192).
+#ifndef NORM_WEIGHT_REGS
+#define NORM_WEIGHT_REGS -1
+#endif
+constexpr int kFwdWeightRegs = kWeightRegs * (kLN ? 2 : 1);
 [[maybe_unused]] constexpr bool kFwdWeightInRegs =
-    kWeightRegs * (kLN ? 2 : 1) <= 32 && kBaseRegs + kWeightRegs * (kLN ? 2 : 1) <= kMaxRegs;
+    NORM_WEIGHT_REGS == 0 ? false
+    : NORM_WEIGHT_REGS == 1 ? kBaseRegs + kFwdWeightRegs <= kMaxRegs
+                             : kFwdWeightRegs <= (kLN ? 8 : 32) &&
+                                   kBaseRegs + kFwdWeightRegs <= kMaxRegs;
 constexpr int kAccRegs = kAccRows * kIters * kVec;  // the backward's dW (and dB) accumulators
 [[maybe_unused]] constexpr bool kBwdWeightInRegs =
     kWeightRegs <= 32 && kBaseRegs + kAccRegs + kWeightRegs <= kMaxRegs;
