@@ -19,7 +19,7 @@
 // per unit in registers, written once to a [units, hidden] fp32 workspace), norm_dw_reduce
 // (sums the workspace over units into dW/dB in the weight's type; deterministic).
 
-#include "norm_layout.cuh"
+#include "norm_rows.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // Forward
@@ -86,56 +86,29 @@ __global__ void __launch_bounds__(kThreads) norm_fwd(
 
   RowReducer<float> red(red_smem);
   VIn h[kCache ? kIters : 1];
-  const float inv_n = 1.0f / static_cast<float>(hidden);
   const float s = fwd_load(h, xr, rr, hr, hidden, rank, lane);
-  float mean = 0.0f;
-  float var;
-  if constexpr (kLN) {
-    mean = red.sum(s) * inv_n;
-    float s2 = 0.0f;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
-        VIn v;
-        get_row_vec(v, h, it, src, col);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float d = to_float(v.v[j]) - mean;
-          s2 += d * d;
-        }
-      }
-    }
-    var = red.sum(s2) * inv_n;
-  } else {
-    var = red.sum(s) * inv_n;
-  }
-  const float rstd = rsqrtf(var + eps);
+  auto get_h = [&](int it, int col) {
+    VIn v;
+    get_row_vec(v, h, it, src, col);
+    return v;
+  };
+  const float2 stats = row_statistics(red, s, get_h, hidden, rank, lane, eps);
   if (lane == 0 && rank == 0) {
-    rstd_out[row] = rstd;
-    if constexpr (kLN) mean_out[row] = mean;
+    rstd_out[row] = stats.y;
+    if constexpr (kLN) mean_out[row] = stats.x;
   }
-  Out* yr = y + row * static_cast<long long>(hidden);
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int col = vec_col(it, rank, lane);
-    if (col < hidden) {
-      VIn v;
-      get_row_vec(v, h, it, src, col);
-      VW wv;
-      load(wv, w + col);
-      VW bv;
-      if constexpr (kLN) load(bv, b + col);
-      VOut o;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        float f = (to_float(v.v[j]) - mean) * rstd * to_float(wv.v[j]);
-        if constexpr (kLN) f += to_float(bv.v[j]);
-        o.v[j] = from_float<Out>(f);
-      }
-      store(yr + col, o);
-    }
-  }
+  auto get_w = [&](int, int col) {
+    VW v;
+    load(v, w + col);
+    return v;
+  };
+  auto get_b = [&](int, int col) {
+    VW v;
+    load(v, b + col);
+    return v;
+  };
+  write_normalized_row(y + row * static_cast<long long>(hidden), get_h, get_w, get_b, stats,
+                       hidden, rank, lane);
 }
 
 #endif  // NORM_HAS_PART(0)
@@ -178,70 +151,56 @@ __global__ void __launch_bounds__(kThreads) norm_bwd(
     const float rs = rstd[row];
     const In* xr = x + row * x_stride;
     const Out* dyr = dy + row * dy_stride;
+    // Pass 1 reads the row from global memory (keeping it in registers when it fits), pass 2
+    // reads it from there or again from global memory (mostly L2).
     VIn xc[kCache ? kIters : 1];
     VOut dyc[kCache ? kIters : 1];
-    float s1 = 0.0f, s2 = 0.0f;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
-        VIn xv;
-        VOut dv;
-        VW wv;
-        load(xv, xr + col);
-        load(dv, dyr + col);
-        load(wv, w + col);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float xhat = (to_float(xv.v[j]) - m) * rs;
-          const float d = to_float(dv.v[j]);
-          const float g = d * to_float(wv.v[j]);
-          s1 += g * xhat;
-          s2 += g;
-          acc[0][it][j] += d * xhat;
-          if constexpr (kLN) acc[kAccRows - 1][it][j] += d;
-        }
-        if constexpr (kCache) {
-          xc[it] = xv;
-          dyc[it] = dv;
-        }
+    auto load_x = [&](int it, int col) {
+      VIn v;
+      load(v, xr + col);
+      if constexpr (kCache) xc[it] = v;
+      return v;
+    };
+    auto load_dy = [&](int it, int col) {
+      VOut v;
+      load(v, dyr + col);
+      if constexpr (kCache) dyc[it] = v;
+      return v;
+    };
+    auto get_x = [&](int it, int col) {
+      VIn v;
+      if constexpr (kCache) {
+        v = xc[it];
+      } else {
+        load(v, xr + col);
       }
-    }
-    float c1, c2;
-    row_sums(red, s1, s2, c1, c2);
-    c1 *= inv_n;
-    c2 *= inv_n;
-    In* dxr = dx + row * static_cast<long long>(hidden);
+      return v;
+    };
+    auto get_dy = [&](int it, int col) {
+      VOut v;
+      if constexpr (kCache) {
+        v = dyc[it];
+      } else {
+        load(v, dyr + col);
+      }
+      return v;
+    };
+    auto get_w = [&](int, int col) {
+      VW v;
+      load(v, w + col);
+      return v;
+    };
     const In* drr = dres != nullptr ? dres + row * dres_stride : nullptr;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
-        VIn xv;
-        VOut dv;
-        VW wv;
-        if constexpr (kCache) {
-          xv = xc[it];
-          dv = dyc[it];
-        } else {
-          load(xv, xr + col);
-          load(dv, dyr + col);
-        }
-        load(wv, w + col);
-        VIn rv;
-        if (drr != nullptr) load(rv, drr + col);
-        VIn o;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float xhat = (to_float(xv.v[j]) - m) * rs;
-          const float g = to_float(dv.v[j]) * to_float(wv.v[j]);
-          float d = rs * (g - c2 - xhat * c1);
-          if (drr != nullptr) d += to_float(rv.v[j]);
-          o.v[j] = from_float<In>(d);
-        }
-        store(dxr + col, o);
-      }
-    }
+    auto get_dres = [&](int, int col) {
+      VIn v;
+      load(v, drr + col);
+      return v;
+    };
+    const float2 sums = accumulate_row(acc, load_x, load_dy, get_w, m, rs, hidden, rank, lane);
+    float c1, c2;
+    row_sums(red, sums.x, sums.y, c1, c2);
+    write_dx_row(dx + row * static_cast<long long>(hidden), get_x, get_dy, get_w, drr != nullptr,
+                 get_dres, m, rs, c1 * inv_n, c2 * inv_n, hidden, rank, lane);
   }
   if constexpr (kWarpPerRow) {
     write_partials_block(acc[0], dw_part + static_cast<long long>(blockIdx.x) * hidden,

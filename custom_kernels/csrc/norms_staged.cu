@@ -22,14 +22,10 @@
 //            (and d_residual_out), the residual streams only when compiled with NORM_RESIDUAL
 // The backward with a warp per row reuses it for the block's dW/dB partials once the rows are done.
 
-#include "norm_layout.cuh"
+#include "norm_rows.cuh"
 
 static_assert(kVec * sizeof(In) == 16, "the staged kernels copy 16-byte vectors of x");
 
-// 1: outputs are written with st.global.cs (evict-first: they are not read again soon).
-#ifndef NORM_STORE_CS
-#define NORM_STORE_CS 0
-#endif
 #ifndef NORM_RESIDUAL
 #define NORM_RESIDUAL 0
 #endif
@@ -115,17 +111,6 @@ struct Stream {
     return reinterpret_cast<V*>(base) + kStages * kSlotsPerStage;
   }
 };
-
-template <class T, int N>
-__device__ __forceinline__ void store_out(T* p, const Vec<T, N>& v) {
-  if constexpr (NORM_STORE_CS != 0 && sizeof(v) % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(sizeof(v)) / 16; ++i)
-      __stcs(reinterpret_cast<uint4*>(p) + i, reinterpret_cast<const uint4*>(v.v)[i]);
-  } else {
-    store(p, v);
-  }
-}
 
 __device__ __forceinline__ int next_stage(int stage) { return stage + 1 == kStages ? 0 : stage + 1; }
 
@@ -233,7 +218,6 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
   for (int s = 0; s + 1 < kStages; ++s) issue(units.first + s * units.stride, s);
   RowReducer<float> red(red_smem);
   const RowWeights<kFwdWeightInRegs> weights(w, b, hidden, rank, lane);
-  const float inv_n = 1.0f / static_cast<float>(hidden);
   int stage = 0;
   for (long long row = units.first; row < rows; row += units.stride) {
     issue(row + (kStages - 1) * units.stride, prefetch_stage(stage));
@@ -260,51 +244,24 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
         }
       }
     }
-    float mean = 0.0f;
-    float var;
-    if constexpr (kLN) {
-      mean = red.sum(s) * inv_n;
-      float s2 = 0.0f;
-#pragma unroll
-      for (int it = 0; it < kIters; ++it) {
-        if (vec_col(it, rank, lane) < hidden) {
-          const VIn v = *xs.slot(stage, it);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            const float d = to_float(v.v[j]) - mean;
-            s2 += d * d;
-          }
-        }
-      }
-      var = red.sum(s2) * inv_n;
-    } else {
-      var = red.sum(s) * inv_n;
-    }
-    const float rstd = rsqrtf(var + eps);
+    auto get_h = [&](int it, int) { return *xs.slot(stage, it); };
+    const float2 stats = row_statistics(red, s, get_h, hidden, rank, lane, eps);
     if (lane == 0 && rank == 0) {
-      rstd_out[row] = rstd;
-      if constexpr (kLN) mean_out[row] = mean;
+      rstd_out[row] = stats.y;
+      if constexpr (kLN) mean_out[row] = stats.x;
     }
-    Out* yr = y + row * static_cast<long long>(hidden);
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
-        const VIn v = *xs.slot(stage, it);
-        VW wv;
-        weights.weight(wv, it, col);
-        VW bv;
-        if constexpr (kLN) weights.bias(bv, it, col);
-        VOut o;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          float f = (to_float(v.v[j]) - mean) * rstd * to_float(wv.v[j]);
-          if constexpr (kLN) f += to_float(bv.v[j]);
-          o.v[j] = from_float<Out>(f);
-        }
-        store_out(yr + col, o);
-      }
-    }
+    auto get_w = [&](int it, int col) {
+      VW v;
+      weights.weight(v, it, col);
+      return v;
+    };
+    auto get_b = [&](int it, int col) {
+      VW v;
+      weights.bias(v, it, col);
+      return v;
+    };
+    write_normalized_row(y + row * static_cast<long long>(hidden), get_h, get_w, get_b, stats,
+                         hidden, rank, lane);
     stage = next_stage(stage);
   }
   cp_async_wait<0>();
@@ -376,54 +333,19 @@ __global__ void __launch_bounds__(kThreads) norm_bwd_staged(
     const float2 st = stats[stage * kWarps + warp];
     const float m = kLN ? st.x : 0.0f;
     const float rs = st.y;
-    float s1 = 0.0f, s2 = 0.0f;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
-        const VIn xv = *xs.slot(stage, it);
-        const VOut dv = *dys.slot(stage, it);
-        VW wv;
-        weights.weight(wv, it, col);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float xhat = (to_float(xv.v[j]) - m) * rs;
-          const float d = to_float(dv.v[j]);
-          const float g = d * to_float(wv.v[j]);
-          s1 += g * xhat;
-          s2 += g;
-          acc[0][it][j] += d * xhat;
-          if constexpr (kLN) acc[kAccRows - 1][it][j] += d;
-        }
-      }
-    }
+    auto get_x = [&](int it, int) { return *xs.slot(stage, it); };
+    auto get_dy = [&](int it, int) { return *dys.slot(stage, it); };
+    auto get_dres = [&](int it, int) { return *drs.slot(stage, it); };
+    auto get_w = [&](int it, int col) {
+      VW v;
+      weights.weight(v, it, col);
+      return v;
+    };
+    const float2 sums = accumulate_row(acc, get_x, get_dy, get_w, m, rs, hidden, rank, lane);
     float c1, c2;
-    row_sums(red, s1, s2, c1, c2);
-    c1 *= inv_n;
-    c2 *= inv_n;
-    In* dxr = dx + row * static_cast<long long>(hidden);
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
-        const VIn xv = *xs.slot(stage, it);
-        const VOut dv = *dys.slot(stage, it);
-        VW wv;
-        weights.weight(wv, it, col);
-        VIn rv;
-        if constexpr (kResidual) rv = *drs.slot(stage, it);
-        VIn o;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float xhat = (to_float(xv.v[j]) - m) * rs;
-          const float g = to_float(dv.v[j]) * to_float(wv.v[j]);
-          float d = rs * (g - c2 - xhat * c1);
-          if constexpr (kResidual) d += to_float(rv.v[j]);
-          o.v[j] = from_float<In>(d);
-        }
-        store_out(dxr + col, o);
-      }
-    }
+    row_sums(red, sums.x, sums.y, c1, c2);
+    write_dx_row(dx + row * static_cast<long long>(hidden), get_x, get_dy, get_w, kResidual,
+                 get_dres, m, rs, c1 * inv_n, c2 * inv_n, hidden, rank, lane);
     // Lane 0 refills this statistics slot in the next iteration: the whole warp has read it.
     __syncwarp();
     stage = next_stage(stage);
