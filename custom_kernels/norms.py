@@ -455,19 +455,19 @@ def _norm(kind, x, weight, bias, residual, eps, out_dtype, config):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+try:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+except ImportError:  # a torch without it: every call takes the custom ops
+    _get_current_dispatch_mode = None
 
 
 def _plain_eager(*tensors) -> bool:
     """Whether the direct path is exact: plain tensors (not fake, functional or other subclass
     tensors) and no torch dispatch mode active (fake tensor mode, profiling modes). Anything
     else goes through the custom ops, which the dispatcher handles."""
-    if not all(t is None or type(t) in _PLAIN for t in tensors):
+    if _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None:
         return False
-    try:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-    except ImportError:  # a torch without it: play safe
-        return False
-    return _get_current_dispatch_mode() is None
+    return all(t is None or type(t) in _PLAIN for t in tensors)
 
 
 class _EagerNorm(torch.autograd.Function):
@@ -502,9 +502,34 @@ def check_inputs(kind, x, weight, bias, residual, out_dtype) -> None:
     """Raises UnsupportedInputError naming the problem. Runs on any device (meta and CPU
     tensors included) and touches no data, so it runs before anything is launched; the device
     check comes last so that every other rule can be tested without a GPU."""
+    if _usual_call(kind, x, weight, bias, residual, out_dtype):
+        return
     why = why_unsupported(kind, x, weight, bias, residual, out_dtype)
     if why:
         raise UnsupportedInputError(why)
+
+
+def _usual_call(kind, x, weight, bias, residual, out_dtype) -> bool:
+    """A fast accept (a few microseconds less per call) of the usual call: plain CUDA tensors on
+    one device, x with a unit last stride, weight (and bias) [hidden] contiguous, of x's dtype,
+    no residual, no other output dtype. Anything else goes through why_unsupported, which
+    accepts a superset of this and names what it refuses."""
+    if residual is not None or (out_dtype is not None and out_dtype != x.dtype):
+        return False
+    if type(x) not in _PLAIN or type(weight) not in _PLAIN or not x.is_cuda:
+        return False
+    dtype, shape = x.dtype, x.shape
+    if not shape or dtype not in _DTYPES or weight.dtype != dtype or x.stride(-1) != 1:
+        return False
+    hidden = shape[-1]
+    if not 1 < hidden <= nc.MAX_HIDDEN or weight.shape != (hidden,) or weight.stride(0) != 1:
+        return False
+    if weight.device != x.device:
+        return False
+    if kind == "ln":
+        return (type(bias) in _PLAIN and bias.dtype == dtype and bias.shape == (hidden,)
+                and bias.stride(0) == 1 and bias.device == x.device)
+    return True
 
 
 def why_unsupported(kind, x, weight, bias, residual, out_dtype) -> Optional[str]:
