@@ -226,41 +226,48 @@ def compile_problem(problem: nc.NormProblem, config: Optional[nc.NormConfig] = N
 
 
 def precompile(problems, workers: int = 8, arch: str = jit.DEFAULT_ARCH) -> None:
-    """Compiles the kernels of many problems in parallel processes (before tests/benchmarks)."""
-    import concurrent.futures
-    import multiprocessing
-
-    jobs = {(source, name, tuple(sorted(defines.items())))
-            for problem in problems for source, name, defines in kernel_specs(problem)}
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        futures = [pool.submit(jit.compile_cubin, source, defines=dict(defines),
-                               name_expressions=(name,), arch=arch)
-                   for source, name, defines in sorted(jobs)]
-        for future in futures:
-            future.result()
+    """Compiles the kernels of many problems in parallel processes (before tests/benchmarks);
+    raises the first build error."""
+    jobs = {_job(spec) for problem in problems for spec in kernel_specs(problem)}
+    for error in _compile(jobs, workers, arch).values():
+        raise error
 
 
-def precompile_configs(problem: nc.NormProblem, configs, workers: int = 8) -> dict[str, str]:
+def precompile_configs(problem: nc.NormProblem, configs, workers: int = 8,
+                       arch: str = jit.DEFAULT_ARCH) -> dict[str, str]:
     """Compiles ``problem``'s kernels for each config in parallel (a tuner's candidates).
     Returns {config name: error} for the configs that failed to build."""
+    jobs = {config.name: [_job(spec) for spec in kernel_specs(problem, config)]
+            for config in configs}
+    errors = _compile({job for config_jobs in jobs.values() for job in config_jobs}, workers,
+                      arch)
+    return {name: f"build: {type(errors[job]).__name__}: {errors[job]}"[:300]
+            for name, config_jobs in jobs.items() for job in config_jobs if job in errors}
+
+
+def _job(spec) -> tuple:
+    source, name, defines = spec
+    return source, name, tuple(sorted(defines.items()))
+
+
+def _compile(jobs, workers: int, arch: str) -> dict[tuple, Exception]:
+    """Builds each (source, name, defines) job once, in spawned processes (NVRTC and CUDA state
+    stay out of the parent); returns the jobs that failed with their errors."""
     import concurrent.futures
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    failures = {}
+    errors = {}
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        futures = {config.name: [pool.submit(jit.compile_cubin, source, defines=defines,
-                                             name_expressions=(name,))
-                                 for source, name, defines in kernel_specs(problem, config)]
-                   for config in configs}
-        for config_name, jobs in futures.items():
-            for future in jobs:
-                try:
-                    future.result()
-                except Exception as exc:  # noqa: BLE001 - a failed build is a tuning result
-                    failures[config_name] = f"build: {type(exc).__name__}: {exc}"[:300]
-    return failures
+        futures = {job: pool.submit(jit.compile_cubin, job[0], defines=dict(job[2]),
+                                    name_expressions=(job[1],), arch=arch)
+                   for job in sorted(jobs)}
+        for job, future in futures.items():
+            try:
+                future.result()
+            except Exception as exc:  # noqa: BLE001 - the callers decide what a failure means
+                errors[job] = exc
+    return errors
 
 
 # ---------------------------------------------------------------------------------------------

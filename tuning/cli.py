@@ -323,17 +323,11 @@ def cmd_merge(args) -> int:
 def cmd_clear(args) -> int:
     from tuning.cache import all_caches
 
-    caches = [c for c in all_caches() if not args.gpu or args.gpu.lower() in c.scope.gpu.lower()]
-    if not args.yes:
-        print(f"would delete {len(caches)} tuning cache files; run again with --yes",
-              file=sys.stderr)
+    if not _clear(all_caches(), args, "tuning cache"):
         return EXIT_FAILED
-    for cache in caches:
-        cache.clear()
     from tuning import dispatch
 
     dispatch.reset()
-    print(f"deleted {len(caches)} tuning cache files")
     return EXIT_OK
 
 
@@ -401,16 +395,21 @@ def cmd_norms_clear(args) -> int:
     from tuning import norm_tune
     from tuning.cache import all_caches, tuning_dir
 
-    caches = [c for c in all_caches(tuning_dir() / norm_tune.NORMS_DIR)
-              if not args.gpu or args.gpu.lower() in c.scope.gpu.lower()]
+    return EXIT_OK if _clear(all_caches(tuning_dir() / norm_tune.NORMS_DIR), args,
+                             "norm tuning") else EXIT_FAILED
+
+
+def _clear(caches, args, what: str) -> bool:
+    """Deletes the cache files of the GPUs ``--gpu`` names (all without it) when ``--yes`` is
+    given; otherwise says what would go. Returns whether it deleted."""
+    caches = [c for c in caches if not args.gpu or args.gpu.lower() in c.scope.gpu.lower()]
     if not args.yes:
-        print(f"would delete {len(caches)} norm tuning files; run again with --yes",
-              file=sys.stderr)
-        return EXIT_FAILED
+        print(f"would delete {len(caches)} {what} files; run again with --yes", file=sys.stderr)
+        return False
     for cache in caches:
         cache.clear()
-    print(f"deleted {len(caches)} norm tuning files")
-    return EXIT_OK
+    print(f"deleted {len(caches)} {what} files")
+    return True
 
 
 def cmd_doctor(args) -> int:
