@@ -11,15 +11,15 @@ from tuning_fakes import SCOPE
 from custom_kernels import norm_config as nc
 from custom_kernels import norms
 from tuning import cli, norm_tune
-from tuning.cache import TuningCache, tuning_dir
+from tuning.cache import TuningCache
 
 
 @pytest.fixture(autouse=True)
 def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(norm_tune, "norm_cache",
-                        lambda device=None, root=None: TuningCache(
-                            SCOPE, tuning_dir(root) / norm_tune.NORMS_DIR))
+                        lambda device=None, root=None: TuningCache(SCOPE, root,
+                                                                  family=norm_tune.NORMS))
 
 
 def problem(hidden=4096, direction="fwd", residual=False):
@@ -109,6 +109,37 @@ def test_norms_list_and_clear(capsys):
     assert cli.main(["norms", "clear", "--yes"]) == cli.EXIT_OK
     capsys.readouterr()
     assert run_json(capsys, "norms", "list") == []
+
+
+def test_export_import_and_merge_carry_norm_entries_apart_from_gemm_ones(capsys, tmp_path):
+    put(problem(4096), "t256_r1_c1_v8_s1")
+    put(problem(8192, "bwd"), "t1024_r1_c1_v8_s2")
+    export = tmp_path / "export.json"
+    assert cli.main(["export", str(export)]) == cli.EXIT_OK
+    assert "norms 2" in capsys.readouterr().out
+    docs = json.loads(export.read_text())["caches"]
+    assert [d["family"] for d in docs] == ["norms"]
+
+    assert cli.main(["clear", "--yes"]) == cli.EXIT_OK  # the GEMM cache only
+    capsys.readouterr()
+    assert len(run_json(capsys, "norms", "list")) == 2
+    assert run_json(capsys, "list") == []  # norm entries never show as GEMM rows
+    assert cli.main(["norms", "clear", "--yes"]) == cli.EXIT_OK
+    capsys.readouterr()
+
+    # Another machine's faster winner for one problem: merged offline, then imported.
+    other = json.loads(export.read_text())
+    name = problem(4096).name
+    other["caches"][0]["entries"] = {name: {**other["caches"][0]["entries"][name],
+                                            "winner": "t512_r1_c1_v8_s2", "winner_ms": 0.25}}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    merged = run_json(capsys, "merge", str(export), str(tmp_path / "other.json"),
+                      "-o", str(tmp_path / "merged.json"))
+    assert merged == {"scopes": 1, "entries": 2}
+    assert run_json(capsys, "import", str(tmp_path / "merged.json")) == {"changed": 2}
+    rows = {r["problem"]: r["winner"] for r in run_json(capsys, "norms", "list")}
+    assert rows == {name: "t512_r1_c1_v8_s2", problem(8192, "bwd").name: "t1024_r1_c1_v8_s2"}
+    assert norms._choose(problem(4096), None) == nc.NormConfig(512, 1, 1, 8, 2)
 
 
 def test_norms_tune_refuses_bad_arguments(capsys):

@@ -4,7 +4,7 @@ import multiprocessing
 import pytest
 
 from cutlass_ops.config import GemmConfig, GemmOperands, GemmProblem
-from tuning.cache import CacheScope, TuningCache, import_document
+from tuning.cache import CacheScope, TuningCache, all_caches, import_document, merge_documents
 
 SCOPE = CacheScope("NVIDIA H200", 90, 132, "580.159.04", "13.0", "4.2.0.0", "0.1.0")
 OPERANDS = GemmOperands.make("bf16")
@@ -75,3 +75,26 @@ def test_export_import_merge_keeps_the_faster_winner(tmp_path):
         import_document({"format": 99}, tmp_path)
     here.clear()
     assert here.entries() == {}
+
+
+def test_families_keep_apart_through_export_import_and_merge(tmp_path):
+    gemm, norms = TuningCache(SCOPE, tmp_path / "a"), TuningCache(SCOPE, tmp_path / "a",
+                                                                  family="norms")
+    assert gemm.path != norms.path and norms.path.parent.name == "norms"
+    gemm.put(problem(16), entry(0.5))
+    norms.put(problem(16), entry(0.1))  # the same key in another family is another entry
+    assert [c.family for c in all_caches(tmp_path / "a")] == ["gemm"]
+    assert [c.family for c in all_caches(tmp_path / "a", family="norms")] == ["norms"]
+    merged = merge_documents([gemm.export(), norms.export()])
+    assert sorted(d["family"] for d in merged) == ["gemm", "norms"]
+    for doc in merged:
+        assert import_document(doc, tmp_path / "b") == 1
+    assert TuningCache(SCOPE, tmp_path / "b").get(problem(16))["winner_ms"] == 0.5
+    assert TuningCache(SCOPE, tmp_path / "b", family="norms").get(problem(16))["winner_ms"] == 0.1
+    legacy = {k: v for k, v in gemm.export().items() if k != "family"}  # older exports: GEMM
+    assert import_document(legacy, tmp_path / "c") == 1
+    assert TuningCache(SCOPE, tmp_path / "c").get(problem(16)) is not None
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        import_document({**gemm.export(), "family": "softmax"}, tmp_path)
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        TuningCache(SCOPE, tmp_path, family="softmax")

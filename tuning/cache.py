@@ -2,7 +2,9 @@
 
 One JSON file per scope (GPU name, compute capability, SM count; driver, CUDA, CUTLASS and
 library versions) under ``<cache root>/<version>/tuning/``, holding one entry per problem: the
-winner, its time, torch's time and the runners-up. Files are readable and shareable: ``export``
+winner, its time, torch's time and the runners-up. Each kernel family keeps its own files: GEMMs
+there, the custom norm kernels' launch configs in ``tuning/norms/`` (so GEMM listings stay GEMM
+listings); exports carry the family, so one bundle moves both to another machine. Files are readable and shareable: ``export``
 writes a document, ``merge`` folds one in (the faster winner of two entries for a problem stays).
 
 Safety: every update takes the file's lock, re-reads the file, changes one entry and replaces the
@@ -25,6 +27,9 @@ from cutlass_ops import cache_dir
 from cutlass_ops.config import GemmProblem
 
 FORMAT = 1
+# Kernel families and the subdirectory of the tuning directory that holds each one's files.
+FAMILIES = {"gemm": "", "norms": "norms"}
+GEMM = "gemm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +63,13 @@ def _better(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
 
 
 class TuningCache:
-    """The cache file of one scope. ``root`` defaults to the library's cache directory."""
+    """The cache file of one scope and kernel family. ``root`` (the tuning directory) defaults to
+    the library's cache directory."""
 
-    def __init__(self, scope: CacheScope, root: Path | None = None):
+    def __init__(self, scope: CacheScope, root: Path | None = None, family: str = GEMM):
         self.scope = scope
-        directory = Path(root) if root is not None else cache_dir.versioned_dir("tuning")
+        self.family = family
+        directory = family_dir(family, root)
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / scope.file_name
         self._lock = filelock.FileLock(str(self.path) + ".lock")
@@ -110,7 +117,8 @@ class TuningCache:
             return changed
 
     def export(self) -> dict[str, Any]:
-        return {"format": FORMAT, "scope": self.scope.to_dict(), "entries": self._read()}
+        return {"format": FORMAT, "family": self.family, "scope": self.scope.to_dict(),
+                "entries": self._read()}
 
     def clear(self) -> None:
         with self._lock:
@@ -121,25 +129,36 @@ def import_document(document: dict[str, Any], root: Path | None = None) -> int:
     """Merges an exported document (or a bundle of them) into the cache file of its own scope
     (which may be another GPU's: a cache can be tuned on one machine and shipped to others).
     Returns how many entries changed."""
-    return sum(TuningCache(CacheScope.from_dict(doc["scope"]), root).merge(doc["entries"])
-               for doc in documents_in(document))
+    return sum(TuningCache(CacheScope.from_dict(doc["scope"]), root, _family(doc))
+               .merge(doc["entries"]) for doc in documents_in(document))
 
 
 def tuning_dir(root: Path | None = None) -> Path:
     return Path(root) if root is not None else cache_dir.versioned_dir("tuning")
 
 
-def all_caches(root: Path | None = None) -> list[TuningCache]:
-    """The cache of every scope present (every GPU and software combination tuned here)."""
+def family_dir(family: str, root: Path | None = None) -> Path:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; choose from {sorted(FAMILIES)}")
+    return tuning_dir(root) / FAMILIES[family] if FAMILIES[family] else tuning_dir(root)
+
+
+def _family(document: dict[str, Any]) -> str:
+    return document.get("family", GEMM)  # exports from before families were GEMM-only
+
+
+def all_caches(root: Path | None = None, family: str = GEMM) -> list[TuningCache]:
+    """The cache of every scope present (every GPU and software combination tuned here) for one
+    kernel family."""
     out = []
-    for path in sorted(tuning_dir(root).glob("*.json")):
+    for path in sorted(family_dir(family, root).glob("*.json")):
         data = cache_dir.read_json_or_quarantine(path)
         try:
             scope = CacheScope.from_dict(data["scope"])
         except (TypeError, KeyError):
             cache_dir.quarantine(path, "is not a tuning cache")
             continue
-        cache = TuningCache(scope, root)
+        cache = TuningCache(scope, root, family)
         if cache.path == path:
             out.append(cache)
     return out
@@ -164,16 +183,21 @@ def documents_in(data: Any) -> list[dict[str, Any]]:
         if not (isinstance(doc, dict) and doc.get("format") == FORMAT
                 and isinstance(doc.get("entries"), dict) and isinstance(doc.get("scope"), dict)):
             raise ValueError("not a cutlass-ops tuning cache export (format mismatch)")
+        if _family(doc) not in FAMILIES:
+            raise ValueError(f"not a cutlass-ops tuning cache export (unknown kernel family "
+                             f"{_family(doc)!r})")
         CacheScope.from_dict(doc["scope"])
     return docs
 
 
 def merge_documents(documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Merges exports offline (no cache touched): per scope, the faster winner of each problem."""
+    """Merges exports offline (no cache touched): per family and scope, the faster winner of each
+    problem."""
     merged: dict[str, dict[str, Any]] = {}
     for doc in documents:
-        key = json.dumps(doc["scope"], sort_keys=True)
-        target = merged.setdefault(key, {"format": FORMAT, "scope": doc["scope"], "entries": {}})
+        key = _family(doc) + json.dumps(doc["scope"], sort_keys=True)
+        target = merged.setdefault(key, {"format": FORMAT, "family": _family(doc),
+                                         "scope": doc["scope"], "entries": {}})
         for name, entry in doc["entries"].items():
             if _better(entry, target["entries"].get(name)):
                 target["entries"][name] = entry

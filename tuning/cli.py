@@ -269,14 +269,23 @@ def cmd_show(args) -> int:
 
 def cmd_export(args) -> int:
     from cutlass_ops.cache_dir import atomic_write_json
-    from tuning.cache import all_caches, bundle
+    from tuning.cache import FAMILIES, all_caches, bundle
 
-    docs = [c.export() for c in all_caches()
+    docs = [c.export() for family in FAMILIES for c in all_caches(family=family)
             if not args.gpu or args.gpu.lower() in c.scope.gpu.lower()]
     atomic_write_json(Path(args.file), bundle(docs))
-    print(f"exported {sum(len(d['entries']) for d in docs)} entries of {len(docs)} GPU/software "
-          f"scopes to {args.file}")
+    print(f"exported {sum(len(d['entries']) for d in docs)} entries ({_by_family(docs)}) of "
+          f"{len({json.dumps(d['scope'], sort_keys=True) for d in docs})} GPU/software scopes "
+          f"to {args.file}")
     return EXIT_OK
+
+
+def _by_family(docs: list[dict]) -> str:
+    counts: dict[str, int] = {}
+    for doc in docs:
+        counts[doc.get("family", "gemm")] = counts.get(doc.get("family", "gemm"), 0) + \
+            len(doc["entries"])
+    return ", ".join(f"{family} {n}" for family, n in sorted(counts.items())) or "none"
 
 
 def _read_documents(path: str) -> list[dict]:
@@ -362,10 +371,10 @@ def cmd_norms_tune(args) -> int:
 
 def _norm_rows(args) -> list[dict]:
     from tuning import norm_tune
-    from tuning.cache import all_caches, tuning_dir
+    from tuning.cache import all_caches
 
     rows = []
-    for cache in all_caches(tuning_dir() / norm_tune.NORMS_DIR):
+    for cache in all_caches(family=norm_tune.NORMS):
         if args.gpu and args.gpu.lower() not in cache.scope.gpu.lower():
             continue
         for name, entry in sorted(cache.entries().items()):
@@ -393,9 +402,9 @@ def cmd_norms_list(args) -> int:
 
 def cmd_norms_clear(args) -> int:
     from tuning import norm_tune
-    from tuning.cache import all_caches, tuning_dir
+    from tuning.cache import all_caches
 
-    return EXIT_OK if _clear(all_caches(tuning_dir() / norm_tune.NORMS_DIR), args,
+    return EXIT_OK if _clear(all_caches(family=norm_tune.NORMS), args,
                              "norm tuning") else EXIT_FAILED
 
 

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from custom_kernels import norm_config as nc
-from tuning.cache import TuningCache, tuning_dir
+from tuning.cache import TuningCache, family_dir
 
-NORMS_DIR = "norms"
+NORMS = "norms"  # the tuning cache family of these kernels
 STRATEGIES = ("quick", "default", "exhaustive")
 FINALISTS = 3
 # Relative Frobenius error allowed against the float32 reference, by input dtype.
@@ -36,12 +36,12 @@ TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
 def norm_cache(device: int | None = None, root: Path | None = None) -> TuningCache:
     from tuning.device import current_scope
 
-    return TuningCache(current_scope(device), tuning_dir(root) / NORMS_DIR)
+    return TuningCache(current_scope(device), root, family=NORMS)
 
 
 def tuned_config_name(problem: nc.NormProblem, device: int | None = None) -> Optional[str]:
     """The stored winner of ``problem`` on this GPU, or None."""
-    path = tuning_dir() / NORMS_DIR
+    path = family_dir(NORMS)
     if not path.is_dir():  # nothing was ever tuned: no device query at all
         return None
     entry = norm_cache(device).get(problem)
