@@ -4,8 +4,9 @@ One JSON file per scope (GPU name, compute capability, SM count; driver, CUDA, C
 library versions) under ``<cache root>/<version>/tuning/``, holding one entry per problem: the
 winner, its time, torch's time and the runners-up. Each kernel family keeps its own files: GEMMs
 there, the custom norm kernels' launch configs in ``tuning/norms/`` (so GEMM listings stay GEMM
-listings); exports carry the family, so one bundle moves both to another machine. Files are readable and shareable: ``export``
-writes a document, ``merge`` folds one in (the faster winner of two entries for a problem stays).
+listings); exports carry the family, so one bundle moves both to another machine. Files are
+readable and shareable: ``export`` writes a document, ``merge`` folds one in (the faster winner of
+two entries for a problem stays).
 
 Safety: every update takes the file's lock, re-reads the file, changes one entry and replaces the
 file atomically, so concurrent processes lose nothing and an interrupted tune keeps every entry it
