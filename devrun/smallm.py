@@ -1,15 +1,19 @@
 """Small-M diagnostic for issue 3: every kernel of smallm_list on the 6 small-M LLM shapes, with
 stream-K split variants, interleaved with torch.matmul; then the best few again with pad_host."""
 import json
+import os
 import sys
 
 import torch
 
 sys.path.insert(0, "devrun")
-import smallm_list  # noqa: E402
+import importlib  # noqa: E402
+
+smallm_list = importlib.import_module(sys.argv[2] if len(sys.argv) > 2 else "smallm_list")
 
 from cutlass_ops.config import GemmOperands, GemmProblem  # noqa: E402
 from cutlass_ops.kernels import prepare_many  # noqa: E402
+from tuning import candidates  # noqa: E402
 from tuning.backend import GpuSession  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
 
@@ -27,6 +31,8 @@ for m, n, k in smallm_list.SHAPES:
             continue
         if not c.swap_ab and m == 16:
             continue
+        if not candidates.fits_shape(problem, c):
+            continue
         splits = (1, 2, 3, 4, 6, 8) if c.config.tile_scheduler.value == "streamk" else (1,)
         for sp in splits:
             v = c.replace(splits=sp)
@@ -36,7 +42,7 @@ for m, n, k in smallm_list.SHAPES:
                 continue
             fns[v] = s._launcher(v)
     fns["torch"] = s._torch_call()
-    t = do_bench_interleaved(fns, reps=60, device=s.device)
+    t = do_bench_interleaved(fns, reps=int(os.environ.get('REPS', 60)), device=s.device)
     res = sorted(((key if key == "torch" else key.name, round(v.median_ms * 1e3, 2))
                   for key, v in t.items()), key=lambda x: x[1])
     torch_us = dict(res)["torch"]

@@ -70,19 +70,22 @@ def test_select_gives_a_ranked_diverse_list(strategy, count, mnk):
             assert any(c.swap_ab for c in picked)
 
 
-def test_wave_fill_prefers_tiles_that_fill_whole_waves():
-    problem = GemmProblem(OPS, 128, 14336, 4096)
-
-    def fill(tile, cluster=(1, 1, 1), **kw):
-        return candidates.wave_fill(problem, Choice(GemmConfig(
-            kernel_schedule="cooperative", tile=tile, cluster=cluster, **kw)), H100)
-
-    assert fill((128, 112, 64)) == pytest.approx(128 / 132)  # one wave, as cuBLAS tiles it
-    assert fill((128, 128, 64)) == pytest.approx(112 / 132)
-    assert fill((128, 112, 64), (2, 2, 1)) < 0.5  # half of each cluster hangs past M = 128
-    assert fill((128, 112, 64), tile_scheduler="streamk") == 0.0
-    picked = candidates.select(problem, H100, "default", use_heuristics=False)
-    assert any(c.config.tile[:2] in ((128, 112), (64, 224)) for c in picked)
+@pytest.mark.parametrize("strategy", ["quick", "default"])
+def test_measured_small_m_winners_are_always_searched(strategy):
+    decode = GemmProblem(OPS, 16, 4096, 14336)
+    picked = candidates.select(decode, H100, strategy, use_heuristics=False)
+    best = Choice(GemmConfig(kernel_schedule="pingpong", tile=(64, 16, 128)), swap_ab=True)
+    assert best in picked
+    if strategy == "default":
+        assert Choice(GemmConfig(kernel_schedule="pingpong", tile=(64, 32, 128)),
+                      swap_ab=True) in picked
+    prefill = GemmProblem(OPS, 128, 4096, 4096)
+    assert Choice(GemmConfig(kernel_schedule="pingpong", tile=(64, 64, 64))) in \
+        candidates.select(prefill, H100, strategy, use_heuristics=False)
+    assert candidates.measured_seeds(GemmProblem(OPS, 4096, 4096, 4096)) == []
+    # A small N is the same problem transposed: the seeds run the other way round.
+    assert not any(c.swap_ab for c in candidates.measured_seeds(GemmProblem(OPS, 4096, 16, 4096)))
+    assert all(c.swap_ab for c in candidates.measured_seeds(GemmProblem(OPS, 4096, 128, 4096)))
 
 
 def test_exhaustive_selects_every_candidate_default_picks_first():

@@ -37,12 +37,7 @@ class Strategy(str, enum.Enum):
         return {Strategy.QUICK: 2, Strategy.DEFAULT: 5, Strategy.EXHAUSTIVE: 8}[self]
 
 
-# Tile N widths. Besides powers of two, the widths cuBLAS picks on Hopper to fit a shape's tiles
-# into whole waves of SMs (seen under ncu on an H200: 112 for 128x14336x4096 makes 128 tiles, one
-# wave; 176 for 1024x14336x4096 makes 656 tiles, 4.97 waves, where 128 gives 6.8 and 256 3.4).
-_N_TILES = (16, 32, 64, 96, 112, 128, 160, 176, 192, 224, 256)
-# Wave-filling tiles are taken from the configs the model puts within this factor of its best.
-_NEAR_BEST = 1.3
+_N_TILES = (16, 32, 64, 128, 192, 256)
 _CLUSTERS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (4, 1, 1), (1, 4, 1))
 
 
@@ -145,6 +140,8 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
                      for c in heuristics.suggest(problem, device, count=limit)]
         picked += list(dict.fromkeys(c for c in suggested if c in allowed))[: max(1, limit // 3)]
 
+    seeds = [c for c in measured_seeds(problem) if c in set(choices)]
+
     def take(candidates, quota, key=None):
         seen = {key(c) for c in picked} if key else set()
         for choice in candidates:
@@ -156,19 +153,13 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
             if key:
                 seen.add(key(choice))
 
+    take(seeds, min(limit, len(picked) + len(seeds)))
     # Most of the budget by the model, one per tile shape and family (clusters and tile K of one
     # tile shape rank alike: the measurement decides between them later); then the best of each
     # family the model ranked low; then the rest in model order.
     take(ranked, max(len(picked), (3 * limit + 3) // 5),
          key=lambda c: (_family(c), c.config.tile[:2]))
     take(ranked, limit, key=_family)
-    # Tiles that fill whole waves of SMs, as cuBLAS picks them (see _N_TILES), among those the
-    # model puts near the best: its per-wave costs are too rough to rank them first, but on
-    # skinny and mid-sized shapes they are the ones to measure.
-    estimate = {c: model.estimate_us(problem, c, device) for c in ranked}
-    near = [c for c in ranked if estimate[c] <= _NEAR_BEST * estimate[ranked[0]]]
-    take(sorted(near, key=lambda c: -wave_fill(problem, c, device)),
-         min(limit, len(picked) + 2), key=lambda c: c.config.tile[:2])
     # The model cannot tell which operand a cluster should multicast (that depends on which one
     # L2 holds): try the other small clusters of the leading tile shapes.
     allowed = set(choices)
@@ -179,20 +170,31 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
     return picked
 
 
-def wave_fill(problem: GemmProblem, choice: Choice, device: DeviceSpec) -> float:
-    """The fraction of SM time a persistent kernel's waves spend on real tiles: 1.0 when the
-    tiles are a multiple of the SMs, less for a last wave left partly empty, for one wave that
-    leaves SMs idle, or for clusters that hang past the edge of the problem (tiles are launched
-    in whole clusters). Stream-K kernels balance their own work: 0."""
-    if choice.config.tile_scheduler is TileScheduler.STREAM_K:
-        return 0.0
-    p = choice.problem_for(problem)
-    tm, tn, _ = choice.config.tile
-    cm, cn, _ = choice.config.cluster
-    tiles = math.ceil(p.m / tm) * math.ceil(p.n / tn) * p.batch
-    clusters = math.ceil(p.m / (tm * cm)) * math.ceil(p.n / (tn * cn)) * p.batch
-    slots = device.sm_count // (cm * cn)
-    return tiles / (math.ceil(clusters / slots) * slots * cm * cn)
+def measured_seeds(problem: GemmProblem) -> list[Choice]:
+    """Kernels that measured best on skinny problems on an H200 (devrun/smallm.py against
+    torch.matmul), searched first whatever the model says: its per-cluster and per-tile costs
+    cannot separate them from their neighbours, and the heuristics package leans to larger
+    clusters there.
+
+    - M (or N) up to 64: swap-A/B pingpong with a 64-row tile, the small extent padded to 16 or
+      32, K tiles of 128 (then 64), no cluster or 2x1: 1.08x / 1.04x torch.matmul at
+      16x4096x4096 / 16x4096x14336, where the tuner's picks without them reached 1.05x / 0.95x.
+    - M from 65 to 128: unswapped pingpong 64x64x64 (0.96 to 1.06x at 128 x 4096 x K) and
+      cooperative 128x128x64 (0.975x at 128x14336x4096, the best of 30 tile shapes)."""
+    small, swap = (problem.m, True) if problem.m <= problem.n else (problem.n, False)
+    if small <= 64:
+        pad = 16 if small <= 16 else 32 if small <= 32 else 64
+        tiles = [((64, pad, 128), (1, 1, 1)), ((64, pad, 128), (2, 1, 1)),
+                 ((64, 2 * pad if pad < 64 else pad, 128), (1, 1, 1)), ((64, pad, 64), (1, 1, 1))]
+        return [Choice(GemmConfig(kernel_schedule=KernelSchedule.PINGPONG, tile=tile,
+                                  cluster=cluster), swap) for tile, cluster in tiles]
+    if small <= 128:  # these ran unswapped with the small extent as M: swap when it is N
+        return [Choice(GemmConfig(kernel_schedule=KernelSchedule.PINGPONG, tile=(64, 64, 64),
+                                  cluster=cluster), not swap)
+                for cluster in ((1, 1, 1), (2, 1, 1))] + [
+            Choice(GemmConfig(kernel_schedule=KernelSchedule.COOPERATIVE, tile=(128, 128, 64)),
+                   not swap)]
+    return []
 
 
 def base_choice(choice: Choice, operands: GemmOperands) -> Choice:
