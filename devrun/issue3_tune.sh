@@ -14,9 +14,14 @@ timeout ${TUNE_S:-400} python3 -m tuning.cli tune $SHAPES --strategy ${STRATEGY:
 echo "tune rc=$? wall=$((SECONDS-start))s" | tee -a $LOG
 cat /tmp/tune.txt >> $LOG; tail -5 /tmp/tune.err | tee -a $LOG
 python3 -m tuning.cli export $OUT/tuning_export.json
-tar czf $OUT/coc.tgz -C /tmp/coc . && ls -la $OUT/coc.tgz | tee -a $LOG
+du -sh /tmp/coc | tee -a $LOG
 cd $REPO
 if [ -n "$BENCH" ]; then
   timeout ${BENCH_S:-150} python3 benchmarks/gemm.py --tuned 2>&1 | tee -a $LOG
   cp benchmarks/results/gemm_tuned.json $OUT/ 2>/dev/null
+fi
+if [ -n "$WARM" ]; then
+  cd /tmp; start=$SECONDS
+  python3 -m tuning.cli tune $WARM --strategy ${STRATEGY:-default} --force --no-progress > /tmp/warm.txt 2>&1
+  echo "warm re-tune of $WARM rc=$? wall=$((SECONDS-start))s" | tee -a $LOG; tail -8 /tmp/warm.txt | tee -a $LOG
 fi
