@@ -130,7 +130,7 @@ def import_document(document: dict[str, Any], root: Path | None = None) -> int:
     """Merges an exported document (or a bundle of them) into the cache file of its own scope
     (which may be another GPU's: a cache can be tuned on one machine and shipped to others).
     Returns how many entries changed."""
-    return sum(TuningCache(CacheScope.from_dict(doc["scope"]), root, _family(doc))
+    return sum(TuningCache(CacheScope.from_dict(doc["scope"]), root, family_of(doc))
                .merge(doc["entries"]) for doc in documents_in(document))
 
 
@@ -144,7 +144,8 @@ def family_dir(family: str, root: Path | None = None) -> Path:
     return tuning_dir(root) / FAMILIES[family] if FAMILIES[family] else tuning_dir(root)
 
 
-def _family(document: dict[str, Any]) -> str:
+def family_of(document: dict[str, Any]) -> str:
+    """The kernel family of an export document."""
     return document.get("family", GEMM)  # exports from before families were GEMM-only
 
 
@@ -184,9 +185,9 @@ def documents_in(data: Any) -> list[dict[str, Any]]:
         if not (isinstance(doc, dict) and doc.get("format") == FORMAT
                 and isinstance(doc.get("entries"), dict) and isinstance(doc.get("scope"), dict)):
             raise ValueError("not a cutlass-ops tuning cache export (format mismatch)")
-        if _family(doc) not in FAMILIES:
+        if family_of(doc) not in FAMILIES:
             raise ValueError(f"not a cutlass-ops tuning cache export (unknown kernel family "
-                             f"{_family(doc)!r})")
+                             f"{family_of(doc)!r})")
         CacheScope.from_dict(doc["scope"])
     return docs
 
@@ -196,8 +197,8 @@ def merge_documents(documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     problem."""
     merged: dict[str, dict[str, Any]] = {}
     for doc in documents:
-        key = _family(doc) + json.dumps(doc["scope"], sort_keys=True)
-        target = merged.setdefault(key, {"format": FORMAT, "family": _family(doc),
+        key = family_of(doc) + json.dumps(doc["scope"], sort_keys=True)
+        target = merged.setdefault(key, {"format": FORMAT, "family": family_of(doc),
                                          "scope": doc["scope"], "entries": {}})
         for name, entry in doc["entries"].items():
             if _better(entry, target["entries"].get(name)):

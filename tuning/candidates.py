@@ -132,15 +132,15 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
         first = select(problem, device, Strategy.DEFAULT, use_heuristics=use_heuristics)
         return list(dict.fromkeys(first + ranked))
     picked: list[Choice] = []
+    allowed = set(choices)
     if use_heuristics:
         from tuning import heuristics
 
-        allowed = set(choices)
         suggested = [base_choice(c, c.operands_for(problem.operands))
                      for c in heuristics.suggest(problem, device, count=limit)]
         picked += list(dict.fromkeys(c for c in suggested if c in allowed))[: max(1, limit // 3)]
 
-    seeds = [c for c in measured_seeds(problem) if c in set(choices)]
+    seeds = [c for c in measured_seeds(problem) if c in allowed]
 
     def take(candidates, quota, key=None):
         seen = {key(c) for c in picked} if key else set()
@@ -162,7 +162,6 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
     take(ranked, limit, key=_family)
     # The model cannot tell which operand a cluster should multicast (that depends on which one
     # L2 holds): try the other small clusters of the leading tile shapes.
-    allowed = set(choices)
     alternatives = [c.replace(cluster=cluster) for c in picked[:4]
                     for cluster in ((2, 1, 1), (1, 2, 1), (1, 1, 1))]
     take([c for c in alternatives if c in allowed], limit)

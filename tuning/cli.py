@@ -281,10 +281,11 @@ def cmd_export(args) -> int:
 
 
 def _by_family(docs: list[dict]) -> str:
+    from tuning.cache import family_of
+
     counts: dict[str, int] = {}
     for doc in docs:
-        counts[doc.get("family", "gemm")] = counts.get(doc.get("family", "gemm"), 0) + \
-            len(doc["entries"])
+        counts[family_of(doc)] = counts.get(family_of(doc), 0) + len(doc["entries"])
     return ", ".join(f"{family} {n}" for family, n in sorted(counts.items())) or "none"
 
 

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Optional
 from custom_kernels import norm_config as nc
 from tuning.cache import TuningCache, family_dir
 
-NORMS = "norms"  # the tuning cache family of these kernels
+NORMS = "norms"  # the tuning cache family of these kernels (a key of tuning.cache.FAMILIES)
 STRATEGIES = ("quick", "default", "exhaustive")
 FINALISTS = 3
 # Relative Frobenius error allowed against the float32 reference, by input dtype.
