@@ -29,8 +29,6 @@ for m, n, k in smallm_list.SHAPES:
     for c in smallm_list.choices():
         if (c.operands_for(ops), c.config) in built and isinstance(built[(c.operands_for(ops), c.config)], Exception):
             continue
-        if not c.swap_ab and m == 16:
-            continue
         if not candidates.fits_shape(problem, c):
             continue
         splits = (1, 2, 3, 4, 6, 8) if c.config.tile_scheduler.value == "streamk" else (1,)
