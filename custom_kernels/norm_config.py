@@ -2,8 +2,9 @@
 
 A ``NormProblem`` names what changes the compiled kernel (norm kind, direction, hidden size,
 dtypes, whether the 16-byte vector path is allowed); a ``NormConfig`` names how a row is split:
-threads per block, rows per block (1, or one row per warp), thread block cluster size, vector
-width, and the kernel: ``stages`` 0 is the direct kernel of ``csrc/norms.cu`` (registers only,
+threads per block, rows per block (1; one row per warp; or, in the direct forward kernel, one
+row per 8 or 16 lanes, several short rows per warp), thread block cluster size, vector width,
+and the kernel: ``stages`` 0 is the direct kernel of ``csrc/norms.cu`` (registers only,
 one row per block or warp, any alignment); ``stages`` >= 1 is the persistent kernel of
 ``csrc/norms_staged.cu``, which keeps ``stages - 1`` rows per row unit in flight through shared
 memory (16-byte-aligned rows only). ``heuristic(problem)`` picks one; ``space(problem)`` lists the
@@ -34,6 +35,9 @@ DIRECTIONS = ("fwd", "bwd")
 MIN_HIDDEN, MAX_HIDDEN = 1, 262144
 THREAD_CHOICES = (64, 128, 256, 512, 1024)
 CLUSTER_CHOICES = (1, 2, 4, 8, 16)  # 16 is a non-portable size (Hopper allows it on request)
+# Lanes per row when a warp holds whole rows: fewer than 32 puts several short rows in one warp,
+# each lane loading more of its row at once (the direct forward kernel only).
+ROW_LANE_CHOICES = (8, 16, 32)
 _ELEMS_PER_THREAD = {"fwd": 32, "bwd": 16}
 _MAX_ITERS = 64
 _SMEM_LIMIT = 48 * 1024  # static + default dynamic shared memory without an opt-in
@@ -102,11 +106,12 @@ class NormConfig:
 
     @property
     def warp_per_row(self) -> bool:
+        """Rows of a warp or less (``threads_per_row`` lanes each), not of a block."""
         return self.rows_per_block > 1 or self.threads == 32
 
     @property
     def threads_per_row(self) -> int:
-        return 32 if self.warp_per_row else self.threads
+        return self.threads // self.rows_per_block
 
     @property
     def name(self) -> str:
@@ -173,8 +178,11 @@ class NormConfig:
     def why_invalid(self, problem: NormProblem) -> str | None:
         if self.threads not in THREAD_CHOICES:
             return f"threads {self.threads} not in {THREAD_CHOICES}"
-        if self.rows_per_block not in (1, self.threads // 32):
-            return "rows per block must be 1 or one per warp"
+        if self.rows_per_block != 1 and (self.threads % self.rows_per_block or
+                                         self.threads_per_row not in ROW_LANE_CHOICES):
+            return f"rows per block must be 1 or one per {ROW_LANE_CHOICES} lanes"
+        if self.threads_per_row < 32 and (self.stages or problem.direction == "bwd"):
+            return "several rows per warp only in the direct forward kernel"
         if self.cluster not in CLUSTER_CHOICES:
             return f"cluster {self.cluster} not in {CLUSTER_CHOICES}"
         if self.warp_per_row and self.cluster > 1:
@@ -220,6 +228,7 @@ class NormConfig:
             "NORM_CLUSTER": self.cluster, "NORM_VEC": self.vec,
             "NORM_ITERS": self.iters(problem.hidden), "NORM_CACHE": int(self.cache(problem)),
             "NORM_PART": 0 if problem.direction == "fwd" else 1,
+            **({"NORM_TPR": self.threads_per_row} if self.threads_per_row < 32 else {}),
             **({"NORM_STAGES": self.stages, "NORM_RESIDUAL": int(problem.residual)}
                if self.stages else {}),
         }
@@ -234,28 +243,30 @@ def _next_pow2(n: int) -> int:
 
 
 def heuristic(problem: NormProblem) -> NormConfig:
-    """The staged kernel for aligned rows, the direct kernel with scalar accesses otherwise
-    and where no staged split fits the shared memory (fp32 backward rows of 262144)."""
+    """Aligned rows: the staged kernel, or the direct one with 16-byte vectors for short
+    forward rows. The direct kernel with scalar accesses otherwise, and where no staged split
+    fits the shared memory (fp32 backward rows of 262144)."""
     if problem.aligned:
-        config = _staged_heuristic(problem)
+        config = _aligned_heuristic(problem)
         if config.why_invalid(problem) is None:
             return config
     return _direct_heuristic(problem)
 
 
-def _staged_heuristic(problem: NormProblem) -> NormConfig:
+def _aligned_heuristic(problem: NormProblem) -> NormConfig:
     """Rules read off a sweep of the whole space on an H200 (bf16, 32768 rows; in vectors of 16
     bytes, so they carry over to other dtypes): devrun/norm_sweep.py, numbers in the README."""
     vec = problem.vec
     vectors = math.ceil(problem.hidden / vec)
     if problem.direction == "fwd" and problem.kind == "ln":
-        # LayerNorm reduces twice per row: one stage, not persistent, wins at every size
-        # (more blocks per SM cover each block's two barriers), 4 vectors a thread, then
-        # clusters of 512-thread blocks with 8.
+        # LayerNorm reduces twice per row. Short rows: the direct kernel (registers only, not
+        # persistent), 8 lanes a row at up to one vector a lane, a warp a row up to 4. Then
+        # one stage, not persistent (more blocks per SM cover each block's two barriers), 4
+        # vectors a thread, then clusters of 512-thread blocks with 8.
         if vectors <= 32:
-            return _fit(NormConfig(256, 8, 1, vec, 3), problem)
+            return NormConfig(128, 16, 1, vec)
         if vectors <= 128:
-            return _fit(NormConfig(256, 8, 1, vec, 1), problem)
+            return NormConfig(64, 2, 1, vec)
         if vectors <= 1024:
             return _fit(NormConfig(max(64, _next_pow2(math.ceil(vectors / 4))), 1, 1, vec, 1),
                         problem)
@@ -263,14 +274,14 @@ def _staged_heuristic(problem: NormProblem) -> NormConfig:
         return _fit(NormConfig(512, 1, cluster, vec, 1), problem)
     if problem.direction == "fwd":
         # A warp per row. Up to one vector a lane: persistent, 3 rows in flight per warp. Up to
-        # 4: small blocks, not persistent. Measured against torch.compile on an H200 at 32768 /
-        # 131072 / 524288 rows (devrun/short_check.py): hidden 1000 gives 0.946 / 0.965 / 0.972
-        # this way and 0.948 / 0.909 / 0.882 persistent; hidden 256 gives 0.931 / 0.906 / 0.890
-        # persistent and 0.910 / 0.939 / 0.954 not, so at 256 the benchmark's row count decides.
+        # 4: the direct kernel in 64-thread blocks. Against torch.compile on an H200 at 32768 /
+        # 131072 rows (devrun/subwarp.py): hidden 1000 gives 0.96 / 0.98 this way (0.95 / 0.97
+        # with one stage); hidden 256 gives 0.95 / 0.91 persistent, 0.94 / 0.95 with 16 lanes a
+        # row in the direct kernel (t128_r8), so at 256 the row count decides.
         if vectors <= 32:
             return _fit(NormConfig(256, 8, 1, vec, 3), problem)
         if vectors <= 128:
-            return _fit(NormConfig(64, 2, 1, vec, 1), problem)
+            return NormConfig(64, 2, 1, vec)
         if vectors <= 1024:  # a block per row, not persistent: the block scheduler overlaps rows
             return _fit(NormConfig(256, 1, 1, vec, 1), problem)
         if vectors <= 4096:
@@ -327,7 +338,8 @@ def space(problem: NormProblem) -> Iterator[NormConfig]:
     first = heuristic(problem)
     yield first
     for threads in THREAD_CHOICES:
-        for rows in sorted({1, threads // 32}):
+        for rows in sorted({1} | {threads // lanes for lanes in ROW_LANE_CHOICES
+                                  if threads >= lanes}):
             for cluster in CLUSTER_CHOICES:
                 for vec in sorted({1, problem.vec}):
                     for stages in (0, *STAGE_CHOICES):

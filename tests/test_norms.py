@@ -43,10 +43,14 @@ def test_heuristic_is_valid_and_covers_the_row(hidden, dtype, direction):
 
 
 def test_heuristic_splits_rows_as_documented():
-    # Aligned rows take the staged kernel: short rows a warp each, 3 rows in flight per warp up
-    # to a vector a lane, then small blocks that are not persistent.
+    # Aligned short rows: a warp each, 3 rows in flight per warp up to a vector a lane
+    # (staged), then the direct kernel in small blocks that are not persistent.
     assert nc.heuristic(problem(256)).warp_per_row and nc.heuristic(problem(256)).stages == 3
-    assert nc.heuristic(problem(1000)) == nc.NormConfig(64, 2, 1, 8, 1)
+    assert nc.heuristic(problem(1000)) == nc.NormConfig(64, 2, 1, 8, 0)
+    # LayerNorm's shortest rows: 8 lanes a row, 16 rows a 128-thread block, direct.
+    short_ln = nc.heuristic(problem(256, kind="ln"))
+    assert short_ln == nc.NormConfig(128, 16, 1, 8, 0) and short_ln.threads_per_row == 8
+    assert short_ln.defines(problem(256, kind="ln"))["NORM_TPR"] == 8
     # Rows of up to 1024 vectors: a block each, one stage, not persistent.
     assert nc.heuristic(problem(4096)) == nc.NormConfig(256, 1, 1, 8, 1)
     assert nc.heuristic(problem(32768)) == nc.NormConfig(1024, 1, 1, 8, 2)
@@ -100,6 +104,13 @@ def test_invalid_configs_are_refused_with_a_reason():
     assert "threads" in nc.NormConfig(96, 1, 1, 8).why_invalid(p)
     assert "vector" in nc.NormConfig(256, 1, 1, 4).why_invalid(p)
     assert "idle" in nc.NormConfig(1024, 1, 8, 8).why_invalid(p)
+    # Several rows per warp: 8 or 16 lanes a row, the direct forward kernel only.
+    assert "rows per block" in nc.NormConfig(256, 64, 1, 8).why_invalid(p)
+    assert "rows per block" in nc.NormConfig(256, 3, 1, 8).why_invalid(p)
+    assert "direct forward" in nc.NormConfig(256, 16, 1, 8, 3).why_invalid(problem(256))
+    assert "direct forward" in nc.NormConfig(256, 16, 1, 8).why_invalid(
+        problem(256, direction="bwd"))
+    assert nc.NormConfig(256, 16, 1, 8).why_invalid(problem(256)) is None
     with pytest.raises(ValueError, match="invalid"):
         nc.NormConfig(256, 8, 2, 8).defines(p)
     with pytest.raises(ValueError, match="not a norm config"):

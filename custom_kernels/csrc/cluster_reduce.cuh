@@ -61,6 +61,29 @@ __device__ __forceinline__ T warp_sum(T v) { return warp_reduce(v, SumOp{}); }
 template <class T>
 __device__ __forceinline__ T warp_max(T v) { return warp_reduce(v, MaxOp{}); }
 
+// Reduction within aligned groups of WIDTH lanes (2, 4, 8 or 16) of a warp: several short rows
+// per warp, each reduced by its own lanes. All 32 lanes must be active (the shuffles are
+// warp-wide); each lane gets its group's result. No shared memory: kSlots exists so that the
+// kernels size one buffer whichever reducer they use.
+template <class T, int WIDTH>
+struct GroupReducer {
+  static_assert(WIDTH >= 2 && WIDTH < 32 && (WIDTH & (WIDTH - 1)) == 0,
+                "a group is 2 to 16 lanes, a power of two");
+  static constexpr int kSlots = 1;
+
+  __device__ explicit GroupReducer(T*) {}
+
+  template <class Op>
+  __device__ __forceinline__ T reduce(T v, Op op) {
+#pragma unroll
+    for (int mask = WIDTH / 2; mask > 0; mask >>= 1) v = op(v, shfl_xor(v, mask));
+    return v;
+  }
+
+  __device__ __forceinline__ T sum(T v) { return reduce(v, SumOp{}); }
+  __device__ __forceinline__ T max(T v) { return reduce(v, MaxOp{}); }
+};
+
 // Reduction over NUM_WARPS warps of a block (threads 0 .. 32*NUM_WARPS-1) and CLUSTER blocks.
 // NUM_WARPS == 1 and CLUSTER == 1 is a plain warp reduction (no shared memory, no barrier).
 template <class T, int NUM_WARPS, int CLUSTER = 1>

@@ -3,8 +3,9 @@
 // custom_kernels/norm_config.py with their defaults, the element and vector types, and where
 // each thread's vectors sit in a row.
 //
-// A row is split among `kTpr` threads of one block (a warp when NORM_WARP_PER_ROW, else the
-// whole block) times NORM_CLUSTER blocks of a thread block cluster. Thread `lane` of cluster
+// A row is split among `kTpr` threads of one block (NORM_TPR lanes of a warp when
+// NORM_WARP_PER_ROW: the whole warp, or 8 or 16 lanes so that a warp holds several short rows;
+// else the whole block) times NORM_CLUSTER blocks of a thread block cluster. Thread `lane` of cluster
 // rank `rank` handles the NORM_VEC-element vectors at columns
 //   ((it * NORM_CLUSTER + rank) * kTpr + lane) * NORM_VEC,   it = 0 .. NORM_ITERS-1,
 // so each iteration is one coalesced sweep of the row by the whole cluster.
@@ -31,6 +32,11 @@
 #ifndef NORM_WARP_PER_ROW
 #define NORM_WARP_PER_ROW 0
 #endif
+// Lanes per row when NORM_WARP_PER_ROW: 32, or fewer for several rows per warp (the direct
+// forward kernel only).
+#ifndef NORM_TPR
+#define NORM_TPR 32
+#endif
 #ifndef NORM_CLUSTER
 #define NORM_CLUSTER 1
 #endif
@@ -46,6 +52,11 @@
 // norms_staged.cu: rows in flight per row unit (shared-memory stages of the cp.async pipeline).
 #ifndef NORM_STAGES
 #define NORM_STAGES 2
+#endif
+// Blocks per SM the forward kernels are compiled to fit (__launch_bounds__' second argument):
+// caps the registers per thread, so that more warps, and more rows, are in flight on an SM.
+#ifndef NORM_MIN_BLOCKS
+#define NORM_MIN_BLOCKS 1
 #endif
 // Which kernel this compilation holds: 0 norm_fwd, 1 norm_bwd, 2 norm_dw_reduce, -1 all.
 #ifndef NORM_PART
@@ -64,11 +75,14 @@ constexpr int kVec = NORM_VEC;
 constexpr int kIters = NORM_ITERS;
 constexpr bool kCache = NORM_CACHE != 0;
 constexpr bool kLN = NORM_LN != 0;
-constexpr int kTpr = kWarpPerRow ? 32 : kThreads;
-constexpr int kRowsPerBlock = kWarpPerRow ? kThreads / 32 : 1;
+constexpr int kTpr = kWarpPerRow ? NORM_TPR : kThreads;
+constexpr int kRowsPerBlock = kWarpPerRow ? kThreads / kTpr : 1;
+constexpr bool kSubWarpRows = kWarpPerRow && kTpr < 32;  // several rows per warp
 
 static_assert(kThreads % 32 == 0 && kThreads <= 1024, "threads: a multiple of 32, at most 1024");
 static_assert(!(kWarpPerRow && kCluster > 1), "a warp per row needs no cluster");
+static_assert(!kWarpPerRow || kTpr == 8 || kTpr == 16 || kTpr == 32,
+              "a row of a warp takes 8, 16 or 32 lanes");
 static_assert(kCluster >= 1 && kCluster <= 16, "cluster of 1 to 16 blocks");
 
 using ck::from_float;
@@ -81,7 +95,9 @@ using VOut = Vec<Out, kVec>;
 using VW = Vec<W, kVec>;
 
 template <class T>
-using RowReducer = ck::Reducer<T, kTpr / 32, kCluster>;
+using RowReducer =
+    typename ck::Conditional<kSubWarpRows, ck::GroupReducer<T, kSubWarpRows ? kTpr : 2>,
+                             ck::Reducer<T, kSubWarpRows ? 1 : kTpr / 32, kCluster>>::type;
 
 __device__ __forceinline__ int cluster_rank() {
   if constexpr (kCluster > 1) {

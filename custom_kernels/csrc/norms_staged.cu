@@ -25,6 +25,7 @@
 #include "norm_rows.cuh"
 
 static_assert(kVec * sizeof(In) == 16, "the staged kernels copy 16-byte vectors of x");
+static_assert(!kSubWarpRows, "the staged kernels take a whole warp (or more) per row");
 
 #ifndef NORM_RESIDUAL
 #define NORM_RESIDUAL 0
@@ -186,7 +187,7 @@ struct RowWeights {
 // ---------------------------------------------------------------------------------------------
 
 #if NORM_HAS_PART(0)
-__global__ void __launch_bounds__(kThreads) norm_fwd_staged(
+__global__ void __launch_bounds__(kThreads, NORM_MIN_BLOCKS) norm_fwd_staged(
     const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
     const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,

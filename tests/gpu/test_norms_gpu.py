@@ -183,6 +183,26 @@ def test_misaligned_and_strided_inputs(kind, dtype):
     check(kind, rows, hidden, dtype, residual=False, x=wide[:, :hidden])  # aligned row stride
 
 
+@pytest.mark.parametrize("rows", [1, 5, 33, 4099])
+@pytest.mark.parametrize("config", ["t64_r4_c1_v8", "t128_r16_c1_v8", "t256_r32_c1_v8"],
+                         ids=["16-lanes", "8-lanes", "8-lanes-256"])
+@pytest.mark.parametrize("kind", nc.KINDS)
+def test_several_rows_per_warp_forward(kind, config, rows):
+    # Row counts that end inside a warp and inside a block: the groups past the end keep the
+    # warp's shuffles full and must store nothing (the residual output included).
+    for hidden in (256, 768):
+        x, w, b, res, _ = _inputs(rows, hidden, torch.bfloat16, True, kind)
+        args = (w,) if kind == "rms" else (w, b)
+        fn = norms.rms_norm if kind == "rms" else norms.layer_norm
+        ref = norms.rms_norm_reference if kind == "rms" else norms.layer_norm_reference
+        y, h = fn(x, *args, residual=res, config=config)
+        ry, rh = ref(x, *args, residual=res)
+        assert torch.equal(h, rh)
+        assert _rel_err(y, ry) <= TOL[torch.bfloat16]
+        y_plain = fn(h, *args, config=config)
+        assert torch.equal(y_plain, y)  # the residual path normalizes exactly what it returns
+
+
 @pytest.mark.parametrize("kind", nc.KINDS)
 def test_float32_weight_and_output_with_bf16_input(kind):
     check(kind, 257, 4096, torch.bfloat16, True, out_dtype=torch.float32,
