@@ -54,7 +54,7 @@ def _launch_fwd(kind, x2, weight, bias, res2, y, res_out, mean, rstd, eps, confi
     cfg = plan.config
     blocks = plan.blocks(rows)
     launch(plan.kernel, x2.data_ptr(), _ptr(res2), weight.data_ptr(), _ptr(bias), y.data_ptr(),
-           _ptr(res_out), _ptr(mean), rstd.data_ptr(), np.int64(rows), np.int32(hidden),
+           _ptr(res_out), _ptr(mean), _ptr(rstd), np.int64(rows), np.int32(hidden),
            np.int64(x2.stride(0)), np.int64(res2.stride(0) if res2 is not None else 0),
            np.float32(eps), grid=blocks, block=cfg.threads, cluster=cfg.cluster,
            shared_mem=plan.shared_mem, device=device)
@@ -280,15 +280,17 @@ def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
     return t2 if hidden == 1 or t2.stride(1) == 1 else t2.contiguous()
 
 
-def _fwd_impl(kind, x, weight, bias, residual, eps, out_dtype, config):
+def _fwd_impl(kind, x, weight, bias, residual, eps, out_dtype, config, stats=True):
+    """``stats=False`` (no gradient wanted): the kernel writes no mean / rstd, and None comes
+    back for them."""
     hidden = x.shape[-1]
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) \
         if residual is not None else None
     stats_shape = x.shape[:-1]
-    rstd = torch.empty(stats_shape, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(stats_shape, dtype=torch.float32, device=x.device) if stats else None
     mean = torch.empty(stats_shape, dtype=torch.float32, device=x.device) \
-        if kind == "ln" else None
+        if kind == "ln" and stats else None
     if x.numel():
         _launch_fwd(kind, _rows(x, hidden), weight, bias,
                     _rows(residual, hidden) if residual is not None else None, y,
@@ -457,7 +459,8 @@ def _norm(kind, x, weight, bias, residual, eps, out_dtype, config):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (x, weight, bias, residual)):
         return _EagerNorm.apply(kind, x, weight, bias, residual, eps, out_dtype, config)
-    y, res_out, _, _ = _fwd_impl(kind, x, weight, bias, residual, eps, out_dtype, config)
+    y, res_out, _, _ = _fwd_impl(kind, x, weight, bias, residual, eps, out_dtype, config,
+                                 stats=False)
     return (y, res_out) if residual is not None else y
 
 

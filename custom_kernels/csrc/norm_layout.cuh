@@ -53,11 +53,6 @@
 #ifndef NORM_STAGES
 #define NORM_STAGES 2
 #endif
-// Blocks per SM the forward kernels are compiled to fit (__launch_bounds__' second argument):
-// caps the registers per thread, so that more warps, and more rows, are in flight on an SM.
-#ifndef NORM_MIN_BLOCKS
-#define NORM_MIN_BLOCKS 1
-#endif
 // Which kernel this compilation holds: 0 norm_fwd, 1 norm_bwd, 2 norm_dw_reduce, -1 all.
 #ifndef NORM_PART
 #define NORM_PART -1

@@ -4,7 +4,8 @@
 //   RMSNorm:   y = h * rstd * w,                 rstd = 1 / sqrt(mean(h^2) + eps)
 //   LayerNorm: y = (h - mean) * rstd * w + b,    rstd = 1 / sqrt(mean((h - mean)^2) + eps)
 //
-// Statistics in fp32; per-row rstd (and mean) saved for the backward pass.
+// Statistics in fp32; per-row rstd (and mean) saved for the backward pass (null pointers: not
+// written, for calls that want no gradient).
 //
 // Direct loads: each thread reads its vectors of the row (norm_layout.cuh says which) straight
 // into registers. With NORM_CACHE the row is read from global memory once and kept there;
@@ -99,7 +100,7 @@ __device__ __forceinline__ void get_row_vec(VIn& v, const VIn (&h)[kCache ? kIte
   }
 }
 
-__global__ void __launch_bounds__(kThreads, NORM_MIN_BLOCKS) norm_fwd(
+__global__ void __launch_bounds__(kThreads) norm_fwd(
     const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
     const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, NORM_MIN_BLOCKS) norm_fwd(
   };
   const float2 stats = row_statistics(red, s, get_h, hidden, rank, lane, eps);
   if (!active) return;  // past its last shuffle
-  if (lane == 0 && rank == 0) {
+  if (lane == 0 && rank == 0 && rstd_out != nullptr) {  // null: no statistics wanted
     rstd_out[row] = stats.y;
     if constexpr (kLN) mean_out[row] = stats.x;
   }

@@ -187,7 +187,7 @@ struct RowWeights {
 // ---------------------------------------------------------------------------------------------
 
 #if NORM_HAS_PART(0)
-__global__ void __launch_bounds__(kThreads, NORM_MIN_BLOCKS) norm_fwd_staged(
+__global__ void __launch_bounds__(kThreads) norm_fwd_staged(
     const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
     const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, NORM_MIN_BLOCKS) norm_fwd_staged(
     }
     auto get_h = [&](int it, int) { return *xs.slot(stage, it); };
     const float2 stats = row_statistics(red, s, get_h, hidden, rank, lane, eps);
-    if (lane == 0 && rank == 0) {
+    if (lane == 0 && rank == 0 && rstd_out != nullptr) {  // null: no statistics wanted
       rstd_out[row] = stats.y;
       if constexpr (kLN) mean_out[row] = stats.x;
     }
