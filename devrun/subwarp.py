@@ -1,6 +1,7 @@
 """Several short rows per warp (issue 5): the direct forward kernel with 8, 16 or 32 lanes per
 row and 32..256-thread blocks, against the current heuristic and torch.compile, RMSNorm and
 LayerNorm at hidden 256 and 1000; each config checked first on row counts that end mid-warp."""
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tuning.timing import do_bench_interleaved  # noqa: E402
 
 nc.THREAD_CHOICES = (32,) + tuple(nc.THREAD_CHOICES)
 EPS = 1e-6
+STAGES = tuple(int(v) for v in os.environ.get("STAGES", "0").split(","))
 
 
 def run(kind, x, w, b, config, residual=None):
@@ -36,11 +38,11 @@ def first(out):
 if __name__ == "__main__":
     kinds = sys.argv[1:] or ["rms", "ln"]
     for kind in kinds:
-        for h in (256, 1000):
+        for h in [int(v) for v in os.environ.get("HIDDEN", "256,1000").split(",")]:
             p = nc.NormProblem(kind, "fwd", h, "bfloat16", "bfloat16", "bfloat16")
             pr = nc.NormProblem(kind, "fwd", h, "bfloat16", "bfloat16", "bfloat16", residual=True)
-            configs = [c for c in nc.space(p) if c.stages == 0 and c.vec == p.vec and c.cluster == 1
-                       and c.warp_per_row and c.threads <= 256]
+            configs = [c for c in nc.space(p) if c.stages in STAGES and c.vec == p.vec
+                       and c.cluster == 1 and c.warp_per_row and c.threads <= 256]
             configs = [nc.heuristic(p)] + [c for c in configs if c != nc.heuristic(p)]
             failed = norms.precompile_configs(p, configs, workers=16)
             failed.update(norms.precompile_configs(pr, configs, workers=16))

@@ -43,14 +43,20 @@ def test_heuristic_is_valid_and_covers_the_row(hidden, dtype, direction):
 
 
 def test_heuristic_splits_rows_as_documented():
-    # Aligned short rows: a warp each, 3 rows in flight per warp up to a vector a lane
-    # (staged), then the direct kernel in small blocks that are not persistent.
-    assert nc.heuristic(problem(256)).warp_per_row and nc.heuristic(problem(256)).stages == 3
+    # Aligned short forward rows: the direct kernel, 16 lanes a row up to half a vector a lane,
+    # then a warp a row, in small blocks that are not persistent.
+    short = nc.heuristic(problem(256))
+    assert short == nc.NormConfig(128, 8, 1, 8, 0) and short.threads_per_row == 16
+    assert short.defines(problem(256))["NORM_TPR"] == 16
     assert nc.heuristic(problem(1000)) == nc.NormConfig(64, 2, 1, 8, 0)
-    # LayerNorm's shortest rows: 8 lanes a row, 16 rows a 128-thread block, direct.
-    short_ln = nc.heuristic(problem(256, kind="ln"))
-    assert short_ln == nc.NormConfig(128, 16, 1, 8, 0) and short_ln.threads_per_row == 8
-    assert short_ln.defines(problem(256, kind="ln"))["NORM_TPR"] == 8
+    assert "NORM_TPR" not in nc.heuristic(problem(1000)).defines(problem(1000))
+    # LayerNorm's shortest rows: persistent with 3 rows in flight a warp, or, for calls of
+    # more than MANY_ROWS rows, the direct kernel with 8 lanes a row; both get compiled.
+    ln = problem(256, kind="ln")
+    assert nc.heuristic(ln).stages == 3 and nc.heuristic(ln).warp_per_row
+    assert nc.heuristic(ln, many_rows=True) == nc.NormConfig(128, 16, 1, 8, 0)
+    assert len(norms.kernel_specs(ln)) == 2 and len(norms.kernel_specs(problem(256))) == 1
+    assert nc.heuristic(problem(4096), many_rows=True) == nc.heuristic(problem(4096))
     # Rows of up to 1024 vectors: a block each, one stage, not persistent.
     assert nc.heuristic(problem(4096)) == nc.NormConfig(256, 1, 1, 8, 1)
     assert nc.heuristic(problem(32768)) == nc.NormConfig(1024, 1, 1, 8, 2)

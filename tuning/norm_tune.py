@@ -54,7 +54,10 @@ def candidates(problem: nc.NormProblem, strategy: str = "default") -> list[nc.No
         raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
     out = []
     for config in nc.space(problem):
-        if strategy != "exhaustive" and problem.aligned and not config.stages:
+        # Aligned rows: the direct kernel only where it holds whole rows in a warp or less
+        # (short rows, where it wins); a block-per-row direct split is the scalar path's.
+        if strategy != "exhaustive" and problem.aligned and not config.stages \
+                and not config.warp_per_row:
             continue
         if strategy == "quick" and (config.stages > 3 or config.threads < 256):
             continue
