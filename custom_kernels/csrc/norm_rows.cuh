@@ -23,17 +23,21 @@ __device__ __forceinline__ void store_out(T* p, const Vec<T, N>& v) {
   }
 }
 
-// Forward: the row's (mean, rstd) from this thread's first-pass sum `s` (of h for LayerNorm, of
-// h^2 for RMSNorm; mean 0 for RMSNorm). LayerNorm reads h again for the centred second moment.
+// Forward: the row's (mean, rstd). RMSNorm: from this thread's first-pass sum `s` of h^2.
+// LayerNorm: one reduction of (sum of d, sum of d^2) with d = h - shift, for a `shift` that every
+// thread of the row shares (its first element of x): mean = shift + E[d], var = E[d^2] - E[d]^2.
+// Against the two-pass form (the mean, then the centred second moment) it saves one reduction,
+// which for a cluster is a cluster-wide barrier per row; the shift keeps E[d]^2 near the variance,
+// so the subtraction does not cancel (the rows' values sit within a few deviations of the first).
 template <class Reducer, class GetH>
-__device__ __forceinline__ float2 row_statistics(Reducer& red, float s, GetH get_h, int hidden,
-                                                 int rank, int lane, float eps) {
+__device__ __forceinline__ float2 row_statistics(Reducer& red, float s, float shift, GetH get_h,
+                                                 int hidden, int rank, int lane, float eps) {
   const float inv_n = 1.0f / static_cast<float>(hidden);
   float mean = 0.0f;
   float var;
   if constexpr (kLN) {
-    mean = red.sum(s) * inv_n;
-    float s2 = 0.0f;
+    float d1 = 0.0f;
+    float d2 = 0.0f;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int col = vec_col(it, rank, lane);
@@ -41,12 +45,16 @@ __device__ __forceinline__ float2 row_statistics(Reducer& red, float s, GetH get
         const VIn v = get_h(it, col);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const float d = to_float(v.v[j]) - mean;
-          s2 += d * d;
+          const float d = to_float(v.v[j]) - shift;
+          d1 += d;
+          d2 += d * d;
         }
       }
     }
-    var = red.sum(s2) * inv_n;
+    const float2 t = red.sum(make_float2(d1, d2));
+    const float m1 = t.x * inv_n;
+    mean = shift + m1;
+    var = fmaxf(t.y * inv_n - m1 * m1, 0.0f);
   } else {
     var = red.sum(s) * inv_n;
   }

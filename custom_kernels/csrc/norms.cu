@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd(
     const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
     long long res_stride, float eps) {
-  __shared__ float red_smem[RowReducer<float>::kSlots];
+  __shared__ RedT red_smem[RowReducer<RedT>::kSlots];  // LayerNorm reduces (sum, sum of squares)
   const int lane = kWarpPerRow ? threadIdx.x % kTpr : threadIdx.x;
   const int rank = cluster_rank();
   long long row;
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd(
   In* hr = res_out != nullptr && active ? res_out + row * static_cast<long long>(hidden) : nullptr;
   const In* src = hr != nullptr ? hr : xr;  // where h is read again without the cache
 
-  RowReducer<float> red(red_smem);
+  RowReducer<RedT> red(red_smem);
   VIn h[kCache ? kIters : 1];
   const float s = fwd_load(h, xr, rr, hr, hidden, rank, lane);
   auto get_h = [&](int it, int col) {
@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(kThreads) norm_fwd(
     get_row_vec(v, h, it, src, col);
     return v;
   };
-  const float2 stats = row_statistics(red, s, get_h, hidden, rank, lane, eps);
+  const float shift = kLN ? to_float(xr[0]) : 0.0f;
+  const float2 stats = row_statistics(red, s, shift, get_h, hidden, rank, lane, eps);
   if (!active) return;  // past its last shuffle
   if (lane == 0 && rank == 0 && rstd_out != nullptr) {  // null: no statistics wanted
     rstd_out[row] = stats.y;

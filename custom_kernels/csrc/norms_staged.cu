@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
     long long res_stride, float eps) {
   extern __shared__ __align__(16) unsigned char staging[];
-  __shared__ float red_smem[RowReducer<float>::kSlots];
+  __shared__ RedT red_smem[RowReducer<RedT>::kSlots];  // LayerNorm reduces (sum, sum of squares)
   const int lane = kWarpPerRow ? threadIdx.x % 32 : threadIdx.x;
   const int rank = cluster_rank();
   const RowUnits units = row_units();
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
   };
 
   for (int s = 0; s + 1 < kStages; ++s) issue(units.first + s * units.stride, s);
-  RowReducer<float> red(red_smem);
+  RowReducer<RedT> red(red_smem);
   const RowWeights<kFwdWeightInRegs> weights(w, b, hidden, rank, lane);
   int stage = 0;
   for (long long row = units.first; row < rows; row += units.stride) {
@@ -246,7 +246,8 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
       }
     }
     auto get_h = [&](int it, int) { return *xs.slot(stage, it); };
-    const float2 stats = row_statistics(red, s, get_h, hidden, rank, lane, eps);
+    const float shift = kLN ? to_float(x[row * x_stride]) : 0.0f;
+    const float2 stats = row_statistics(red, s, shift, get_h, hidden, rank, lane, eps);
     if (lane == 0 && rank == 0 && rstd_out != nullptr) {  // null: no statistics wanted
       rstd_out[row] = stats.y;
       if constexpr (kLN) mean_out[row] = stats.x;
