@@ -25,10 +25,12 @@ __device__ __forceinline__ void store_out(T* p, const Vec<T, N>& v) {
 
 // Forward: the row's (mean, rstd). RMSNorm: from this thread's first-pass sum `s` of h^2.
 // LayerNorm: one reduction of (sum of d, sum of d^2) with d = h - shift, for a `shift` that every
-// thread of the row shares (its first element of x): mean = shift + E[d], var = E[d^2] - E[d]^2.
+// thread of the row shares (the row's first element, row_shift):
+//   mean = shift + E[d],   var = E[d^2] - E[d]^2.
 // Against the two-pass form (the mean, then the centred second moment) it saves one reduction,
-// which for a cluster is a cluster-wide barrier per row; the shift keeps E[d]^2 near the variance,
-// so the subtraction does not cancel (the rows' values sit within a few deviations of the first).
+// which for a cluster is a cluster-wide barrier per row. The shift keeps E[d]^2 near the
+// variance, so the subtraction does not cancel (a row's values sit within a few deviations of
+// its first one).
 template <class Reducer, class GetH>
 __device__ __forceinline__ float2 row_statistics(Reducer& red, float s, float shift, GetH get_h,
                                                  int hidden, int rank, int lane, float eps) {
@@ -59,6 +61,17 @@ __device__ __forceinline__ float2 row_statistics(Reducer& red, float s, float sh
     var = red.sum(s) * inv_n;
   }
   return make_float2(mean, rsqrtf(var + eps));
+}
+
+// LayerNorm's shift for row_statistics: the row's first element of h (x + residual, rounded to
+// In as h is), so that a row normalizes the same with its residual added here or beforehand.
+__device__ __forceinline__ float row_shift(const In* xr, const In* rr) {
+  if constexpr (!kLN) {
+    return 0.0f;
+  } else {
+    const float x0 = to_float(xr[0]);
+    return rr != nullptr ? to_float(from_float<In>(x0 + to_float(rr[0]))) : x0;
+  }
 }
 
 // Forward output: y = (h - mean) * rstd * w (+ b).

@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd(
     get_row_vec(v, h, it, src, col);
     return v;
   };
-  const float shift = kLN ? to_float(xr[0]) : 0.0f;
+  const float shift = row_shift(xr, rr);
   const float2 stats = row_statistics(red, s, shift, get_h, hidden, rank, lane, eps);
   if (!active) return;  // past its last shuffle
   if (lane == 0 && rank == 0 && rstd_out != nullptr) {  // null: no statistics wanted

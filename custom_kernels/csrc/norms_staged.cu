@@ -246,7 +246,8 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
       }
     }
     auto get_h = [&](int it, int) { return *xs.slot(stage, it); };
-    const float shift = kLN ? to_float(x[row * x_stride]) : 0.0f;
+    const float shift =
+        row_shift(x + row * x_stride, kResidual ? res + row * res_stride : nullptr);
     const float2 stats = row_statistics(red, s, shift, get_h, hidden, rank, lane, eps);
     if (lane == 0 && rank == 0 && rstd_out != nullptr) {  // null: no statistics wanted
       rstd_out[row] = stats.y;
