@@ -266,8 +266,8 @@ def _aligned_heuristic(problem: NormProblem, many_rows: bool) -> NormConfig:
         # 8 lanes a row: on an H200 at hidden 256, 0.94-0.96x / 0.86x torch.compile at 32768 /
         # 131072 rows persistent, 0.90-0.93x / 0.975x direct. Up to 4 vectors a lane: the
         # direct kernel, a warp a row. Then one stage, not persistent (more blocks per SM cover
-        # each block's two barriers), 4 vectors a thread, then clusters of 512-thread blocks
-        # with 8.
+        # each block's barriers; swept when the statistics took two reductions a row, not again
+        # since they take one), 4 vectors a thread, then clusters of 512-thread blocks with 8.
         if vectors <= 32:
             if many_rows:
                 return NormConfig(128, 16, 1, vec)
