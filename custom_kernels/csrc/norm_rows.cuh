@@ -23,6 +23,23 @@ __device__ __forceinline__ void store_out(T* p, const Vec<T, N>& v) {
   }
 }
 
+// Forward pass 1, per vector: h = x + residual, rounded to In (the new residual, and the value
+// the norm reads).
+__device__ __forceinline__ void add_residual(VIn& v, const VIn& r) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) v.v[j] = from_float<In>(to_float(v.v[j]) + to_float(r.v[j]));
+}
+
+// Forward pass 1, per vector: RMSNorm's running sum of h^2 (LayerNorm's statistics take their
+// own pass in row_statistics; its sum of h here is dead code the compiler drops).
+__device__ __forceinline__ void accumulate_first_pass(float& s, const VIn& v) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const float f = to_float(v.v[j]);
+    s += kLN ? f : f * f;
+  }
+}
+
 // Forward: the row's (mean, rstd). RMSNorm: from this thread's first-pass sum `s` of h^2.
 // LayerNorm: one reduction of (sum of d, sum of d^2) with d = h - shift, for a `shift` that every
 // thread of the row shares (the row's first element, row_shift):

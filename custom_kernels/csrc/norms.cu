@@ -29,7 +29,7 @@
 
 #if NORM_HAS_PART(0)
 // Pass 1 of the forward: h = x (+ residual), written to residual_out, kept in `h` when caching.
-// Returns this thread's sum of h (LayerNorm) or of h^2 (RMSNorm).
+// Returns this thread's sum of h^2 (RMSNorm's statistics).
 //
 // With the row in registers, every load of it is issued before any value is used: each vector
 // sits behind its own bounds-check branch, and ptxas does not move a load above the use of the
@@ -53,16 +53,10 @@ __device__ __forceinline__ float fwd_load(VIn (&h)[kCache ? kIters : 1], const I
       const int col = vec_col(it, rank, lane);
       if (col < hidden) {
         if (rr != nullptr) {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            h[it].v[j] = from_float<In>(to_float(h[it].v[j]) + to_float(r[it].v[j]));
+          add_residual(h[it], r[it]);
           if (hr != nullptr) store(hr + col, h[it]);  // none past the end
         }
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float f = to_float(h[it].v[j]);
-          s += kLN ? f : f * f;
-        }
+        accumulate_first_pass(s, h[it]);
       }
     }
   } else {
@@ -75,16 +69,10 @@ __device__ __forceinline__ float fwd_load(VIn (&h)[kCache ? kIters : 1], const I
         if (rr != nullptr) {
           VIn r;
           load(r, rr + col);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            v.v[j] = from_float<In>(to_float(v.v[j]) + to_float(r.v[j]));
+          add_residual(v, r);
           if (hr != nullptr) store(hr + col, v);  // none past the end
         }
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float f = to_float(v.v[j]);
-          s += kLN ? f : f * f;
-        }
+        accumulate_first_pass(s, v);
       }
     }
   }

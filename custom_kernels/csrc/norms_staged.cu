@@ -232,17 +232,11 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
         VIn v = *xs.slot(stage, it);
         if constexpr (kResidual) {
           const VIn r = *rs.slot(stage, it);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            v.v[j] = from_float<In>(to_float(v.v[j]) + to_float(r.v[j]));
+          add_residual(v, r);
           store(hr + col, v);
           *xs.slot(stage, it) = v;  // h, read again below
         }
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float f = to_float(v.v[j]);
-          s += kLN ? f : f * f;
-        }
+        accumulate_first_pass(s, v);
       }
     }
     auto get_h = [&](int it, int) { return *xs.slot(stage, it); };
