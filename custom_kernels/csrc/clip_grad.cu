@@ -92,44 +92,39 @@ template <> struct Elem<kF32> {
     return __float_as_uint(__uint_as_float(w) * c);
   }
 };
-template <> struct Elem<kF16> {
+// fp16 and bf16 differ only in their conversion intrinsics; overloads pick them by type.
+__device__ __forceinline__ float to_f32(__half h) { return __half2float(h); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 h) { return __bfloat162float(h); }
+__device__ __forceinline__ float2 to_f32x2(__half2 h) { return __half22float2(h); }
+__device__ __forceinline__ float2 to_f32x2(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+__device__ __forceinline__ void from_f32(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void from_f32(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+__device__ __forceinline__ void from_f32x2(__half2* p, float a, float b) {
+  *p = __floats2half2_rn(a, b);
+}
+__device__ __forceinline__ void from_f32x2(__nv_bfloat162* p, float a, float b) {
+  *p = __floats2bfloat162_rn(a, b);
+}
+
+template <class H, class H2>
+struct Elem16 {
   static constexpr int kSize = 2;
-  __device__ static float load(const char* p) {
-    return __half2float(*reinterpret_cast<const __half*>(p));
-  }
-  __device__ static void store(char* p, float x) {
-    *reinterpret_cast<__half*>(p) = __float2half_rn(x);
-  }
+  __device__ static float load(const char* p) { return to_f32(*reinterpret_cast<const H*>(p)); }
+  __device__ static void store(char* p, float x) { from_f32(reinterpret_cast<H*>(p), x); }
   __device__ static void add_word(Acc& acc, unsigned w) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+    const float2 f = to_f32x2(*reinterpret_cast<const H2*>(&w));
     acc.add(f.x);
     acc.add(f.y);
   }
   __device__ static unsigned scale_word(unsigned w, float c) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
-    const __half2 h = __floats2half2_rn(f.x * c, f.y * c);
+    const float2 f = to_f32x2(*reinterpret_cast<const H2*>(&w));
+    H2 h;
+    from_f32x2(&h, f.x * c, f.y * c);
     return *reinterpret_cast<const unsigned*>(&h);
   }
 };
-template <> struct Elem<kBF16> {
-  static constexpr int kSize = 2;
-  __device__ static float load(const char* p) {
-    return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
-  }
-  __device__ static void store(char* p, float x) {
-    *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(x);
-  }
-  __device__ static void add_word(Acc& acc, unsigned w) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
-    acc.add(f.x);
-    acc.add(f.y);
-  }
-  __device__ static unsigned scale_word(unsigned w, float c) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
-    const __nv_bfloat162 h = __floats2bfloat162_rn(f.x * c, f.y * c);
-    return *reinterpret_cast<const unsigned*>(&h);
-  }
-};
+template <> struct Elem<kF16> : Elem16<__half, __half2> {};
+template <> struct Elem<kBF16> : Elem16<__nv_bfloat16, __nv_bfloat162> {};
 
 template <int DT>
 __device__ __forceinline__ void add_vec(Acc& acc, const uint4& u) {
