@@ -5,8 +5,8 @@
 //
 // A row is split among `kTpr` threads of one block (NORM_TPR lanes of a warp when
 // NORM_WARP_PER_ROW: the whole warp, or 8 or 16 lanes so that a warp holds several short rows;
-// else the whole block) times NORM_CLUSTER blocks of a thread block cluster. Thread `lane` of cluster
-// rank `rank` handles the NORM_VEC-element vectors at columns
+// else the whole block) times NORM_CLUSTER blocks of a thread block cluster. Thread `lane` of
+// cluster rank `rank` handles the NORM_VEC-element vectors at columns
 //   ((it * NORM_CLUSTER + rank) * kTpr + lane) * NORM_VEC,   it = 0 .. NORM_ITERS-1,
 // so each iteration is one coalesced sweep of the row by the whole cluster.
 #pragma once
