@@ -38,7 +38,6 @@ CLUSTER_CHOICES = (1, 2, 4, 8, 16)  # 16 is a non-portable size (Hopper allows i
 # Lanes per row when a warp holds whole rows: fewer than 32 puts several short rows in one warp,
 # each lane loading more of its row at once (the direct forward kernel only).
 ROW_LANE_CHOICES = (8, 16, 32)
-MANY_ROWS = 65536  # a call with more rows may take another split (``heuristic``'s many_rows)
 _ELEMS_PER_THREAD = {"fwd": 32, "bwd": 16}
 _MAX_ITERS = 64
 _SMEM_LIMIT = 48 * 1024  # static + default dynamic shared memory without an opt-in
@@ -243,35 +242,32 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def heuristic(problem: NormProblem, many_rows: bool = False) -> NormConfig:
+def heuristic(problem: NormProblem) -> NormConfig:
     """Aligned rows: the staged kernel, or the direct one with 16-byte vectors for short
     forward rows. The direct kernel with scalar accesses otherwise, and where no staged split
-    fits the shared memory (fp32 backward rows of 262144). ``many_rows``: the call has more
-    than ``MANY_ROWS`` rows, which changes the choice for LayerNorm's shortest rows."""
+    fits the shared memory (fp32 backward rows of 262144)."""
     if problem.aligned:
-        config = _aligned_heuristic(problem, many_rows)
+        config = _aligned_heuristic(problem)
         if config.why_invalid(problem) is None:
             return config
     return _direct_heuristic(problem)
 
 
-def _aligned_heuristic(problem: NormProblem, many_rows: bool) -> NormConfig:
+def _aligned_heuristic(problem: NormProblem) -> NormConfig:
     """Rules read off a sweep of the whole space on an H200 (bf16, 32768 rows; in vectors of 16
     bytes, so they carry over to other dtypes): devrun/norm_sweep.py, numbers in the README."""
     vec = problem.vec
     vectors = math.ceil(problem.hidden / vec)
     if problem.direction == "fwd" and problem.kind == "ln":
-        # LayerNorm reduces twice per row. Up to a vector a lane: persistent, 3 rows in flight
-        # per warp, or with many rows the direct kernel (registers only, not persistent) with
-        # 8 lanes a row: on an H200 at hidden 256, 0.94-0.96x / 0.86x torch.compile at 32768 /
-        # 131072 rows persistent, 0.90-0.93x / 0.975x direct. Up to 4 vectors a lane: the
-        # direct kernel, a warp a row. Then one stage, not persistent (more blocks per SM cover
-        # each block's barriers; swept when the statistics took two reductions a row, not again
-        # since they take one), 4 vectors a thread, then clusters of 512-thread blocks with 8.
+        # LayerNorm. Short rows: the direct kernel (registers only, not persistent), 16 lanes
+        # a row up to half a vector a lane (H200, hidden 256: 0.96 / 0.97x torch.compile at
+        # 32768 / 131072 rows; persistent with 3 rows in flight a warp: 0.92 / 0.86x), a warp
+        # a row up to 4 vectors a lane. Then one stage, not persistent (more blocks per SM
+        # cover each block's barriers; swept when the statistics took two reductions a row,
+        # not again since they take one), 4 vectors a thread, then clusters of 512-thread
+        # blocks with 8.
         if vectors <= 32:
-            if many_rows:
-                return NormConfig(128, 16, 1, vec)
-            return _fit(NormConfig(256, 8, 1, vec, 3), problem)
+            return NormConfig(128, 8, 1, vec)
         if vectors <= 128:
             return NormConfig(64, 2, 1, vec)
         if vectors <= 1024:

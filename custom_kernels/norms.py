@@ -50,8 +50,7 @@ def _launch_fwd(kind, x2, weight, bias, res2, y, res_out, mean, rstd, eps, confi
     aligned = _vector_ok(x2.dtype, hidden, (x2, res2, y, res_out, weight, bias),
                          (x2.stride(0), res2.stride(0) if res2 is not None else 0))
     plan = _fwd_plan(kind, hidden, _DTYPES[x2.dtype], _DTYPES[y.dtype], _DTYPES[weight.dtype],
-                     aligned, res2 is not None, config, device,
-                     config is None and rows > nc.MANY_ROWS)
+                     aligned, res2 is not None, config, device)
     cfg = plan.config
     blocks = plan.blocks(rows)
     launch(plan.kernel, x2.data_ptr(), _ptr(res2), weight.data_ptr(), _ptr(bias), y.data_ptr(),
@@ -120,10 +119,10 @@ class _Plan:
 
 @functools.lru_cache(maxsize=None)
 def _fwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, residual, config,
-              device, many_rows=False) -> _Plan:
+              device) -> _Plan:
     problem = nc.NormProblem(kind, "fwd", hidden, dtype, out_dtype, weight_dtype, aligned,
                              residual)
-    cfg = _choose(problem, config, device, many_rows)
+    cfg = _choose(problem, config, device)
     # One stage has nothing to prefetch: one row unit per row, and the block scheduler overlaps
     # rows (the direct kernel is never persistent in the forward pass).
     return _plan(problem, cfg, device, persistent=cfg.stages > 1)
@@ -187,15 +186,13 @@ def _max_units(kernel, cfg: nc.NormConfig, shared_mem: int, device: int) -> int:
     return sm_count(device) * per_sm
 
 
-def _choose(problem: nc.NormProblem, config: Optional[str], device: int = 0,
-            many_rows: bool = False) -> nc.NormConfig:
+def _choose(problem: nc.NormProblem, config: Optional[str], device: int = 0) -> nc.NormConfig:
     """The override when given, else the tuning cache's winner for this problem on this GPU
-    (``cutlass-tune norms tune``), else the heuristic (``many_rows``: the call has more than
-    ``nc.MANY_ROWS`` rows). Where the pointers do not allow 16-byte accesses, an override runs
-    as the direct kernel with scalar accesses, or as the heuristic's choice when that split is
-    not valid for scalars."""
+    (``cutlass-tune norms tune``), else the heuristic. Where the pointers do not allow 16-byte
+    accesses, an override runs as the direct kernel with scalar accesses, or as the heuristic's
+    choice when that split is not valid for scalars."""
     if config is None:
-        return _tuned(problem, device) or nc.heuristic(problem, many_rows)
+        return _tuned(problem, device) or nc.heuristic(problem)
     cfg = nc.NormConfig.from_name(config)
     if cfg.vec != 1 and not problem.aligned:
         cfg = dataclasses.replace(cfg, vec=1, stages=0)
@@ -212,12 +209,9 @@ def _choose(problem: nc.NormProblem, config: Optional[str], device: int = 0,
 # ---------------------------------------------------------------------------------------------
 
 def kernel_specs(problem: nc.NormProblem, config: Optional[nc.NormConfig] = None) -> list:
-    """(source, name, defines) of every kernel ``problem`` runs: ``config``'s, else the
-    heuristic's for any row count."""
-    configs = [config] if config else list(dict.fromkeys(
-        (nc.heuristic(problem), nc.heuristic(problem, many_rows=True))))
-    specs = [(cfg.source, cfg.kernel_name(problem.direction), cfg.defines(problem))
-             for cfg in configs]
+    """(source, name, defines) of every kernel ``problem`` runs."""
+    cfg = config or nc.heuristic(problem)
+    specs = [(cfg.source, cfg.kernel_name(problem.direction), cfg.defines(problem))]
     if problem.direction == "bwd":
         specs.append((nc.REDUCE_SOURCE, "norm_dw_reduce",
                       nc.reduce_defines(problem.weight_dtype)))

@@ -16,6 +16,10 @@ from tuning.timing import do_bench_interleaved  # noqa: E402
 nc.THREAD_CHOICES = (32,) + tuple(nc.THREAD_CHOICES)
 EPS = 1e-6
 STAGES = tuple(int(v) for v in os.environ.get("STAGES", "0").split(","))
+# EXTRA_DEFINES="NORM_STORE_CS=1,...": -D values added to every config (a variant of the kernels).
+EXTRA = dict(kv.split("=") for kv in os.environ.get("EXTRA_DEFINES", "").split(",") if kv)
+_defines = nc.NormConfig.defines
+nc.NormConfig.defines = lambda self, p: {**_defines(self, p), **{k: int(v) for k, v in EXTRA.items()}}
 
 
 def run(kind, x, w, b, config, residual=None):

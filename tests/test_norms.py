@@ -50,13 +50,8 @@ def test_heuristic_splits_rows_as_documented():
     assert short.defines(problem(256))["NORM_TPR"] == 16
     assert nc.heuristic(problem(1000)) == nc.NormConfig(64, 2, 1, 8, 0)
     assert "NORM_TPR" not in nc.heuristic(problem(1000)).defines(problem(1000))
-    # LayerNorm's shortest rows: persistent with 3 rows in flight a warp, or, for calls of
-    # more than MANY_ROWS rows, the direct kernel with 8 lanes a row; both get compiled.
-    ln = problem(256, kind="ln")
-    assert nc.heuristic(ln).stages == 3 and nc.heuristic(ln).warp_per_row
-    assert nc.heuristic(ln, many_rows=True) == nc.NormConfig(128, 16, 1, 8, 0)
-    assert len(norms.kernel_specs(ln)) == 2 and len(norms.kernel_specs(problem(256))) == 1
-    assert nc.heuristic(problem(4096), many_rows=True) == nc.heuristic(problem(4096))
+    assert nc.heuristic(problem(256, kind="ln")) == short
+    assert nc.heuristic(problem(1000, kind="ln")) == nc.NormConfig(64, 2, 1, 8, 0)
     # Rows of up to 1024 vectors: a block each, one stage, not persistent.
     assert nc.heuristic(problem(4096)) == nc.NormConfig(256, 1, 1, 8, 1)
     assert nc.heuristic(problem(32768)) == nc.NormConfig(1024, 1, 1, 8, 2)

@@ -203,16 +203,6 @@ def test_several_rows_per_warp_forward(kind, config, rows):
         assert torch.equal(y_plain, y)  # the residual path normalizes exactly what it returns
 
 
-def test_layer_norm_of_many_short_rows_takes_the_direct_split():
-    rows = nc.MANY_ROWS + 3
-    check("ln", rows, 256, torch.bfloat16, residual=True)
-    plan = norms._fwd_plan("ln", 256, "bfloat16", "bfloat16", "bfloat16", True, True, None,
-                           torch.cuda.current_device(), True)
-    assert plan.config == nc.heuristic(
-        nc.NormProblem("ln", "fwd", 256, "bfloat16", "bfloat16", "bfloat16", True, True),
-        many_rows=True) == nc.NormConfig(128, 16, 1, 8)
-
-
 @pytest.mark.parametrize("kind", nc.KINDS)
 def test_float32_weight_and_output_with_bf16_input(kind):
     check(kind, 257, 4096, torch.bfloat16, True, out_dtype=torch.float32,
