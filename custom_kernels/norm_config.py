@@ -5,7 +5,7 @@ dtypes, whether the 16-byte vector path is allowed); a ``NormConfig`` names how 
 threads per block, rows per block (1; one row per warp; or, in the direct forward kernel, one
 row per 8 or 16 lanes, several short rows per warp), thread block cluster size, vector width,
 and the kernel: ``stages`` 0 is the direct kernel of ``csrc/norms.cu`` (registers only,
-one row per block or warp, any alignment); ``stages`` >= 1 is the persistent kernel of
+a row per block, warp or part of a warp, any alignment); ``stages`` >= 1 is the persistent kernel of
 ``csrc/norms_staged.cu``, which keeps ``stages - 1`` rows per row unit in flight through shared
 memory (16-byte-aligned rows only). ``heuristic(problem)`` picks one; ``space(problem)`` lists the
 valid ones for a tuner; ``NormConfig.defines(problem)`` gives the ``-D`` values.

@@ -116,6 +116,15 @@ __device__ __forceinline__ int vec_col(int it, int rank, int lane) {
 using RedT = ck::Conditional<kLN, float2, float>::type;
 constexpr int kAccRows = kLN ? 2 : 1;  // dW, and dB for LayerNorm
 
+__device__ __forceinline__ void zero_accumulators(float (&acc)[kAccRows][kIters][kVec]) {
+#pragma unroll
+  for (int a = 0; a < kAccRows; ++a)
+#pragma unroll
+    for (int it = 0; it < kIters; ++it)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc[a][it][j] = 0.0f;
+}
+
 // The row's sum of g * xhat (and of g, LayerNorm only) over the whole cluster.
 __device__ __forceinline__ void row_sums(RowReducer<float>& red, float s1, float, float& c1,
                                          float& c2) {

@@ -30,8 +30,9 @@ __device__ __forceinline__ void add_residual(VIn& v, const VIn& r) {
   for (int j = 0; j < kVec; ++j) v.v[j] = from_float<In>(to_float(v.v[j]) + to_float(r.v[j]));
 }
 
-// Forward pass 1, per vector: RMSNorm's running sum of h^2 (LayerNorm's statistics take their
-// own pass in row_statistics; its sum of h here is dead code the compiler drops).
+// Forward pass 1, per vector: RMSNorm's running sum of h^2. LayerNorm's statistics take their
+// own pass in row_statistics and ignore its sum of h here (kept as is: dropping it changes the
+// direct kernel's code, which has not been rerun on a GPU since).
 __device__ __forceinline__ void accumulate_first_pass(float& s, const VIn& v) {
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {

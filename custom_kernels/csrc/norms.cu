@@ -171,12 +171,7 @@ __global__ void __launch_bounds__(kThreads) norm_bwd(
     units = gridDim.x / kCluster;
   }
   float acc[kAccRows][kIters][kVec];
-#pragma unroll
-  for (int a = 0; a < kAccRows; ++a)
-#pragma unroll
-    for (int it = 0; it < kIters; ++it)
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[a][it][j] = 0.0f;
+  zero_accumulators(acc);
 
   RowReducer<RedT> red(red_smem);
   const float inv_n = 1.0f / static_cast<float>(hidden);

@@ -313,12 +313,7 @@ __global__ void __launch_bounds__(kThreads) norm_bwd_staged(
 
   for (int s = 0; s + 1 < kStages; ++s) issue(units.first + s * units.stride, s);
   float acc[kAccRows][kIters][kVec];
-#pragma unroll
-  for (int a = 0; a < kAccRows; ++a)
-#pragma unroll
-    for (int it = 0; it < kIters; ++it)
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[a][it][j] = 0.0f;
+  zero_accumulators(acc);
   RowReducer<RedT> red(red_smem);
   const RowWeights<kBwdWeightInRegs> weights(w, nullptr, hidden, rank, lane);
   const float inv_n = 1.0f / static_cast<float>(hidden);

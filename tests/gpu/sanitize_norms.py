@@ -19,8 +19,7 @@ from custom_kernels import norms  # noqa: E402
 
 CASES = [  # (rows, hidden, dtype)
     (37, 1000, torch.bfloat16),  # forward: the direct kernel, a warp per row; backward staged
-    (13, 256, torch.bfloat16),  # RMSNorm staged, 3 stages; LayerNorm 8 lanes a row, ending
-    # inside a warp
+    (13, 256, torch.bfloat16),  # forward: the direct kernel, 16 lanes a row, ending in a warp
     (5, 4097, torch.float16),  # the direct kernel's scalar path
     (21, 4096, torch.bfloat16),  # staged, a block per row (1 stage forward, 2 backward)
     (9, 65536, torch.bfloat16),  # staged clusters of 2 (forward) and 4 (backward)
