@@ -4,7 +4,9 @@ A ``NormProblem`` names what changes the compiled kernel (norm kind, direction, 
 dtypes, whether the 16-byte vector path is allowed); a ``NormConfig`` names how a row is split:
 threads per block, rows per block (1; one row per warp; or, in the direct forward kernel, one
 row per 8 or 16 lanes, several short rows per warp), thread block cluster size, vector width,
-and the kernel: ``stages`` 0 is the direct kernel of ``csrc/norms.cu`` (registers only,
+rows per thread (the direct forward kernel with a warp or less per row: each thread loads its
+part of that many rows before reducing any, and each weight vector once for all of them), and
+the kernel: ``stages`` 0 is the direct kernel of ``csrc/norms.cu`` (registers only,
 a row per block, warp or part of a warp, any alignment); ``stages`` >= 1 is the persistent kernel of
 ``csrc/norms_staged.cu``, which keeps ``stages - 1`` rows per row unit in flight through shared
 memory (16-byte-aligned rows only). ``heuristic(problem)`` picks one; ``space(problem)`` lists the
@@ -38,6 +40,7 @@ CLUSTER_CHOICES = (1, 2, 4, 8, 16)  # 16 is a non-portable size (Hopper allows i
 # Lanes per row when a warp holds whole rows: fewer than 32 puts several short rows in one warp,
 # each lane loading more of its row at once (the direct forward kernel only).
 ROW_LANE_CHOICES = (8, 16, 32)
+ROWS_PER_THREAD_CHOICES = (1, 2, 4)
 _ELEMS_PER_THREAD = {"fwd": 32, "bwd": 16}
 _MAX_ITERS = 64
 _SMEM_LIMIT = 48 * 1024  # static + default dynamic shared memory without an opt-in
@@ -96,6 +99,7 @@ class NormConfig:
     cluster: int
     vec: int
     stages: int = 0  # 0: the direct kernel (norms.cu); >= 1: the staged kernel (norms_staged.cu)
+    rows_per_thread: int = 1  # > 1: the direct forward kernel, a warp or less per row
 
     @property
     def source(self) -> str:
@@ -114,22 +118,35 @@ class NormConfig:
         return self.threads // self.rows_per_block
 
     @property
+    def rows_per_launch_unit(self) -> int:
+        """Rows a block (a cluster) covers at once: rows per block x rows per thread."""
+        return self.rows_per_block * self.rows_per_thread
+
+    @property
     def name(self) -> str:
+        """``t128_r8_c1_v8``, with ``_s3`` (stages) or ``_p4`` (rows per thread) when not 0 / 1."""
         name = f"t{self.threads}_r{self.rows_per_block}_c{self.cluster}_v{self.vec}"
-        return name + (f"_s{self.stages}" if self.stages else "")
+        return name + (f"_s{self.stages}" if self.stages else "") + \
+            (f"_p{self.rows_per_thread}" if self.rows_per_thread != 1 else "")
 
     @classmethod
     def from_name(cls, name: str) -> "NormConfig":
         parts = name.split("_")
-        prefixes = "trcvs"[:len(parts)]
+        fields = {"t": "threads", "r": "rows_per_block", "c": "cluster", "v": "vec"}
         try:
-            if len(parts) not in (4, 5) or any(p[0] != k for p, k in zip(parts, prefixes)):
+            if len(parts) < 4 or [p[:1] for p in parts[:4]] != list(fields):
                 raise ValueError
-            values = [int(part[1:]) for part in parts]
+            values = {fields[p[0]]: int(p[1:]) for p in parts[:4]}
+            rest = parts[4:]
+            for key, field in (("s", "stages"), ("p", "rows_per_thread")):  # in this order
+                if rest and rest[0][:1] == key:
+                    values[field] = int(rest.pop(0)[1:])
+            if rest:
+                raise ValueError
         except (ValueError, IndexError):
-            raise ValueError(f"not a norm config name: {name!r} (expected t256_r8_c1_v8 or "
-                             "t256_r8_c1_v8_s3)") from None
-        return cls(*values)
+            raise ValueError(f"not a norm config name: {name!r} (expected t256_r8_c1_v8, "
+                             "t256_r8_c1_v8_s3 or t32_r1_c1_v8_p4)") from None
+        return cls(**values)
 
     def iters(self, hidden: int) -> int:
         """Vector accesses per thread to cover a row."""
@@ -141,7 +158,7 @@ class NormConfig:
         if self.stages:
             return True
         budget = 32 if self.threads <= 512 else 16
-        iters = self.iters(problem.hidden)
+        iters = self.iters(problem.hidden) * self.rows_per_thread
         regs = _regs(self.vec, problem.dtype)
         if problem.direction == "bwd":
             regs += _regs(self.vec, problem.out_dtype)
@@ -183,6 +200,12 @@ class NormConfig:
             return f"rows per block must be 1 or one per {ROW_LANE_CHOICES} lanes"
         if self.threads_per_row < 32 and (self.stages or problem.direction == "bwd"):
             return "several rows per warp only in the direct forward kernel"
+        if self.rows_per_thread not in ROWS_PER_THREAD_CHOICES:
+            return f"rows per thread {self.rows_per_thread} not in {ROWS_PER_THREAD_CHOICES}"
+        if self.rows_per_thread > 1 and (self.stages or problem.direction == "bwd"
+                                         or not self.warp_per_row or not self.cache(problem)):
+            return ("several rows per thread only in the direct forward kernel, with a warp or "
+                    "less per row kept in registers")
         if self.cluster not in CLUSTER_CHOICES:
             return f"cluster {self.cluster} not in {CLUSTER_CHOICES}"
         if self.warp_per_row and self.cluster > 1:
@@ -229,6 +252,7 @@ class NormConfig:
             "NORM_ITERS": self.iters(problem.hidden), "NORM_CACHE": int(self.cache(problem)),
             "NORM_PART": 0 if problem.direction == "fwd" else 1,
             **({"NORM_TPR": self.threads_per_row} if self.threads_per_row < 32 else {}),
+            **({"NORM_RPT": self.rows_per_thread} if self.rows_per_thread > 1 else {}),
             **({"NORM_STAGES": self.stages, "NORM_RESIDUAL": int(problem.residual)}
                if self.stages else {}),
         }
@@ -346,9 +370,10 @@ def space(problem: NormProblem) -> Iterator[NormConfig]:
             for cluster in CLUSTER_CHOICES:
                 for vec in sorted({1, problem.vec}):
                     for stages in (0, *STAGE_CHOICES):
-                        config = NormConfig(threads, rows, cluster, vec, stages)
-                        if config != first and config.why_invalid(problem) is None:
-                            yield config
+                        for per_thread in ROWS_PER_THREAD_CHOICES:
+                            config = NormConfig(threads, rows, cluster, vec, stages, per_thread)
+                            if config != first and config.why_invalid(problem) is None:
+                                yield config
 
 
 def reduce_defines(weight_dtype: str) -> dict[str, int]:

@@ -111,7 +111,7 @@ class _Plan:
 
     def blocks(self, rows: int) -> int:
         cfg = self.config
-        units = math.ceil(rows / cfg.rows_per_block)
+        units = math.ceil(rows / cfg.rows_per_launch_unit)
         if self.persistent:
             units = min(units, self.max_units)
         return units * cfg.cluster

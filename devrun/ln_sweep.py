@@ -1,5 +1,6 @@
 """LayerNorm forward: every staged candidate at a few sizes, with the weights in registers by the
 default rule and never (NORM_WEIGHT_REGS=0); GPU time with the host padded out. Prints the best."""
+import os
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -15,7 +16,7 @@ def main():
     global EXTRA
     kind = sys.argv[1] if len(sys.argv) > 1 else "ln"
     sizes = [int(a) for a in sys.argv[2:]] or [256, 1000, 4096, 8192, 65536, 262144]
-    extras = [{}, {"NORM_WEIGHT_REGS": 0}]
+    extras = [{}, {"NORM_WEIGHT_REGS": 0}] if os.environ.get("WEIGHT_REGS_VARIANT") else [{}]
     for hidden in sizes:
         p = nc.NormProblem(kind, "fwd", hidden, "bfloat16", "bfloat16", "bfloat16")
         configs = norm_tune.candidates(p, "default")

@@ -76,8 +76,32 @@ def test_staged_configs_fit_shared_memory_and_registers():
     assert "16-byte" in nc.NormConfig(256, 1, 1, 1, 2).why_invalid(problem(4097))
     assert "stages" in nc.NormConfig(256, 1, 1, 8, 9).why_invalid(problem(4096))
     assert nc.NormConfig.from_name("t256_r8_c1_v8_s3") == nc.NormConfig(256, 8, 1, 8, 3)
-    with pytest.raises(ValueError, match="not a norm config"):
-        nc.NormConfig.from_name("t256_r8_c1_v8_x3")
+    for bad in ("t256_r8_c1_v8_x3", "t64_r2_c1_v8_p2_s1", "t64_r2_c1_v8_p2_p2", "t64_r2_c1"):
+        with pytest.raises(ValueError, match="not a norm config"):
+            nc.NormConfig.from_name(bad)
+
+
+def test_several_rows_per_thread():
+    # The direct forward kernel with a warp or less per row: a block covers
+    # rows_per_block x rows_per_thread rows, and the kernel gets NORM_RPT.
+    cfg = nc.NormConfig.from_name("t64_r2_c1_v8_p4")
+    assert cfg == nc.NormConfig(64, 2, 1, 8, 0, 4) and cfg.name == "t64_r2_c1_v8_p4"
+    assert cfg.rows_per_launch_unit == 8 and cfg.warp_per_row
+    plan = norms._Plan(cfg, kernel=None, persistent=False, max_units=0, shared_mem=0)
+    assert plan.blocks(8) == 1 and plan.blocks(9) == 2
+    assert cfg.defines(problem(256))["NORM_RPT"] == 4
+    assert "NORM_RPT" not in nc.NormConfig(64, 2, 1, 8).defines(problem(256))
+    # Not in the backward pass, the staged kernel, a block per row, or rows past the registers.
+    reason = "several rows per thread"
+    assert reason in cfg.why_invalid(problem(256, direction="bwd"))
+    assert reason in nc.NormConfig(256, 8, 1, 8, 3, 2).why_invalid(problem(256))
+    assert reason in nc.NormConfig(256, 1, 1, 8, 0, 2).why_invalid(problem(4096))
+    assert reason in cfg.why_invalid(problem(1000))  # 4 rows x 4 vectors a thread: no cache
+    assert "rows per thread 3" in nc.NormConfig(64, 2, 1, 8, 0, 3).why_invalid(problem(256))
+    # The space offers them for short rows only, each round-tripping through its name.
+    short = [c for c in nc.space(problem(256)) if c.rows_per_thread > 1]
+    assert short and all(nc.NormConfig.from_name(c.name) == c for c in short)
+    assert not [c for c in nc.space(problem(4096)) if c.rows_per_thread > 1]
 
 
 def test_unaligned_problems_take_the_scalar_path():
@@ -277,7 +301,7 @@ def test_references_match_torch():
 def _variants():
     """(source, defines) of one of each kernel shape: warp per row, block per row, cluster,
     uncached cluster, scalar path, mixed dtypes, with and without a residual, the staged kernel
-    and the direct one of each problem, the three dW reductions.
+    and the direct one of each problem, several rows per thread, the three dW reductions.
     CUTLASS_OPS_FULL_COMPILE_CHECK=1: every issue size with three dtype mixes, aligned and not
     (a few hundred compiles)."""
     if os.environ.get("CUTLASS_OPS_FULL_COMPILE_CHECK"):
@@ -302,6 +326,11 @@ def _variants():
                     # and the direct kernel of the same problem (the scalar path's kernel)
                     direct = nc._direct_heuristic(p)
                     seen[("norms.cu", direct.name, p)] = ("norms.cu", direct.defines(p))
+                    # and several rows per thread where the direct forward kernel allows them
+                    per_thread = nc.NormConfig(64, 2, 1, p.vec, 0, 4)
+                    if per_thread.why_invalid(p) is None:
+                        seen[("norms.cu", per_thread.name, p)] = ("norms.cu",
+                                                                  per_thread.defines(p))
     for weight in DTYPES:
         seen[weight] = (nc.REDUCE_SOURCE, nc.reduce_defines(weight))
     return list(seen.values())

@@ -37,6 +37,12 @@
 #ifndef NORM_TPR
 #define NORM_TPR 32
 #endif
+// Rows per thread when NORM_WARP_PER_ROW (the direct forward kernel only): each thread loads its
+// vectors of NORM_RPT rows before it reduces any, and loads each weight vector once for all of
+// them (short rows: more bytes in flight per thread, fewer weight loads per row).
+#ifndef NORM_RPT
+#define NORM_RPT 1
+#endif
 #ifndef NORM_CLUSTER
 #define NORM_CLUSTER 1
 #endif
@@ -71,7 +77,8 @@ constexpr int kIters = NORM_ITERS;
 constexpr bool kCache = NORM_CACHE != 0;
 constexpr bool kLN = NORM_LN != 0;
 constexpr int kTpr = kWarpPerRow ? NORM_TPR : kThreads;
-constexpr int kRowsPerBlock = kWarpPerRow ? kThreads / kTpr : 1;
+constexpr int kRowsPerBlock = kWarpPerRow ? kThreads / kTpr : 1;  // rows of one block-wide pass
+constexpr int kRowsPerThread = NORM_RPT;
 constexpr bool kSubWarpRows = kWarpPerRow && kTpr < 32;  // several rows per warp
 
 static_assert(kThreads % 32 == 0 && kThreads <= 1024, "threads: a multiple of 32, at most 1024");
@@ -79,6 +86,8 @@ static_assert(!(kWarpPerRow && kCluster > 1), "a warp per row needs no cluster")
 static_assert(!kWarpPerRow || kTpr == 8 || kTpr == 16 || kTpr == 32,
               "a row of a warp takes 8, 16 or 32 lanes");
 static_assert(kCluster >= 1 && kCluster <= 16, "cluster of 1 to 16 blocks");
+static_assert(kRowsPerThread >= 1 && kRowsPerThread <= 8 && (kRowsPerThread == 1 || kWarpPerRow),
+              "several rows per thread: 1 to 8, with a warp (or less) per row");
 
 using ck::from_float;
 using ck::load;

@@ -30,14 +30,15 @@ __device__ __forceinline__ void add_residual(VIn& v, const VIn& r) {
   for (int j = 0; j < kVec; ++j) v.v[j] = from_float<In>(to_float(v.v[j]) + to_float(r.v[j]));
 }
 
-// Forward pass 1, per vector: RMSNorm's running sum of h^2. LayerNorm's statistics take their
-// own pass in row_statistics and ignore its sum of h here (kept as is: dropping it changes the
-// direct kernel's code, which has not been rerun on a GPU since).
+// Forward pass 1, per vector: RMSNorm's running sum of h^2 (LayerNorm's statistics take their
+// own pass over h in row_statistics).
 __device__ __forceinline__ void accumulate_first_pass(float& s, const VIn& v) {
+  if constexpr (!kLN) {
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const float f = to_float(v.v[j]);
-    s += kLN ? f : f * f;
+    for (int j = 0; j < kVec; ++j) {
+      const float f = to_float(v.v[j]);
+      s += f * f;
+    }
   }
 }
 
@@ -92,7 +93,20 @@ __device__ __forceinline__ float row_shift(const In* xr, const In* rr) {
   }
 }
 
-// Forward output: y = (h - mean) * rstd * w (+ b).
+// Forward output of one vector: y = (h - mean) * rstd * w (+ b); `bv` is read by LayerNorm only.
+__device__ __forceinline__ VOut normalize_vec(const VIn& v, const VW& wv, const VW& bv,
+                                              float2 stats) {
+  VOut o;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    float f = (to_float(v.v[j]) - stats.x) * stats.y * to_float(wv.v[j]);
+    if constexpr (kLN) f += to_float(bv.v[j]);
+    o.v[j] = from_float<Out>(f);
+  }
+  return o;
+}
+
+// Forward output of a row.
 template <class GetH, class GetW, class GetB>
 __device__ __forceinline__ void write_normalized_row(Out* yr, GetH get_h, GetW get_w, GetB get_b,
                                                      float2 stats, int hidden, int rank,
@@ -105,14 +119,7 @@ __device__ __forceinline__ void write_normalized_row(Out* yr, GetH get_h, GetW g
       const VW wv = get_w(it, col);
       VW bv;
       if constexpr (kLN) bv = get_b(it, col);
-      VOut o;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        float f = (to_float(v.v[j]) - stats.x) * stats.y * to_float(wv.v[j]);
-        if constexpr (kLN) f += to_float(bv.v[j]);
-        o.v[j] = from_float<Out>(f);
-      }
-      store_out(yr + col, o);
+      store_out(yr + col, normalize_vec(v, wv, bv, stats));
     }
   }
 }

@@ -28,119 +28,164 @@
 // ---------------------------------------------------------------------------------------------
 
 #if NORM_HAS_PART(0)
-// Pass 1 of the forward: h = x (+ residual), written to residual_out, kept in `h` when caching.
-// Returns this thread's sum of h^2 (RMSNorm's statistics).
-//
-// With the row in registers, every load of it is issued before any value is used: each vector
-// sits behind its own bounds-check branch, and ptxas does not move a load above the use of the
-// previous one, so load-then-use per vector would wait for one memory round trip per vector
-// (H200, bf16 hidden 1000, 64-thread blocks: 0.86x torch.compile that way, 0.97x this way).
-__device__ __forceinline__ float fwd_load(VIn (&h)[kCache ? kIters : 1], const In* xr,
-                                          const In* rr, In* hr, int hidden, int rank, int lane) {
+// Pass 1 of the forward with the row in registers, in two steps so that a thread with several
+// rows issues the loads of all of them before it uses any: ptxas does not move a load above
+// the use of an earlier one (each vector sits behind its own bounds-check branch), so
+// load-then-use per vector would wait for one memory round trip per vector (H200, bf16 hidden
+// 1000, 64-thread blocks: 0.86x torch.compile that way, 0.97x this way).
+__device__ __forceinline__ void fwd_issue_loads(VIn (&h)[kIters], VIn (&r)[kIters], const In* xr,
+                                                const In* rr, int hidden, int rank, int lane) {
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int col = vec_col(it, rank, lane);
+    if (col < hidden) {
+      load(h[it], xr + col);
+      if (rr != nullptr) load(r[it], rr + col);
+    }
+  }
+}
+
+// Then h = x (+ residual), written to residual_out; returns this thread's sum of h^2 (RMSNorm's
+// statistics).
+__device__ __forceinline__ float fwd_first_pass(VIn (&h)[kIters], const VIn (&r)[kIters],
+                                                bool residual, In* hr, int hidden, int rank,
+                                                int lane) {
   float s = 0.0f;
-  if constexpr (kCache) {
-    VIn r[kIters];
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
-        load(h[it], xr + col);
-        if (rr != nullptr) load(r[it], rr + col);
+  for (int it = 0; it < kIters; ++it) {
+    const int col = vec_col(it, rank, lane);
+    if (col < hidden) {
+      if (residual) {
+        add_residual(h[it], r[it]);
+        if (hr != nullptr) store(hr + col, h[it]);  // none past the end
       }
-    }
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
-        if (rr != nullptr) {
-          add_residual(h[it], r[it]);
-          if (hr != nullptr) store(hr + col, h[it]);  // none past the end
-        }
-        accumulate_first_pass(s, h[it]);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int col = vec_col(it, rank, lane);
-      VIn v;
-      if (col < hidden) {
-        load(v, xr + col);
-        if (rr != nullptr) {
-          VIn r;
-          load(r, rr + col);
-          add_residual(v, r);
-          if (hr != nullptr) store(hr + col, v);  // none past the end
-        }
-        accumulate_first_pass(s, v);
-      }
+      accumulate_first_pass(s, h[it]);
     }
   }
   return s;
 }
 
-__device__ __forceinline__ void get_row_vec(VIn& v, const VIn (&h)[kCache ? kIters : 1], int it,
-                                            const In* src, int col) {
-  if constexpr (kCache) {
-    v = h[it];
-  } else {
-    load(v, src + col);
+// Pass 1 without the cache (rows too long for registers): one vector at a time.
+__device__ __forceinline__ float fwd_first_pass_uncached(const In* xr, const In* rr, In* hr,
+                                                         int hidden, int rank, int lane) {
+  float s = 0.0f;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int col = vec_col(it, rank, lane);
+    if (col < hidden) {
+      VIn v;
+      load(v, xr + col);
+      if (rr != nullptr) {
+        VIn r;
+        load(r, rr + col);
+        add_residual(v, r);
+        if (hr != nullptr) store(hr + col, v);  // none past the end
+      }
+      accumulate_first_pass(s, v);
+    }
   }
+  return s;
 }
 
+static_assert(kRowsPerThread == 1 || kCache, "several rows per thread keep them in registers");
+
+// Rows: with kWarpPerRow, a block covers kRowsPerBlock * kRowsPerThread consecutive rows, in
+// kRowsPerThread passes of kRowsPerBlock (one per warp or per kTpr lanes); thread t takes row
+// t / kTpr of each pass. Otherwise one row per block (cluster).
 __global__ void __launch_bounds__(kThreads) norm_fwd(
     const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
     const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
     long long res_stride, float eps) {
+  constexpr int R = kRowsPerThread;
+  constexpr bool kMayOverrun = kSubWarpRows || R > 1;  // rows of a warp may end past `rows`
   __shared__ RedT red_smem[RowReducer<RedT>::kSlots];  // LayerNorm reduces (sum, sum of squares)
   const int lane = kWarpPerRow ? threadIdx.x % kTpr : threadIdx.x;
   const int rank = cluster_rank();
-  long long row;
-  bool active = true;  // false: a row group past the end that only keeps its warp's shuffles full
+  long long row[R];
+  // false: a row past the end that only keeps its warp's shuffles full (it reads row rows - 1
+  // and stores nothing)
+  bool active[R];
   if constexpr (kWarpPerRow) {
-    const long long first = static_cast<long long>(blockIdx.x) * kRowsPerBlock;
+    const long long first = static_cast<long long>(blockIdx.x) * (kRowsPerBlock * R);
     if (first + threadIdx.x / 32 * (32 / kTpr) >= rows) return;  // the whole warp is past the end
-    row = first + threadIdx.x / kTpr;
-    if constexpr (kSubWarpRows) {
-      active = row < rows;
-      if (!active) row = rows - 1;  // reads a real row, stores nothing
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      row[i] = first + i * kRowsPerBlock + threadIdx.x / kTpr;
+      active[i] = !kMayOverrun || row[i] < rows;
+      if (!active[i]) row[i] = rows - 1;
     }
   } else {
-    row = blockIdx.x / kCluster;  // the grid has exactly rows * kCluster blocks
+    row[0] = blockIdx.x / kCluster;  // the grid has exactly rows * kCluster blocks
+    active[0] = true;
   }
-  const In* xr = x + row * x_stride;
-  const In* rr = res != nullptr ? res + row * res_stride : nullptr;
-  In* hr = res_out != nullptr && active ? res_out + row * static_cast<long long>(hidden) : nullptr;
-  const In* src = hr != nullptr ? hr : xr;  // where h is read again without the cache
+  const In* xr[R];
+  const In* rr[R];
+  In* hr[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    xr[i] = x + row[i] * x_stride;
+    rr[i] = res != nullptr ? res + row[i] * res_stride : nullptr;
+    hr[i] = res_out != nullptr && active[i] ? res_out + row[i] * static_cast<long long>(hidden)
+                                            : nullptr;
+  }
 
   RowReducer<RedT> red(red_smem);
-  VIn h[kCache ? kIters : 1];
-  const float s = fwd_load(h, xr, rr, hr, hidden, rank, lane);
-  auto get_h = [&](int it, int col) {
-    VIn v;
-    get_row_vec(v, h, it, src, col);
-    return v;
-  };
-  const float shift = row_shift(xr, rr);
-  const float2 stats = row_statistics(red, s, shift, get_h, hidden, rank, lane, eps);
-  if (!active) return;  // past its last shuffle
-  if (lane == 0 && rank == 0 && rstd_out != nullptr) {  // null: no statistics wanted
-    rstd_out[row] = stats.y;
-    if constexpr (kLN) mean_out[row] = stats.x;
+  VIn h[R][kIters];  // unused (and optimized away) without the cache
+  float s[R];
+  if constexpr (kCache) {
+    VIn r[R][kIters];
+#pragma unroll
+    for (int i = 0; i < R; ++i) fwd_issue_loads(h[i], r[i], xr[i], rr[i], hidden, rank, lane);
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+      s[i] = fwd_first_pass(h[i], r[i], res != nullptr, hr[i], hidden, rank, lane);
+  } else {
+    s[0] = fwd_first_pass_uncached(xr[0], rr[0], hr[0], hidden, rank, lane);
   }
-  auto get_w = [&](int, int col) {
-    VW v;
-    load(v, w + col);
+  // h again: from registers, or (without the cache) from residual_out or x
+  auto get_h = [&](int i, int it, int col) {
+    VIn v;
+    if constexpr (kCache) {
+      v = h[i][it];
+    } else {
+      load(v, (hr[i] != nullptr ? hr[i] : xr[i]) + col);
+    }
     return v;
   };
-  auto get_b = [&](int, int col) {
-    VW v;
-    load(v, b + col);
-    return v;
-  };
-  write_normalized_row(y + row * static_cast<long long>(hidden), get_h, get_w, get_b, stats,
-                       hidden, rank, lane);
+  float2 stats[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    auto get_hi = [&](int it, int col) { return get_h(i, it, col); };
+    stats[i] = row_statistics(red, s[i], row_shift(xr[i], rr[i]), get_hi, hidden, rank, lane, eps);
+  }
+  // Past the last shuffle: rows past the end store nothing from here on.
+  if constexpr (kMayOverrun) {
+    if (!active[0]) return;  // nor any later row of this thread
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if (active[i] && lane == 0 && rank == 0 && rstd_out != nullptr) {  // null: none wanted
+      rstd_out[row[i]] = stats[i].y;
+      if constexpr (kLN) mean_out[row[i]] = stats[i].x;
+    }
+  }
+  // Each weight (and bias) vector is loaded once for all of this thread's rows.
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int col = vec_col(it, rank, lane);
+    if (col < hidden) {
+      VW wv, bv;
+      load(wv, w + col);
+      if constexpr (kLN) load(bv, b + col);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (active[i])
+          store_out(y + row[i] * static_cast<long long>(hidden) + col,
+                    normalize_vec(get_h(i, it, col), wv, bv, stats[i]));
+      }
+    }
+  }
 }
 
 #endif  // NORM_HAS_PART(0)
@@ -151,7 +196,8 @@ __global__ void __launch_bounds__(kThreads) norm_fwd(
 // ---------------------------------------------------------------------------------------------
 // (the formulas are in norm_layout.cuh)
 
-static_assert(!kSubWarpRows, "the backward pass takes a whole warp (or more) per row");
+static_assert(!kSubWarpRows && kRowsPerThread == 1,
+              "the backward pass takes a whole warp (or more) per row, one row per thread");
 
 __global__ void __launch_bounds__(kThreads) norm_bwd(
     const In* __restrict__ x, const Out* __restrict__ dy, const In* __restrict__ dres,

@@ -25,7 +25,8 @@
 #include "norm_rows.cuh"
 
 static_assert(kVec * sizeof(In) == 16, "the staged kernels copy 16-byte vectors of x");
-static_assert(!kSubWarpRows, "the staged kernels take a whole warp (or more) per row");
+static_assert(!kSubWarpRows && kRowsPerThread == 1,
+              "the staged kernels take a whole warp (or more) per row, one row per thread");
 
 #ifndef NORM_RESIDUAL
 #define NORM_RESIDUAL 0

@@ -17,9 +17,10 @@ import torch  # noqa: E402
 
 from custom_kernels import norms  # noqa: E402
 
-CASES = [  # (rows, hidden, dtype)
+CASES = [  # (rows, hidden, dtype[, forward config])
     (37, 1000, torch.bfloat16),  # forward: the direct kernel, a warp per row; backward staged
     (13, 256, torch.bfloat16),  # forward: the direct kernel, 16 lanes a row, ending in a warp
+    (13, 264, torch.bfloat16, "t64_r2_c1_v8_p4"),  # 4 rows a thread, ending in a block
     (5, 4097, torch.float16),  # the direct kernel's scalar path
     (21, 4096, torch.bfloat16),  # staged, a block per row (1 stage forward, 2 backward)
     (9, 65536, torch.bfloat16),  # staged clusters of 2 (forward) and 4 (backward)
@@ -27,14 +28,14 @@ CASES = [  # (rows, hidden, dtype)
 ]
 
 
-def run(rows, hidden, dtype):
+def run(rows, hidden, dtype, config=None):
     torch.manual_seed(0)
     x = torch.randn(rows, hidden, device="cuda", dtype=dtype, requires_grad=True)
     res = torch.randn_like(x, requires_grad=True)
     w = torch.rand(hidden, device="cuda", dtype=torch.float32, requires_grad=True)
     b = torch.randn(hidden, device="cuda", dtype=torch.float32, requires_grad=True)
-    y, h = norms.rms_norm(x, w, residual=res)
-    z = norms.layer_norm(h, w, b)
+    y, h = norms.rms_norm(x, w, residual=res, config=config)
+    z = norms.layer_norm(h, w, b, config=config)
     ((y.float() ** 2).sum() + (z.float() * 3).sum() + h.float().sum()).backward()
     torch.cuda.synchronize()
     ry, rh = norms.rms_norm_reference(x.detach(), w.detach(), 1e-6, residual=res.detach())

@@ -183,14 +183,20 @@ def test_misaligned_and_strided_inputs(kind, dtype):
     check(kind, rows, hidden, dtype, residual=False, x=wide[:, :hidden])  # aligned row stride
 
 
+# (config, hidden sizes it holds): 8 or 16 lanes a row, and several rows per thread (p2, p4),
+# with rows that end inside a warp's last vector (264 = 33 vectors).
+SHORT_ROW_SPLITS = [("t64_r4_c1_v8", (256, 768)), ("t128_r16_c1_v8", (256, 768)),
+                    ("t256_r32_c1_v8", (256, 768)), ("t64_r2_c1_v8_p4", (256, 264)),
+                    ("t128_r8_c1_v8_p2", (256, 264)), ("t64_r2_c1_v1_p2", (256, 264))]
+
+
 @pytest.mark.parametrize("rows", [1, 5, 33, 4099])
-@pytest.mark.parametrize("config", ["t64_r4_c1_v8", "t128_r16_c1_v8", "t256_r32_c1_v8"],
-                         ids=["16-lanes", "8-lanes", "8-lanes-256"])
+@pytest.mark.parametrize("config,hiddens", SHORT_ROW_SPLITS, ids=[c for c, _ in SHORT_ROW_SPLITS])
 @pytest.mark.parametrize("kind", nc.KINDS)
-def test_several_rows_per_warp_forward(kind, config, rows):
-    # Row counts that end inside a warp and inside a block: the groups past the end keep the
+def test_several_rows_per_warp_or_thread_forward(kind, config, hiddens, rows):
+    # Row counts that end inside a warp and inside a block: the rows past the end keep the
     # warp's shuffles full and must store nothing (the residual output included).
-    for hidden in (256, 768):
+    for hidden in hiddens:
         x, w, b, res, _ = _inputs(rows, hidden, torch.bfloat16, True, kind)
         args = (w,) if kind == "rms" else (w, b)
         fn = norms.rms_norm if kind == "rms" else norms.layer_norm
