@@ -157,7 +157,16 @@ __global__ void __launch_bounds__(kThreads) norm_fwd(
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     auto get_hi = [&](int it, int col) { return get_h(i, it, col); };
-    stats[i] = row_statistics(red, s[i], row_shift(xr[i], rr[i]), get_hi, hidden, rank, lane, eps);
+    float shift;
+    if constexpr (kLN && kWarpPerRow && kCache) {
+      // LayerNorm's shift (row_shift: h's first element) is in the registers of the row's first
+      // lane: one shuffle instead of a global load whose latency every row would wait for.
+      const int first_lane = static_cast<int>(threadIdx.x % 32) & ~(kTpr - 1);
+      shift = __shfl_sync(0xffffffffu, to_float(h[i][0].v[0]), first_lane);
+    } else {
+      shift = row_shift(xr[i], rr[i]);
+    }
+    stats[i] = row_statistics(red, s[i], shift, get_hi, hidden, rank, lane, eps);
   }
   // Past the last shuffle: rows past the end store nothing from here on.
   if constexpr (kMayOverrun) {

@@ -223,6 +223,10 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
   int stage = 0;
   for (long long row = units.first; row < rows; row += units.stride) {
     issue(row + (kStages - 1) * units.stride, prefetch_stage(stage));
+    // LayerNorm's shift, loaded before the wait so that its latency hides behind the copies
+    // (after it, the load sits on every row's critical path: ptxas keeps it below the wait).
+    const float shift =
+        row_shift(x + row * x_stride, kResidual ? res + row * res_stride : nullptr);
     cp_async_wait<kStages - 1>();
     In* hr = kResidual ? res_out + row * static_cast<long long>(hidden) : nullptr;
     float s = 0.0f;
@@ -241,8 +245,6 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
       }
     }
     auto get_h = [&](int it, int) { return *xs.slot(stage, it); };
-    const float shift =
-        row_shift(x + row * x_stride, kResidual ? res + row * res_stride : nullptr);
     const float2 stats = row_statistics(red, s, shift, get_h, hidden, rank, lane, eps);
     if (lane == 0 && rank == 0 && rstd_out != nullptr) {  // null: no statistics wanted
       rstd_out[row] = stats.y;
