@@ -106,22 +106,78 @@ __device__ __forceinline__ VOut normalize_vec(const VIn& v, const VW& wv, const 
   return o;
 }
 
-// Forward output of a row.
+// Weight (and bias) vectors of the forward output loaded ahead of their use, NORM_OUT_BATCH
+// iterations at a time: ptxas keeps each load below the use of the previous one (every vector
+// sits behind its own bounds-check branch), so loads issued one iteration at a time wait for
+// one round trip each (to L2 when the weights are not in registers).
+#ifndef NORM_OUT_BATCH
+#define NORM_OUT_BATCH 1
+#endif
+constexpr int kOutBatch = NORM_OUT_BATCH < kIters ? NORM_OUT_BATCH : kIters;
+
+// Forward output of R rows of this thread (R > 1: the direct kernel's rows per thread, which
+// share each weight load); rows with `active` false store nothing. get_h(i, it, col) reads
+// row i's h; get_w / get_b (it, col) the weight and bias.
+template <int R, class GetH, class GetW, class GetB>
+__device__ __forceinline__ void write_normalized_rows(Out* const (&yr)[R], const bool (&active)[R],
+                                                      GetH get_h, GetW get_w, GetB get_b,
+                                                      const float2 (&stats)[R], int hidden,
+                                                      int rank, int lane) {
+  if constexpr (kOutBatch == 1) {  // load, then use, one vector at a time
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int col = vec_col(it, rank, lane);
+      if (col < hidden) {
+        const VW wv = get_w(it, col);
+        VW bv;
+        if constexpr (kLN) bv = get_b(it, col);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          if (active[i])
+            store_out(yr[i] + col, normalize_vec(get_h(i, it, col), wv, bv, stats[i]));
+        }
+      }
+    }
+  } else {  // kOutBatch vectors' loads, then their uses
+#pragma unroll
+    for (int it0 = 0; it0 < kIters; it0 += kOutBatch) {
+      VIn hv[kOutBatch][R];
+      VW wv[kOutBatch];
+      VW bv[kOutBatch];
+#pragma unroll
+      for (int k = 0; k < kOutBatch; ++k) {
+        const int col = vec_col(it0 + k, rank, lane);
+        if (it0 + k < kIters && col < hidden) {
+#pragma unroll
+          for (int i = 0; i < R; ++i) hv[k][i] = get_h(i, it0 + k, col);
+          wv[k] = get_w(it0 + k, col);
+          if constexpr (kLN) bv[k] = get_b(it0 + k, col);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kOutBatch; ++k) {
+        const int col = vec_col(it0 + k, rank, lane);
+        if (it0 + k < kIters && col < hidden) {
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            if (active[i]) store_out(yr[i] + col, normalize_vec(hv[k][i], wv[k], bv[k], stats[i]));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Forward output of one row.
 template <class GetH, class GetW, class GetB>
 __device__ __forceinline__ void write_normalized_row(Out* yr, GetH get_h, GetW get_w, GetB get_b,
                                                      float2 stats, int hidden, int rank,
                                                      int lane) {
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int col = vec_col(it, rank, lane);
-    if (col < hidden) {
-      const VIn v = get_h(it, col);
-      const VW wv = get_w(it, col);
-      VW bv;
-      if constexpr (kLN) bv = get_b(it, col);
-      store_out(yr + col, normalize_vec(v, wv, bv, stats));
-    }
-  }
+  Out* const rows[1] = {yr};
+  const bool active[1] = {true};
+  const float2 row_stats[1] = {stats};
+  write_normalized_rows(rows, active, [&](int, int it, int col) { return get_h(it, col); }, get_w,
+                        get_b, row_stats, hidden, rank, lane);
 }
 
 // Backward pass 1: adds dy * xhat (and dy) to the dW (dB) accumulators and returns this thread's

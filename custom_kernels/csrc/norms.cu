@@ -179,22 +179,21 @@ __global__ void __launch_bounds__(kThreads) norm_fwd(
       if constexpr (kLN) mean_out[row[i]] = stats[i].x;
     }
   }
+  Out* yr[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) yr[i] = y + row[i] * static_cast<long long>(hidden);
+  auto get_w = [&](int, int col) {
+    VW v;
+    load(v, w + col);
+    return v;
+  };
+  auto get_b = [&](int, int col) {
+    VW v;
+    load(v, b + col);
+    return v;
+  };
   // Each weight (and bias) vector is loaded once for all of this thread's rows.
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int col = vec_col(it, rank, lane);
-    if (col < hidden) {
-      VW wv, bv;
-      load(wv, w + col);
-      if constexpr (kLN) load(bv, b + col);
-#pragma unroll
-      for (int i = 0; i < R; ++i) {
-        if (active[i])
-          store_out(y + row[i] * static_cast<long long>(hidden) + col,
-                    normalize_vec(get_h(i, it, col), wv, bv, stats[i]));
-      }
-    }
-  }
+  write_normalized_rows(yr, active, get_h, get_w, get_b, stats, hidden, rank, lane);
 }
 
 #endif  // NORM_HAS_PART(0)
