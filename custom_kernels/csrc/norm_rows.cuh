@@ -106,15 +106,6 @@ __device__ __forceinline__ VOut normalize_vec(const VIn& v, const VW& wv, const 
   return o;
 }
 
-// Weight (and bias) vectors of the forward output loaded ahead of their use, NORM_OUT_BATCH
-// iterations at a time: ptxas keeps each load below the use of the previous one (every vector
-// sits behind its own bounds-check branch), so loads issued one iteration at a time wait for
-// one round trip each (to L2 when the weights are not in registers).
-#ifndef NORM_OUT_BATCH
-#define NORM_OUT_BATCH 1
-#endif
-constexpr int kOutBatch = NORM_OUT_BATCH < kIters ? NORM_OUT_BATCH : kIters;
-
 // Forward output of R rows of this thread (R > 1: the direct kernel's rows per thread, which
 // share each weight load); rows with `active` false store nothing. get_h(i, it, col) reads
 // row i's h; get_w / get_b (it, col) the weight and bias.
@@ -123,46 +114,20 @@ __device__ __forceinline__ void write_normalized_rows(Out* const (&yr)[R], const
                                                       GetH get_h, GetW get_w, GetB get_b,
                                                       const float2 (&stats)[R], int hidden,
                                                       int rank, int lane) {
-  if constexpr (kOutBatch == 1) {  // load, then use, one vector at a time
+  // Load, then use, one vector at a time. Issuing the weight (and bias) loads of 2, 4 or all
+  // vectors before their uses (so their latencies overlap) lost at every size on an H200, up
+  // to 3x for LayerNorm's long rows: ptxas then hoists every load and the registers cost
+  // occupancy (devrun/outbatch.py at 32bf735).
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
-        const VW wv = get_w(it, col);
-        VW bv;
-        if constexpr (kLN) bv = get_b(it, col);
+  for (int it = 0; it < kIters; ++it) {
+    const int col = vec_col(it, rank, lane);
+    if (col < hidden) {
+      const VW wv = get_w(it, col);
+      VW bv;
+      if constexpr (kLN) bv = get_b(it, col);
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
-          if (active[i])
-            store_out(yr[i] + col, normalize_vec(get_h(i, it, col), wv, bv, stats[i]));
-        }
-      }
-    }
-  } else {  // kOutBatch vectors' loads, then their uses
-#pragma unroll
-    for (int it0 = 0; it0 < kIters; it0 += kOutBatch) {
-      VIn hv[kOutBatch][R];
-      VW wv[kOutBatch];
-      VW bv[kOutBatch];
-#pragma unroll
-      for (int k = 0; k < kOutBatch; ++k) {
-        const int col = vec_col(it0 + k, rank, lane);
-        if (it0 + k < kIters && col < hidden) {
-#pragma unroll
-          for (int i = 0; i < R; ++i) hv[k][i] = get_h(i, it0 + k, col);
-          wv[k] = get_w(it0 + k, col);
-          if constexpr (kLN) bv[k] = get_b(it0 + k, col);
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kOutBatch; ++k) {
-        const int col = vec_col(it0 + k, rank, lane);
-        if (it0 + k < kIters && col < hidden) {
-#pragma unroll
-          for (int i = 0; i < R; ++i) {
-            if (active[i]) store_out(yr[i] + col, normalize_vec(hv[k][i], wv[k], bv[k], stats[i]));
-          }
-        }
+      for (int i = 0; i < R; ++i) {
+        if (active[i]) store_out(yr[i] + col, normalize_vec(get_h(i, it, col), wv, bv, stats[i]));
       }
     }
   }
