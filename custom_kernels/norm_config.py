@@ -284,7 +284,7 @@ def _aligned_heuristic(problem: NormProblem) -> NormConfig:
     vectors = math.ceil(problem.hidden / vec)
     if problem.direction == "fwd" and problem.kind == "ln":
         # LayerNorm. Short rows: the direct kernel (registers only, not persistent), 16 lanes
-        # a row up to half a vector a lane (H200, hidden 256: 0.96 / 0.97x torch.compile at
+        # a row up to half a vector a lane (H200, hidden 256: 0.97 / 0.98x torch.compile at
         # 32768 / 131072 rows; persistent with 3 rows in flight a warp: 0.92 / 0.86x), a warp
         # a row up to 4 vectors a lane. Then one stage, not persistent (more blocks per SM
         # cover each block's barriers; swept when the statistics took two reductions a row,
