@@ -92,7 +92,17 @@ static_assert(kRowsPerThread == 1 || kCache, "several rows per thread keep them 
 // Rows: with kWarpPerRow, a block covers kRowsPerBlock * kRowsPerThread consecutive rows, in
 // kRowsPerThread passes of kRowsPerBlock (one per warp or per kTpr lanes); thread t takes row
 // t / kTpr of each pass. Otherwise one row per block (cluster).
-__global__ void __launch_bounds__(kThreads) norm_fwd(
+// NORM_MAX_REGS > 0: registers per thread capped through __launch_bounds__' minimum of blocks
+// per SM (65536 registers), for more resident warps on short rows.
+#ifndef NORM_MAX_REGS
+#define NORM_MAX_REGS 0
+#endif
+#if NORM_MAX_REGS > 0
+#define NORM_FWD_BOUNDS __launch_bounds__(kThreads, 65536 / (kThreads * NORM_MAX_REGS))
+#else
+#define NORM_FWD_BOUNDS __launch_bounds__(kThreads)
+#endif
+__global__ void NORM_FWD_BOUNDS norm_fwd(
     const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
     const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
