@@ -93,7 +93,7 @@ static_assert(kRowsPerThread == 1 || kCache, "several rows per thread keep them 
 // kRowsPerThread passes of kRowsPerBlock (one per warp or per kTpr lanes); thread t takes row
 // t / kTpr of each pass. Otherwise one row per block (cluster).
 // NORM_MAX_REGS > 0: registers per thread capped through __launch_bounds__' minimum of blocks
-// per SM (65536 registers), for more resident warps on short rows.
+// per SM (65536 registers), for more resident warps on short rows (norm_config.py says where).
 #ifndef NORM_MAX_REGS
 #define NORM_MAX_REGS 0
 #endif
