@@ -1,4 +1,7 @@
-"""Runs one norm forward a few times (for ncu): python devrun/norm_one_kind.py rms|ln HIDDEN [config]"""
+"""Runs one norm forward a few times (for ncu):
+
+    python devrun/norm_one_kind.py rms|ln HIDDEN [config]
+"""
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
