@@ -50,7 +50,9 @@ __device__ __forceinline__ void accumulate_first_pass(float& s, const VIn& v) {
 // which for a cluster is a cluster-wide barrier per row. The shift keeps E[d]^2 near the
 // variance, so the subtraction does not cancel (a row's values sit within a few deviations of
 // its first one).
-template <class Reducer, class GetH>
+// kRmsFromH: RMSNorm sums h^2 here from get_h and ignores `s` (the direct kernel with the row in
+// registers: with the sum out of the load pass, its 16-lanes split fits 32 registers unspilled).
+template <bool kRmsFromH = false, class Reducer, class GetH>
 __device__ __forceinline__ float2 row_statistics(Reducer& red, float s, float shift, GetH get_h,
                                                  int hidden, int rank, int lane, float eps) {
   const float inv_n = 1.0f / static_cast<float>(hidden);
@@ -77,6 +79,14 @@ __device__ __forceinline__ float2 row_statistics(Reducer& red, float s, float sh
     mean = shift + m1;
     var = fmaxf(t.y * inv_n - m1 * m1, 0.0f);
   } else {
+    if constexpr (kRmsFromH) {
+      s = 0.0f;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int col = vec_col(it, rank, lane);
+        if (col < hidden) accumulate_first_pass(s, get_h(it, col));
+      }
+    }
     var = red.sum(s) * inv_n;
   }
   return make_float2(mean, rsqrtf(var + eps));

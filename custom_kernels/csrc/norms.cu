@@ -176,7 +176,7 @@ __global__ void NORM_FWD_BOUNDS norm_fwd(
     } else {
       shift = row_shift(xr[i], rr[i]);
     }
-    stats[i] = row_statistics(red, s[i], shift, get_hi, hidden, rank, lane, eps);
+    stats[i] = row_statistics<kCache>(red, s[i], shift, get_hi, hidden, rank, lane, eps);
   }
   // Past the last shuffle: rows past the end store nothing from here on.
   if constexpr (kMayOverrun) {
