@@ -241,13 +241,15 @@ class NormConfig:
         return None
 
     def _caps_registers(self, problem: NormProblem) -> bool:
-        """LayerNorm's direct forward with 16 lanes a row and at most 2 vectors a lane, all
-        operands of one width, runs with its registers capped at 32 (ptxas: 40 uncapped, no
-        spill capped; 16 blocks of 128 threads an SM instead of 12). H200, hidden 256, 32768 /
-        131072 rows: 0.968 / 0.964x torch.compile against 0.933-0.938 / 0.943-0.950x uncapped
-        (devrun/regcap.sh). RMSNorm's kernel spills under the cap and loses 4%; an fp32 output
-        or weight with 16-bit input spills too."""
-        return (problem.kind == "ln" and problem.direction == "fwd" and not self.stages
+        """The direct forward with 16 lanes a row and at most 2 vectors a lane, all operands of
+        one width, runs with its registers capped at 32 (ptxas: 38-40 uncapped, no spill
+        capped; 16 blocks of 128 threads an SM instead of 12). H200, hidden 256, 32768 / 131072
+        rows against torch.compile (devrun/regcap.sh): LayerNorm 0.968 / 0.964x capped against
+        0.933-0.938 / 0.943-0.950x; RMSNorm 0.969-0.973 / 1.007-1.012x against 0.962 /
+        0.991-1.015x (once its sum of squares moved out of the load pass, fbcb992: before, the
+        cap spilled 4 bytes and lost 4%). An fp32 output or weight with 16-bit input spills
+        under the cap in LayerNorm."""
+        return (problem.direction == "fwd" and not self.stages
                 and self.threads_per_row == 16 and self.rows_per_thread == 1
                 and self.iters(problem.hidden) <= 2
                 and DTYPE_SIZES[problem.dtype] == DTYPE_SIZES[problem.out_dtype]

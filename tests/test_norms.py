@@ -51,11 +51,12 @@ def test_heuristic_splits_rows_as_documented():
     assert nc.heuristic(problem(1000)) == nc.NormConfig(64, 2, 1, 8, 0)
     assert "NORM_TPR" not in nc.heuristic(problem(1000)).defines(problem(1000))
     assert nc.heuristic(problem(256, kind="ln")) == short
-    # LayerNorm's 16-lanes split runs with 32 registers (measured faster, no spill); RMSNorm's
-    # and mixed-width operands' do not (they would spill).
+    # The 16-lanes split runs with 32 registers (measured faster, no spill); mixed-width
+    # operands' does not (LayerNorm's would spill), nor does a warp a row.
     assert short.defines(problem(256, kind="ln"))["NORM_MAX_REGS"] == 32
-    assert "NORM_MAX_REGS" not in short.defines(problem(256))
+    assert short.defines(problem(256))["NORM_MAX_REGS"] == 32
     assert "NORM_MAX_REGS" not in short.defines(problem(256, kind="ln", out="float32"))
+    assert "NORM_MAX_REGS" not in nc.heuristic(problem(1000)).defines(problem(1000))
     assert nc.heuristic(problem(1000, kind="ln")) == nc.NormConfig(64, 2, 1, 8, 0)
     # Rows of up to 1024 vectors: a block each, one stage, not persistent.
     assert nc.heuristic(problem(4096)) == nc.NormConfig(256, 1, 1, 8, 1)
