@@ -3,6 +3,10 @@ use, 1 (load-use per vector) against 2 / 4 / all, for the heuristic's config, RM
 LayerNorm, bf16, against torch.compile in the same interleaved run.
 
     python devrun/outbatch.py [rms|ln ...]   (HIDDEN=1000,4096 to pick sizes)
+
+NORM_OUT_BATCH exists only at commit 32bf735 (the kernels dropped it after this measurement):
+run it on a checkout of that commit. NORM_MIN_BLOCKS (VARIANTS="2:3") was a local patch to the
+staged kernel's __launch_bounds__, never committed; it spilled 548 to 792 bytes.
 """
 import os
 import sys

@@ -45,27 +45,23 @@ __device__ __forceinline__ void fwd_issue_loads(VIn (&h)[kIters], VIn (&r)[kIter
   }
 }
 
-// Then h = x (+ residual), written to residual_out; returns this thread's sum of h^2 (RMSNorm's
-// statistics).
-__device__ __forceinline__ float fwd_first_pass(VIn (&h)[kIters], const VIn (&r)[kIters],
-                                                bool residual, In* hr, int hidden, int rank,
-                                                int lane) {
-  float s = 0.0f;
+// Then h = x + residual, written to residual_out. (The statistics are summed afterwards from
+// the registers: row_statistics<true>.)
+__device__ __forceinline__ void fwd_add_residual(VIn (&h)[kIters], const VIn (&r)[kIters],
+                                                 bool residual, In* hr, int hidden, int rank,
+                                                 int lane) {
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (col < hidden) {
-      if (residual) {
-        add_residual(h[it], r[it]);
-        if (hr != nullptr) store(hr + col, h[it]);  // none past the end
-      }
-      accumulate_first_pass(s, h[it]);
+    if (col < hidden && residual) {
+      add_residual(h[it], r[it]);
+      if (hr != nullptr) store(hr + col, h[it]);  // none past the end
     }
   }
-  return s;
 }
 
-// Pass 1 without the cache (rows too long for registers): one vector at a time.
+// Pass 1 without the cache (rows too long for registers): one vector at a time; returns this
+// thread's sum of h^2 (RMSNorm's statistics).
 __device__ __forceinline__ float fwd_first_pass_uncached(const In* xr, const In* rr, In* hr,
                                                          int hidden, int rank, int lane) {
   float s = 0.0f;
@@ -89,9 +85,6 @@ __device__ __forceinline__ float fwd_first_pass_uncached(const In* xr, const In*
 
 static_assert(kRowsPerThread == 1 || kCache, "several rows per thread keep them in registers");
 
-// Rows: with kWarpPerRow, a block covers kRowsPerBlock * kRowsPerThread consecutive rows, in
-// kRowsPerThread passes of kRowsPerBlock (one per warp or per kTpr lanes); thread t takes row
-// t / kTpr of each pass. Otherwise one row per block (cluster).
 // NORM_MAX_REGS > 0: registers per thread capped through __launch_bounds__' minimum of blocks
 // per SM (65536 registers), for more resident warps on short rows (norm_config.py says where).
 #ifndef NORM_MAX_REGS
@@ -102,6 +95,10 @@ static_assert(kRowsPerThread == 1 || kCache, "several rows per thread keep them 
 #else
 #define NORM_FWD_BOUNDS __launch_bounds__(kThreads)
 #endif
+
+// Rows: with kWarpPerRow, a block covers kRowsPerBlock * kRowsPerThread consecutive rows, in
+// kRowsPerThread passes of kRowsPerBlock (one per warp or per kTpr lanes); thread t takes row
+// t / kTpr of each pass. Otherwise one row per block (cluster).
 __global__ void NORM_FWD_BOUNDS norm_fwd(
     const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
     const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
@@ -142,14 +139,14 @@ __global__ void NORM_FWD_BOUNDS norm_fwd(
 
   RowReducer<RedT> red(red_smem);
   VIn h[R][kIters];  // unused (and optimized away) without the cache
-  float s[R];
+  float s[R] = {};  // RMSNorm's first-pass sums of h^2, without the cache only
   if constexpr (kCache) {
     VIn r[R][kIters];
 #pragma unroll
     for (int i = 0; i < R; ++i) fwd_issue_loads(h[i], r[i], xr[i], rr[i], hidden, rank, lane);
 #pragma unroll
     for (int i = 0; i < R; ++i)
-      s[i] = fwd_first_pass(h[i], r[i], res != nullptr, hr[i], hidden, rank, lane);
+      fwd_add_residual(h[i], r[i], res != nullptr, hr[i], hidden, rank, lane);
   } else {
     s[0] = fwd_first_pass_uncached(xr[0], rr[0], hr[0], hidden, rank, lane);
   }
