@@ -100,6 +100,10 @@ class NormConfig:
     vec: int
     stages: int = 0  # 0: the direct kernel (norms.cu); >= 1: the staged kernel (norms_staged.cu)
     rows_per_thread: int = 1  # > 1: the direct forward kernel, a warp or less per row
+    # The persistent staged forward with a block (cluster) per row: the weight, unless it fits
+    # registers, and the bias in shared memory, copied once per block instead of read from L2
+    # for every row.
+    param_smem: bool = False
 
     @property
     def source(self) -> str:
@@ -124,9 +128,11 @@ class NormConfig:
 
     @property
     def name(self) -> str:
-        """``t128_r8_c1_v8``, with ``_s3`` (stages) or ``_p4`` (rows per thread) when not 0 / 1."""
+        """``t128_r8_c1_v8``, with ``_s3`` (stages), ``_m`` (parameters in shared memory) or
+        ``_p4`` (rows per thread) when not 0 / False / 1."""
         name = f"t{self.threads}_r{self.rows_per_block}_c{self.cluster}_v{self.vec}"
         return name + (f"_s{self.stages}" if self.stages else "") + \
+            ("_m" if self.param_smem else "") + \
             (f"_p{self.rows_per_thread}" if self.rows_per_thread != 1 else "")
 
     @classmethod
@@ -138,14 +144,20 @@ class NormConfig:
                 raise ValueError
             values = {fields[p[0]]: int(p[1:]) for p in parts[:4]}
             rest = parts[4:]
-            for key, field in (("s", "stages"), ("p", "rows_per_thread")):  # in this order
-                if rest and rest[0][:1] == key:
-                    values[field] = int(rest.pop(0)[1:])
+            for key, field in (("s", "stages"), ("m", "param_smem"), ("p", "rows_per_thread")):
+                if rest and rest[0][:1] == key:  # in this order
+                    token = rest.pop(0)
+                    if field == "param_smem":
+                        if token != "m":
+                            raise ValueError
+                        values[field] = True
+                    else:
+                        values[field] = int(token[1:])
             if rest:
                 raise ValueError
         except (ValueError, IndexError):
             raise ValueError(f"not a norm config name: {name!r} (expected t256_r8_c1_v8, "
-                             "t256_r8_c1_v8_s3 or t32_r1_c1_v8_p4)") from None
+                             "t256_r8_c1_v8_s3, t512_r1_c8_v8_s2_m or t32_r1_c1_v8_p4)") from None
         return cls(**values)
 
     def iters(self, hidden: int) -> int:
@@ -179,11 +191,25 @@ class NormConfig:
             * self.threads_per_row
         x_vec = self.vec * DTYPE_SIZES[problem.dtype]
         if problem.direction == "fwd":
-            return slots * x_vec * (2 if residual else 1)
+            params = self.params_in_smem(problem) * self.iters(problem.hidden) * self.threads \
+                * self.vec * DTYPE_SIZES[problem.weight_dtype]
+            return slots * x_vec * (2 if residual else 1) + params
         dy_vec = self.vec * DTYPE_SIZES[problem.out_dtype]
         stats = (self.stages * (self.threads // 32) + 1) // 2 * 2 * 8
         staged = stats + slots * (x_vec + dy_vec + (x_vec if residual else 0))
         return max(staged, partials)
+
+    def params_in_smem(self, problem: NormProblem) -> int:
+        """How many of the forward's parameter vectors (weight, bias) a ``param_smem`` config
+        keeps in shared memory: the bias, and the weight unless its registers fit RMSNorm's
+        rule of norms_staged.cu (at most 32, beside the kernel's base registers)."""
+        if not (self.param_smem and self.stages and problem.direction == "fwd"):
+            return 0
+        weight_regs = self.iters(problem.hidden) * max(
+            1, self.vec * DTYPE_SIZES[problem.weight_dtype] // 4)
+        weight_in_regs = weight_regs <= 32 and \
+            _BASE_REGS + weight_regs <= min(255, 65536 // self.threads)
+        return (0 if weight_in_regs else 1) + (1 if problem.kind == "ln" else 0)
 
     def registers_needed(self, problem: NormProblem) -> int:
         """The staged backward's estimate: base registers plus the dW/dB accumulators."""
@@ -206,6 +232,12 @@ class NormConfig:
                                          or not self.warp_per_row or not self.cache(problem)):
             return ("several rows per thread only in the direct forward kernel, with a warp or "
                     "less per row kept in registers")
+        if self.param_smem and (self.stages < 2 or problem.direction == "bwd"
+                                or self.warp_per_row):
+            return ("parameters in shared memory only in the persistent staged forward (2 or "
+                    "more stages) with a block per row")
+        if self.param_smem and self.params_in_smem(problem) == 0:
+            return "parameters in shared memory: none to put there (the weight fits registers)"
         if self.cluster not in CLUSTER_CHOICES:
             return f"cluster {self.cluster} not in {CLUSTER_CHOICES}"
         if self.warp_per_row and self.cluster > 1:
@@ -271,6 +303,7 @@ class NormConfig:
             **({"NORM_MAX_REGS": 32} if self._caps_registers(problem) else {}),
             **({"NORM_STAGES": self.stages, "NORM_RESIDUAL": int(problem.residual)}
                if self.stages else {}),
+            **({"NORM_PARAM_SMEM": 1} if self.param_smem else {}),
         }
 
 
@@ -387,9 +420,11 @@ def space(problem: NormProblem) -> Iterator[NormConfig]:
                 for vec in sorted({1, problem.vec}):
                     for stages in (0, *STAGE_CHOICES):
                         for per_thread in ROWS_PER_THREAD_CHOICES:
-                            config = NormConfig(threads, rows, cluster, vec, stages, per_thread)
-                            if config != first and config.why_invalid(problem) is None:
-                                yield config
+                            for param_smem in (False, True):
+                                config = NormConfig(threads, rows, cluster, vec, stages,
+                                                    per_thread, param_smem)
+                                if config != first and config.why_invalid(problem) is None:
+                                    yield config
 
 
 def reduce_defines(weight_dtype: str) -> dict[str, int]:

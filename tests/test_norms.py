@@ -110,6 +110,39 @@ def test_several_rows_per_thread():
     assert not [c for c in nc.space(problem(4096)) if c.rows_per_thread > 1]
 
 
+def test_parameters_in_shared_memory():
+    # The persistent staged forward with a block per row: the bias, and the weight unless it
+    # fits registers (RMSNorm's rule: 32 at most, beside 40 base), take shared memory once a
+    # block. The name says so (_m), the kernel gets NORM_PARAM_SMEM, the host counts the bytes.
+    cfg = nc.NormConfig.from_name("t1024_r1_c1_v8_s2_m")
+    assert cfg == nc.NormConfig(1024, 1, 1, 8, 2, param_smem=True)
+    assert cfg.name == "t1024_r1_c1_v8_s2_m"
+    ln, rms = problem(32768, kind="ln"), problem(32768)
+    assert cfg.params_in_smem(ln) == 1  # 4 vectors: 16 weight registers fit beside 40 of 64
+    assert cfg.shared_mem(ln) == 2 * 1024 * 4 * 16 + 1024 * 4 * 16  # 2 stages of x, the bias
+    assert cfg.defines(ln)["NORM_PARAM_SMEM"] == 1
+    assert "NORM_PARAM_SMEM" not in nc.NormConfig(1024, 1, 1, 8, 2).defines(ln)
+    assert "none to put there" in cfg.why_invalid(rms)  # RMSNorm: the weight fits registers
+    wide = nc.NormConfig(256, 1, 1, 8, 2, param_smem=True)  # 16 vectors: 64 weight registers
+    assert wide.params_in_smem(rms) == 1 and wide.params_in_smem(ln) == 2
+    fp32_weight = problem(32768, weight="float32")  # 32 registers + 40 > 64 at 1024 threads
+    assert cfg.params_in_smem(fp32_weight) == 1
+    # Only where blocks are persistent (2+ stages), forward, a block per row; within the memory.
+    reason = "parameters in shared memory only"
+    assert reason in nc.NormConfig(1024, 1, 1, 8, 1, param_smem=True).why_invalid(ln)
+    assert reason in nc.NormConfig(1024, 1, 1, 8, 0, param_smem=True).why_invalid(ln)
+    assert reason in cfg.why_invalid(problem(32768, kind="ln", direction="bwd"))
+    assert reason in nc.NormConfig(256, 8, 1, 8, 2, param_smem=True).why_invalid(
+        problem(1024, kind="ln"))
+    assert "shared memory (max" in nc.NormConfig(512, 1, 1, 8, 3, param_smem=True).why_invalid(
+        problem(32768, kind="ln"))
+    with pytest.raises(ValueError, match="not a norm config"):
+        nc.NormConfig.from_name("t1024_r1_c1_v8_s2_m2")
+    assert nc.NormConfig.from_name("t1024_r1_c1_v8_s2_m_p2").param_smem  # parses; invalid later
+    long_ln = [c for c in nc.space(problem(262144, kind="ln")) if c.param_smem]
+    assert long_ln and all(nc.NormConfig.from_name(c.name) == c for c in long_ln)
+
+
 def test_unaligned_problems_take_the_scalar_path():
     p = problem(4097)
     assert not p.aligned and p.vec == 1 and nc.heuristic(p).vec == 1
@@ -337,6 +370,13 @@ def _variants():
                     if per_thread.why_invalid(p) is None:
                         seen[("norms.cu", per_thread.name, p)] = ("norms.cu",
                                                                   per_thread.defines(p))
+                    # and the parameters in shared memory, the first split that takes them
+                    for threads, cluster in ((1024, 1), (512, 2), (512, 8), (256, 1)):
+                        smem = nc.NormConfig(threads, 1, cluster, p.vec, 2, param_smem=True)
+                        if smem.why_invalid(p) is None:
+                            seen[("norms_staged.cu", smem.name, p)] = ("norms_staged.cu",
+                                                                       smem.defines(p))
+                            break
     for weight in DTYPES:
         seen[weight] = (nc.REDUCE_SOURCE, nc.reduce_defines(weight))
     return list(seen.values())

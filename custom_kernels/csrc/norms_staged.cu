@@ -20,6 +20,8 @@
 //   stats:   kStages * kWarps float2s, rounded up to an even count (backward only)
 //   streams: kStages * kSlotsPerStage vectors each; forward x (and residual), backward x, dy
 //            (and d_residual_out), the residual streams only when compiled with NORM_RESIDUAL
+//   params:  forward with NORM_PARAM_SMEM: kIters * kThreads weight vectors unless the weight
+//            fits registers, then as many bias vectors (LayerNorm)
 // The backward with a warp per row reuses it for the block's dW/dB partials once the rows are done.
 
 #include "norm_rows.cuh"
@@ -121,9 +123,17 @@ __device__ __forceinline__ int prefetch_stage(int stage) {
   return stage == 0 ? kStages - 1 : stage - 1;
 }
 
-// This thread's weight (or bias) vectors: kept in registers when they fit beside everything
-// else the kernel holds (a thread has 65536 / kThreads of them, at most 255), else read from
-// global memory (L2) for each row.
+// Where a kernel keeps this thread's weight (and bias) vectors across the rows it walks: in
+// registers, when they fit beside everything else (a thread has 65536 / kThreads of them, at most
+// 255); in shared memory (NORM_PARAM_SMEM, the forward with a block or cluster per row), copied
+// once per block, each thread its own slots, so no barrier; or in global memory, read again for
+// every row (from L2).
+// Why shared memory: LayerNorm's weight and bias of a long row take 64 registers at 8 vectors a
+// thread. Read from L2 for every row they are twice the bytes of x, and on an H200 the speed then
+// depends on where the two tensors happen to sit: 0.70 to 0.94 of the copy bandwidth at hidden
+// 32768 over twelve placements of the same values (devrun/ln_wplace.py).
+enum class Home { kRegisters, kShared, kGlobal };
+
 constexpr int kMaxRegs = 65536 / kThreads < 255 ? 65536 / kThreads : 255;
 constexpr int kBaseRegs = 40;  // addresses, loop state, the current vectors (measured: ptxas -v)
 constexpr int kWeightRegs = kIters * static_cast<int>(sizeof(VW)) / 4;
@@ -135,51 +145,67 @@ constexpr int kWeightRegs = kIters * static_cast<int>(sizeof(VW)) / 4;
 #ifndef NORM_WEIGHT_REGS
 #define NORM_WEIGHT_REGS -1
 #endif
+#ifndef NORM_PARAM_SMEM
+#define NORM_PARAM_SMEM 0
+#endif
+constexpr bool kParamSmem = NORM_PARAM_SMEM != 0;
+static_assert(!kParamSmem || !kWarpPerRow, "parameters in shared memory: a block per row");
 constexpr int kFwdWeightRegs = kWeightRegs * (kLN ? 2 : 1);
 [[maybe_unused]] constexpr bool kFwdWeightInRegs =
     NORM_WEIGHT_REGS == 0 ? false
     : NORM_WEIGHT_REGS == 1 ? kBaseRegs + kFwdWeightRegs <= kMaxRegs
                              : kFwdWeightRegs <= (kLN ? 8 : 32) &&
                                    kBaseRegs + kFwdWeightRegs <= kMaxRegs;
+// With NORM_PARAM_SMEM the weight alone takes RMSNorm's rule and the bias shared memory
+// (norm_config.py's NormConfig.params_in_smem counts the same).
+[[maybe_unused]] constexpr bool kWeightAloneInRegs =
+    kWeightRegs <= 32 && kBaseRegs + kWeightRegs <= kMaxRegs;
+[[maybe_unused]] constexpr Home kFwdWeightHome =
+    kParamSmem         ? (kWeightAloneInRegs ? Home::kRegisters : Home::kShared)
+    : kFwdWeightInRegs ? Home::kRegisters
+                       : Home::kGlobal;
+[[maybe_unused]] constexpr Home kFwdBiasHome = !kLN               ? Home::kGlobal  // no bias
+                                               : kParamSmem       ? Home::kShared
+                                               : kFwdWeightInRegs ? Home::kRegisters
+                                                                  : Home::kGlobal;
 constexpr int kAccRegs = kAccRows * kIters * kVec;  // the backward's dW (and dB) accumulators
 [[maybe_unused]] constexpr bool kBwdWeightInRegs =
     kWeightRegs <= 32 && kBaseRegs + kAccRegs + kWeightRegs <= kMaxRegs;
 
-template <bool kInRegs>
-struct RowWeights {
-  VW w[kInRegs ? kIters : 1];
-  VW b[kInRegs && kLN ? kIters : 1];
-  const W* wg;
-  const W* bg;
+// One parameter vector per iteration of this thread (weight or bias), kept at `kHome`.
+// Shared slots: `slots` holds kIters * kTpr vectors, slot it of this thread at it * kTpr + lane.
+// Their copies join the caller's next cp.async group.
+template <Home kHome>
+struct ParamVectors {
+  VW regs[kHome == Home::kRegisters ? kIters : 1];
+  VW* mine;
+  const W* global;
 
-  __device__ RowWeights(const W* w_, const W* b_, int hidden, int rank, int lane)
-      : wg(w_), bg(b_) {
-    if constexpr (kInRegs) {
+  __device__ ParamVectors(const W* g, VW* slots, int hidden, int rank, int lane)
+      : mine(kHome == Home::kShared ? slots + lane : nullptr), global(g) {
+    if (g == nullptr || kHome == Home::kGlobal) return;  // no bias, or read for every row
 #pragma unroll
-      for (int it = 0; it < kIters; ++it) {
-        const int col = vec_col(it, rank, lane);
-        if (col < hidden) {
-          load(w[it], wg + col);
-          if constexpr (kLN) {
-            if (bg != nullptr) load(b[it], bg + col);
-          }
+    for (int it = 0; it < kIters; ++it) {
+      const int col = vec_col(it, rank, lane);
+      if (col < hidden) {
+        if constexpr (kHome == Home::kRegisters) {
+          load(regs[it], g + col);
+        } else {
+          cp_async_vec(mine + it * kTpr, g + col);
         }
       }
     }
   }
-  __device__ __forceinline__ void weight(VW& v, int it, int col) const {
-    if constexpr (kInRegs) {
-      v = w[it];
+  __device__ __forceinline__ VW get(int it, int col) const {
+    VW v;
+    if constexpr (kHome == Home::kRegisters) {
+      v = regs[it];
+    } else if constexpr (kHome == Home::kShared) {
+      v = mine[it * kTpr];
     } else {
-      load(v, wg + col);
+      load(v, global + col);
     }
-  }
-  __device__ __forceinline__ void bias(VW& v, int it, int col) const {
-    if constexpr (kInRegs) {
-      v = b[it];
-    } else {
-      load(v, bg + col);
-    }
+    return v;
   }
 };
 
@@ -200,6 +226,14 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
   const RowUnits units = row_units();
   const Stream<VIn> xs(staging, units.in_block, lane);
   const Stream<VIn> rs(xs.end_of_region(staging), units.in_block, lane);
+  // Shared parameter slots (NORM_PARAM_SMEM) follow the streams: the weight's, then the bias'.
+  VW* param_slots = reinterpret_cast<VW*>(kResidual ? rs.end_of_region(xs.end_of_region(staging))
+                                                    : xs.end_of_region(staging));
+  VW* weight_slots = param_slots;
+  VW* bias_slots = param_slots + (kFwdWeightHome == Home::kShared ? kIters * kTpr : 0);
+  // Before the first cp.async group is committed: shared copies complete with row 0's.
+  const ParamVectors<kFwdWeightHome> weight(w, weight_slots, hidden, rank, lane);
+  const ParamVectors<kFwdBiasHome> bias(b, bias_slots, hidden, rank, lane);
 
   auto issue = [&](long long row, int stage) {
     if (row < rows) {
@@ -219,7 +253,6 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
 
   for (int s = 0; s + 1 < kStages; ++s) issue(units.first + s * units.stride, s);
   RowReducer<RedT> red(red_smem);
-  const RowWeights<kFwdWeightInRegs> weights(w, b, hidden, rank, lane);
   int stage = 0;
   for (long long row = units.first; row < rows; row += units.stride) {
     issue(row + (kStages - 1) * units.stride, prefetch_stage(stage));
@@ -251,16 +284,8 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
       rstd_out[row] = stats.y;
       if constexpr (kLN) mean_out[row] = stats.x;
     }
-    auto get_w = [&](int it, int col) {
-      VW v;
-      weights.weight(v, it, col);
-      return v;
-    };
-    auto get_b = [&](int it, int col) {
-      VW v;
-      weights.bias(v, it, col);
-      return v;
-    };
+    auto get_w = [&](int it, int col) { return weight.get(it, col); };
+    auto get_b = [&](int it, int col) { return bias.get(it, col); };
     write_normalized_row(y + row * static_cast<long long>(hidden), get_h, get_w, get_b, stats,
                          hidden, rank, lane);
     stage = next_stage(stage);
@@ -319,7 +344,8 @@ __global__ void __launch_bounds__(kThreads) norm_bwd_staged(
   float acc[kAccRows][kIters][kVec];
   zero_accumulators(acc);
   RowReducer<RedT> red(red_smem);
-  const RowWeights<kBwdWeightInRegs> weights(w, nullptr, hidden, rank, lane);
+  const ParamVectors<kBwdWeightInRegs ? Home::kRegisters : Home::kGlobal> weight(
+      w, nullptr, hidden, rank, lane);
   const float inv_n = 1.0f / static_cast<float>(hidden);
   int stage = 0;
   for (long long row = units.first; row < rows; row += units.stride) {
@@ -332,11 +358,7 @@ __global__ void __launch_bounds__(kThreads) norm_bwd_staged(
     auto get_x = [&](int it, int) { return *xs.slot(stage, it); };
     auto get_dy = [&](int it, int) { return *dys.slot(stage, it); };
     auto get_dres = [&](int it, int) { return *drs.slot(stage, it); };
-    auto get_w = [&](int it, int col) {
-      VW v;
-      weights.weight(v, it, col);
-      return v;
-    };
+    auto get_w = [&](int it, int col) { return weight.get(it, col); };
     const float2 sums = accumulate_row(acc, get_x, get_dy, get_w, m, rs, hidden, rank, lane);
     float c1, c2;
     row_sums(red, sums.x, sums.y, c1, c2);
