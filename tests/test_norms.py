@@ -68,6 +68,11 @@ def test_heuristic_splits_rows_as_documented():
     # LayerNorm forward (two reductions a row): one stage, not persistent, at every length.
     assert nc.heuristic(problem(8192, kind="ln")) == nc.NormConfig(256, 1, 1, 8, 1)
     assert nc.heuristic(problem(262144, kind="ln")) == nc.NormConfig(512, 1, 8, 8, 1)
+    # but rows of 2049 to 4096 vectors: persistent, the bias in shared memory, where it fits.
+    assert nc.heuristic(problem(32768, kind="ln")).name == "t1024_r1_c1_v8_s2_m"
+    assert nc.heuristic(problem(16384, kind="ln")) == nc.NormConfig(512, 1, 1, 8, 1)
+    ln_residual = dataclasses.replace(problem(32768, kind="ln"), residual=True)
+    assert nc.heuristic(ln_residual) == nc.NormConfig(512, 1, 1, 8, 1)
     # A residual stream doubles the staged bytes: the same row takes a larger cluster.
     with_residual = dataclasses.replace(problem(32768), residual=True)
     assert nc.heuristic(with_residual).cluster == 2
