@@ -37,9 +37,6 @@ DIRECTIONS = ("fwd", "bwd")
 MIN_HIDDEN, MAX_HIDDEN = 1, 262144
 THREAD_CHOICES = (64, 128, 256, 512, 1024)
 CLUSTER_CHOICES = (1, 2, 4, 8, 16)  # 16 is a non-portable size (Hopper allows it on request)
-# Blocks per row of a group split (global-memory reduction, no cluster): 11 and 12 divide the
-# 132 SMs of an H100/H200, so that one block per SM leaves none idle.
-GROUP_CHOICES = (2, 3, 4, 6, 8, 11, 12, 16)
 # Lanes per row when a warp holds whole rows: fewer than 32 puts several short rows in one warp,
 # each lane loading more of its row at once (the direct forward kernel only).
 ROW_LANE_CHOICES = (8, 16, 32)
@@ -107,10 +104,6 @@ class NormConfig:
     # registers, and the bias in shared memory, copied once per block instead of read from L2
     # for every row.
     param_smem: bool = False
-    # The persistent staged forward: the ``cluster`` blocks of a row are a group of co-resident
-    # blocks that reduce through global memory (csrc/group_reduce.cuh), launched without a
-    # cluster, so that every SM can take part (name: ``g`` for ``c``).
-    group: bool = False
 
     @property
     def source(self) -> str:
@@ -137,8 +130,7 @@ class NormConfig:
     def name(self) -> str:
         """``t128_r8_c1_v8``, with ``_s3`` (stages), ``_m`` (parameters in shared memory) or
         ``_p4`` (rows per thread) when not 0 / False / 1."""
-        blocks = "g" if self.group else "c"
-        name = f"t{self.threads}_r{self.rows_per_block}_{blocks}{self.cluster}_v{self.vec}"
+        name = f"t{self.threads}_r{self.rows_per_block}_c{self.cluster}_v{self.vec}"
         return name + (f"_s{self.stages}" if self.stages else "") + \
             ("_m" if self.param_smem else "") + \
             (f"_p{self.rows_per_thread}" if self.rows_per_thread != 1 else "")
@@ -148,13 +140,9 @@ class NormConfig:
         parts = name.split("_")
         fields = {"t": "threads", "r": "rows_per_block", "c": "cluster", "v": "vec"}
         try:
-            group = len(parts) > 2 and parts[2][:1] == "g"
-            if group:
-                parts[2] = "c" + parts[2][1:]
             if len(parts) < 4 or [p[:1] for p in parts[:4]] != list(fields):
                 raise ValueError
             values = {fields[p[0]]: int(p[1:]) for p in parts[:4]}
-            values["group"] = group
             rest = parts[4:]
             for key, field in (("s", "stages"), ("m", "param_smem"), ("p", "rows_per_thread")):
                 if rest and rest[0][:1] == key:  # in this order
@@ -169,8 +157,7 @@ class NormConfig:
                 raise ValueError
         except (ValueError, IndexError):
             raise ValueError(f"not a norm config name: {name!r} (expected t256_r8_c1_v8, "
-                             "t256_r8_c1_v8_s3, t512_r1_c8_v8_s2_m, t512_r1_g12_v8_s3 or "
-                             "t32_r1_c1_v8_p4)") from None
+                             "t256_r8_c1_v8_s3, t512_r1_c8_v8_s2_m or t32_r1_c1_v8_p4)") from None
         return cls(**values)
 
     def iters(self, hidden: int) -> int:
@@ -251,13 +238,7 @@ class NormConfig:
                     "more stages) with a block per row")
         if self.param_smem and self.params_in_smem(problem) == 0:
             return "parameters in shared memory: none to put there (the weight fits registers)"
-        if self.group:
-            if self.stages < 2 or problem.direction == "bwd" or self.warp_per_row:
-                return ("a group split only in the persistent staged forward (2 or more "
-                        "stages) with a block per row")
-            if self.cluster not in GROUP_CHOICES:
-                return f"group of {self.cluster} blocks not in {GROUP_CHOICES}"
-        elif self.cluster not in CLUSTER_CHOICES:
+        if self.cluster not in CLUSTER_CHOICES:
             return f"cluster {self.cluster} not in {CLUSTER_CHOICES}"
         if self.warp_per_row and self.cluster > 1:
             return "a warp per row takes no cluster"
@@ -323,7 +304,6 @@ class NormConfig:
             **({"NORM_STAGES": self.stages, "NORM_RESIDUAL": int(problem.residual)}
                if self.stages else {}),
             **({"NORM_PARAM_SMEM": 1} if self.param_smem else {}),
-            **({"NORM_GROUP": 1} if self.group else {}),
         }
 
 
@@ -445,14 +425,13 @@ def space(problem: NormProblem) -> Iterator[NormConfig]:
     for threads in THREAD_CHOICES:
         for rows in sorted({1} | {threads // lanes for lanes in ROW_LANE_CHOICES
                                   if threads >= lanes}):
-            for cluster, group in [(c, False) for c in CLUSTER_CHOICES] + \
-                    [(g, True) for g in GROUP_CHOICES]:
+            for cluster in CLUSTER_CHOICES:
                 for vec in sorted({1, problem.vec}):
                     for stages in (0, *STAGE_CHOICES):
                         for per_thread in ROWS_PER_THREAD_CHOICES:
                             for param_smem in (False, True):
                                 config = NormConfig(threads, rows, cluster, vec, stages,
-                                                    per_thread, param_smem, group)
+                                                    per_thread, param_smem)
                                 if config != first and config.why_invalid(problem) is None:
                                     yield config
 

@@ -53,23 +53,11 @@ def _launch_fwd(kind, x2, weight, bias, res2, y, res_out, mean, rstd, eps, confi
                      aligned, res2 is not None, config, device)
     cfg = plan.config
     blocks = plan.blocks(rows)
-    # The staged kernel takes the group reduction's workspace (null unless a group split).
-    staged = (_group_workspace(kind, blocks // cfg.cluster, cfg.cluster, x2.device)
-              if cfg.group else 0,) if cfg.stages else ()
     launch(plan.kernel, x2.data_ptr(), _ptr(res2), weight.data_ptr(), _ptr(bias), y.data_ptr(),
            _ptr(res_out), _ptr(mean), _ptr(rstd), np.int64(rows), np.int32(hidden),
            np.int64(x2.stride(0)), np.int64(res2.stride(0) if res2 is not None else 0),
-           np.float32(eps), *staged, grid=blocks, block=cfg.threads,
-           cluster=1 if cfg.group else cfg.cluster, shared_mem=plan.shared_mem, device=device)
-
-
-def _group_workspace(kind, units: int, group: int, device) -> torch.Tensor:
-    """A group split's zeroed workspace (norm_layout.cuh's row_reducer): an arrival counter per
-    row unit, rounded up to an even count, then 2 x group partials per unit (a float, or a
-    float2 for LayerNorm's two sums)."""
-    floats = 2 if kind == "ln" else 1
-    return torch.zeros((units + 1) // 2 * 2 + units * 2 * group * floats, dtype=torch.int32,
-                       device=device)
+           np.float32(eps), grid=blocks, block=cfg.threads, cluster=cfg.cluster,
+           shared_mem=plan.shared_mem, device=device)
 
 
 def _launch_bwd(kind, dy2, h2, weight, mean, rstd, dres2, dx, dw, db, config):
@@ -158,7 +146,7 @@ def _plan(problem: nc.NormProblem, cfg: nc.NormConfig, device: int, persistent: 
                             defines=cfg.defines(problem), device=device)
     shared_mem = cfg.shared_mem(problem)
     set_max_dynamic_shared(kernel, shared_mem, device)
-    if cfg.cluster > 8 and not cfg.group:
+    if cfg.cluster > 8:
         allow_large_clusters(kernel, device)
     return _Plan(cfg, kernel, persistent, _max_units(kernel, cfg, shared_mem, device),
                  shared_mem)
@@ -186,16 +174,7 @@ def _tuned(problem: nc.NormProblem, device: int) -> Optional[nc.NormConfig]:
 
 
 def _max_units(kernel, cfg: nc.NormConfig, shared_mem: int, device: int) -> int:
-    """Row units that are resident at once: one wave of the persistent grid (a group split
-    needs it: its blocks wait for each other)."""
-    if cfg.group:
-        per_sm = max_active_blocks_per_sm(kernel, cfg.threads, shared_mem)
-        units = per_sm * sm_count(device) // cfg.cluster
-        if units < 1:
-            raise UnsupportedInputError(
-                f"norm config {cfg.name}: a group of {cfg.cluster} blocks of {cfg.threads} "
-                f"threads with {shared_mem} bytes of shared memory does not fit this GPU at once")
-        return units
+    """Row units that are resident at once: one wave of the persistent grid."""
     if cfg.cluster > 1:
         clusters = max_active_clusters(kernel, cfg.threads, cfg.cluster, shared_mem, device)
         if clusters < 1:

@@ -1,8 +1,7 @@
 """Forward long rows: the heuristic's config against every `_m` config (parameters in shared
-memory; SELECT=group: every group split instead), first with w and b placed as benchmarks/norms.py allocates them, then the best few
+memory), first with w and b placed as benchmarks/norms.py allocates them, then the best few
 again over eight placements of w and b (views into one buffer, ln_wplace.py's worst included).
 Prints fraction of the copy bandwidth. Usage: param_sweep.py ln|rms HIDDEN..."""
-import os
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -22,8 +21,7 @@ def main():
     for hidden in [int(a) for a in sys.argv[2:]]:
         p = nc.NormProblem(kind, "fwd", hidden, "bfloat16", "bfloat16", "bfloat16")
         heur = nc.heuristic(p)
-        select = os.environ.get("SELECT", "param_smem")  # or "group"
-        configs = [heur] + [c for c in nc.space(p) if getattr(c, select) and c != heur]
+        configs = [heur] + [c for c in nc.space(p) if c.param_smem and c != heur]
         failed = norms.precompile_configs(p, configs, workers=16)
         configs = [c for c in configs if c.name not in failed]
         rows = 8192 if hidden >= 262144 else 32768

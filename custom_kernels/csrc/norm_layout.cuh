@@ -12,7 +12,6 @@
 #pragma once
 
 #include "cluster_reduce.cuh"
-#include "group_reduce.cuh"
 #include "norm_common.cuh"
 
 #ifndef NORM_IN
@@ -47,12 +46,6 @@
 #ifndef NORM_CLUSTER
 #define NORM_CLUSTER 1
 #endif
-// NORM_GROUP: the NORM_CLUSTER blocks of a row are a group of co-resident blocks that reduce
-// through global memory (group_reduce.cuh), not a thread block cluster: the persistent staged
-// forward only, launched without cluster dimensions; block b has rank b % NORM_CLUSTER.
-#ifndef NORM_GROUP
-#define NORM_GROUP 0
-#endif
 #ifndef NORM_VEC
 #define NORM_VEC 1
 #endif
@@ -78,8 +71,7 @@ using W = ck::DType<NORM_W>::type;      // weight, bias, dweight, dbias
 
 constexpr int kThreads = NORM_THREADS;
 constexpr bool kWarpPerRow = NORM_WARP_PER_ROW != 0;
-constexpr int kCluster = NORM_CLUSTER;  // blocks per row: a cluster, or a group (kGroup)
-constexpr bool kGroup = NORM_GROUP != 0;
+constexpr int kCluster = NORM_CLUSTER;
 constexpr int kVec = NORM_VEC;
 constexpr int kIters = NORM_ITERS;
 constexpr bool kCache = NORM_CACHE != 0;
@@ -94,7 +86,6 @@ static_assert(!(kWarpPerRow && kCluster > 1), "a warp per row needs no cluster")
 static_assert(!kWarpPerRow || kTpr == 8 || kTpr == 16 || kTpr == 32,
               "a row of a warp takes 8, 16 or 32 lanes");
 static_assert(kCluster >= 1 && kCluster <= 16, "cluster of 1 to 16 blocks");
-static_assert(!kGroup || (kCluster >= 2 && !kWarpPerRow), "a group: 2 to 16 blocks a row");
 static_assert(kRowsPerThread >= 1 && kRowsPerThread <= 8 && (kRowsPerThread == 1 || kWarpPerRow),
               "several rows per thread: 1 to 8, with a warp (or less) per row");
 
@@ -108,29 +99,12 @@ using VOut = Vec<Out, kVec>;
 using VW = Vec<W, kVec>;
 
 template <class T>
-using RowReducer = typename ck::Conditional<
-    kGroup, ck::GroupSumReducer<T, kTpr / 32, kGroup ? kCluster : 2>,
+using RowReducer =
     typename ck::Conditional<kSubWarpRows, ck::GroupReducer<T, kSubWarpRows ? kTpr : 2>,
-                             ck::Reducer<T, kSubWarpRows ? 1 : kTpr / 32,
-                                         kGroup ? 1 : kCluster>>::type>::type;
-
-// The reducer of this thread's rows. `group_sync` (kGroup only): the launch's zeroed workspace,
-// one arrival counter per row unit, then 2 * kCluster partials per unit (8-byte aligned).
-template <class T>
-__device__ __forceinline__ RowReducer<T> row_reducer(T* smem, int* group_sync, long long unit,
-                                                     long long units, int rank) {
-  if constexpr (kGroup) {
-    T* partials = reinterpret_cast<T*>(group_sync + (units + 1) / 2 * 2);
-    return RowReducer<T>(smem, group_sync + unit, partials + unit * 2 * kCluster, rank);
-  } else {
-    return RowReducer<T>(smem);
-  }
-}
+                             ck::Reducer<T, kSubWarpRows ? 1 : kTpr / 32, kCluster>>::type;
 
 __device__ __forceinline__ int cluster_rank() {
-  if constexpr (kGroup) {
-    return static_cast<int>(blockIdx.x % kCluster);
-  } else if constexpr (kCluster > 1) {
+  if constexpr (kCluster > 1) {
     return static_cast<int>(cooperative_groups::this_cluster().block_rank());
   } else {
     return 0;

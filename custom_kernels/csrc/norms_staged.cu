@@ -23,7 +23,6 @@
 //   params:  forward with NORM_PARAM_SMEM: kIters * kThreads weight vectors unless the weight
 //            fits registers, then as many bias vectors (LayerNorm)
 // The backward with a warp per row reuses it for the block's dW/dB partials once the rows are done.
-// group_sync (forward, NORM_GROUP): the zeroed workspace of the group reduction (norm_layout.cuh).
 
 #include "norm_rows.cuh"
 
@@ -152,16 +151,11 @@ constexpr int kWeightRegs = kIters * static_cast<int>(sizeof(VW)) / 4;
 constexpr bool kParamSmem = NORM_PARAM_SMEM != 0;
 static_assert(!kParamSmem || !kWarpPerRow, "parameters in shared memory: a block per row");
 constexpr int kFwdWeightRegs = kWeightRegs * (kLN ? 2 : 1);
-// A group split (kGroup) runs one block per SM by design, so it has no occupancy to lose: its
-// parameters stay in registers whenever they fit beside its own base of 72 (ptxas, LayerNorm at
-// 262144: 48 registers of weight and bias fit 128 unspilled, 64 spill 156 bytes).
-constexpr int kGroupBaseRegs = 72;
 [[maybe_unused]] constexpr bool kFwdWeightInRegs =
     NORM_WEIGHT_REGS == 0 ? false
     : NORM_WEIGHT_REGS == 1 ? kBaseRegs + kFwdWeightRegs <= kMaxRegs
-    : kGroup                ? kGroupBaseRegs + kFwdWeightRegs <= kMaxRegs
-                            : kFwdWeightRegs <= (kLN ? 8 : 32) &&
-                                  kBaseRegs + kFwdWeightRegs <= kMaxRegs;
+                             : kFwdWeightRegs <= (kLN ? 8 : 32) &&
+                                   kBaseRegs + kFwdWeightRegs <= kMaxRegs;
 // With NORM_PARAM_SMEM the weight alone takes RMSNorm's rule and the bias shared memory
 // (norm_config.py's NormConfig.params_in_smem counts the same).
 [[maybe_unused]] constexpr bool kWeightAloneInRegs =
@@ -224,7 +218,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
     const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
     const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
-    long long res_stride, float eps, int* group_sync) {
+    long long res_stride, float eps) {
   extern __shared__ __align__(16) unsigned char staging[];
   __shared__ RedT red_smem[RowReducer<RedT>::kSlots];  // LayerNorm reduces (sum, sum of squares)
   const int lane = kWarpPerRow ? threadIdx.x % 32 : threadIdx.x;
@@ -258,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
   };
 
   for (int s = 0; s + 1 < kStages; ++s) issue(units.first + s * units.stride, s);
-  RowReducer<RedT> red = row_reducer(red_smem, group_sync, units.first, units.stride, rank);
+  RowReducer<RedT> red(red_smem);
   int stage = 0;
   for (long long row = units.first; row < rows; row += units.stride) {
     issue(row + (kStages - 1) * units.stride, prefetch_stage(stage));
@@ -305,8 +299,6 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
 // ---------------------------------------------------------------------------------------------
 
 #if NORM_HAS_PART(1)
-static_assert(!kGroup, "a group split is the forward's only");
-
 __global__ void __launch_bounds__(kThreads) norm_bwd_staged(
     const In* __restrict__ x, const Out* __restrict__ dy, const In* __restrict__ dres,
     const W* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd,

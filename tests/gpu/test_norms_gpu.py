@@ -209,29 +209,24 @@ def test_several_rows_per_warp_or_thread_forward(kind, config, hiddens, rows):
         assert torch.equal(y_plain, y)  # the residual path normalizes exactly what it returns
 
 
-# (config, hidden sizes): persistent forward splits. The parameters in shared memory (_m),
-# copied once per block and reused by every row it walks (rows beyond one wave), and groups of
-# blocks reducing through global memory (g: 2 to 16 blocks a row, 11 and 12 not powers of two,
-# so that a row ends inside some block's iterations); rows that end inside a thread's last
-# iteration (4104 = 513 vectors, 49160 = 6145), clusters, and an fp32 weight (32-byte vectors).
-PERSISTENT_SPLITS = [("t256_r1_c1_v8_s2_m", (4096, 4104, 32768)),
-                     ("t1024_r1_c1_v8_s2_m", (32768,)), ("t256_r1_c2_v8_s3_m", (8200,)),
-                     ("t512_r1_c8_v8_s2_m", (65536,)), ("t512_r1_g12_v8_s2", (262144,)),
-                     ("t256_r1_g12_v8_s2", (49160,)), ("t256_r1_g11_v8_s2", (65536,)),
-                     ("t1024_r1_g2_v8_s2", (32768,)), ("t128_r1_g16_v8_s4_m", (131072,))]
+# (config, hidden sizes): the persistent forward with the parameters in shared memory, copied
+# once per block and reused by every row it walks (rows beyond one wave), rows that end inside
+# a thread's last iteration (4104 = 513 vectors), clusters, and an fp32 weight (32-byte vectors).
+PARAM_SMEM_SPLITS = [("t256_r1_c1_v8_s2_m", (4096, 4104, 32768)), ("t1024_r1_c1_v8_s2_m", (32768,)),
+                     ("t256_r1_c2_v8_s3_m", (8200,)), ("t512_r1_c8_v8_s2_m", (65536,))]
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16w", "fp32w"])
 @pytest.mark.parametrize("rows", [1, 7, 1000])
-@pytest.mark.parametrize("config,hiddens", PERSISTENT_SPLITS,
-                         ids=[c for c, _ in PERSISTENT_SPLITS])
+@pytest.mark.parametrize("config,hiddens", PARAM_SMEM_SPLITS,
+                         ids=[c for c, _ in PARAM_SMEM_SPLITS])
 @pytest.mark.parametrize("kind", nc.KINDS)
-def test_persistent_forward_splits(kind, config, hiddens, rows, weight_dtype):
+def test_parameters_in_shared_memory_forward(kind, config, hiddens, rows, weight_dtype):
     for hidden in hiddens:
         p = nc.NormProblem(kind, "fwd", hidden, "bfloat16", "bfloat16",
                            str(weight_dtype).removeprefix("torch."), residual=True)
         if nc.NormConfig.from_name(config).why_invalid(p):
-            continue  # e.g. RMSNorm's weight fits registers: nothing to put in shared memory
+            continue  # RMSNorm's weight fits registers there: nothing to put in shared memory
         x, w, b, res, _ = _inputs(rows, hidden, torch.bfloat16, True, kind, weight_dtype)
         args = (w,) if kind == "rms" else (w, b)
         fn = norms.rms_norm if kind == "rms" else norms.layer_norm
