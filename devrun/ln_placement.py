@@ -29,7 +29,7 @@ for cfg in cfgs:
             torch.cuda.empty_cache()  # y's next block comes from a fresh cudaMalloc
             spacer = torch.empty(spacer_mb << 20, dtype=torch.uint8, device="cuda") \
                 if spacer_mb else None
-            t = do_bench(lambda: norms._fwd_impl("ln", x, w, b, None, EPS, torch.bfloat16, cfg),
+            t = do_bench(lambda x=x: norms._fwd_impl("ln", x, w, b, None, EPS, torch.bfloat16, cfg),
                          reps=20, pad_host=True).median_ms
             res.append(f"spacer {spacer_mb}MB {nbytes / t / 1e6 / copy:.3f}")
             del spacer
