@@ -193,7 +193,11 @@ class NormConfig:
         if problem.direction == "fwd":
             params = self.params_in_smem(problem) * self.iters(problem.hidden) * self.threads \
                 * self.vec * DTYPE_SIZES[problem.weight_dtype]
-            return slots * x_vec * (2 if residual else 1) + params
+            # LayerNorm's shift slots: 4 bytes of x's (and the residual's) row start per stage
+            # and thread
+            shifts = self.stages * self.threads * 4 * (2 if residual else 1) \
+                if problem.kind == "ln" else 0
+            return slots * x_vec * (2 if residual else 1) + params + shifts
         dy_vec = self.vec * DTYPE_SIZES[problem.out_dtype]
         stats = (self.stages * (self.threads // 32) + 1) // 2 * 2 * 8
         staged = stats + slots * (x_vec + dy_vec + (x_vec if residual else 0))

@@ -22,6 +22,7 @@
 //            (and d_residual_out), the residual streams only when compiled with NORM_RESIDUAL
 //   params:  forward with NORM_PARAM_SMEM: kIters * kThreads weight vectors unless the weight
 //            fits registers, then as many bias vectors (LayerNorm)
+//   shifts:  LayerNorm forward: kStages * kThreads 4-byte row starts of x (and of the residual)
 // The backward with a warp per row reuses it for the block's dW/dB partials once the rows are done.
 
 #include "norm_rows.cuh"
@@ -148,6 +149,13 @@ constexpr int kWeightRegs = kIters * static_cast<int>(sizeof(VW)) / 4;
 #ifndef NORM_PARAM_SMEM
 #define NORM_PARAM_SMEM 0
 #endif
+// LayerNorm's shift (the row's first element, row_shift) comes with the row's copies into
+// shared memory (1, the default) or from a global load per row and block (0, for comparison):
+// a load issued when the row is needed waits a full memory round trip every row.
+#ifndef NORM_STAGED_SHIFT
+#define NORM_STAGED_SHIFT 1
+#endif
+constexpr bool kStagedShift = kLN && NORM_STAGED_SHIFT != 0;
 constexpr bool kParamSmem = NORM_PARAM_SMEM != 0;
 static_assert(!kParamSmem || !kWarpPerRow, "parameters in shared memory: a block per row");
 constexpr int kFwdWeightRegs = kWeightRegs * (kLN ? 2 : 1);
@@ -231,6 +239,11 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
                                                     : xs.end_of_region(staging));
   VW* weight_slots = param_slots;
   VW* bias_slots = param_slots + (kFwdWeightHome == Home::kShared ? kIters * kTpr : 0);
+  // LayerNorm's shift slots follow: 4 bytes of each row's start (its first element) per stage
+  // and thread, then the same of the residual.
+  unsigned* shift_slots = reinterpret_cast<unsigned*>(
+      bias_slots + (kFwdBiasHome == Home::kShared ? kIters * kTpr : 0));
+  auto shift_slot = [&](int stage) { return shift_slots + stage * kThreads + threadIdx.x; };
   // Before the first cp.async group is committed: shared copies complete with row 0's.
   const ParamVectors<kFwdWeightHome> weight(w, weight_slots, hidden, rank, lane);
   const ParamVectors<kFwdBiasHome> bias(b, bias_slots, hidden, rank, lane);
@@ -247,6 +260,10 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
           if constexpr (kResidual) cp_async_vec(rs.slot(stage, it), rr + col);
         }
       }
+      if constexpr (kStagedShift) {  // rows are 16-byte aligned: a 4-byte copy of the start
+        cp_async<4>(shift_slot(stage), xr);
+        if constexpr (kResidual) cp_async<4>(shift_slot(stage) + kStages * kThreads, rr);
+      }
     }
     cp_async_commit();  // an empty group past the last row keeps the group count uniform
   };
@@ -256,12 +273,16 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
   int stage = 0;
   for (long long row = units.first; row < rows; row += units.stride) {
     issue(row + (kStages - 1) * units.stride, prefetch_stage(stage));
-    // LayerNorm's shift, loaded before the wait so that its latency can hide behind the copies
-    // (ptxas keeps a load below the wait). Measured within noise at hidden 262144 on an H200
-    // (3581 against 3588 GB/s): the output loop's weight loads dominate there.
-    const float shift =
-        row_shift(x + row * x_stride, kResidual ? res + row * res_stride : nullptr);
     cp_async_wait<kStages - 1>();
+    float shift = 0.0f;  // RMSNorm has none
+    if constexpr (kStagedShift) {
+      shift = to_float(*reinterpret_cast<const In*>(shift_slot(stage)));
+      if constexpr (kResidual)  // as row_shift: h's first element, rounded to In
+        shift = to_float(from_float<In>(shift + to_float(*reinterpret_cast<const In*>(
+                                                    shift_slot(stage) + kStages * kThreads))));
+    } else if constexpr (kLN) {
+      shift = row_shift(x + row * x_stride, kResidual ? res + row * res_stride : nullptr);
+    }
     In* hr = kResidual ? res_out + row * static_cast<long long>(hidden) : nullptr;
     float s = 0.0f;
 #pragma unroll
