@@ -342,7 +342,7 @@ def _aligned_heuristic(problem: NormProblem) -> NormConfig:
         # a row up to 4 vectors a lane. Then one stage, not persistent (more blocks per SM
         # cover each block's barriers; swept when the statistics took two reductions a row,
         # not again since they take one), 4 vectors a thread, then clusters of 512-thread
-        # blocks with 8; except rows of 2049 to 4096 vectors (below).
+        # blocks with 8; except rows of more than 2048 vectors (below).
         if vectors <= 32:
             return NormConfig(128, 8, 1, vec)
         if vectors <= 128:
@@ -350,16 +350,21 @@ def _aligned_heuristic(problem: NormProblem) -> NormConfig:
         if vectors <= 1024:
             return _fit(NormConfig(max(64, _next_pow2(math.ceil(vectors / 4))), 1, 1, vec, 1),
                         problem)
-        if 2048 < vectors <= 4096:
-            # A block of 1024 threads, persistent with 2 stages, the bias in shared memory (the
-            # weight in registers): at hidden 32768 0.909-0.910 of the copy bandwidth over eight
-            # placements of w and b, where the one-stage split below reads both from L2 for
-            # every row and measures 0.899-0.940 by where they sit (devrun/param_sweep.py,
-            # H200). Where it does not fit (a residual stream), the rule below.
-            in_smem = NormConfig(1024, 1, 1, vec, 2, param_smem=True)
-            if in_smem.why_invalid(problem) is None:
-                return in_smem
         cluster = min(16, _next_pow2(math.ceil(vectors / (512 * 8))))
+        if vectors > 2048:
+            # Persistent with 2 stages, the bias in shared memory and the weight in registers
+            # (1024 threads a row up to 4096 vectors, then clusters of 512): the one-stage
+            # split below reads both from L2 for every row, and its speed depends on where they
+            # sit. H200, fraction of the copy bandwidth over eight placements of w and b, with
+            # the shift staged (b0f1fd9; devrun/shift_sweep.py): hidden 32768 0.920-0.924
+            # (t512_r1_c1_v8_s1: 0.899-0.940), 65536 0.886-0.912 (t512_r1_c2_v8_s1:
+            # 0.873-0.900), 262144 0.807-0.870 (t512_r1_c8_v8_s1: 0.782-0.861). Where it does
+            # not fit (a residual stream doubles the stages) or would take a cluster of 16
+            # (fp32 at 262144: not measured persistent), the rule below.
+            in_smem = NormConfig(1024, 1, 1, vec, 2, param_smem=True) if vectors <= 4096 \
+                else NormConfig(512, 1, cluster, vec, 2, param_smem=True)
+            if cluster <= 8 and in_smem.why_invalid(problem) is None:
+                return in_smem
         return _fit(NormConfig(512, 1, cluster, vec, 1), problem)
     if problem.direction == "fwd":
         # The direct kernel (registers only, not persistent) for short rows: 16 lanes a row up

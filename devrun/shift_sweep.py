@@ -2,6 +2,7 @@
 staged with the row (NORM_STAGED_SHIFT=1, the default) and loaded per row (0), w and b placed
 as benchmarks/norms.py allocates them; then the best few over eight placements. Prints the
 fraction of the copy bandwidth and the error against float32. Usage: shift_sweep.py HIDDEN..."""
+import os
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -27,6 +28,9 @@ def main():
         heur = nc.heuristic(p)
         configs = [heur] + [c for c in nc.space(p) if c.stages and c != heur and
                             c.threads >= 256 and c.stages <= 3]
+        if os.environ.get("CONFIGS"):  # a comma list instead
+            configs = [heur] + [nc.NormConfig.from_name(n)
+                                for n in os.environ["CONFIGS"].split(",") if n != heur.name]
         for v in (1, 0):
             EXTRA = {"NORM_STAGED_SHIFT": v}
             norms.precompile_configs(p, configs, workers=16)

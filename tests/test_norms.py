@@ -67,9 +67,12 @@ def test_heuristic_splits_rows_as_documented():
     assert nc.heuristic(problem(262144, direction="bwd")) == nc.NormConfig(512, 1, 16, 8, 3)
     # LayerNorm forward (two reductions a row): one stage, not persistent, at every length.
     assert nc.heuristic(problem(8192, kind="ln")) == nc.NormConfig(256, 1, 1, 8, 1)
-    assert nc.heuristic(problem(262144, kind="ln")) == nc.NormConfig(512, 1, 8, 8, 1)
-    # but rows of 2049 to 4096 vectors: persistent, the bias in shared memory, where it fits.
+    assert nc.heuristic(problem(262144, kind="ln", dtype="float32")) == \
+        nc.NormConfig(512, 1, 16, 4, 1)
+    # but rows of more than 2048 vectors: persistent, the bias in shared memory, where it fits.
     assert nc.heuristic(problem(32768, kind="ln")).name == "t1024_r1_c1_v8_s2_m"
+    assert nc.heuristic(problem(65536, kind="ln")).name == "t512_r1_c2_v8_s2_m"
+    assert nc.heuristic(problem(262144, kind="ln")).name == "t512_r1_c8_v8_s2_m"
     assert nc.heuristic(problem(16384, kind="ln")) == nc.NormConfig(512, 1, 1, 8, 1)
     ln_residual = dataclasses.replace(problem(32768, kind="ln"), residual=True)
     assert nc.heuristic(ln_residual) == nc.NormConfig(512, 1, 1, 8, 1)

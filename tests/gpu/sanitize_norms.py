@@ -29,6 +29,7 @@ CASES = [  # (rows, hidden, dtype[, forward config[, LayerNorm forward config, w
     # than blocks, so that blocks reuse it; and in clusters of 2
     (140, 32768, torch.bfloat16, None, None, torch.bfloat16),
     (9, 65536, torch.bfloat16, None, "t512_r1_c2_v8_s2_m", torch.bfloat16),
+    (17, 262144, torch.bfloat16, None, None, torch.bfloat16),  # clusters of 8, bias in smem
 ]
 
 
