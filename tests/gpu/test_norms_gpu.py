@@ -197,23 +197,30 @@ def test_several_rows_per_warp_or_thread_forward(kind, config, hiddens, rows):
     # Row counts that end inside a warp and inside a block: the rows past the end keep the
     # warp's shuffles full and must store nothing (the residual output included).
     for hidden in hiddens:
-        x, w, b, res, _ = _inputs(rows, hidden, torch.bfloat16, True, kind)
-        args = (w,) if kind == "rms" else (w, b)
-        fn = norms.rms_norm if kind == "rms" else norms.layer_norm
-        ref = norms.rms_norm_reference if kind == "rms" else norms.layer_norm_reference
-        y, h = fn(x, *args, residual=res, config=config)
-        ry, rh = ref(x, *args, residual=res)
-        assert torch.equal(h, rh)
-        assert _rel_err(y, ry) <= TOL[torch.bfloat16]
-        y_plain = fn(h, *args, config=config)
-        assert torch.equal(y_plain, y)  # the residual path normalizes exactly what it returns
+        _check_forward_split(kind, config, rows, hidden)
+
+
+def _check_forward_split(kind, config, rows, hidden, weight_dtype=None):
+    """bf16 forward with a residual through ``config``: the residual output exact, y against the
+    float32 reference, and the unfused call on h equal to the fused one."""
+    x, w, b, res, _ = _inputs(rows, hidden, torch.bfloat16, True, kind, weight_dtype)
+    args = (w,) if kind == "rms" else (w, b)
+    fn = norms.rms_norm if kind == "rms" else norms.layer_norm
+    ref = norms.rms_norm_reference if kind == "rms" else norms.layer_norm_reference
+    y, h = fn(x, *args, residual=res, config=config)
+    ry, rh = ref(x, *args, residual=res)
+    assert torch.equal(h, rh)
+    assert _rel_err(y, ry) <= TOL[torch.bfloat16]
+    y_plain = fn(h, *args, config=config)
+    assert torch.equal(y_plain, y)  # the residual path normalizes exactly what it returns
 
 
 # (config, hidden sizes): the persistent forward with the parameters in shared memory, copied
 # once per block and reused by every row it walks (rows beyond one wave), rows that end inside
 # a thread's last iteration (4104 = 513 vectors), clusters, and an fp32 weight (32-byte vectors).
-PARAM_SMEM_SPLITS = [("t256_r1_c1_v8_s2_m", (4096, 4104, 32768)), ("t1024_r1_c1_v8_s2_m", (32768,)),
-                     ("t256_r1_c2_v8_s3_m", (8200,)), ("t512_r1_c8_v8_s2_m", (65536,))]
+PARAM_SMEM_SPLITS = [("t256_r1_c1_v8_s2_m", (4096, 4104, 32768)),
+                     ("t1024_r1_c1_v8_s2_m", (32768,)), ("t256_r1_c2_v8_s3_m", (8200,)),
+                     ("t512_r1_c8_v8_s2_m", (65536,))]
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16w", "fp32w"])
@@ -227,16 +234,7 @@ def test_parameters_in_shared_memory_forward(kind, config, hiddens, rows, weight
                            str(weight_dtype).removeprefix("torch."), residual=True)
         if nc.NormConfig.from_name(config).why_invalid(p):
             continue  # RMSNorm's weight fits registers there: nothing to put in shared memory
-        x, w, b, res, _ = _inputs(rows, hidden, torch.bfloat16, True, kind, weight_dtype)
-        args = (w,) if kind == "rms" else (w, b)
-        fn = norms.rms_norm if kind == "rms" else norms.layer_norm
-        ref = norms.rms_norm_reference if kind == "rms" else norms.layer_norm_reference
-        y, h = fn(x, *args, residual=res, config=config)
-        ry, rh = ref(x, *args, residual=res)
-        assert torch.equal(h, rh)
-        assert _rel_err(y, ry) <= TOL[torch.bfloat16]
-        y_plain = fn(h, *args, config=config)
-        assert torch.equal(y_plain, y)
+        _check_forward_split(kind, config, rows, hidden, weight_dtype)
 
 
 @pytest.mark.parametrize("kind", nc.KINDS)
