@@ -155,7 +155,7 @@ constexpr int kWeightRegs = kIters * static_cast<int>(sizeof(VW)) / 4;
 #ifndef NORM_STAGED_SHIFT
 #define NORM_STAGED_SHIFT 1
 #endif
-constexpr bool kStagedShift = kLN && NORM_STAGED_SHIFT != 0;
+[[maybe_unused]] constexpr bool kStagedShift = kLN && NORM_STAGED_SHIFT != 0;
 constexpr bool kParamSmem = NORM_PARAM_SMEM != 0;
 static_assert(!kParamSmem || !kWarpPerRow, "parameters in shared memory: a block per row");
 constexpr int kFwdWeightRegs = kWeightRegs * (kLN ? 2 : 1);
