@@ -195,7 +195,7 @@ def _choose(problem: nc.NormProblem, config: Optional[str], device: int = 0) -> 
         return _tuned(problem, device) or nc.heuristic(problem)
     cfg = nc.NormConfig.from_name(config)
     if cfg.vec != 1 and not problem.aligned:
-        cfg = dataclasses.replace(cfg, vec=1, stages=0)
+        cfg = dataclasses.replace(cfg, vec=1, stages=0, param_smem=False)
         if cfg.why_invalid(problem):
             return nc.heuristic(problem)
     why = cfg.why_invalid(problem)

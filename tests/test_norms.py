@@ -152,6 +152,20 @@ def test_parameters_in_shared_memory():
     assert long_ln and all(nc.NormConfig.from_name(c.name) == c for c in long_ln)
 
 
+def test_a_parameters_in_shared_memory_override_is_checked():
+    # An override that cannot hold here is refused with the reason; on the scalar path (no
+    # 16-byte vectors) it runs as the direct kernel of the same split.
+    rms = problem(32768)
+    with pytest.raises(ValueError, match="none to put there"):
+        norms._choose(rms, "t1024_r1_c1_v8_s2_m")
+    with pytest.raises(ValueError, match="only in the persistent staged forward"):
+        norms._choose(problem(32768, kind="ln"), "t1024_r1_c1_v8_s1_m")
+    with pytest.raises(ValueError, match="not a norm config"):
+        norms._choose(rms, "t1024_r1_c1_v8_s2_mm")
+    scalar = problem(32768, kind="ln", aligned=False)
+    assert norms._choose(scalar, "t1024_r1_c1_v8_s2_m") == nc.NormConfig(1024, 1, 1, 1)
+
+
 def test_unaligned_problems_take_the_scalar_path():
     p = problem(4097)
     assert not p.aligned and p.vec == 1 and nc.heuristic(p).vec == 1
