@@ -42,6 +42,24 @@ struct alignas((sizeof(T) * N) >= 16 ? 16 : sizeof(T) * N) Vec {
   T v[N];
 };
 
+// Element j of a vector as float. bfloat16 pairs are read as 32-bit words and widened with one
+// shift or mask each: cvt.f32.bf16 of a 16-bit half costs ptxas a PRMT and a SHF for every high
+// half, and LayerNorm's long-row forward unpacks three operands per element (x, w, b).
+template <class T, int N>
+__device__ __forceinline__ float elem_float(const Vec<T, N>& v, int j) {
+  return to_float(v.v[j]);
+}
+
+template <int N>
+__device__ __forceinline__ float elem_float(const Vec<__nv_bfloat16, N>& v, int j) {
+  if constexpr (N % 2 == 0 && alignof(Vec<__nv_bfloat16, N>) >= 4) {
+    const unsigned word = reinterpret_cast<const unsigned*>(v.v)[j / 2];
+    return __uint_as_float(j % 2 ? (word & 0xffff0000u) : (word << 16));
+  } else {
+    return to_float(v.v[j]);
+  }
+}
+
 // `p` must be aligned to alignof(Vec<T, N>).
 template <class T, int N>
 __device__ __forceinline__ void load(Vec<T, N>& d, const T* p) {

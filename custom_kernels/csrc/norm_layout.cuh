@@ -115,6 +115,12 @@ __device__ __forceinline__ int vec_col(int it, int rank, int lane) {
   return ((it * kCluster + rank) * kTpr + lane) * kVec;
 }
 
+// Whether column `col` (a vector's first element) lies in the row. The check stays a branch per
+// vector even where the row fills every vector: specialising it away (kernels compiled for rows
+// of exactly NORM_ITERS vectors a thread) let ptxas hoist loads across vectors, and on an H200
+// the register pressure cost 1 to 5% (devrun/ln262_sweep.py, round 3).
+__device__ __forceinline__ bool in_row(int col, int hidden) { return col < hidden; }
+
 // ---------------------------------------------------------------------------------------------
 // Backward helpers shared by both backward kernels
 // ---------------------------------------------------------------------------------------------
@@ -154,7 +160,7 @@ __device__ __forceinline__ void write_partials_direct(const float (&acc)[kIters]
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (col < hidden) {
+    if (in_row(col, hidden)) {
       Vec<float, kVec> v;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) v.v[j] = acc[it][j];
@@ -171,7 +177,7 @@ __device__ __forceinline__ void write_partials_block(const float (&acc)[kIters][
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, 0, lane);
-    if (col < hidden) {
+    if (in_row(col, hidden)) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) smem[warp * hidden + col + j] = acc[it][j];
     }

@@ -1,8 +1,8 @@
 // The per-row math of the norm kernels, shared by norms.cu (rows in registers or read again from
 // global memory) and norms_staged.cu (rows in shared memory). Each helper walks this thread's
 // vectors of a row (norm_layout.cuh) and reads them through accessors: callables
-// `(int it, int col) -> vector`, called only where col < hidden, which hide where the row lives.
-// The formulas are in norms.cu's header (forward) and norm_layout.cuh (backward).
+// `(int it, int col) -> vector`, called only where in_row(col, hidden); they hide where the row
+// lives. The formulas are in norms.cu's header (forward) and norm_layout.cuh (backward).
 #pragma once
 
 #include "norm_layout.cuh"
@@ -27,7 +27,7 @@ __device__ __forceinline__ void store_out(T* p, const Vec<T, N>& v) {
 // the norm reads).
 __device__ __forceinline__ void add_residual(VIn& v, const VIn& r) {
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) v.v[j] = from_float<In>(to_float(v.v[j]) + to_float(r.v[j]));
+  for (int j = 0; j < kVec; ++j) v.v[j] = from_float<In>(elem_float(v, j) + elem_float(r, j));
 }
 
 // Forward pass 1, per vector: RMSNorm's running sum of h^2 (LayerNorm's statistics take their
@@ -36,7 +36,7 @@ __device__ __forceinline__ void accumulate_first_pass(float& s, const VIn& v) {
   if constexpr (!kLN) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float f = to_float(v.v[j]);
+      const float f = elem_float(v, j);
       s += f * f;
     }
   }
@@ -64,11 +64,11 @@ __device__ __forceinline__ float2 row_statistics(Reducer& red, float s, float sh
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
+      if (in_row(col, hidden)) {
         const VIn v = get_h(it, col);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const float d = to_float(v.v[j]) - shift;
+          const float d = elem_float(v, j) - shift;
           d1 += d;
           d2 += d * d;
         }
@@ -84,7 +84,7 @@ __device__ __forceinline__ float2 row_statistics(Reducer& red, float s, float sh
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int col = vec_col(it, rank, lane);
-        if (col < hidden) accumulate_first_pass(s, get_h(it, col));
+        if (in_row(col, hidden)) accumulate_first_pass(s, get_h(it, col));
       }
     }
     var = red.sum(s) * inv_n;
@@ -104,13 +104,25 @@ __device__ __forceinline__ float row_shift(const In* xr, const In* rr) {
 }
 
 // Forward output of one vector: y = (h - mean) * rstd * w (+ b); `bv` is read by LayerNorm only.
+// LayerNorm takes xhat as one FMA, h * rstd + (-mean * rstd), and y as a second (xhat * w + b):
+// two instructions an element where (h - mean) * rstd * w + b takes three. Its long-row forward
+// issues about 14 instructions an element, and on an H200 the one saved took hidden 262144 from
+// 0.875 to 0.888 of the copy bandwidth (devrun/ln262_sweep.py, round 4; 4096 to 65536 within
+// 0.5%). The rounding differs from the three-instruction form by an ulp of float, far below the
+// output's. RMSNorm (mean 0) keeps h * rstd * w.
 __device__ __forceinline__ VOut normalize_vec(const VIn& v, const VW& wv, const VW& bv,
                                               float2 stats) {
   VOut o;
+  const float neg_mean_rstd = -stats.x * stats.y;
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    float f = (to_float(v.v[j]) - stats.x) * stats.y * to_float(wv.v[j]);
-    if constexpr (kLN) f += to_float(bv.v[j]);
+    float f;
+    if constexpr (kLN) {
+      f = fmaf(fmaf(elem_float(v, j), stats.y, neg_mean_rstd), elem_float(wv, j),
+               elem_float(bv, j));
+    } else {
+      f = elem_float(v, j) * stats.y * elem_float(wv, j);
+    }
     o.v[j] = from_float<Out>(f);
   }
   return o;
@@ -131,7 +143,7 @@ __device__ __forceinline__ void write_normalized_rows(Out* const (&yr)[R], const
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (col < hidden) {
+    if (in_row(col, hidden)) {
       const VW wv = get_w(it, col);
       VW bv;
       if constexpr (kLN) bv = get_b(it, col);
@@ -165,15 +177,15 @@ __device__ __forceinline__ float2 accumulate_row(float (&acc)[kAccRows][kIters][
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (col < hidden) {
+    if (in_row(col, hidden)) {
       const VIn xv = get_x(it, col);
       const VOut dv = get_dy(it, col);
       const VW wv = get_w(it, col);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float xhat = (to_float(xv.v[j]) - m) * rs;
-        const float d = to_float(dv.v[j]);
-        const float g = d * to_float(wv.v[j]);
+        const float xhat = (elem_float(xv, j) - m) * rs;
+        const float d = elem_float(dv, j);
+        const float g = d * elem_float(wv, j);
         s1 += g * xhat;
         s2 += g;
         acc[0][it][j] += d * xhat;
@@ -193,7 +205,7 @@ __device__ __forceinline__ void write_dx_row(In* dxr, GetX get_x, GetDy get_dy, 
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (col < hidden) {
+    if (in_row(col, hidden)) {
       const VIn xv = get_x(it, col);
       const VOut dv = get_dy(it, col);
       const VW wv = get_w(it, col);
@@ -202,10 +214,10 @@ __device__ __forceinline__ void write_dx_row(In* dxr, GetX get_x, GetDy get_dy, 
       VIn o;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float xhat = (to_float(xv.v[j]) - m) * rs;
-        const float g = to_float(dv.v[j]) * to_float(wv.v[j]);
+        const float xhat = (elem_float(xv, j) - m) * rs;
+        const float g = elem_float(dv, j) * elem_float(wv, j);
         float d = rs * (g - c2 - xhat * c1);
-        if (has_dres) d += to_float(rv.v[j]);
+        if (has_dres) d += elem_float(rv, j);
         o.v[j] = from_float<In>(d);
       }
       store_out(dxr + col, o);

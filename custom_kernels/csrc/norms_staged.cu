@@ -48,9 +48,16 @@ static_assert(kStages >= 1 && kStages <= 8, "1 to 8 stages");
 // cp.async (sm_80+): 16-byte copies bypass L1 (.cg); 4- and 8-byte ones must go through it (.ca)
 // ---------------------------------------------------------------------------------------------
 
+// Copies take the destination as a .shared window address. Converting a generic pointer costs a
+// few instructions (in a cluster kernel, a read of the CTA's id in the cluster among them), which
+// ptxas repeated for every 16-byte copy: the staged loops keep their slots' addresses as offsets
+// from one conversion made before the row loop.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 template <int kBytes>
-__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+__device__ __forceinline__ void cp_async(unsigned s, const void* gmem) {
   if constexpr (kBytes == 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
   } else {
@@ -59,17 +66,23 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
   }
 }
 
+// A 16-byte copy that reads nothing and writes zeros when `valid` is false (`gmem` must still be
+// a valid address): the issue loops copy without a branch per vector.
+__device__ __forceinline__ void cp_async16_or_zero(unsigned s, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(valid ? 16 : 0) : "memory");
+}
+
 template <class V>
-__device__ __forceinline__ void cp_async_vec(V* smem, const void* gmem) {
+__device__ __forceinline__ void cp_async_vec(unsigned s, const void* gmem) {
   constexpr int kBytes = sizeof(V);
   static_assert(kBytes % 16 == 0 || kBytes == 8 || kBytes == 4, "4, 8 or 16n-byte vectors");
   if constexpr (kBytes % 16 == 0) {
 #pragma unroll
     for (int i = 0; i < kBytes / 16; ++i)
-      cp_async<16>(reinterpret_cast<char*>(smem) + 16 * i,
-                   reinterpret_cast<const char*>(gmem) + 16 * i);
+      cp_async<16>(s + 16 * i, reinterpret_cast<const char*>(gmem) + 16 * i);
   } else {
-    cp_async<kBytes>(smem, gmem);
+    cp_async<kBytes>(s, gmem);
   }
 }
 
@@ -107,10 +120,16 @@ __device__ __forceinline__ RowUnits row_units() {
 template <class V>
 struct Stream {
   V* mine;  // slot (stage 0, it 0) of this thread
+  unsigned mine_s;  // its .shared address, for cp.async
   __device__ Stream(void* base, int in_block, int lane)
-      : mine(reinterpret_cast<V*>(base) + in_block * kIters * kTpr + lane) {}
-  __device__ __forceinline__ V* slot(int stage, int it) const {
-    return mine + (stage * kRowsPerBlock * kIters + it) * kTpr;
+      : mine(reinterpret_cast<V*>(base) + in_block * kIters * kTpr + lane),
+        mine_s(smem_addr(mine)) {}
+  __device__ __forceinline__ static int offset(int stage, int it) {
+    return (stage * kRowsPerBlock * kIters + it) * kTpr;
+  }
+  __device__ __forceinline__ V* slot(int stage, int it) const { return mine + offset(stage, it); }
+  __device__ __forceinline__ unsigned slot_s(int stage, int it) const {
+    return mine_s + offset(stage, it) * static_cast<unsigned>(sizeof(V));
   }
   __device__ __forceinline__ void* end_of_region(void* base) const {
     return reinterpret_cast<V*>(base) + kStages * kSlotsPerStage;
@@ -195,11 +214,11 @@ struct ParamVectors {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
+      if (in_row(col, hidden)) {
         if constexpr (kHome == Home::kRegisters) {
           load(regs[it], g + col);
         } else {
-          cp_async_vec(mine + it * kTpr, g + col);
+          cp_async_vec<VW>(smem_addr(mine + it * kTpr), g + col);
         }
       }
     }
@@ -244,6 +263,8 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
   unsigned* shift_slots = reinterpret_cast<unsigned*>(
       bias_slots + (kFwdBiasHome == Home::kShared ? kIters * kTpr : 0));
   auto shift_slot = [&](int stage) { return shift_slots + stage * kThreads + threadIdx.x; };
+  const unsigned shift_slots_s = smem_addr(shift_slot(0));
+  auto shift_slot_s = [&](int stage) { return shift_slots_s + stage * kThreads * 4u; };
   // Before the first cp.async group is committed: shared copies complete with row 0's.
   const ParamVectors<kFwdWeightHome> weight(w, weight_slots, hidden, rank, lane);
   const ParamVectors<kFwdBiasHome> bias(b, bias_slots, hidden, rank, lane);
@@ -254,15 +275,17 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
       const In* rr = kResidual ? res + row * res_stride : nullptr;
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
+        // Only the last vector can lie past the row's end (NORM_ITERS rounds up): the others
+        // copy from the row's base plus a constant, without a bounds check.
         const int col = vec_col(it, rank, lane);
-        if (col < hidden) {
-          cp_async_vec(xs.slot(stage, it), xr + col);
-          if constexpr (kResidual) cp_async_vec(rs.slot(stage, it), rr + col);
-        }
+        const bool valid = it + 1 < kIters || in_row(col, hidden);
+        const int src = it + 1 < kIters ? col : valid ? col : 0;
+        cp_async16_or_zero(xs.slot_s(stage, it), xr + src, valid);
+        if constexpr (kResidual) cp_async16_or_zero(rs.slot_s(stage, it), rr + src, valid);
       }
       if constexpr (kStagedShift) {  // rows are 16-byte aligned: a 4-byte copy of the start
-        cp_async<4>(shift_slot(stage), xr);
-        if constexpr (kResidual) cp_async<4>(shift_slot(stage) + kStages * kThreads, rr);
+        cp_async<4>(shift_slot_s(stage), xr);
+        if constexpr (kResidual) cp_async<4>(shift_slot_s(stage) + kStages * kThreads * 4u, rr);
       }
     }
     cp_async_commit();  // an empty group past the last row keeps the group count uniform
@@ -288,7 +311,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int col = vec_col(it, rank, lane);
-      if (col < hidden) {
+      if (in_row(col, hidden)) {
         VIn v = *xs.slot(stage, it);
         if constexpr (kResidual) {
           const VIn r = *rs.slot(stage, it);
@@ -346,16 +369,16 @@ __global__ void __launch_bounds__(kThreads) norm_bwd_staged(
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int col = vec_col(it, rank, lane);
-        if (col < hidden) {
-          cp_async_vec(xs.slot(stage, it), xr + col);
-          cp_async_vec(dys.slot(stage, it), dyr + col);
-          if constexpr (kResidual) cp_async_vec(drs.slot(stage, it), drr + col);
+        if (in_row(col, hidden)) {
+          cp_async_vec<VIn>(xs.slot_s(stage, it), xr + col);
+          cp_async_vec<VOut>(dys.slot_s(stage, it), dyr + col);
+          if constexpr (kResidual) cp_async_vec<VIn>(drs.slot_s(stage, it), drr + col);
         }
       }
       if (threadIdx.x % 32 == 0) {
         float2* st = stats + stage * kWarps + warp;
-        if constexpr (kLN) cp_async<4>(&st->x, mean + row);
-        cp_async<4>(&st->y, rstd + row);
+        if constexpr (kLN) cp_async<4>(smem_addr(&st->x), mean + row);
+        cp_async<4>(smem_addr(&st->y), rstd + row);
       }
     }
     cp_async_commit();
