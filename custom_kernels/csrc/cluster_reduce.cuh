@@ -151,6 +151,117 @@ struct Reducer {
   __device__ __forceinline__ static float2 zero(float2) { return make_float2(0.0f, 0.0f); }
 };
 
+// Cluster reduction without a cluster-wide barrier per reduction: each warp sends its partial
+// into every block of the cluster with st.async, whose bytes complete a transaction on the
+// receiving block's mbarrier, and each block waits on its own mbarrier alone. Why: a cluster
+// barrier's release is a MEMBAR.ALL.GPU on sm_90 (ptxas emits it for barrier.cluster.arrive
+// .release and for fence.acq_rel.cluster alike), which waits for every global store the thread
+// still has in flight, the previous row's output among them; and every block waits for the
+// slowest one of the cluster, not for the partials alone.
+//
+// Shared memory: two mbarriers, then two halves of kPartials values (kSlots values in all, the
+// buffer 8-byte aligned). Reductions alternate between the halves, each with its mbarrier, armed
+// by thread 0 (one arrival plus the expected bytes) when it reaches that reduction; partials sent
+// before the arming count against the phase (the transaction count may go below zero), and none
+// of the next use of a half can arrive before every block has read it: a block sends its next
+// partials only after its own reduction of the other half, which needed every warp's partial,
+// each sent after that warp had read this half. Bit-for-bit results as Reducer: the same
+// combination order in every warp of every block.
+template <class T, int NUM_WARPS, int CLUSTER>
+struct AsyncClusterReducer {
+  static_assert(CLUSTER > 1, "a cluster reduction");
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "float or float2");
+  static constexpr int kPartials = NUM_WARPS * CLUSTER;
+  static constexpr int kBarrierSlots = 16 / sizeof(T);  // two 8-byte mbarriers
+  static constexpr int kSlots = kBarrierSlots + 2 * kPartials;
+
+  T* values;            // 2 * kPartials values, after the barriers
+  unsigned bars;        // .shared address of mbarrier 0 (1 follows at + 8)
+  int phase = 0;        // the half (and mbarrier) of the next reduction
+  unsigned parity = 0;  // bit h: the phase parity that mbarrier h completes next
+  bool started = false;
+
+  __device__ explicit AsyncClusterReducer(T* smem)
+      : values(smem + kBarrierSlots),
+        bars(static_cast<unsigned>(__cvta_generic_to_shared(smem))) {
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
+                   "mbarrier.init.shared::cta.b64 [%1], 1;\n"
+                   "fence.mbarrier_init.release.cluster;\n" ::"r"(bars), "r"(bars + 8)
+                   : "memory");
+    }
+    // The first reduction waits: remote mbarriers are initialized and their blocks running.
+    cg::this_cluster().barrier_arrive();
+  }
+
+  template <class Op>
+  __device__ __forceinline__ T reduce(T v, Op op) {
+    v = warp_reduce(v, op);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    cg::cluster_group cluster = cg::this_cluster();
+    if (!started) {
+      cluster.barrier_wait();
+      started = true;
+    }
+    const int h = phase;
+    phase ^= 1;
+    T* half = values + h * kPartials;
+    const unsigned bar = bars + 8 * h;
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                   "r"(static_cast<unsigned>(kPartials * sizeof(T)))
+                   : "memory");
+    }
+    const int slot = static_cast<int>(cluster.block_rank()) * NUM_WARPS + warp;
+    for (int r = lane; r < CLUSTER; r += 32) send(half + slot, bar, r, v);
+    wait(bar, (parity >> h) & 1u);
+    parity ^= 1u << h;
+    T acc = half[lane < kPartials ? lane : 0];
+    for (int i = lane + 32; i < kPartials; i += 32) acc = op(acc, half[i]);
+    if (lane >= kPartials) acc = identity_like(acc, half[0], op);
+    return warp_reduce(acc, op);
+  }
+
+  __device__ __forceinline__ T sum(T v) { return reduce(v, SumOp{}); }
+  __device__ __forceinline__ T max(T v) { return reduce(v, MaxOp{}); }
+
+ private:
+  __device__ __forceinline__ static unsigned remote(unsigned local, int rank) {
+    unsigned out;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(local), "r"(rank));
+    return out;
+  }
+  __device__ __forceinline__ static void send(T* slot, unsigned bar, int rank, float v) {
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(
+            remote(static_cast<unsigned>(__cvta_generic_to_shared(slot)), rank)),
+        "r"(__float_as_uint(v)), "r"(remote(bar, rank))
+        : "memory");
+  }
+  __device__ __forceinline__ static void send(T* slot, unsigned bar, int rank, float2 v) {
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::
+            "r"(remote(static_cast<unsigned>(__cvta_generic_to_shared(slot)), rank)),
+        "f"(v.x), "f"(v.y), "r"(remote(bar, rank))
+        : "memory");
+  }
+  __device__ __forceinline__ static void wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(bar), "r"(parity)
+        : "memory");
+  }
+  __device__ __forceinline__ static T identity_like(T, T first, SumOp) { return zero(first); }
+  __device__ __forceinline__ static T identity_like(T, T first, MaxOp) { return first; }
+  __device__ __forceinline__ static float zero(float) { return 0.0f; }
+  __device__ __forceinline__ static float2 zero(float2) { return make_float2(0.0f, 0.0f); }
+};
+
 // One-shot helpers for code that reduces once per kernel: `smem` holds Reducer::kSlots values.
 // Two calls on the same buffer without a barrier between them race: use one Reducer instead.
 template <int NUM_WARPS, int CLUSTER = 1, class T>

@@ -106,7 +106,8 @@ __global__ void NORM_FWD_BOUNDS norm_fwd(
     long long res_stride, float eps) {
   constexpr int R = kRowsPerThread;
   constexpr bool kMayOverrun = kSubWarpRows || R > 1;  // rows of a warp may end past `rows`
-  __shared__ RedT red_smem[RowReducer<RedT>::kSlots];  // LayerNorm reduces (sum, sum of squares)
+  // LayerNorm reduces (sum, sum of squares)
+  __shared__ __align__(16) RedT red_smem[RowReducer<RedT>::kSlots];
   const int lane = kWarpPerRow ? threadIdx.x % kTpr : threadIdx.x;
   const int rank = cluster_rank();
   long long row[R];
@@ -220,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) norm_bwd(
     In* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part, long long rows,
     int hidden, long long x_stride, long long dy_stride, long long dres_stride) {
   extern __shared__ float partial_smem[];  // a warp per row: kRowsPerBlock * hidden floats
-  __shared__ RedT red_smem[RowReducer<RedT>::kSlots];
+  __shared__ __align__(16) RedT red_smem[RowReducer<RedT>::kSlots];
   const int lane = kWarpPerRow ? threadIdx.x % 32 : threadIdx.x;
   const int rank = cluster_rank();
   long long unit, units;

@@ -247,7 +247,8 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
     long long res_stride, float eps) {
   extern __shared__ __align__(16) unsigned char staging[];
-  __shared__ RedT red_smem[RowReducer<RedT>::kSlots];  // LayerNorm reduces (sum, sum of squares)
+  // LayerNorm reduces (sum, sum of squares)
+  __shared__ __align__(16) RedT red_smem[RowReducer<RedT>::kSlots];
   const int lane = kWarpPerRow ? threadIdx.x % 32 : threadIdx.x;
   const int rank = cluster_rank();
   const RowUnits units = row_units();
@@ -349,7 +350,7 @@ __global__ void __launch_bounds__(kThreads) norm_bwd_staged(
     In* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part, long long rows,
     int hidden, long long x_stride, long long dy_stride, long long dres_stride) {
   extern __shared__ __align__(16) unsigned char staging[];
-  __shared__ RedT red_smem[RowReducer<RedT>::kSlots];
+  __shared__ __align__(16) RedT red_smem[RowReducer<RedT>::kSlots];
   const int lane = kWarpPerRow ? threadIdx.x % 32 : threadIdx.x;
   const int warp = threadIdx.x / 32;
   const int rank = cluster_rank();
