@@ -84,6 +84,27 @@ struct GroupReducer {
   __device__ __forceinline__ T max(T v) { return reduce(v, MaxOp{}); }
 };
 
+// Lanes without a partial contribute the identity: 0 for a sum, a copy of partial 0 for a max
+// (max is idempotent, so repeating a partial changes nothing).
+__device__ __forceinline__ float zero_like(float) { return 0.0f; }
+__device__ __forceinline__ float2 zero_like(float2) { return make_float2(0.0f, 0.0f); }
+template <class T>
+__device__ __forceinline__ T identity_like(T first, SumOp) { return zero_like(first); }
+template <class T>
+__device__ __forceinline__ T identity_like(T first, MaxOp) { return first; }
+
+// The combination of a block's kPartials partials (in shared memory, visible to the warp): each
+// lane combines a fixed subset in a fixed order, then the warp combines the lanes, so every warp
+// of every block computes the same result bit for bit.
+template <int kPartials, class T, class Op>
+__device__ __forceinline__ T combine_partials(const T* partials, Op op) {
+  const int lane = threadIdx.x % 32;
+  T acc = partials[lane < kPartials ? lane : 0];
+  for (int i = lane + 32; i < kPartials; i += 32) acc = op(acc, partials[i]);
+  if (lane >= kPartials) acc = identity_like(partials[0], op);
+  return warp_reduce(acc, op);
+}
+
 // Reduction over NUM_WARPS warps of a block (threads 0 .. 32*NUM_WARPS-1) and CLUSTER blocks.
 // NUM_WARPS == 1 and CLUSTER == 1 is a plain warp reduction (no shared memory, no barrier).
 template <class T, int NUM_WARPS, int CLUSTER = 1>
@@ -130,25 +151,12 @@ struct Reducer {
         }
         cluster.sync();
       }
-      // Each lane combines a fixed subset in a fixed order, then the warp combines the lanes:
-      // the same arithmetic in every warp of every block.
-      T acc = half[lane < kPartials ? lane : 0];
-      for (int i = lane + 32; i < kPartials; i += 32) acc = op(acc, half[i]);
-      if (lane >= kPartials) acc = identity_like(acc, half[0], op);
-      return warp_reduce(acc, op);
+      return combine_partials<kPartials>(half, op);
     }
   }
 
   __device__ __forceinline__ T sum(T v) { return reduce(v, SumOp{}); }
   __device__ __forceinline__ T max(T v) { return reduce(v, MaxOp{}); }
-
- private:
-  // Lanes without a partial contribute the identity: 0 for a sum, a copy of partial 0 for a max
-  // (max is idempotent, so repeating a partial changes nothing).
-  __device__ __forceinline__ static T identity_like(T, T first, SumOp) { return zero(first); }
-  __device__ __forceinline__ static T identity_like(T, T first, MaxOp) { return first; }
-  __device__ __forceinline__ static float zero(float) { return 0.0f; }
-  __device__ __forceinline__ static float2 zero(float2) { return make_float2(0.0f, 0.0f); }
 };
 
 // Cluster reduction without a cluster-wide barrier per reduction: each warp sends its partial
@@ -217,10 +225,7 @@ struct AsyncClusterReducer {
     for (int r = lane; r < CLUSTER; r += 32) send(half + slot, bar, r, v);
     wait(bar, (parity >> h) & 1u);
     parity ^= 1u << h;
-    T acc = half[lane < kPartials ? lane : 0];
-    for (int i = lane + 32; i < kPartials; i += 32) acc = op(acc, half[i]);
-    if (lane >= kPartials) acc = identity_like(acc, half[0], op);
-    return warp_reduce(acc, op);
+    return combine_partials<kPartials>(half, op);
   }
 
   __device__ __forceinline__ T sum(T v) { return reduce(v, SumOp{}); }
@@ -256,10 +261,6 @@ struct AsyncClusterReducer {
         "}\n" ::"r"(bar), "r"(parity)
         : "memory");
   }
-  __device__ __forceinline__ static T identity_like(T, T first, SumOp) { return zero(first); }
-  __device__ __forceinline__ static T identity_like(T, T first, MaxOp) { return first; }
-  __device__ __forceinline__ static float zero(float) { return 0.0f; }
-  __device__ __forceinline__ static float2 zero(float2) { return make_float2(0.0f, 0.0f); }
 };
 
 // One-shot helpers for code that reduces once per kernel: `smem` holds Reducer::kSlots values.
