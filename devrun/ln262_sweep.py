@@ -1,7 +1,16 @@
-"""LayerNorm / RMSNorm forward at hidden 262144 (8192 rows, bf16): pipeline depth and parameter
-homes. Each item is a config with extra -D values (NORM_WEIGHT_REGS=1: w and b in registers,
-NORM_WEIGHT_ALONE=1: the weight in registers and the bias from global); prints the fraction of
-the copy bandwidth over four placements of w and b, the grid's row units and the error."""
+"""LayerNorm / RMSNorm forward at hidden 262144 (8192 rows, bf16; HIDDEN overrides), configs
+with extra -D values; prints the fraction of the copy bandwidth over four placements of w and b,
+the grid's row units and the error against float32. Usage: ln262_sweep.py ln rms | lnh rmsh
+(lnh / rmsh: the heuristic's config with the cluster-barrier reduction beside the default).
+
+Earlier rounds (H200) ran experiment hooks since removed from the kernels:
+  1. 3 stages with w in registers and b from global 0.71, w and b in registers 0.51 (spills),
+     clusters of 16 (7 clusters fit) 0.57-0.59, against the heuristic's 0.870; RMSNorm 3 stages
+     0.900 as 2.
+  2/3. kernels for rows of exactly NORM_ITERS vectors (no bounds branch) -1% to -5%; split
+     accumulators no change; two-FMA LayerNorm output +1%.
+  4. with the copy addressing of e0e06a6: the two-FMA output 0.875 -> 0.888 (now the default).
+"""
 import os
 import sys
 from pathlib import Path
@@ -11,36 +20,16 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.common import copy_bandwidth_gbs  # noqa: E402
 from custom_kernels import norm_config as nc, norms  # noqa: E402
 from tuning.timing import do_bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wb_placement import PLACEMENTS, place, placement_buffer  # noqa: E402
 
 EXTRA = {}
 _orig = nc.NormConfig.defines
 nc.NormConfig.defines = lambda self, p: {**_orig(self, p), **EXTRA}
-PLACEMENTS = ((0, 0), (64, 0), (0, 65536), (4096, 3 << 16))
-A = {"NORM_WEIGHT_ALONE": 1}
-R = {"NORM_WEIGHT_REGS": 1}
-FMA = {"NORM_FMA_FORM": 1}
-FULL = {"NORM_FULL_ROW": 1}
-SPLIT = {"NORM_SPLIT_ACC": 1}
+# the four placements every round measured
+FOUR = tuple(PLACEMENTS[i] for i in (0, 1, 3, 6))
 SYNC = {"NORM_ASYNC_REDUCE": 0}
-ITEMS = {  # round 1 (H200): every one of these but the heuristic's lost 15 to 40%
-    "ln1": [("t512_r1_c8_v8_s2_m", {}), ("t512_r1_c8_v8_s3", A), ("t512_r1_c8_v8_s3", {}),
-            ("t512_r1_c8_v8_s3", R), ("t512_r1_c8_v8_s2", A), ("t512_r1_c16_v8_s3", R),
-            ("t512_r1_c16_v8_s4", R), ("t512_r1_c16_v8_s4_m", {}), ("t256_r1_c16_v8_s4_m", {})],
-    "rms1": [("t512_r1_c8_v8_s2", {}), ("t512_r1_c8_v8_s3", {}), ("t512_r1_c16_v8_s4", {}),
-             ("t512_r1_c16_v8_s3", {})],
-    # round 3 (H200): NORM_FULL_ROW lost 1-5% everywhere (ptxas hoists loads across vectors);
-    # NORM_FMA_FORM gained 1% at LayerNorm 262144
-    "ln3": [("t512_r1_c8_v8_s2_m", {}), ("t512_r1_c8_v8_s2_m", FULL),
-            ("t512_r1_c8_v8_s2_m", {**FULL, **FMA}),
-            ("t512_r1_c8_v8_s2_m", {**FULL, **FMA, **SPLIT}),
-            ("t512_r1_c8_v8_s2_m", FMA), ("t1024_r1_c8_v8_s2_m", {**FULL, **FMA})],
-    "rms3": [("t512_r1_c8_v8_s2", {}), ("t512_r1_c8_v8_s2", FULL),
-             ("t512_r1_c8_v8_s2", {**FULL, **SPLIT}), ("t1024_r1_c8_v8_s2", FULL)],
-    # round 4 (H200): NORM_FMA_FORM 0.875 -> 0.888 at LayerNorm 262144 (now the default)
-    "ln4": [("t512_r1_c8_v8_s2_m", {}), ("t512_r1_c8_v8_s2_m", FMA),
-            ("t512_r1_c8_v8_s2_m", {**FMA, **SPLIT})],
-    "rms4": [("t512_r1_c8_v8_s2", {}), ("t512_r1_c8_v8_s2", SPLIT)],
-    # round 5: the cluster reduction through st.async and mbarriers against cluster barriers
+ITEMS = {  # round 5: the cluster reduction through st.async and mbarriers against barriers
     "ln": [("t512_r1_c8_v8_s2_m", {}), ("t512_r1_c8_v8_s2_m", SYNC)],
     "rms": [("t512_r1_c8_v8_s2", {}), ("t512_r1_c8_v8_s2", SYNC)],
 }
@@ -54,7 +43,7 @@ def main():
     print(f"copy {copy:.0f} GB/s", flush=True)
     for kind in sys.argv[1:] or ["ln", "rms"]:
         key = kind
-        kind = kind.rstrip("1h")
+        kind = kind.rstrip("h")
         p = nc.NormProblem(kind, "fwd", hidden, "bfloat16", "bfloat16", "bfloat16")
         # "lnh" / "rmsh": the heuristic's config with and without the FMA form
         heur = nc.heuristic(p).name
@@ -73,7 +62,7 @@ def main():
         else:
             ref = F.rms_norm(x.float(), (hidden,), w.float(), 1e-5)
         nbytes = 2 * rows * hidden * 2
-        buf = torch.empty(4 * hidden + (1 << 20), dtype=torch.bfloat16, device="cuda")
+        buf = placement_buffer(hidden)
 
         def call(name, wv, bv):
             if kind == "ln":
@@ -90,13 +79,8 @@ def main():
                 plan = norms._fwd_plan(kind, hidden, "bfloat16", "bfloat16", "bfloat16", True,
                                        False, name, 0)
                 fs = []
-                for w_off, gap in PLACEMENTS:
-                    wo = w_off // 2
-                    wv = buf[wo:wo + hidden]
-                    wv.copy_(w)
-                    bo = wo + hidden + gap // 2
-                    bv = buf[bo:bo + hidden]
-                    bv.copy_(b)
+                for w_off, gap in FOUR:
+                    wv, bv = place(buf, w, b, w_off, gap)
                     t = do_bench(lambda: call(name, wv, bv), reps=20, pad_host=True).median_ms
                     fs.append(nbytes / t / 1e6 / copy)
                 print(f"   {name:22s} {str(extra):28s} units {plan.max_units:4d} min {min(fs):.3f}"

@@ -9,9 +9,9 @@ import torch  # noqa: E402
 from benchmarks.common import copy_bandwidth_gbs  # noqa: E402
 from custom_kernels import norm_config as nc, norms  # noqa: E402
 from tuning.timing import do_bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wb_placement import PLACEMENTS, place, placement_buffer  # noqa: E402
 
-PLACEMENTS = ((0, 0), (64, 0), (0, 4096), (0, 65536), (2048, 8192), (1 << 18, 0),
-              (4096, 3 << 16), (1 << 16, 7 << 16))
 
 
 def main():
@@ -52,17 +52,10 @@ def main():
         top = [n for _, n, _ in res[:4]]
         if heur.name not in top:
             top.append(heur.name)
-        buf = torch.empty(4 * hidden + (1 << 20), dtype=torch.bfloat16, device="cuda")
+        buf = placement_buffer(hidden)
         table = {n: [] for n in top}
         for w_off, gap in PLACEMENTS:
-            wo = w_off // 2
-            wv = buf[wo:wo + hidden]
-            wv.copy_(w)
-            bv = None
-            if b is not None:
-                bo = wo + hidden + gap // 2
-                bv = buf[bo:bo + hidden]
-                bv.copy_(b)
+            wv, bv = place(buf, w, b, w_off, gap)
             for n in top:
                 table[n].append(frac(n, wv, bv))
         for n, fs in table.items():

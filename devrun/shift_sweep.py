@@ -11,12 +11,12 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.common import copy_bandwidth_gbs  # noqa: E402
 from custom_kernels import norm_config as nc, norms  # noqa: E402
 from tuning.timing import do_bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wb_placement import PLACEMENTS, place, placement_buffer  # noqa: E402
 
 EXTRA = {}
 _orig = nc.NormConfig.defines
 nc.NormConfig.defines = lambda self, p: {**_orig(self, p), **(EXTRA if self.stages else {})}
-PLACEMENTS = ((0, 0), (64, 0), (0, 4096), (0, 65536), (2048, 8192), (1 << 18, 0),
-              (4096, 3 << 16), (1 << 16, 7 << 16))
 
 
 def main():
@@ -65,15 +65,10 @@ def main():
             if n == heur.name:
                 print(f"   heuristic {n} shift staged {v} {f:.3f} err {err:.1e}")
         top = [(n, v) for _, n, v, _ in res[:3]] + [(heur.name, 1), (heur.name, 0)]
-        buf = torch.empty(4 * hidden + (1 << 20), dtype=torch.bfloat16, device="cuda")
+        buf = placement_buffer(hidden)
         table = {}
         for w_off, gap in PLACEMENTS:
-            wo = w_off // 2
-            wv = buf[wo:wo + hidden]
-            wv.copy_(w)
-            bo = wo + hidden + gap // 2
-            bv = buf[bo:bo + hidden]
-            bv.copy_(b)
+            wv, bv = place(buf, w, b, w_off, gap)
             for n, v in dict.fromkeys(top):
                 EXTRA = {"NORM_STAGED_SHIFT": v}
                 norms._fwd_plan.cache_clear()

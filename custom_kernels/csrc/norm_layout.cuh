@@ -114,8 +114,7 @@ template <class T>
 using RowReducer = typename ck::Conditional<
     kSubWarpRows, ck::GroupReducer<T, kSubWarpRows ? kTpr : 2>,
     typename ck::Conditional<kAsyncReduce,
-                             ck::AsyncClusterReducer<T, (kTpr >= 32 ? kTpr / 32 : 1),
-                                                     (kCluster > 1 ? kCluster : 2)>,
+                             ck::AsyncClusterReducer<T, kTpr / 32, kCluster>,
                              ck::Reducer<T, kSubWarpRows ? 1 : kTpr / 32, kCluster>>::type>::type;
 
 __device__ __forceinline__ int cluster_rank() {
@@ -129,12 +128,6 @@ __device__ __forceinline__ int cluster_rank() {
 __device__ __forceinline__ int vec_col(int it, int rank, int lane) {
   return ((it * kCluster + rank) * kTpr + lane) * kVec;
 }
-
-// Whether column `col` (a vector's first element) lies in the row. The check stays a branch per
-// vector even where the row fills every vector: specialising it away (kernels compiled for rows
-// of exactly NORM_ITERS vectors a thread) let ptxas hoist loads across vectors, and on an H200
-// the register pressure cost 1 to 5% (devrun/ln262_sweep.py, round 3).
-__device__ __forceinline__ bool in_row(int col, int hidden) { return col < hidden; }
 
 // ---------------------------------------------------------------------------------------------
 // Backward helpers shared by both backward kernels
@@ -175,7 +168,7 @@ __device__ __forceinline__ void write_partials_direct(const float (&acc)[kIters]
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (in_row(col, hidden)) {
+    if (col < hidden) {
       Vec<float, kVec> v;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) v.v[j] = acc[it][j];
@@ -192,7 +185,7 @@ __device__ __forceinline__ void write_partials_block(const float (&acc)[kIters][
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, 0, lane);
-    if (in_row(col, hidden)) {
+    if (col < hidden) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) smem[warp * hidden + col + j] = acc[it][j];
     }

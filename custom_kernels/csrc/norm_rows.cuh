@@ -1,8 +1,10 @@
 // The per-row math of the norm kernels, shared by norms.cu (rows in registers or read again from
 // global memory) and norms_staged.cu (rows in shared memory). Each helper walks this thread's
 // vectors of a row (norm_layout.cuh) and reads them through accessors: callables
-// `(int it, int col) -> vector`, called only where in_row(col, hidden); they hide where the row
-// lives. The formulas are in norms.cu's header (forward) and norm_layout.cuh (backward).
+// `(int it, int col) -> vector`, called only where col < hidden; they hide where the row
+// lives. The bounds check stays a branch per vector even where the row fills every vector:
+// kernels specialised for such rows let ptxas hoist loads across vectors, and on an H200 the
+// register pressure cost 1 to 5% (devrun/ln262_sweep.py, round 3). The formulas are in norms.cu's header (forward) and norm_layout.cuh (backward).
 #pragma once
 
 #include "norm_layout.cuh"
@@ -64,7 +66,7 @@ __device__ __forceinline__ float2 row_statistics(Reducer& red, float s, float sh
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int col = vec_col(it, rank, lane);
-      if (in_row(col, hidden)) {
+      if (col < hidden) {
         const VIn v = get_h(it, col);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
@@ -84,7 +86,7 @@ __device__ __forceinline__ float2 row_statistics(Reducer& red, float s, float sh
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int col = vec_col(it, rank, lane);
-        if (in_row(col, hidden)) accumulate_first_pass(s, get_h(it, col));
+        if (col < hidden) accumulate_first_pass(s, get_h(it, col));
       }
     }
     var = red.sum(s) * inv_n;
@@ -143,7 +145,7 @@ __device__ __forceinline__ void write_normalized_rows(Out* const (&yr)[R], const
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (in_row(col, hidden)) {
+    if (col < hidden) {
       const VW wv = get_w(it, col);
       VW bv;
       if constexpr (kLN) bv = get_b(it, col);
@@ -177,7 +179,7 @@ __device__ __forceinline__ float2 accumulate_row(float (&acc)[kAccRows][kIters][
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (in_row(col, hidden)) {
+    if (col < hidden) {
       const VIn xv = get_x(it, col);
       const VOut dv = get_dy(it, col);
       const VW wv = get_w(it, col);
@@ -205,7 +207,7 @@ __device__ __forceinline__ void write_dx_row(In* dxr, GetX get_x, GetDy get_dy, 
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (in_row(col, hidden)) {
+    if (col < hidden) {
       const VIn xv = get_x(it, col);
       const VOut dv = get_dy(it, col);
       const VW wv = get_w(it, col);

@@ -38,7 +38,7 @@ __device__ __forceinline__ void fwd_issue_loads(VIn (&h)[kIters], VIn (&r)[kIter
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (in_row(col, hidden)) {
+    if (col < hidden) {
       load(h[it], xr + col);
       if (rr != nullptr) load(r[it], rr + col);
     }
@@ -53,7 +53,7 @@ __device__ __forceinline__ void fwd_add_residual(VIn (&h)[kIters], const VIn (&r
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (in_row(col, hidden) && residual) {
+    if (col < hidden && residual) {
       add_residual(h[it], r[it]);
       if (hr != nullptr) store(hr + col, h[it]);  // none past the end
     }
@@ -68,7 +68,7 @@ __device__ __forceinline__ float fwd_first_pass_uncached(const In* xr, const In*
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);
-    if (in_row(col, hidden)) {
+    if (col < hidden) {
       VIn v;
       load(v, xr + col);
       if (rr != nullptr) {

@@ -214,7 +214,7 @@ struct ParamVectors {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int col = vec_col(it, rank, lane);
-      if (in_row(col, hidden)) {
+      if (col < hidden) {
         if constexpr (kHome == Home::kRegisters) {
           load(regs[it], g + col);
         } else {
@@ -279,8 +279,8 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
         // Only the last vector can lie past the row's end (NORM_ITERS rounds up): the others
         // copy from the row's base plus a constant, without a bounds check.
         const int col = vec_col(it, rank, lane);
-        const bool valid = it + 1 < kIters || in_row(col, hidden);
-        const int src = it + 1 < kIters ? col : valid ? col : 0;
+        const bool valid = it + 1 < kIters || col < hidden;
+        const int src = valid ? col : 0;  // a readable address for the zero-fill copy
         cp_async16_or_zero(xs.slot_s(stage, it), xr + src, valid);
         if constexpr (kResidual) cp_async16_or_zero(rs.slot_s(stage, it), rr + src, valid);
       }
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int col = vec_col(it, rank, lane);
-      if (in_row(col, hidden)) {
+      if (col < hidden) {
         VIn v = *xs.slot(stage, it);
         if constexpr (kResidual) {
           const VIn r = *rs.slot(stage, it);
@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(kThreads) norm_bwd_staged(
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int col = vec_col(it, rank, lane);
-        if (in_row(col, hidden)) {
+        if (col < hidden) {
           cp_async_vec<VIn>(xs.slot_s(stage, it), xr + col);
           cp_async_vec<VOut>(dys.slot_s(stage, it), dyr + col);
           if constexpr (kResidual) cp_async_vec<VIn>(drs.slot_s(stage, it), drr + col);
