@@ -430,3 +430,9 @@ def test_norms_cu_compiles_with_nvcc_for_every_variant_python_uses():
     spills = [(d, int(m)) for d, r in results
               for m in re.findall(r"(\d+) bytes spill stores", r.stdout + r.stderr)]
     assert all(n <= 16 for _, n in spills), max(spills, key=lambda item: item[1])
+    # The staged kernels' dynamic shared memory (their cp.async slots) starts where the static
+    # ends: a multiple of 128 bytes keeps it sector-aligned (norms_staged.cu, kRedSlots).
+    static_smem = [(d, int(m)) for d, r in results if d[0] == "norms_staged.cu"
+                   for m in re.findall(r"(\d+) bytes smem", r.stdout + r.stderr)]
+    assert static_smem and all(n % 128 == 0 for _, n in static_smem), \
+        [item for item in static_smem if item[1] % 128]
