@@ -4,12 +4,12 @@ checkout's, and a torch copy of the same bytes, timed interleaved in one process
 heuristic's configs, with each kernel's registers, static shared memory and blocks per SM:
 python devrun/ab_align.py OLD_CSRC_DIR (HIDDEN="8192 262144" picks sizes).
 
-Its first use (H200) found the staging region's alignment: the row-queue experiment (branch
-row-queue-experiment: rows handed out through the work queue, the ticket broadcast with the
-reduction) added 16 bytes of static shared memory, and every kernel whose dynamic region moved
-off (or onto) a 32-byte boundary changed speed by 5 to 11% with an unchanged instruction
-stream; the queue itself was worth 0 to +1.5% at 16384-65536 and cost 5% at 262144 (cause not
-found; the ticket already travelled a row late), so it was set aside."""
+Its first use (H200) found the staging region's alignment: the row-queue experiment
+(devrun/row_queue.patch on 757d2e4: rows handed out through the work queue, the ticket broadcast
+with the reduction) added 16 bytes of static shared memory, and every kernel whose dynamic
+region moved off (or onto) a 32-byte boundary changed speed by 5 to 11% with an unchanged
+instruction stream; the queue itself was worth 0 to +1.5% at 16384-65536 and cost 5% at 262144
+(cause not found; the ticket already travelled a row late), so it was set aside."""
 import os
 import sys
 from pathlib import Path
