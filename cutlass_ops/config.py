@@ -179,8 +179,60 @@ def _triple(value: Any, what: str) -> Triple:
     return out  # type: ignore[return-value]
 
 
-def _dims(t: Triple) -> str:
+def _dims(t: tuple[int, ...]) -> str:
     return "x".join(str(v) for v in t)
+
+
+# An epilogue tile of (0, 0) lets CUTLASS choose (EpilogueTileAuto).
+AUTO_EPILOGUE_TILE = (0, 0)
+# Rows of an explicit sm90a epilogue tile, per schedule: CUTLASS's sm90 epilogue builder
+# (sm90_compute_tile_shape_or_override) static_asserts 64 for one consumer warpgroup and 128 for
+# two (cooperative); a thread then converts M * N / 128 or / 256 values (FragmentSize) at a time.
+_EPILOGUE_TILE_M = {"pingpong": 64, "warpspecialized": 64, "cooperative": 128}
+# The accumulator values a thread hands to one register-to-shared-memory copy of the sm90 TMA
+# epilogue, by tile N (size<0>(tRS_rAcc) in sm90_epilogue_tma_warpspecialized.hpp, computed with
+# CUTLASS 4.2's headers by devrun/epi_copy_values.cu: the same for 64-, 128- and 256-row tiles, 1
+# or 2 warpgroups, both 16-bit stmatrix atoms). The epilogue's FragmentSize must divide it
+# ("Fragment size does not vectorize properly"), so a tile whose N / 16 is odd (48, 80, ..., 176,
+# 208, 240) stores 16 columns at a time whatever the epilogue tile, and 160 and 224 at most 32:
+# only CUTLASS's own choice compiles there.
+_EPILOGUE_COPY_VALUES = {16: 8, 32: 16, 48: 8, 64: 32, 80: 8, 96: 48, 112: 8, 128: 64, 144: 8,
+                         160: 16, 176: 8, 192: 96, 208: 8, 224: 16, 240: 8, 256: 128}
+
+
+def epilogue_tile_widths(config: GemmConfig) -> list[int]:
+    """The epilogue tile widths (N) that compile with an sm90a config's tile N."""
+    tn = config.tile[1]
+    values = _EPILOGUE_COPY_VALUES.get(tn, 0)
+    return [n for n in range(16, tn + 1, 16) if tn % n == 0 and values % (n // 2) == 0]
+
+
+def _epilogue_tile_problems(config: GemmConfig) -> list[str]:
+    """Why an explicit epilogue tile cannot be compiled with this config (CUTLASS 4.2's sm90
+    static_asserts and limits); empty when it can, or when the tile is auto."""
+    em, en = config.epilogue_tile
+    if (em, en) == AUTO_EPILOGUE_TILE:
+        return []
+    if em <= 0 or en <= 0:
+        return [f"epilogue_tile must be (0, 0) (auto) or two positive integers, got {(em, en)}"]
+    tm, tn, _ = config.tile
+    if config.arch is not Arch.SM90A:
+        return ["an explicit epilogue tile is supported on sm90a only"]
+    if config.epilogue_schedule is not EpilogueSchedule.TMA:
+        return ["an explicit epilogue tile needs the TMA epilogue (nosmem has none)"]
+    why = []
+    rows = _EPILOGUE_TILE_M.get(config.kernel_schedule.value)
+    if rows is not None and em != rows:
+        why.append(f"{config.kernel_schedule.value} needs epilogue tile M = {rows}, got {em}")
+    if tm % em or tn % en:
+        why.append(f"epilogue tile {em}x{en} must divide the tile {tm}x{tn}")
+    if en % 16:
+        why.append(f"epilogue tile N must be a multiple of 16, got {en}")
+    if not why and en not in epilogue_tile_widths(config):
+        why.append(f"a {tn}-wide tile hands {_EPILOGUE_COPY_VALUES.get(tn, 0)} values a thread to "
+                   f"each epilogue copy, which {en // 2} (N / 2) must divide: N in "
+                   f"{epilogue_tile_widths(config)} here")
+    return why
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,9 +360,13 @@ class GemmConfig:
     ``tile`` is the tile shape CUTLASS is instantiated with (the emitted ``TileShape``): the CTA
     tile on sm90a and for 1-SM sm100a kernels, the tile of a CTA pair for 2-SM kernels.
     ``cluster`` is the thread block cluster. ``stages`` of 0 lets CUTLASS fit as many as shared
-    memory allows.
+    memory allows. ``epilogue_tile`` is the (M, N) sub-tile the TMA epilogue stores at a time;
+    (0, 0) lets CUTLASS choose (EpilogueTileAuto: N = gcd(32, tile N) on sm90a, so a 176-wide
+    tile stores in 11 slices of 16 columns, the only width CUTLASS 4.2 compiles for it:
+    ``epilogue_tile_widths``). It comes last and is left out of names and dicts
+    while it is auto, so that configs without it keep their names and cache keys.
 
-    The first seven fields are compiled into the kernel (``build_fields``); ``splits``,
+    The build fields are compiled into the kernel (``build_fields``); ``splits``,
     ``raster_order`` and ``swizzle`` are run-time arguments of the same artifact.
     """
 
@@ -324,9 +380,10 @@ class GemmConfig:
     splits: int = 1
     raster_order: RasterOrder = RasterOrder.HEURISTIC
     swizzle: int = 1
+    epilogue_tile: tuple[int, int] = AUTO_EPILOGUE_TILE
 
     BUILD_FIELDS = ("arch", "tile", "cluster", "stages", "kernel_schedule", "epilogue_schedule",
-                    "tile_scheduler")
+                    "tile_scheduler", "epilogue_tile")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arch", Arch(self.arch))
@@ -344,31 +401,50 @@ class GemmConfig:
             raise ValueError("splits must be at least 1")
         if self.swizzle not in (1, 2, 4, 8):
             raise ValueError(f"swizzle must be 1, 2, 4 or 8, got {self.swizzle}")
+        try:
+            epilogue_tile = tuple(int(v) for v in self.epilogue_tile)
+        except TypeError:
+            epilogue_tile = ()
+        if len(epilogue_tile) != 2:
+            raise ValueError(f"epilogue_tile must be two integers (M, N), got "
+                             f"{self.epilogue_tile!r}")
+        object.__setattr__(self, "epilogue_tile", epilogue_tile)
+        why = _epilogue_tile_problems(self)
+        if why:
+            raise ValueError(f"epilogue_tile {_dims(epilogue_tile)}: " + "; ".join(why))
+
+    @property
+    def epilogue_tile_is_auto(self) -> bool:
+        return self.epilogue_tile == AUTO_EPILOGUE_TILE
 
     @property
     def name(self) -> str:
-        stages = "auto" if self.stages == 0 else str(self.stages)
-        return (f"{self.arch.value}-{self.kernel_schedule.value}-t{_dims(self.tile)}"
-                f"-c{_dims(self.cluster)}-s{stages}-epi{self.epilogue_schedule.value}"
-                f"-{self.tile_scheduler.value}-split{self.splits}-r{self.raster_order.value}"
+        return (f"{self.build_name}-split{self.splits}-r{self.raster_order.value}"
                 f"-sw{self.swizzle}")
 
     @property
     def build_name(self) -> str:
         """The name of the compiled artifact: the fields that change the binary."""
         stages = "auto" if self.stages == 0 else str(self.stages)
+        epilogue_tile = "" if self.epilogue_tile_is_auto else f"-e{_dims(self.epilogue_tile)}"
         return (f"{self.arch.value}-{self.kernel_schedule.value}-t{_dims(self.tile)}"
                 f"-c{_dims(self.cluster)}-s{stages}-epi{self.epilogue_schedule.value}"
-                f"-{self.tile_scheduler.value}")
+                f"-{self.tile_scheduler.value}{epilogue_tile}")
 
     def build_fields(self) -> tuple:
-        return tuple(getattr(self, name) for name in self.BUILD_FIELDS)
+        """The values of BUILD_FIELDS; an auto epilogue tile is left out, so that keys hashed
+        from them (the emitted-source cache) are those of configs from before the field."""
+        fields = tuple(getattr(self, name) for name in self.BUILD_FIELDS)
+        return fields[:-1] if self.epilogue_tile_is_auto else fields
 
     def replace(self, **changes: Any) -> GemmConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if self.epilogue_tile_is_auto:  # configs without one keep the dict (and hashes) they had
+            del out["epilogue_tile"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GemmConfig:
@@ -389,13 +465,14 @@ class GemmConfig:
                    cluster=tuple(int(v) for v in g["cluster"].split("x")),
                    stages=0 if g["stages"] == "auto" else int(g["stages"]),
                    epilogue_schedule=g["epi"], tile_scheduler=g["sched"],
-                   splits=int(g["splits"]), raster_order=g["raster"], swizzle=int(g["swizzle"]))
+                   splits=int(g["splits"]), raster_order=g["raster"], swizzle=int(g["swizzle"]),
+                   epilogue_tile=tuple(int(v) for v in (g["epitile"] or "0x0").split("x")))
 
 
 _CONFIG_NAME = re.compile(
     r"(?P<arch>sm\d+a)-(?P<kernel>\w+?)-t(?P<tile>\d+x\d+x\d+)-c(?P<cluster>\d+x\d+x\d+)"
-    r"-s(?P<stages>auto|\d+)-epi(?P<epi>\w+?)-(?P<sched>\w+?)-split(?P<splits>\d+)"
-    r"-r(?P<raster>\w+?)-sw(?P<swizzle>\d+)")
+    r"-s(?P<stages>auto|\d+)-epi(?P<epi>\w+?)-(?P<sched>\w+?)(?:-e(?P<epitile>\d+x\d+))?"
+    r"-split(?P<splits>\d+)-r(?P<raster>\w+?)-sw(?P<swizzle>\d+)")
 
 
 def _plain(value: Any) -> Any:

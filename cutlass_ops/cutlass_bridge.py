@@ -191,6 +191,29 @@ def cutlass_threadblock_shape(config: GemmConfig) -> list[int]:
     return [m, tn * cn, tk * ck]
 
 
+_EPILOGUE_TILE_AUTO = "cutlass::epilogue::collective::EpilogueTileAuto"
+
+
+def epilogue_tile_type(config: GemmConfig) -> str:
+    """The C++ epilogue tile type of a config: CUTLASS's Auto, or the explicit (M, N) shape."""
+    if config.epilogue_tile_is_auto:
+        return _EPILOGUE_TILE_AUTO
+    m, n = config.epilogue_tile
+    return f"cute::Shape<cute::_{m}, cute::_{n}>"
+
+
+def with_epilogue_tile(body: str, config: GemmConfig) -> str:
+    """cutlass_cppgen 4.2 writes EpilogueTileAuto into every sm90 kernel (its templates have no
+    parameter for it): an explicit epilogue tile replaces each occurrence, the epilogue
+    CollectiveBuilder's and, for a visitor tree, its EpilogueDescriptor's, so that both agree."""
+    if config.epilogue_tile_is_auto:
+        return body
+    if _EPILOGUE_TILE_AUTO not in body:
+        raise ValueError("no EpilogueTileAuto in cutlass_cppgen's source to replace with the "
+                         f"epilogue tile {config.epilogue_tile}")
+    return body.replace(_EPILOGUE_TILE_AUTO, epilogue_tile_type(config))
+
+
 def emit(operands: GemmOperands, config: GemmConfig) -> str:
     """C++ declaring ``DeviceKernel`` for this config, with the includes it needs."""
     from cutlass_cppgen.backend.gemm_operation import EmitGemmUniversalInstance3x
@@ -211,7 +234,7 @@ def emit(operands: GemmOperands, config: GemmConfig) -> str:
     operation = plan.construct(td, operands.alignment_a, operands.alignment_b, operands.alignment_c)
     emitter = EmitGemmUniversalInstance3x("_type")
     includes = "".join(f'#include "{header}"\n' for header in emitter.includes)
-    body = emitter.emit(operation.device_op())
+    body = with_epilogue_tile(emitter.emit(operation.device_op()), config)
     if "using DeviceKernel" not in body:  # the visitor template declares the kernel type only
         name = operation.device_op().procedural_name()
         body += ("\nusing DeviceKernel = "

@@ -72,7 +72,13 @@ _MAINLOOP = re.compile(r"CollectiveMainloop\s*=.*?" + _SHAPE + r",\s*" + _SHAPE,
 
 
 def check_emitted_shapes(source: str, config: GemmConfig) -> None:
-    """Refuses source whose TileShape or ClusterShape differ from what the config names."""
+    """Refuses source whose TileShape, ClusterShape or epilogue tile differ from what the config
+    names."""
+    from cutlass_ops.cutlass_bridge import epilogue_tile_type
+
+    epilogue_tile = epilogue_tile_type(config)
+    if f"{epilogue_tile}," not in source:
+        raise EmissionError(f"{config.build_name}: the emitted source has no {epilogue_tile}")
     match = _MAINLOOP.search(source)
     if not match:
         raise EmissionError(f"{config.build_name}: no TileShape/ClusterShape in emitted source")

@@ -7,13 +7,17 @@ reasons a config is refused; ``check`` raises with them; ``valid_configs`` lists
 
 from __future__ import annotations
 
+import math
+
 from cutlass_ops.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
                                 KernelSchedule, Layout, TileScheduler)
 from cutlass_ops.errors import InvalidConfigError
 
 # Usable dynamic shared memory per CTA on sm90 and sm100 (228 KB less 1 KB reserved by the system).
 SMEM_BYTES = 227 * 1024
-# Shared memory a TMA epilogue keeps for its output tiles (a conservative bound).
+# What CUTLASS's sm90 builders share out among stages and epilogue (sm90_smem_capacity_bytes).
+SMEM_CAPACITY = 232448
+# The least shared memory a TMA epilogue is counted for (epilogue_smem_bytes is the exact figure).
 _TMA_EPILOGUE_BYTES = 16 * 1024
 # Consumer threads holding one tile's accumulators: a warpgroup, or two for cooperative kernels.
 _CONSUMER_THREADS = {KernelSchedule.PINGPONG: 128, KernelSchedule.WARP_SPECIALIZED: 128,
@@ -44,6 +48,45 @@ _KNOWN_BROKEN = {
 
 def _power_of_two(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
+
+
+def epilogue_tile_shape(config: GemmConfig) -> tuple[int, int]:
+    """The (M, N) epilogue tile an sm90a kernel stores at a time: the config's, or what CUTLASS
+    4.2 picks for an auto one (sm90_compute_tile_shape_or_override): (min(128, tile M),
+    gcd(32, tile N)) for cooperative kernels, (min(64, tile M), gcd(32, tile N)) otherwise."""
+    if not config.epilogue_tile_is_auto:
+        return config.epilogue_tile
+    tm, tn, _ = config.tile
+    rows = 128 if config.kernel_schedule is KernelSchedule.COOPERATIVE else 64
+    return min(rows, tm), math.gcd(32, tn)
+
+
+def epilogue_smem_bytes(operands: GemmOperands, config: GemmConfig) -> int:
+    """Shared memory a TMA epilogue keeps from the mainloop's stages. sm90a, CUTLASS 4.2
+    (sm90_get_tma_dispatch_policy): for E epilogue tiles per CTA tile, StagesD = min(E, 2) and,
+    as C and D share one element type (and so their buffers), StagesC = max(min(E, 4),
+    StagesD + 1) buffers of one epilogue tile. A whole-width epilogue tile (E = 1) thus keeps two
+    CTA tiles of output: 64 KB for 128x128 in bf16; auto ones keep 16 or 32 KB (an upper bound
+    for fused epilogues without C, whose D has min(E, 2) buffers of its own)."""
+    if config.epilogue_schedule is not EpilogueSchedule.TMA:
+        return 0
+    if config.arch is not Arch.SM90A:
+        return _TMA_EPILOGUE_BYTES  # sm100a's epilogue builder has rules of its own
+    em, en = epilogue_tile_shape(config)
+    tiles = (config.tile[0] // em) * (config.tile[1] // en)
+    stages_c = max(min(tiles, 4), min(tiles, 2) + 1)
+    return stages_c * em * en * operands.element_d.bytes
+
+
+def auto_stages(operands: GemmOperands, config: GemmConfig) -> int:
+    """The mainloop stages of a config: its own count, or what CUTLASS's StageCountAutoCarveout
+    fits beside the epilogue (sm90 compute_stage_count_or_override: 128-byte rounding, 16 bytes
+    of barriers a stage)."""
+    if config.stages:
+        return config.stages
+    tm, tn, tk = config.tile
+    stage = -(-(tm + tn) * tk * operands.element_a.bytes // 128) * 128 + 16
+    return (SMEM_CAPACITY - epilogue_smem_bytes(operands, config) - 128) // stage
 
 
 def violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
@@ -104,14 +147,18 @@ def violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
     min_stages = config.stages or 2
     # A TMA epilogue stages output tiles in shared memory too: seen on an H200, 7 stages of a
     # 128x128x64 tile (224 KB) built but failed to initialize with it.
-    epilogue_bytes = _TMA_EPILOGUE_BYTES if config.epilogue_schedule is EpilogueSchedule.TMA \
-        else 0
+    epilogue_bytes = epilogue_smem_bytes(operands, config)
+    if config.epilogue_schedule is EpilogueSchedule.TMA:
+        epilogue_bytes = max(epilogue_bytes, _TMA_EPILOGUE_BYTES)
     if min_stages < 2:
         why.append("at least 2 pipeline stages are needed")
     if min_stages * stage_bytes + epilogue_bytes > SMEM_BYTES:
         why.append(f"{min_stages} stages of {stage_bytes} bytes (+ {epilogue_bytes} for the "
                    f"epilogue) exceed {SMEM_BYTES} bytes of shared memory")
 
+    if not config.epilogue_tile_is_auto and operands.element_d.bytes != 2:
+        why.append("an explicit epilogue tile needs a 16-bit output: GemmConfig's rule for it "
+                   "(config._EPILOGUE_COPY_VALUES) was worked out for the 16-bit stmatrix copies")
     if not operands.epilogue.is_default and config.epilogue_schedule is not EpilogueSchedule.TMA:
         why.append(f"a fused epilogue ({operands.epilogue.name}) is an epilogue visitor tree, "
                    "which needs the TMA epilogue schedule")

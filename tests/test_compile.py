@@ -3,7 +3,7 @@ each). The artifacts must load and report their launcher ABI and shared-memory s
 
 import pytest
 
-from cutlass_ops import GemmConfig, GemmOperands, runtime
+from cutlass_ops import GemmConfig, GemmOperands, runtime, space
 from cutlass_ops.kernels import check_epilogue_slots
 
 pytestmark = pytest.mark.compile
@@ -14,6 +14,9 @@ KERNELS = {
                                             cluster=(2, 1, 1)),
     "sm100a 2-SM": GemmConfig(arch="sm100a", kernel_schedule="2sm", tile=(256, 128, 64),
                               cluster=(2, 1, 1)),
+    # The cluster cooperative kernel again, storing whole 128x128 tiles instead of 128x32 ones.
+    "sm90a explicit epilogue tile": GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64),
+                                               cluster=(2, 1, 1), epilogue_tile=(128, 128)),
 }
 
 
@@ -55,3 +58,15 @@ def test_kernel_compiles_and_loads(built, name):
     assert 0 < kernel.shared_storage_bytes <= 232448
     source = (artifact.library.parent / "cutlass_ops_kernel.h").read_text()
     assert config.build_name in source
+
+
+def test_explicit_epilogue_tile_takes_the_shared_memory_space_counts(built):
+    operands = GemmOperands.make("bf16")
+    for name in ("sm90a cluster cooperative", "sm90a explicit epilogue tile"):
+        config = KERNELS[name]
+        kernel = runtime.load(str(built[config].library), config.build_name)
+        epilogue = space.epilogue_smem_bytes(operands, config)
+        stage = (config.tile[0] + config.tile[1]) * config.tile[2] * 2
+        # Stages and epilogue buffers, plus barriers: 6 + 32 KB auto, 5 + 64 KB explicit.
+        assert (kernel.shared_storage_bytes - epilogue) // stage == \
+            space.auto_stages(operands, config), name

@@ -2,7 +2,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from cutlass_ops.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
-                                GemmProblem, KernelSchedule, Layout, RasterOrder, TileScheduler)
+                                GemmProblem, KernelSchedule, Layout, RasterOrder, TileScheduler,
+                                epilogue_tile_widths)
 
 configs = st.builds(
     GemmConfig,
@@ -20,14 +21,29 @@ configs = st.builds(
 )
 
 
-@given(configs)
+@st.composite
+def explicit_epilogue_configs(draw):
+    """sm90a TMA configs with an explicit epilogue tile that CUTLASS accepts."""
+    schedule = draw(st.sampled_from(["pingpong", "cooperative"]))
+    rows = 64 if schedule == "pingpong" else 128
+    tile = (draw(st.sampled_from([rows, 2 * rows])), draw(st.sampled_from([64, 128, 192, 256])),
+            draw(st.sampled_from([64, 128])))
+    base = GemmConfig(kernel_schedule=schedule, tile=tile,
+                      cluster=draw(st.sampled_from([(1, 1, 1), (2, 1, 1)])),
+                      tile_scheduler=draw(st.sampled_from(list(TileScheduler))),
+                      splits=draw(st.integers(1, 4)), swizzle=draw(st.sampled_from([1, 8])))
+    return base.replace(epilogue_tile=(rows, draw(st.sampled_from(epilogue_tile_widths(base)))))
+
+
+@given(st.one_of(configs, explicit_epilogue_configs()))
 def test_config_round_trips_through_dict_and_name(config):
     assert GemmConfig.from_dict(config.to_dict()) == config
     assert GemmConfig.from_name(config.name) == config
     assert hash(GemmConfig.from_name(config.name)) == hash(config)
 
 
-@given(configs, configs)
+@given(st.one_of(configs, explicit_epilogue_configs()),
+       st.one_of(configs, explicit_epilogue_configs()))
 def test_names_differ_when_configs_differ(a, b):
     assert (a.name == b.name) == (a == b)
     assert (a.build_name == b.build_name) == (a.build_fields() == b.build_fields())
@@ -38,6 +54,63 @@ def test_run_time_fields_do_not_change_the_build():
     varied = base.replace(splits=3, raster_order="alongn", swizzle=4)
     assert varied.build_fields() == base.build_fields()
     assert varied.build_name == base.build_name and varied.name != base.name
+
+
+def test_an_auto_epilogue_tile_keeps_names_dicts_and_build_fields():
+    # Names and dicts of configs from before the field: tuning and artifact caches keyed by them
+    # stay valid.
+    config = GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64), cluster=(2, 1, 1))
+    name = ("sm90a-cooperative-t128x128x64-c2x1x1-sauto-epitma-persistent-split1-rheuristic-sw1")
+    assert config.name == name and GemmConfig.from_name(name) == config
+    assert config.build_name == name.removesuffix("-split1-rheuristic-sw1")
+    assert "epilogue_tile" not in config.to_dict()
+    assert GemmConfig.from_dict(config.to_dict()) == config
+    assert len(config.build_fields()) == len(GemmConfig.BUILD_FIELDS) - 1
+    assert config.epilogue_tile == (0, 0) and config.epilogue_tile_is_auto
+
+
+def test_an_explicit_epilogue_tile_is_a_build_field_with_a_name_part():
+    auto = GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64), cluster=(2, 1, 1))
+    wide = auto.replace(epilogue_tile=[128, 64])
+    assert wide.epilogue_tile == (128, 64) and not wide.epilogue_tile_is_auto
+    assert wide.build_name == auto.build_name + "-e128x64"
+    assert wide.name == auto.build_name + "-e128x64-split1-rheuristic-sw1"
+    assert GemmConfig.from_name(wide.name) == wide
+    assert GemmConfig.from_dict(wide.to_dict()) == wide and wide.to_dict()["epilogue_tile"] == [
+        128, 64]
+    assert wide.build_fields() != auto.build_fields()
+    # What tuning.dispatch rebuilds from an artifact directory name.
+    assert GemmConfig.from_name(wide.build_name + "-split1-rheuristic-sw1") == wide
+    pingpong = GemmConfig(kernel_schedule="pingpong", tile=(64, 256, 64), epilogue_tile=(64, 128))
+    assert GemmConfig.from_name(pingpong.name) == pingpong
+
+
+def test_epilogue_tile_widths_follow_cutlass_fragment_rule():
+    assert epilogue_tile_widths(GemmConfig(tile=(128, 128, 64))) == [16, 32, 64, 128]
+    assert epilogue_tile_widths(GemmConfig(tile=(128, 192, 64))) == [16, 32, 48, 64, 96, 192]
+    assert epilogue_tile_widths(GemmConfig(tile=(128, 160, 64))) == [16, 32]
+    for odd in (48, 80, 112, 144, 176, 208, 240):  # N / 16 odd: only 16, CUTLASS's own choice
+        assert epilogue_tile_widths(GemmConfig(tile=(128, odd, 64))) == [16]
+
+
+@pytest.mark.parametrize("changes, expected", [
+    (dict(epilogue_tile=(128, 176)), "values a thread"),  # 'Fragment size does not vectorize'
+    (dict(tile=(128, 240, 64), epilogue_tile=(128, 80)), "values a thread"),
+    (dict(epilogue_tile=(64, 16)), "cooperative needs epilogue tile M = 128"),
+    (dict(kernel_schedule="pingpong", epilogue_tile=(128, 16)), "epilogue tile M = 64"),
+    (dict(epilogue_tile=(128, 88)), "multiple of 16"),
+    (dict(epilogue_tile=(128, 32)), "must divide the tile 128x176"),
+    (dict(epilogue_tile=(0, 16)), "two positive integers"),
+    (dict(epilogue_tile=(-128, -16)), "two positive integers"),
+    (dict(epilogue_tile=(128, 16, 1)), "two integers"),
+    (dict(epilogue_schedule="nosmem", epilogue_tile=(128, 16)), "needs the TMA epilogue"),
+    (dict(arch="sm100a", kernel_schedule="1sm", epilogue_tile=(128, 16)), "sm90a only"),
+])
+def test_invalid_epilogue_tiles_are_refused(changes, expected):
+    base = dict(kernel_schedule="cooperative", tile=(128, 176, 64))
+    with pytest.raises(ValueError, match=expected):
+        GemmConfig(**{**base, **changes})
+    GemmConfig(**base, epilogue_tile=(128, 16))  # the one explicit tile a 176-wide one allows
 
 
 def test_config_is_frozen_and_validates():

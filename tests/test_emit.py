@@ -29,6 +29,44 @@ def test_emitted_source_names_our_tile_cluster_and_schedules():
     assert "StreamKScheduler" in sources[STREAM_K]
 
 
+AUTO_128 = GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64), cluster=(2, 1, 1))
+WIDE_EPILOGUE = AUTO_128.replace(epilogue_tile=(128, 64))
+FUSED = GemmOperands.make("bf16", epilogue="bias,gelu_tanh,residual")
+
+
+def test_an_explicit_epilogue_tile_replaces_cutlass_auto_and_nothing_else():
+    sources = emit.emit_sources(BF16_TN, [AUTO_128, WIDE_EPILOGUE])
+    auto, wide = sources[AUTO_128], sources[WIDE_EPILOGUE]
+    assert "cutlass::epilogue::collective::EpilogueTileAuto," in auto
+    assert "EpilogueTileAuto" not in wide and "cute::Shape<cute::_128, cute::_64>," in wide
+    # Line 1 names the kernel; the rest differs in the epilogue tile type only.
+    restored = wide.replace("cute::Shape<cute::_128, cute::_64>,",
+                            "cutlass::epilogue::collective::EpilogueTileAuto,")
+    assert restored.splitlines()[1:] == auto.splitlines()[1:]
+    assert WIDE_EPILOGUE.build_name in wide.splitlines()[0]
+    with pytest.raises(EmissionError, match="EpilogueTileAuto"):
+        emit.check_emitted_shapes(wide, AUTO_128)
+    with pytest.raises(EmissionError, match="cute::Shape<cute::_128, cute::_64>"):
+        emit.check_emitted_shapes(auto, WIDE_EPILOGUE)
+
+
+def test_a_visitor_tree_gets_the_explicit_epilogue_tile_everywhere():
+    source = emit.emit_source(FUSED, WIDE_EPILOGUE)
+    # The CollectiveBuilder's and the visitor tree's EpilogueDescriptor must agree.
+    assert source.count("cute::Shape<cute::_128, cute::_64>,") == 2
+    assert "EpilogueTileAuto" not in source and "Sm90RowBroadcast" in source
+
+
+def test_the_emitted_source_cache_key_of_auto_configs_is_unchanged():
+    # Keyed as before the epilogue tile existed: build fields without it.
+    for config in (AUTO_128, PINGPONG, TWO_SM):
+        old_fields = [str(getattr(config, name)) for name in GemmConfig.BUILD_FIELDS[:7]]
+        key = emit._spec_hash(BF16_TN.to_dict(), old_fields, emit.cutlass_version())
+        assert emit._emitted_path(BF16_TN, config).name == (
+            f"{BF16_TN.name}-{config.build_name}-{key}.h")
+    assert emit._emitted_path(BF16_TN, WIDE_EPILOGUE) != emit._emitted_path(BF16_TN, AUTO_128)
+
+
 def test_emission_is_cached_on_disk(monkeypatch):
     emit.emit_source(BF16_TN, PINGPONG)
 

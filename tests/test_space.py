@@ -72,3 +72,23 @@ def test_valid_configs_sm100_include_2sm():
     configs = space.valid_configs(BF16_TN, "sm100a")
     two_sm = [c for c in configs if c.kernel_schedule is KernelSchedule.SM100_2SM]
     assert two_sm and all(c.cluster[0] % 2 == 0 for c in two_sm)
+
+
+def test_an_explicit_epilogue_tile_counts_its_shared_memory():
+    auto = GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64), cluster=(2, 1, 1))
+    # CUTLASS keeps max(min(E, 4), min(E, 2) + 1) epilogue tiles for E of them per CTA tile.
+    assert space.epilogue_smem_bytes(BF16_TN, auto.replace(epilogue_tile=(128, 64))) == 3 * 16384
+    assert space.epilogue_smem_bytes(BF16_TN, auto.replace(epilogue_tile=(128, 128))) == 2 * 32768
+    big = GemmConfig(kernel_schedule="cooperative", tile=(256, 128, 64), epilogue_tile=(128, 64))
+    assert space.epilogue_smem_bytes(BF16_TN, big) == 4 * 16384
+    assert space.epilogue_smem_bytes(BF16_TN, auto.replace(epilogue_schedule="nosmem")) == 0
+    # 6 stages of 32 KB fit beside auto's epilogue, not beside two 128x128 output tiles.
+    assert reasons(auto.replace(stages=6)) == ""
+    assert "exceed" in reasons(auto.replace(stages=6, epilogue_tile=(128, 128)))
+    assert reasons(auto.replace(epilogue_tile=(128, 128))) == ""
+
+
+def test_an_explicit_epilogue_tile_needs_a_16_bit_output():
+    config = GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64), epilogue_tile=(128, 64))
+    assert "16-bit" in reasons(config, GemmOperands.make("bf16", out_dtype="f32"))
+    assert reasons(config, GemmOperands.make("f16", layout_c="col")) == ""
