@@ -185,6 +185,7 @@ def _dims(t: tuple[int, ...]) -> str:
 
 # An epilogue tile of (0, 0) lets CUTLASS choose (EpilogueTileAuto).
 AUTO_EPILOGUE_TILE = (0, 0)
+EPILOGUE_TILE_AUTO_CPP = "cutlass::epilogue::collective::EpilogueTileAuto"
 # Rows of an explicit sm90a epilogue tile, per schedule: CUTLASS's sm90 epilogue builder
 # (sm90_compute_tile_shape_or_override) static_asserts 64 for one consumer warpgroup and 128 for
 # two (cooperative); a thread then converts M * N / 128 or / 256 values (FragmentSize) at a time.
@@ -416,6 +417,14 @@ class GemmConfig:
     @property
     def epilogue_tile_is_auto(self) -> bool:
         return self.epilogue_tile == AUTO_EPILOGUE_TILE
+
+    @property
+    def epilogue_tile_cpp(self) -> str:
+        """The C++ epilogue tile type: CUTLASS's Auto, or the explicit (M, N) shape."""
+        if self.epilogue_tile_is_auto:
+            return EPILOGUE_TILE_AUTO_CPP
+        m, n = self.epilogue_tile
+        return f"cute::Shape<cute::_{m}, cute::_{n}>"
 
     @property
     def name(self) -> str:

@@ -17,8 +17,9 @@ import sys
 import traceback
 from typing import Any
 
-from cutlass_ops.config import (Activation, Arch, BiasMode, DType, Epilogue, EpilogueSchedule,
-                                GemmConfig, GemmOperands, KernelSchedule, Layout, TileScheduler)
+from cutlass_ops.config import (EPILOGUE_TILE_AUTO_CPP, Activation, Arch, BiasMode, DType,
+                                Epilogue, EpilogueSchedule, GemmConfig, GemmOperands,
+                                KernelSchedule, Layout, TileScheduler)
 
 _DTYPES = {DType.BF16: "bf16", DType.F16: "f16", DType.F32: "f32"}
 
@@ -191,27 +192,16 @@ def cutlass_threadblock_shape(config: GemmConfig) -> list[int]:
     return [m, tn * cn, tk * ck]
 
 
-_EPILOGUE_TILE_AUTO = "cutlass::epilogue::collective::EpilogueTileAuto"
-
-
-def epilogue_tile_type(config: GemmConfig) -> str:
-    """The C++ epilogue tile type of a config: CUTLASS's Auto, or the explicit (M, N) shape."""
-    if config.epilogue_tile_is_auto:
-        return _EPILOGUE_TILE_AUTO
-    m, n = config.epilogue_tile
-    return f"cute::Shape<cute::_{m}, cute::_{n}>"
-
-
 def with_epilogue_tile(body: str, config: GemmConfig) -> str:
     """cutlass_cppgen 4.2 writes EpilogueTileAuto into every sm90 kernel (its templates have no
     parameter for it): an explicit epilogue tile replaces each occurrence, the epilogue
     CollectiveBuilder's and, for a visitor tree, its EpilogueDescriptor's, so that both agree."""
     if config.epilogue_tile_is_auto:
         return body
-    if _EPILOGUE_TILE_AUTO not in body:
+    if EPILOGUE_TILE_AUTO_CPP not in body:
         raise ValueError("no EpilogueTileAuto in cutlass_cppgen's source to replace with the "
                          f"epilogue tile {config.epilogue_tile}")
-    return body.replace(_EPILOGUE_TILE_AUTO, epilogue_tile_type(config))
+    return body.replace(EPILOGUE_TILE_AUTO_CPP, config.epilogue_tile_cpp)
 
 
 def emit(operands: GemmOperands, config: GemmConfig) -> str:

@@ -74,9 +74,7 @@ _MAINLOOP = re.compile(r"CollectiveMainloop\s*=.*?" + _SHAPE + r",\s*" + _SHAPE,
 def check_emitted_shapes(source: str, config: GemmConfig) -> None:
     """Refuses source whose TileShape, ClusterShape or epilogue tile differ from what the config
     names."""
-    from cutlass_ops.cutlass_bridge import epilogue_tile_type
-
-    epilogue_tile = epilogue_tile_type(config)
+    epilogue_tile = config.epilogue_tile_cpp
     if f"{epilogue_tile}," not in source:
         raise EmissionError(f"{config.build_name}: the emitted source has no {epilogue_tile}")
     match = _MAINLOOP.search(source)
