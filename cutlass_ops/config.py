@@ -191,21 +191,19 @@ EPILOGUE_TILE_AUTO_CPP = "cutlass::epilogue::collective::EpilogueTileAuto"
 # two (cooperative); a thread then converts M * N / 128 or / 256 values (FragmentSize) at a time.
 _EPILOGUE_TILE_M = {"pingpong": 64, "warpspecialized": 64, "cooperative": 128}
 # The accumulator values a thread hands to one register-to-shared-memory copy of the sm90 TMA
-# epilogue, by tile N (size<0>(tRS_rAcc) in sm90_epilogue_tma_warpspecialized.hpp, computed with
-# CUTLASS 4.2's headers by devrun/epi_copy_values.cu: the same for 64-, 128- and 256-row tiles, 1
-# or 2 warpgroups, both 16-bit stmatrix atoms). The epilogue's FragmentSize must divide it
-# ("Fragment size does not vectorize properly"), so a tile whose N / 16 is odd (48, 80, ..., 176,
-# 208, 240) stores 16 columns at a time whatever the epilogue tile, and 160 and 224 at most 32:
-# only CUTLASS's own choice compiles there.
-_EPILOGUE_COPY_VALUES = {16: 8, 32: 16, 48: 8, 64: 32, 80: 8, 96: 48, 112: 8, 128: 64, 144: 8,
-                         160: 16, 176: 8, 192: 96, 208: 8, 224: 16, 240: 8, 256: 128}
+# epilogue (size<0>(tRS_rAcc) in sm90_epilogue_tma_warpspecialized.hpp) are those of one wgmma:
+# N / 2 for a tile N wide, since cutlass_ops.build compiles with CuTe's extended wgmma shapes
+# (one wgmma per tile width; devrun/epi_copy_values.cu prints it for 64-, 128- and 256-row tiles
+# and both 16-bit stmatrix atoms). The epilogue's FragmentSize (M * N / 128 or / 256) must divide
+# it ("Fragment size does not vectorize properly"), which any epilogue tile that divides the tile
+# does. (Without the extended shapes a tile such as 176 wide ran sixteen-wide wgmmas and allowed
+# only 16-wide epilogue tiles.)
 
 
 def epilogue_tile_widths(config: GemmConfig) -> list[int]:
     """The epilogue tile widths (N) that compile with an sm90a config's tile N."""
     tn = config.tile[1]
-    values = _EPILOGUE_COPY_VALUES.get(tn, 0)
-    return [n for n in range(16, tn + 1, 16) if tn % n == 0 and values % (n // 2) == 0]
+    return [n for n in range(16, tn + 1, 16) if tn % n == 0]
 
 
 def _epilogue_tile_problems(config: GemmConfig) -> list[str]:
@@ -229,10 +227,6 @@ def _epilogue_tile_problems(config: GemmConfig) -> list[str]:
         why.append(f"epilogue tile {em}x{en} must divide the tile {tm}x{tn}")
     if en % 16:
         why.append(f"epilogue tile N must be a multiple of 16, got {en}")
-    if not why and en not in epilogue_tile_widths(config):
-        why.append(f"a {tn}-wide tile hands {_EPILOGUE_COPY_VALUES.get(tn, 0)} values a thread to "
-                   f"each epilogue copy, which {en // 2} (N / 2) must divide: N in "
-                   f"{epilogue_tile_widths(config)} here")
     return why
 
 

@@ -158,7 +158,7 @@ def violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
 
     if not config.epilogue_tile_is_auto and operands.element_d.bytes != 2:
         why.append("an explicit epilogue tile needs a 16-bit output: GemmConfig's rule for it "
-                   "(config._EPILOGUE_COPY_VALUES) was worked out for the 16-bit stmatrix copies")
+                   "(config.epilogue_tile_widths) was worked out for the 16-bit stmatrix copies")
     if not operands.epilogue.is_default and config.epilogue_schedule is not EpilogueSchedule.TMA:
         why.append(f"a fused epilogue ({operands.epilogue.name}) is an epilogue visitor tree, "
                    "which needs the TMA epilogue schedule")

@@ -2,15 +2,17 @@
 // TMA epilogue (size<0>(tRS_rAcc) in sm90_epilogue_tma_warpspecialized.hpp), by tile, for the
 // tiled MMA and copy atoms the sm90 builders pick for bf16: the epilogue's FragmentSize
 // (epilogue tile M * N / threads) must divide it, or the kernel fails with "Fragment size does not
-// vectorize properly". cutlass_ops.config._EPILOGUE_COPY_VALUES holds its output. Host-only, no
-// GPU needed (about 2 minutes):
+// vectorize properly". Host-only, no GPU needed (about 3 minutes); cutlass_ops.build compiles with
+// CuTe's extended wgmma shapes, so pass the same macro:
 //
 //   I=$(python -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")
-//   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90a -I$I/source/include \
-//        -o /tmp/epi_copy_values devrun/epi_copy_values.cu && /tmp/epi_copy_values
+//   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90a -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED \
+//        -I$I/source/include -o /tmp/epi_copy_values devrun/epi_copy_values.cu && /tmp/epi_copy_values
 //
 // Columns: tile M, tile N, warpgroups, values with the row-major D atom (SM90_U32x4_STSM_N), with
-// the column-major D atom (SM90_U16x8_STSM_T). CUTLASS 4.2: 8 for every N with N / 16 odd.
+// the column-major D atom (SM90_U16x8_STSM_T). CUTLASS 4.2 with the macro: N / 2 for every tile
+// (one wgmma as wide as the tile). Without it: 8 for every N with N / 16 odd (CuTe split those
+// tiles into 16-wide wgmmas), which is what config.epilogue_tile_widths once encoded.
 #include <cstdio>
 
 #include <utility>

@@ -88,6 +88,21 @@ def test_measured_small_m_winners_are_always_searched(strategy):
     assert all(c.swap_ab for c in candidates.measured_seeds(GemmProblem(OPS, 4096, 128, 4096)))
 
 
+def test_wave_fill_prefers_tiles_that_fill_whole_waves():
+    problem = GemmProblem(OPS, 128, 14336, 4096)
+
+    def fill(tile, cluster=(1, 1, 1), **kw):
+        return candidates.wave_fill(problem, Choice(GemmConfig(
+            kernel_schedule="cooperative", tile=tile, cluster=cluster, **kw)), H100)
+
+    assert fill((128, 112, 64)) == pytest.approx(128 / 132)  # one wave, as cuBLAS tiles it
+    assert fill((128, 128, 64)) == pytest.approx(112 / 132)
+    assert fill((128, 112, 64), (2, 2, 1)) < 0.5  # half of each cluster hangs past M = 128
+    assert fill((128, 112, 64), tile_scheduler="streamk") == 0.0
+    picked = candidates.select(problem, H100, "default", use_heuristics=False)
+    assert any(c.config.tile[:2] in ((128, 112), (64, 224)) for c in picked)
+
+
 def test_exhaustive_selects_every_candidate_default_picks_first():
     problem = GemmProblem(OPS, 1024, 4096, 4096)
     picked = candidates.select(problem, H100, "exhaustive", use_heuristics=False)

@@ -37,7 +37,15 @@ class Strategy(str, enum.Enum):
         return {Strategy.QUICK: 2, Strategy.DEFAULT: 5, Strategy.EXHAUSTIVE: 8}[self]
 
 
-_N_TILES = (16, 32, 64, 128, 192, 256)
+# Tile N widths. Besides powers of two, the widths cuBLAS picks on Hopper to fit a shape's tiles
+# into whole waves of SMs (seen under ncu on an H200: 112 for 128x14336x4096 makes 128 tiles, one
+# wave; 176 for 1024x14336x4096 makes 656 tiles, 4.97 waves, where 128 gives 6.8 and 256 3.4).
+# They run one wgmma per k-step only with CuTe's extended wgmma shapes (cutlass_ops.build); before
+# that a 176-wide tile ran at 0.45x cuBLAS, after it at 0.93x, and 64x224 / 128x224 won two shapes
+# on an H200 (devrun/wide_mma.py).
+_N_TILES = (16, 32, 64, 96, 112, 128, 160, 176, 192, 208, 224, 256)
+# Wave-filling tiles are taken from the configs the model puts within this factor of its best.
+_NEAR_BEST = 1.3
 _CLUSTERS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (4, 1, 1), (1, 4, 1))
 
 
@@ -160,6 +168,13 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
     take(ranked, max(len(picked), (3 * limit + 3) // 5),
          key=lambda c: (_family(c), c.config.tile[:2]))
     take(ranked, limit, key=_family)
+    # Tiles that fill whole waves of SMs (see _N_TILES), among those the model puts near the best:
+    # its per-wave costs are too rough to rank them first, but they are the ones to measure on
+    # mid-sized shapes.
+    estimate = {c: model.estimate_us(problem, c, device) for c in ranked}
+    near = [c for c in ranked if estimate[c] <= _NEAR_BEST * estimate[ranked[0]]]
+    take(sorted(near, key=lambda c: -wave_fill(problem, c, device)),
+         min(limit, len(picked) + 2), key=lambda c: c.config.tile[:2])
     # The model cannot tell which operand a cluster should multicast (that depends on which one
     # L2 holds): try the other small clusters of the leading tile shapes.
     alternatives = [c.replace(cluster=cluster) for c in picked[:4]
@@ -167,6 +182,22 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
     take([c for c in alternatives if c in allowed], limit)
     take(ranked, limit)
     return picked
+
+
+def wave_fill(problem: GemmProblem, choice: Choice, device: DeviceSpec) -> float:
+    """The fraction of SM time a persistent kernel's waves spend on real tiles: 1.0 when the
+    tiles are a multiple of the SMs, less for a last wave left partly empty, for one wave that
+    leaves SMs idle, or for clusters that hang past the edge of the problem (tiles are launched
+    in whole clusters). Stream-K kernels balance their own work: 0."""
+    if choice.config.tile_scheduler is TileScheduler.STREAM_K:
+        return 0.0
+    p = choice.problem_for(problem)
+    tm, tn, _ = choice.config.tile
+    cm, cn, _ = choice.config.cluster
+    tiles = math.ceil(p.m / tm) * math.ceil(p.n / tn) * p.batch
+    clusters = math.ceil(p.m / (tm * cm)) * math.ceil(p.n / (tn * cn)) * p.batch
+    slots = device.sm_count // (cm * cn)
+    return tiles / (math.ceil(clusters / slots) * slots * cm * cn)
 
 
 def measured_seeds(problem: GemmProblem) -> list[Choice]:
