@@ -80,20 +80,13 @@ def cutlass_include_dirs() -> tuple[str, ...]:
 
 
 def nvcc_flags(arch: Arch) -> list[str]:
-    flags = [
+    return [
         "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-shared",
         "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden",
         # Static CUDA runtime: the artifact works beside any torch build, CUDA 12 or 13.
         "-cudart=static",
         f"-gencode=arch=compute_{arch.cc}a,code=sm_{arch.cc}a",
     ]
-    if arch is Arch.SM90A:
-        # Without it, CuTe's wgmma selector only knows the N widths 8-32, 64, 96, 128, 192 and
-        # 256, and splits any other tile width into the largest of those that divides it: a
-        # 176-wide tile ran sixteen 64x16 wgmmas per k-step and half the speed of cuBLAS's
-        # 176-wide kernel. With it, every multiple of 8 up to 256 is one wgmma.
-        flags.append("-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED")
-    return flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +94,18 @@ class BuildSpec:
     name: str  # readable: operands and config build name
     kernel_source: str = dataclasses.field(repr=False)
     arch: Arch
+    # Preprocessor macros this kernel needs on the nvcc command line (not in its source: the
+    # launcher includes CUTLASS before the kernel).
+    defines: tuple[str, ...] = ()
 
     @functools.cached_property
     def key(self) -> str:
         digest = hashlib.sha256()
-        for part in (self.kernel_source.encode(), LAUNCHER.read_bytes(),
-                     nvcc_version().encode(), " ".join(nvcc_flags(self.arch)).encode(),
-                     self.arch.value.encode()):
+        parts = [self.kernel_source.encode(), LAUNCHER.read_bytes(), nvcc_version().encode(),
+                 " ".join(nvcc_flags(self.arch)).encode(), self.arch.value.encode()]
+        if self.defines:  # absent from the keys of kernels without any, which stay as they were
+            parts.append(" ".join(self.defines).encode())
+        for part in parts:
             digest.update(len(part).to_bytes(8, "little") + part)
         return digest.hexdigest()[:20]
 
@@ -155,7 +153,8 @@ def _compile(spec: BuildSpec) -> Artifact:
     header = directory / KERNEL_HEADER
     cache_dir.atomic_write_text(header, spec.kernel_source)
     tmp_library = directory / f".{LIBRARY}.{os.getpid()}.tmp"
-    command = [nvcc_path(), *nvcc_flags(spec.arch), f"-I{directory}",
+    command = [nvcc_path(), *nvcc_flags(spec.arch), *(f"-D{d}" for d in spec.defines),
+               f"-I{directory}",
                *(f"-I{d}" for d in cutlass_include_dirs()), "-o", str(tmp_library), str(LAUNCHER)]
     global _compiles
     with _nvcc_slots():

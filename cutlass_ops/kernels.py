@@ -10,14 +10,30 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from cutlass_ops import build, emit, runtime, space
-from cutlass_ops.config import BiasMode, GemmConfig, GemmOperands
+from cutlass_ops.config import Arch, BiasMode, GemmConfig, GemmOperands
 from cutlass_ops.errors import CutlassOpsError, KernelLaunchError
 
 _loaded: dict[tuple, runtime.LoadedKernel] = {}
 
 
+# The wgmma widths CuTe's sm90 selector (cute/arch/mma_sm90.hpp) knows by default. It splits any
+# other tile width into the largest of these that divides it: a 176-wide tile ran sixteen-wide
+# wgmmas and half as fast as cuBLAS's 176-wide kernel (H200). CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+# adds every multiple of 8 up to 256, at about 25 s more of nvcc per kernel (37 -> 62 s for
+# 128x128x64 on one core), so only the tiles that need it get it; for the others it changes
+# nothing (identical SASS).
+_DEFAULT_WGMMA_WIDTHS = (8, 16, 32, 64, 96, 128, 192, 256)
+
+
+def build_defines(config: GemmConfig) -> tuple[str, ...]:
+    if config.arch is Arch.SM90A and config.tile[1] not in _DEFAULT_WGMMA_WIDTHS:
+        return ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",)
+    return ()
+
+
 def build_spec(operands: GemmOperands, config: GemmConfig, source: str) -> build.BuildSpec:
-    return build.BuildSpec(f"{operands.name}-{config.build_name}", source, config.arch)
+    return build.BuildSpec(f"{operands.name}-{config.build_name}", source, config.arch,
+                           build_defines(config))
 
 
 def prepare(operands: GemmOperands, configs: Iterable[GemmConfig], *, jobs: int | None = None,

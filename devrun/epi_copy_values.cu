@@ -2,7 +2,7 @@
 // TMA epilogue (size<0>(tRS_rAcc) in sm90_epilogue_tma_warpspecialized.hpp), by tile, for the
 // tiled MMA and copy atoms the sm90 builders pick for bf16: the epilogue's FragmentSize
 // (epilogue tile M * N / threads) must divide it, or the kernel fails with "Fragment size does not
-// vectorize properly". Host-only, no GPU needed (about 3 minutes); cutlass_ops.build compiles with
+// vectorize properly". Host-only, no GPU needed (about 3 minutes); cutlass_ops.kernels builds with
 // CuTe's extended wgmma shapes, so pass the same macro:
 //
 //   I=$(python -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")

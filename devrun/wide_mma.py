@@ -1,9 +1,9 @@
-"""Wave-filling tile widths with one wgmma per k-step (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, now in
-cutlass_ops.build.nvcc_flags): without the macro CuTe split a 176-wide tile into 64x16 wgmmas and
-ran at 0.35-0.45x cuBLAS (devrun/epi_tile.py). Builds the widths that fill whole waves of 132 SMs
-on the shapes below 1.0 in gemm_tuned.json, beside those shapes' tuned winners, checks each on
-random data and times each beside torch.matmul, interleaved with the L2 flushed (tuning.timing).
-Prints a table per shape; writes $OUT/wide_mma.json.
+"""Wave-filling tile widths with one wgmma per k-step (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, now
+in cutlass_ops.kernels.build_defines): without the macro CuTe split a 176-wide tile into 64x16
+wgmmas and ran at 0.35-0.45x cuBLAS (devrun/epi_tile.py). Builds the widths that fill whole
+waves of 132 SMs on the shapes below 1.0 in gemm_tuned.json, beside those shapes' tuned winners,
+checks each on random data and times each beside torch.matmul, interleaved with the L2 flushed
+(tuning.timing). Prints a table per shape; writes $OUT/wide_mma.json.
 """
 import json
 import os
@@ -85,7 +85,8 @@ def main():
             p = c.problem_for(problem)
             tm, tn, _ = c.config.tile
             tiles = -(-p.m // tm) * -(-p.n // tn)
-            shape_rows.append({"shape": [m, n, k], "choice": c.name, "tuned_winner": c is choices[0],
+            shape_rows.append({"shape": [m, n, k], "choice": c.name,
+                               "tuned_winner": c is choices[0],
                                "tflops": round(ours, 1), "torch_tflops": round(ref, 1),
                                "ratio": round(ours / ref, 4), "waves": round(tiles / 132, 2),
                                "error": errors[c]})

@@ -20,6 +20,28 @@ def test_key_covers_source_and_arch():
     assert a.key != build.BuildSpec("k", BROKEN, Arch.SM100A).key
     assert a.directory.name == f"k-{a.key}"
     assert "compute_90a" in " ".join(build.nvcc_flags(Arch.SM90A))
+    defined = build.BuildSpec("k", BROKEN, Arch.SM90A, ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",))
+    assert defined.key != a.key
+
+
+def test_only_tile_widths_cute_splits_get_the_extended_wgmma_shapes():
+    from cutlass_ops.config import GemmConfig
+    from cutlass_ops.kernels import build_defines
+
+    def defines(tn, **kw):
+        return build_defines(GemmConfig(kernel_schedule="cooperative", tile=(128, tn, 64), **kw))
+
+    for tn in (16, 32, 64, 96, 128, 192, 256):
+        assert defines(tn) == ()
+    for tn in (112, 160, 176, 208, 224):
+        assert defines(tn) == ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",)
+
+
+def test_defines_reach_nvcc(monkeypatch):
+    spec = build.BuildSpec("broken-defined", BROKEN, Arch.SM90A, ("CUTLASS_OPS_TEST_MACRO=7",))
+    with pytest.raises(BuildError) as error:
+        build.build(spec, retry_failed=True)
+    assert "-DCUTLASS_OPS_TEST_MACRO=7" in open(error.value.log_path).readline()
 
 
 def test_failure_is_kept_with_its_log_and_not_recompiled(monkeypatch):

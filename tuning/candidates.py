@@ -40,9 +40,9 @@ class Strategy(str, enum.Enum):
 # Tile N widths. Besides powers of two, the widths cuBLAS picks on Hopper to fit a shape's tiles
 # into whole waves of SMs (seen under ncu on an H200: 112 for 128x14336x4096 makes 128 tiles, one
 # wave; 176 for 1024x14336x4096 makes 656 tiles, 4.97 waves, where 128 gives 6.8 and 256 3.4).
-# They run one wgmma per k-step only with CuTe's extended wgmma shapes (cutlass_ops.build); before
-# that a 176-wide tile ran at 0.45x cuBLAS, after it at 0.93x, and 64x224 / 128x224 won two shapes
-# on an H200 (devrun/wide_mma.py).
+# They run one wgmma per k-step only with CuTe's extended wgmma shapes
+# (cutlass_ops.kernels.build_defines): before that a 176-wide tile ran at 0.45x cuBLAS, with them
+# at 0.93x, and 64x224 / 128x224 won two shapes on an H200 (devrun/wide_mma.py).
 _N_TILES = (16, 32, 64, 96, 112, 128, 160, 176, 192, 208, 224, 256)
 # Wave-filling tiles are taken from the configs the model puts within this factor of its best.
 _NEAR_BEST = 1.3
