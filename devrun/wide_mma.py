@@ -4,6 +4,13 @@ wgmmas and ran at 0.35-0.45x cuBLAS (devrun/epi_tile.py). Builds the widths that
 waves of 132 SMs on the shapes below 1.0 in gemm_tuned.json, beside those shapes' tuned winners,
 checks each on random data and times each beside torch.matmul, interleaved with the L2 flushed
 (tuning.timing). Prints a table per shape; writes $OUT/wide_mma.json.
+
+H200 at 6575466, ratio to torch.matmul (tuned winner first): 1024x14336x4096 128x128 c2x1 0.925,
+64x224 0.940, 128x176 c1x1 / c2x1 / c1x2 0.933 / 0.931 / 0.927, 64x176 0.915, 128x160 0.875;
+128x14336x4096 0.965, 128x112 0.960-0.962, 64x224 0.942; 4096x14336x4096 0.973, 128x224 c2x1
+0.968, 128x208 0.95; 16384x14336x4096 0.988, 128x208 c2x1 0.949; 16384x4096x4096 1.005, swapped
+128x160 0.998; 4096^3 0.980, 128x224 c2x1 0.895, 64x112 0.55-0.75; 8192^3 128x192 1.015,
+128x224 c2x1 1.026, 128x176 0.996.
 """
 import json
 import os
