@@ -17,6 +17,8 @@ KERNELS = {
     # The cluster cooperative kernel again, storing whole 128x128 tiles instead of 128x32 ones.
     "sm90a explicit epilogue tile": GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64),
                                                cluster=(2, 1, 1), epilogue_tile=(128, 128)),
+    # A width outside CuTe's default wgmma set: built with its extended shapes (build_defines).
+    "sm90a 176-wide tile": GemmConfig(kernel_schedule="cooperative", tile=(128, 176, 64)),
 }
 
 
@@ -70,3 +72,17 @@ def test_explicit_epilogue_tile_takes_the_shared_memory_space_counts(built):
         # Stages and epilogue buffers, plus barriers: 6 + 32 KB auto, 5 + 64 KB explicit.
         assert (kernel.shared_storage_bytes - epilogue) // stage == \
             space.auto_stages(operands, config), name
+
+
+def test_a_tile_split_into_narrower_wgmmas_does_not_build(monkeypatch):
+    """Without the extended shapes a 176-wide tile would run 16-wide wgmmas at half speed; the
+    launcher's static_assert refuses it (a failed build, never a slow kernel)."""
+    from cutlass_ops import kernels
+    from cutlass_ops.errors import BuildError
+
+    config = KERNELS["sm90a 176-wide tile"]
+    monkeypatch.setattr(kernels, "build_defines", lambda config: ())
+    result = kernels.prepare_many([(GemmOperands.make("bf16"), config)], jobs=1)
+    error = next(iter(result.values()))
+    assert isinstance(error, BuildError), error
+    assert "wgmma is narrower than the tile" in open(error.log_path).read()

@@ -46,6 +46,20 @@ using StrideB = typename GemmKernel::StrideB;
 using StrideC = typename GemmKernel::StrideC;
 using StrideD = typename GemmKernel::StrideD;
 
+// On sm90 one wgmma spans the whole tile width. CuTe splits widths outside its default set
+// (8-32, 64, 96, 128, 192, 256) into narrower wgmmas unless CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is
+// defined (cutlass_ops.kernels.build_defines); such a kernel is correct but runs at about half
+// speed, so it must not build: a tuner then records a build failure instead of a slow winner.
+template <class Kernel, class = void>
+struct full_width_wgmma : std::true_type {};
+template <class Kernel>
+struct full_width_wgmma<Kernel, std::enable_if_t<std::is_same_v<typename Kernel::ArchTag,
+                                                                 cutlass::arch::Sm90>>>
+    : std::bool_constant<cute::size<1>(typename Kernel::TiledMma::AtomShape_MNK{}) ==
+                         cute::size<1>(typename Kernel::TileShape{})> {};
+static_assert(full_width_wgmma<GemmKernel>::value,
+              "the wgmma is narrower than the tile: build with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED");
+
 thread_local char g_last_error[512] = {0};
 
 void set_error(const char* what, const char* detail) {
