@@ -37,7 +37,7 @@ def test_only_tile_widths_cute_splits_get_the_extended_wgmma_shapes():
         assert defines(tn) == ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",)
 
 
-def test_defines_reach_nvcc(monkeypatch):
+def test_defines_reach_nvcc():
     spec = build.BuildSpec("broken-defined", BROKEN, Arch.SM90A, ("CUTLASS_OPS_TEST_MACRO=7",))
     with pytest.raises(BuildError) as error:
         build.build(spec, retry_failed=True)

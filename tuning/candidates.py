@@ -171,8 +171,9 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
     # Tiles that fill whole waves of SMs (see _N_TILES), among those the model puts near the best:
     # its per-wave costs are too rough to rank them first, but they are the ones to measure on
     # mid-sized shapes.
-    estimate = {c: model.estimate_us(problem, c, device) for c in ranked}
-    near = [c for c in ranked if estimate[c] <= _NEAR_BEST * estimate[ranked[0]]]
+    cutoff = _NEAR_BEST * model.estimate_us(problem, ranked[0], device) if ranked else 0.0
+    near = list(itertools.takewhile(
+        lambda c: model.estimate_us(problem, c, device) <= cutoff, ranked))
     take(sorted(near, key=lambda c: -wave_fill(problem, c, device)),
          min(limit, len(picked) + 2), key=lambda c: c.config.tile[:2])
     # The model cannot tell which operand a cluster should multicast (that depends on which one
