@@ -46,6 +46,17 @@ def test_failures_are_results(tmp_path):
                                      for f in entry["failures"])
 
 
+def test_a_kernel_that_breaks_cuda_graph_capture_is_a_failure_not_a_winner(tmp_path):
+    backend = FakeBackend()
+    backend.uncapturable = lambda choice: choice.config.cluster == (2, 1, 1)  # the fake's best
+    cache = TuningCache(SCOPE, tmp_path)
+    tune(problems()[:1], backend=backend, cache=cache, strategy="quick", use_heuristics=False)
+    entry = cache.get(problems()[0])
+    assert entry["winner"] and Choice.from_dict(entry["winner"]).config.cluster != (2, 1, 1)
+    captures = [f for f in entry["failures"] if f["stage"] == "capture"]
+    assert captures and all("CUDA graph" in f["error"] for f in captures)
+
+
 def test_second_tune_is_a_cache_hit_and_force_retunes(tmp_path):
     cache = TuningCache(SCOPE, tmp_path)
     tune(problems(), backend=FakeBackend(), cache=cache, strategy="quick", use_heuristics=False)

@@ -9,6 +9,7 @@ from cutlass_ops.errors import BuildError
 from tuning import model
 from tuning.cache import CacheScope
 from tuning.device import named_spec
+from tuning.timing import GraphCaptureError
 
 SCOPE = CacheScope("NVIDIA H100 80GB HBM3", 90, 132, "580.0", "13.0", "4.2.0.0", "test")
 
@@ -34,6 +35,8 @@ class FakeSession:
         return None
 
     def time_ms(self, choice, reps):
+        if self.backend.uncapturable(choice):
+            raise GraphCaptureError("could not capture the timed call in a CUDA graph: fake")
         self.backend.timed.append(choice)
         if self.backend.interrupt_after is not None and \
                 len(self.backend.timed) > self.backend.interrupt_after:
@@ -59,7 +62,8 @@ def _reference_choice():
 
 
 class FakeBackend:
-    """Builds fail for tile N = 192, choices with cluster 4x1x1 compute wrong results."""
+    """Builds fail for tile N = 192, choices with cluster 4x1x1 compute wrong results; a test
+    may make choices uncapturable in a CUDA graph (``uncapturable``)."""
 
     jobs = 4
 
@@ -76,6 +80,9 @@ class FakeBackend:
 
     def wrong(self, choice):
         return choice.config.cluster == (4, 1, 1)
+
+    def uncapturable(self, choice):
+        return False
 
     def build(self, items, *, on_done=None):
         self.build_calls += 1

@@ -28,6 +28,9 @@ class Session(Protocol):
     def verify(self, choice: Choice) -> str | None:
         """None if the choice computes the right result, else why not."""
 
+    # Times are the GPU's, without the host's launch cost: on the GPU, replays of each call
+    # captured in a CUDA graph (tuning.timing). A choice that cannot be captured raises
+    # tuning.timing.GraphCaptureError.
     def time_ms(self, choice: Choice, reps: int) -> float: ...
 
     def torch_ms(self, reps: int) -> float: ...
@@ -172,7 +175,8 @@ class GpuSession:
     def time_ms(self, choice: Choice, reps: int) -> float:
         from tuning.timing import do_bench
 
-        return do_bench(self._launcher(choice), warmup=3, reps=reps, device=self.device).median_ms
+        return do_bench(self._launcher(choice), warmup=3, reps=reps, graph=True,
+                        device=self.device).median_ms
 
     def _torch_call(self) -> Callable:
         import torch
@@ -196,14 +200,15 @@ class GpuSession:
     def torch_ms(self, reps: int) -> float:
         from tuning.timing import do_bench
 
-        return do_bench(self._torch_call(), warmup=3, reps=reps, device=self.device).median_ms
+        return do_bench(self._torch_call(), warmup=3, reps=reps, graph=True,
+                        device=self.device).median_ms
 
     def compare_ms(self, choices: list[Choice], reps: int) -> tuple[dict[Choice, float], float]:
         from tuning.timing import do_bench_interleaved
 
         fns: dict = {choice: self._launcher(choice) for choice in choices}
         fns["torch"] = self._torch_call()
-        timings = do_bench_interleaved(fns, reps=reps, device=self.device)
+        timings = do_bench_interleaved(fns, reps=reps, graph=True, device=self.device)
         torch_ms = timings.pop("torch").median_ms
         return {choice: t.median_ms for choice, t in timings.items()}, torch_ms
 

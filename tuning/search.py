@@ -25,6 +25,7 @@ from tuning.backend import Backend
 from tuning.cache import TuningCache
 from tuning.candidates import Strategy
 from tuning.choice import Choice
+from tuning.timing import GraphCaptureError
 
 FIRST_ROUND_REPS = 15
 FINALISTS = 4
@@ -167,11 +168,14 @@ def _measure(problem: GemmProblem, plan: list[Choice], built: dict, backend: Bac
     try:
         def try_choice(choice: Choice) -> None:
             error = session.verify(choice)
+            if error is None:
+                try:
+                    times[choice] = session.time_ms(choice, FIRST_ROUND_REPS)
+                except GraphCaptureError as exc:  # it would break a user's CUDA graph too
+                    error = f"capture: {exc}"
             if error is not None:
                 failures.append({"choice": choice.name, "stage": error.split(":")[0],
                                  "error": error[:400]})
-            else:
-                times[choice] = session.time_ms(choice, FIRST_ROUND_REPS)
 
         for choice in runnable:
             if out_of_time() and times:

@@ -3,6 +3,14 @@
 Protocol of BENCHMARKS.md: warm-up, then each repetition preceded by an L2 flush (a write to a
 buffer twice the L2 size, outside the timed region), timed with CUDA events; the median is reported
 with the quartiles.
+
+Kernels that run for tens of microseconds need the host to have enqueued them by the time the GPU
+finishes the flush before them, or the events time the GPU waiting for Python. Two remedies, for
+two uses: ``pad_host`` (a spin kernel before each call) and ``graph`` (each call captured once in a
+CUDA graph and replayed). On an H100, torch.matmul at 16x4096x4096 timed 22.7 us at the median of
+one process and 26-36 us in another, 22.5-23.1 us with either remedy; but a 200 us spin made
+1024x14336x4096 and 4096^3 3-5% slower (the clocks drop while the GPU idles), where replays timed
+as the plain calls did (devrun/pad_modes.py, devrun/torch_noise.py).
 """
 
 from __future__ import annotations
@@ -36,15 +44,40 @@ def _flush_buffer(device):
 _PAD_CYCLES = 400_000
 
 
+class GraphCaptureError(RuntimeError):
+    """A timed call could not be captured in a CUDA graph (it synchronizes, or allocates outside
+    torch, or launches on a stream of its own)."""
+
+
+def _replay(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph (after the caller's warm-up): the returned call replays the
+    same kernels with one host-side launch. Outputs ``fn`` allocates live in the graph's pool."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:  # torch reports capture failures as RuntimeError
+        raise GraphCaptureError(f"could not capture the timed call in a CUDA graph: {exc}") \
+            from exc
+    return graph.replay  # the bound method keeps the graph alive
+
+
 def do_bench(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
-             flush_l2: bool = True, pad_host: bool = False, device=None) -> Timing:
+             flush_l2: bool = True, pad_host: bool = False, graph: bool = False,
+             device=None) -> Timing:
     """Times ``fn`` on the current stream. ``reps`` of at least 20 per BENCHMARKS.md.
 
     ``pad_host``: before each timed call, the GPU gets a short spin kernel, so the host has
     enqueued the call (and its end event) by the time the GPU reaches it: the events then time
     the GPU work alone. Without it, a call whose Python/launch cost exceeds the GPU work of the
     flush before it is timed with that host cost included (GPU idle between the events). Kernel
-    throughput figures (GB/s of memory-bound kernels) use it; host cost is measured apart."""
+    throughput figures (GB/s of memory-bound kernels) use it; host cost is measured apart.
+
+    ``graph``: time replays of ``fn`` captured in a CUDA graph: GPU time without the host's cost
+    and without the spin's effect on clocks (see the module docstring). Raises
+    ``GraphCaptureError`` when ``fn`` cannot be captured."""
     import torch
 
     device = device if device is not None else torch.cuda.current_device()
@@ -52,6 +85,8 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize(device)
+    if graph:
+        fn = _replay(fn)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for start, end in zip(starts, ends):
@@ -69,11 +104,12 @@ def do_bench(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
 
 
 def do_bench_interleaved(fns: dict, *, warmup: int = 3, reps: int = 50, flush_l2: bool = True,
-                         pad_host: bool = False, device=None) -> dict:
+                         pad_host: bool = False, graph: bool = False, device=None) -> dict:
     """Times several functions fairly: each repetition runs every function once (each after
     its own L2 flush), in an order that rotates, so that clock and power drift over the run
     reach all of them alike. Sequential timing favours whoever runs first on a cool GPU: on an
-    H200 that alone moved ratios between two kernels by 10%. ``pad_host`` as in ``do_bench``.
+    H200 that alone moved ratios between two kernels by 10%. ``pad_host`` and ``graph`` as in
+    ``do_bench``.
     Returns {key: Timing}."""
     import torch
 
@@ -84,6 +120,8 @@ def do_bench_interleaved(fns: dict, *, warmup: int = 3, reps: int = 50, flush_l2
         for key in keys:
             fns[key]()
     torch.cuda.synchronize(device)
+    if graph:
+        fns = {key: _replay(fns[key]) for key in keys}
     events = {key: [] for key in keys}
     for rep in range(reps):
         shift = rep % len(keys)
