@@ -9,8 +9,8 @@ finishes the flush before them, or the events time the GPU waiting for Python. T
 two uses: ``pad_host`` (a spin kernel before each call) and ``graph`` (each call captured once in a
 CUDA graph and replayed). On an H100, torch.matmul at 16x4096x4096 timed 22.7 us at the median of
 one process and 26-36 us in another, 22.5-23.1 us with either remedy; but a 200 us spin made
-1024x14336x4096 and 4096^3 3-5% slower (the clocks drop while the GPU idles), where replays timed
-as the plain calls did (devrun/pad_modes.py, devrun/torch_noise.py).
+1024x14336x4096 and 4096^3 3-5% slower (why, we did not find out), where replays timed as the
+plain calls did (devrun/pad_modes.py, devrun/torch_noise.py). The tuner times replays.
 """
 
 from __future__ import annotations
