@@ -16,7 +16,7 @@ def versions() -> dict:
     import torch
 
     from cutlass_ops import __version__
-    from cutlass_ops.build import nvcc_version
+    from cutlass_ops.gemms.build import nvcc_version
 
     def run(*cmd):
         try:

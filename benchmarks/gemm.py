@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import cutlass_ops  # noqa: E402
 from benchmarks.common import copy_bandwidth_gbs, print_table, write_result  # noqa: E402
 from cutlass_ops import GemmConfig, GemmOperands  # noqa: E402
-from cutlass_ops.kernels import prepare  # noqa: E402
+from cutlass_ops.gemms.loader import prepare  # noqa: E402
 from tuning.timing import do_bench  # noqa: E402
 
 FIXED_CONFIGS = [
@@ -90,11 +90,11 @@ TUNED_REPS = 100
 
 
 def bench_tuned_shape(m, n, k):
-    from cutlass_ops.build import compiles_in_process
+    from cutlass_ops.gemms.build import compiles_in_process
     from tuning.backend import GpuSession
-    from tuning.cache import TuningCache
-    from tuning.choice import Choice
-    from tuning.device import current_scope
+    from custom_kernels.core.tuned_store import TuningCache
+    from cutlass_ops.gemms.choice import Choice
+    from custom_kernels.core.device import current_scope
 
     problem = cutlass_ops.GemmProblem(GemmOperands.make("bf16"), m, n, k)
     entry = TuningCache(current_scope()).get(problem)

@@ -66,7 +66,7 @@ def tune(shapes, strategy, fused=()):
     report = run_tune(problems, backend=GpuBackend(), strategy=strategy)
     print(f"tuned {len(problems)} GEMMs: compiled {report.built} kernels in "
           f"{report.build_seconds:.0f} s, measured in {report.measure_seconds:.0f} s", flush=True)
-    from tuning import dispatch
+    from cutlass_ops.gemms import dispatch
 
     dispatch.reset()
 
@@ -91,7 +91,7 @@ def step_row(m, n, k):
         decisions = [cutlass_ops.explain(x.detach(), theirs.weight.t()),
                      cutlass_ops.explain(g, theirs.weight), cutlass_ops.explain(g.t(), x.detach())]
     sources = [d.choice.name if d.choice else f"torch ({d.source})" for d in decisions]
-    from tuning import dispatch
+    from cutlass_ops.gemms import dispatch
 
     before = dict(dispatch.calls)
     step(ours)()
@@ -169,7 +169,7 @@ def host_rows():
     """Calls per second at a tiny shape where the host bounds the rate. The kernel behind our
     calls is CUTLASS (built on first use if needed: online mode "compile"), so the figure is our
     own path: checks memoized per signature, output allocation, argument copy, C++ launch."""
-    from tuning import dispatch
+    from cutlass_ops.gemms import dispatch
 
     m, n, k = 16, 256, 256
     theirs = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -187,6 +187,9 @@ def host_rows():
     private = tempfile.mkdtemp(prefix="cutlass-ops-host-")
     os.environ["CUTLASS_OPS_CACHE_DIR"] = private
     dispatch.reset()
+    from tuning.online import ONLINE
+
+    dispatch.register_online_tuner(ONLINE)  # a checkout without `pip install` has no entry point
     dispatch.set_online("compile")
     try:
         with torch.no_grad():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from cutlass_ops.errors import CutlassOpsError, KernelLaunchError
+from custom_kernels.core.errors import CutlassOpsError, KernelLaunchError
 
 
 class CooperativeLaunchUnsupported(CutlassOpsError):

@@ -26,8 +26,8 @@ from typing import Mapping, Sequence
 
 import filelock
 
-from cutlass_ops import cache_dir
-from cutlass_ops.errors import BuildError, ToolchainError
+from custom_kernels.core import cache_dir
+from custom_kernels.core.errors import BuildError, ToolchainError
 
 CSRC = Path(__file__).resolve().with_name("csrc")
 DEFAULT_ARCH = "sm_90a"

@@ -31,7 +31,7 @@ import torch
 
 from custom_kernels import jit, work_queue
 from custom_kernels.cooperative import max_cooperative_grid
-from cutlass_ops.errors import UnsupportedInputError
+from custom_kernels.core.errors import UnsupportedInputError
 
 SOURCE = "ragged.cu"
 KERNEL = "ragged_segment_reduce"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 
-from cutlass_ops.errors import CutlassOpsError
+from custom_kernels.core.errors import CutlassOpsError
 
 COUNTERS = 4  # ck::kCounters: kMaxPhases tickets, then the done counter
 SLOTS = 64

@@ -3,11 +3,11 @@
 Importing this package does nothing else: no CUDA initialization, no files, no cutlass_cppgen.
 """
 
-from cutlass_ops._version import __version__
-from cutlass_ops.config import (Activation, Arch, BiasMode, DType, Epilogue, EpilogueSchedule,
+from custom_kernels.core.version import __version__
+from cutlass_ops.gemms.config import (Activation, Arch, BiasMode, DType, Epilogue, EpilogueSchedule,
                                 GemmConfig, GemmOperands, GemmProblem, KernelSchedule, Layout,
                                 RasterOrder, TileScheduler)
-from cutlass_ops.errors import (BuildError, CutlassOpsError, EmissionError, InvalidConfigError,
+from custom_kernels.core.errors import (BuildError, CutlassOpsError, EmissionError, InvalidConfigError,
                                 KernelLaunchError, ToolchainError, UnsupportedInputError)
 
 
@@ -15,7 +15,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, bias=None, activation="identity",
          out=None, out_dtype=None):
     """D = activation(alpha * (a @ b) + bias) + beta * c with one chosen CUTLASS config (see
     gemm_api.gemm)."""
-    from cutlass_ops.gemm_api import gemm as _gemm
+    from cutlass_ops.gemms.plan import gemm as _gemm
 
     return _gemm(a, b, c, alpha=alpha, beta=beta, bias=bias, activation=activation,
                  config=config, out=out, out_dtype=out_dtype)
@@ -24,7 +24,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, bias=None, activation="identity",
 def plan(a, b, c=None, *, alpha=1.0, beta=0.0, bias=None, activation="identity", config,
          out=None, out_dtype=None):
     """Checks once and returns ``launch()`` for repeated runs (see gemm_api.plan)."""
-    from cutlass_ops.gemm_api import plan as _plan
+    from cutlass_ops.gemms.plan import plan as _plan
 
     return _plan(a, b, c, alpha=alpha, beta=beta, bias=bias, activation=activation,
                  config=config, out=out, out_dtype=out_dtype)
@@ -35,7 +35,7 @@ def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=N
     """activation(alpha * (a @ b) + bias) + beta * residual on the tuned CUTLASS kernel for this
     GPU, shape and epilogue: an exact tuning-cache hit, else the nearest tuned shape's kernel,
     else the best already-built kernel, else torch (with one log line saying why); an epilogue
-    without a fused kernel runs after the plain GEMM, in torch. See tuning.dispatch."""
+    without a fused kernel runs after the plain GEMM, in torch. See cutlass_ops.gemms.dispatch."""
     return _dispatch().matmul(a, b, out_dtype=out_dtype, bias=bias, activation=activation,
                               residual=residual, alpha=alpha, beta=beta)
 
@@ -49,9 +49,9 @@ def explain(a, b, *, out_dtype=None, bias=None, activation="identity", residual=
 def _dispatch():
     import sys
 
-    module = sys.modules.get("tuning.dispatch")
+    module = sys.modules.get("cutlass_ops.gemms.dispatch")
     if module is None:  # first call: import it (and torch) now, not at package import
-        import tuning.dispatch as module
+        import cutlass_ops.gemms.dispatch as module
     return module
 
 

@@ -5,7 +5,7 @@ saves interchangeably) whose forward runs ``cutlass_ops::linear``, with the bias
 activation fused into the GEMM's epilogue. ``convert(model)`` swaps Linear layers in place where
 our kernels apply, fuses an activation module that directly follows a Linear inside an
 ``nn.Sequential`` (where the order of calls is certain), swaps RMSNorm and LayerNorm for the
-fused norm kernels' modules (``custom_kernels.modules``, re-exported here), and reports every
+fused norm kernels' modules (``custom_kernels.norms.modules``, re-exported here), and reports every
 decision with its reason.
 """
 
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from cutlass_ops import ops
-from cutlass_ops.config import Activation
-from custom_kernels.modules import LayerNorm, RMSNorm
+from cutlass_ops.gemms.config import Activation
+from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from cutlass_ops import epilogues
-from tuning import dispatch
+from cutlass_ops.gemms import epilogues
+from cutlass_ops.gemms import dispatch
 
 
 def _matmul(a: Tensor, b: Tensor, dims: int, op: str) -> Tensor:

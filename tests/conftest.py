@@ -30,7 +30,7 @@ def clean_working_directory(tmp_path, monkeypatch):
 
 
 def nvcc_missing() -> bool:
-    from cutlass_ops.build import nvcc_available
+    from cutlass_ops.gemms.build import nvcc_available
 
     return not nvcc_available()
 

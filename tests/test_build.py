@@ -4,9 +4,9 @@ import threading
 
 import pytest
 
-from cutlass_ops import build
-from cutlass_ops.config import Arch
-from cutlass_ops.errors import BuildError
+from cutlass_ops.gemms import build
+from cutlass_ops.gemms.config import Arch
+from custom_kernels.core.errors import BuildError
 
 pytestmark = pytest.mark.skipif(not build.nvcc_available(), reason="nvcc not found")
 
@@ -25,8 +25,8 @@ def test_key_covers_source_and_arch():
 
 
 def test_only_tile_widths_cute_splits_get_the_extended_wgmma_shapes():
-    from cutlass_ops.config import GemmConfig
-    from cutlass_ops.kernels import build_defines
+    from cutlass_ops.gemms.config import GemmConfig
+    from cutlass_ops.gemms.loader import build_defines
 
     def defines(tn, **kw):
         return build_defines(GemmConfig(kernel_schedule="cooperative", tile=(128, tn, 64), **kw))

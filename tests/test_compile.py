@@ -3,8 +3,9 @@ each). The artifacts must load and report their launcher ABI and shared-memory s
 
 import pytest
 
-from cutlass_ops import GemmConfig, GemmOperands, runtime, space
-from cutlass_ops.kernels import check_epilogue_slots
+from cutlass_ops import GemmConfig, GemmOperands
+from cutlass_ops.gemms import runtime, space
+from cutlass_ops.gemms.loader import check_epilogue_slots
 
 pytestmark = pytest.mark.compile
 
@@ -29,7 +30,7 @@ FUSED = GemmOperands.make("bf16", epilogue="bias,gelu_tanh,residual")
 
 @pytest.fixture(scope="module")
 def built():
-    from cutlass_ops.kernels import prepare_many
+    from cutlass_ops.gemms.loader import prepare_many
 
     items = [(GemmOperands.make("bf16"), c) for c in KERNELS.values()]
     items.append((FUSED, KERNELS["sm90a pingpong"]))
@@ -77,8 +78,8 @@ def test_explicit_epilogue_tile_takes_the_shared_memory_space_counts(built):
 def test_a_tile_split_into_narrower_wgmmas_does_not_build(monkeypatch):
     """Without the extended shapes a 176-wide tile would run 16-wide wgmmas at half speed; the
     launcher's static_assert refuses it (a failed build, never a slow kernel)."""
-    from cutlass_ops import kernels
-    from cutlass_ops.errors import BuildError
+    from cutlass_ops.gemms import loader as kernels
+    from custom_kernels.core.errors import BuildError
 
     config = KERNELS["sm90a 176-wide tile"]
     monkeypatch.setattr(kernels, "build_defines", lambda config: ())

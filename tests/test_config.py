@@ -1,7 +1,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from cutlass_ops.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
+from cutlass_ops.gemms.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
                                 GemmProblem, KernelSchedule, Layout, RasterOrder, TileScheduler,
                                 epilogue_tile_widths)
 
@@ -79,7 +79,7 @@ def test_an_explicit_epilogue_tile_is_a_build_field_with_a_name_part():
     assert GemmConfig.from_dict(wide.to_dict()) == wide and wide.to_dict()["epilogue_tile"] == [
         128, 64]
     assert wide.build_fields() != auto.build_fields()
-    # What tuning.dispatch rebuilds from an artifact directory name.
+    # What cutlass_ops.gemms.dispatch rebuilds from an artifact directory name.
     assert GemmConfig.from_name(wide.build_name + "-split1-rheuristic-sw1") == wide
     pingpong = GemmConfig(kernel_schedule="pingpong", tile=(64, 256, 64), epilogue_tile=(64, 128))
     assert GemmConfig.from_name(pingpong.name) == pingpong

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from custom_kernels import jit, launch
-from cutlass_ops import cache_dir
-from cutlass_ops.errors import BuildError, ToolchainError
+from custom_kernels.core import cache_dir
+from custom_kernels.core.errors import BuildError, ToolchainError
 
 
 def _toolkit_or_skip():

@@ -1,9 +1,9 @@
 import pytest
 
-from cutlass_ops import emit
-from cutlass_ops.config import GemmConfig, GemmOperands
-from cutlass_ops.cutlass_bridge import cutlass_threadblock_shape
-from cutlass_ops.errors import EmissionError
+from cutlass_ops.gemms import emit
+from cutlass_ops.gemms.config import GemmConfig, GemmOperands
+from cutlass_ops.gemms.cutlass_bridge import cutlass_threadblock_shape
+from custom_kernels.core.errors import EmissionError
 
 BF16_TN = GemmOperands.make("bf16")
 PINGPONG = GemmConfig(kernel_schedule="pingpong", tile=(64, 128, 64), cluster=(2, 1, 1))

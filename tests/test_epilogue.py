@@ -3,11 +3,11 @@ traced function, the emitted visitor tree, and the space rule. No GPU."""
 
 import pytest
 
-from cutlass_ops import space
-from cutlass_ops.config import (Activation, BiasMode, Epilogue, EpilogueSchedule, GemmConfig,
+from cutlass_ops.gemms import space
+from cutlass_ops.gemms.config import (Activation, BiasMode, Epilogue, EpilogueSchedule, GemmConfig,
                                 GemmOperands, Layout)
-from cutlass_ops.cutlass_bridge import epilogue_function
-from tuning.choice import Choice, swapped_operands
+from cutlass_ops.gemms.cutlass_bridge import epilogue_function
+from cutlass_ops.gemms.choice import Choice, swapped_operands
 
 FUSED = Epilogue(Activation.GELU_TANH, BiasMode.N, residual=True)
 
@@ -75,7 +75,7 @@ def test_emitted_visitor_tree():
     """cutlass_cppgen traces our function into an Sm90 EVT: a row broadcast for nn.Linear's
     bias, the column broadcast and column-major C/D strides once swapped, the tanh GELU as
     GELU_taylor, and a DeviceKernel for our launcher."""
-    from cutlass_ops import emit
+    from cutlass_ops.gemms import emit
 
     config = GemmConfig(tile=(128, 128, 64))
     ops = GemmOperands.make("bf16", epilogue=FUSED)

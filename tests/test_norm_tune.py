@@ -8,18 +8,21 @@ import json
 import pytest
 from tuning_fakes import SCOPE
 
-from custom_kernels import norm_config as nc
-from custom_kernels import norms
-from tuning import cli, norm_tune
-from tuning.cache import TuningCache
+from custom_kernels.norms import config as nc
+from custom_kernels.norms import ops as norms
+from custom_kernels.norms import tuned
+from tuning import cli, norm_search
+from custom_kernels.core.tuned_store import TuningCache
 
 
 @pytest.fixture(autouse=True)
 def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(norm_tune, "norm_cache",
-                        lambda device=None, root=None: TuningCache(SCOPE, root,
-                                                                  family=norm_tune.NORMS))
+    def cache(device=None, root=None):
+        return TuningCache(SCOPE, root, family=norm_search.NORMS)
+
+    monkeypatch.setattr(norm_search, "norm_cache", cache)
+    monkeypatch.setattr(tuned, "norm_cache", cache)
 
 
 def problem(hidden=4096, direction="fwd", residual=False):
@@ -35,10 +38,10 @@ def test_problem_names_are_stable_keys():
     assert scalar.name.endswith("-scalar") and scalar.name != p.name
 
 
-@pytest.mark.parametrize("strategy", norm_tune.STRATEGIES)
+@pytest.mark.parametrize("strategy", norm_search.STRATEGIES)
 def test_candidates_start_with_the_heuristic_and_follow_the_strategy(strategy):
     p = problem(32768)
-    configs = norm_tune.candidates(p, strategy)
+    configs = norm_search.candidates(p, strategy)
     assert configs[0] == nc.heuristic(p)
     assert len(set(configs)) == len(configs) and all(c.why_invalid(p) is None for c in configs)
     direct = [c for c in configs if not c.stages]
@@ -46,22 +49,22 @@ def test_candidates_start_with_the_heuristic_and_follow_the_strategy(strategy):
     if strategy == "quick":
         assert all(c.stages <= 3 and c.threads >= 256 for c in configs[1:])
     with pytest.raises(ValueError, match="strategy"):
-        norm_tune.candidates(p, "fastest")
+        norm_search.candidates(p, "fastest")
 
 
 def test_candidate_counts_grow_with_the_strategy():
     p = problem(8192, "bwd")
-    counts = [len(norm_tune.candidates(p, s)) for s in norm_tune.STRATEGIES]
+    counts = [len(norm_search.candidates(p, s)) for s in norm_search.STRATEGIES]
     assert counts[0] < counts[1] < counts[2]
 
 
 def test_default_rows_fill_the_gpu_within_int32_elements():
-    assert norm_tune.default_rows(4096) == 32768
-    assert norm_tune.default_rows(262144) * 262144 <= (1 << 31)
+    assert norm_search.default_rows(4096) == 32768
+    assert norm_search.default_rows(262144) * 262144 <= (1 << 31)
 
 
 def put(p, winner, **extra):
-    norm_tune.norm_cache().put(p, {"winner": winner, "winner_ms": 0.5, "heuristic":
+    norm_search.norm_cache().put(p, {"winner": winner, "winner_ms": 0.5, "heuristic":
                                    nc.heuristic(p).name, "heuristic_ms": 0.6,
                                    "torch_ms": 0.9, "gbps": 4000.0, "failures": {}, **extra})
 
@@ -70,7 +73,7 @@ def test_a_tuned_winner_replaces_the_heuristic(monkeypatch):
     p = problem(4096)
     assert norms._tuned(p, 0) is None  # nothing tuned: the heuristic
     put(p, "t512_r1_c1_v8_s2")
-    assert norm_tune.tuned_config_name(p) == "t512_r1_c1_v8_s2"
+    assert norm_search.tuned_config_name(p) == "t512_r1_c1_v8_s2"
     assert norms._choose(p, None) == nc.NormConfig(512, 1, 1, 8, 2)
     assert norms._choose(p, "t128_r1_c1_v8") == nc.NormConfig(128, 1, 1, 8)  # override wins
     other = problem(8192)  # another problem is untouched

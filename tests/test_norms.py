@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch._subclasses import FakeTensorMode
 
-from custom_kernels import jit, modules, norms
-from custom_kernels import norm_config as nc
-from cutlass_ops.errors import UnsupportedInputError
+from custom_kernels import jit
+from custom_kernels.norms import modules, ops as norms
+from custom_kernels.norms import config as nc
+from custom_kernels.core.errors import UnsupportedInputError
 
 ISSUE_HIDDEN = [256, 1000, 4096, 8192, 32768, 65536, 262144]
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -406,7 +407,7 @@ def _variants():
 
 
 def _nvcc(variant):
-    from cutlass_ops.build import nvcc_path
+    from cutlass_ops.gemms.build import nvcc_path
 
     source, defines = variant
     # The staged kernels must compile without warnings, and ptxas reports their spills (below).

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import cutlass_ops
-from cutlass_ops import operands as ops
-from cutlass_ops.config import GemmConfig, Layout
-from cutlass_ops.errors import UnsupportedInputError
+from cutlass_ops.gemms import inputs as ops
+from cutlass_ops.gemms.config import GemmConfig, Layout
+from custom_kernels.core.errors import UnsupportedInputError
 
 
 def test_layouts_and_leading_dimensions():

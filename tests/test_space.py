@@ -1,8 +1,8 @@
 import pytest
 
-from cutlass_ops import space
-from cutlass_ops.config import Arch, GemmConfig, GemmOperands, KernelSchedule, TileScheduler
-from cutlass_ops.errors import InvalidConfigError
+from cutlass_ops.gemms import space
+from cutlass_ops.gemms.config import Arch, GemmConfig, GemmOperands, KernelSchedule, TileScheduler
+from custom_kernels.core.errors import InvalidConfigError
 
 BF16_TN = GemmOperands.make("bf16")
 

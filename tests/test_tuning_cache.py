@@ -3,8 +3,8 @@ import multiprocessing
 
 import pytest
 
-from cutlass_ops.config import GemmConfig, GemmOperands, GemmProblem
-from tuning.cache import CacheScope, TuningCache, all_caches, import_document, merge_documents
+from cutlass_ops.gemms.config import GemmConfig, GemmOperands, GemmProblem
+from custom_kernels.core.tuned_store import CacheScope, TuningCache, all_caches, import_document, merge_documents
 
 SCOPE = CacheScope("NVIDIA H200", 90, 132, "580.159.04", "13.0", "4.2.0.0", "0.1.0")
 OPERANDS = GemmOperands.make("bf16")

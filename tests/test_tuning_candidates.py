@@ -1,11 +1,12 @@
 import pytest
 
-from cutlass_ops import space
-from cutlass_ops.config import (GemmConfig, GemmOperands, GemmProblem, KernelSchedule, Layout,
+from cutlass_ops.gemms import space
+from cutlass_ops.gemms.config import (GemmConfig, GemmOperands, GemmProblem, KernelSchedule, Layout,
                                 TileScheduler)
-from tuning import candidates, heuristics, model
-from tuning.choice import Choice, swapped_operands
-from tuning.device import named_spec, spec_for
+from tuning import candidates, heuristics
+from cutlass_ops.gemms import ranking as model
+from cutlass_ops.gemms.choice import Choice, swapped_operands
+from custom_kernels.core.device import named_spec, spec_for
 
 OPS = GemmOperands.make("bf16")
 H100 = named_spec("H100")

@@ -13,7 +13,7 @@ from tuning import cli
 def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cli, "make_backend", lambda args: FakeBackend())
-    from tuning import dispatch
+    from cutlass_ops.gemms import dispatch
 
     dispatch.reset()
 

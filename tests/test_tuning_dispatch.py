@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import cutlass_ops
-from cutlass_ops import cache_dir
-from cutlass_ops.config import GemmConfig, GemmOperands, GemmProblem
-from tuning import dispatch
-from tuning.choice import Choice
-from tuning.device import named_spec
+from custom_kernels.core import cache_dir
+from cutlass_ops.gemms.config import GemmConfig, GemmOperands, GemmProblem
+from cutlass_ops.gemms import dispatch
+from cutlass_ops.gemms.choice import Choice
+from custom_kernels.core.device import named_spec
 
 OPS = GemmOperands.make("bf16")
 H100 = named_spec("H100")
@@ -26,8 +26,10 @@ def entries_for(*items):
 
 
 def decide(problem, entries, built=(), online="off"):
+    from tuning.online import ONLINE
+
     return dispatch.decide(problem, entries, H100, is_built=lambda c: True,
-                           built_choices=lambda: list(built), online=online)
+                           built_choices=lambda: list(built), online=online, tuner=ONLINE)
 
 
 def test_exact_hit_runs_the_winner_or_torch_when_torch_won():
@@ -100,7 +102,7 @@ def test_unsupported_inputs_run_on_torch_with_one_log_line(caplog):
 
 
 def test_built_choices_reads_the_artifact_cache(monkeypatch, tmp_path):
-    from cutlass_ops import build, emit, kernels
+    from cutlass_ops.gemms import build, emit, loader as kernels
 
     if not build.nvcc_available():
         pytest.skip("nvcc not found")
@@ -131,7 +133,7 @@ class _FakeKernel:
 def test_fast_path_swaps_in_the_pointers_plan_would_use(monkeypatch, swap):
     """After the first (fully checked) launch, a call with the same signature reuses the launch
     arguments with this call's pointers: they must be the ones plan() would have set."""
-    from cutlass_ops import gemm_api, runtime
+    from cutlass_ops.gemms import plan as gemm_api, runtime
 
     kernel = _FakeKernel()
 
@@ -163,7 +165,7 @@ def test_fast_path_swaps_in_the_pointers_plan_would_use(monkeypatch, swap):
 
 
 def test_fused_epilogue_is_its_own_tuned_problem():
-    from cutlass_ops.config import Epilogue
+    from cutlass_ops.gemms.config import Epilogue
 
     fused = GemmProblem(OPS.with_epilogue(Epilogue.parse("bias,gelu_tanh")), 128, 4096, 4096)
     plain = GemmProblem(OPS, 128, 4096, 4096)
@@ -175,7 +177,7 @@ def test_fused_epilogue_is_its_own_tuned_problem():
 @pytest.mark.parametrize("activation", ["identity", "relu", "gelu", "gelu_tanh", "silu"])
 def test_epilogue_arguments_on_torch_match_the_formula(activation):
     """Off the GPU the epilogue runs in torch: act(alpha * a @ b + bias) + beta * residual."""
-    from cutlass_ops import epilogues
+    from cutlass_ops.gemms import epilogues
 
     a, b, bias, res = torch.randn(8, 16), torch.randn(16, 4), torch.randn(4), torch.randn(8, 4)
     got = cutlass_ops.matmul(a, b, bias=bias, activation=activation, residual=res, alpha=0.5,
@@ -190,7 +192,7 @@ def test_epilogue_arguments_on_torch_match_the_formula(activation):
 
 
 def test_fast_path_sets_bias_residual_and_scalars(monkeypatch):
-    from cutlass_ops import gemm_api, runtime
+    from cutlass_ops.gemms import plan as gemm_api, runtime
 
     seen = []
 

@@ -1,9 +1,9 @@
 import pytest
 from tuning_fakes import SCOPE, FakeBackend
 
-from cutlass_ops.config import GemmOperands, GemmProblem
-from tuning.cache import TuningCache
-from tuning.choice import Choice
+from cutlass_ops.gemms.config import GemmOperands, GemmProblem
+from custom_kernels.core.tuned_store import TuningCache
+from cutlass_ops.gemms.choice import Choice
 from tuning.search import tune
 
 OPS = GemmOperands.make("bf16")

@@ -17,7 +17,7 @@ def nvcc_cubin(source: str, defines: dict, out: Path, arch: str = "sm_90a") -> b
     """Compile csrc/<source> to a cubin with nvcc as NVRTC would (same include directories and
     -D values, no -rdc: grid.sync() needs none since CUDA 11); fail on any error or warning."""
     from custom_kernels.jit import include_dirs
-    from cutlass_ops.build import nvcc_path
+    from cutlass_ops.gemms.build import nvcc_path
 
     cmd = [nvcc_path(), "-std=c++17", f"-arch={arch}", "--cubin", "-lineinfo",
            *(f"-I{d}" for d in include_dirs()), *(f"-D{k}={v}" for k, v in defines.items()),
@@ -96,7 +96,7 @@ def test_work_queue_header_compiles_alone(tmp_path):
                       '  unsigned w = ck::warp_pull(c + 1); (void)w;\n'
                       '  ck::finish(c, 2);\n}\n')
     from custom_kernels.jit import include_dirs
-    from cutlass_ops.build import nvcc_path
+    from cutlass_ops.gemms.build import nvcc_path
 
     cmd = [nvcc_path(), "-std=c++17", "-arch=sm_90a", "--cubin",
            *(f"-I{d}" for d in include_dirs()), "-o", str(tmp_path / "probe.cubin"), str(source)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from cutlass_ops.errors import BuildError
-from tuning import model
-from tuning.cache import CacheScope
-from tuning.device import named_spec
+from custom_kernels.core.errors import BuildError
+from cutlass_ops.gemms import ranking as model
+from custom_kernels.core.tuned_store import CacheScope
+from custom_kernels.core.device import named_spec
 from tuning.timing import GraphCaptureError
 
 SCOPE = CacheScope("NVIDIA H100 80GB HBM3", 90, 132, "580.0", "13.0", "4.2.0.0", "test")
@@ -55,8 +55,8 @@ class FakeSession:
 
 
 def _reference_choice():
-    from cutlass_ops.config import GemmConfig
-    from tuning.choice import Choice
+    from cutlass_ops.gemms.config import GemmConfig
+    from cutlass_ops.gemms.choice import Choice
 
     return Choice(GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64)))
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable, Protocol
 
-from cutlass_ops import epilogues
-from cutlass_ops.config import (Activation, BiasMode, DType, GemmConfig, GemmOperands,
+from cutlass_ops.gemms import epilogues
+from cutlass_ops.gemms.config import (Activation, BiasMode, DType, GemmConfig, GemmOperands,
                                 GemmProblem, Layout)
-from tuning.cache import CacheScope
-from tuning.choice import Choice
-from tuning.device import DeviceSpec
+from custom_kernels.core.tuned_store import CacheScope
+from cutlass_ops.gemms.choice import Choice
+from custom_kernels.core.device import DeviceSpec
 
 # Relative (Frobenius) error a correct kernel stays under against a float32 reference: the output
 # rounding of the type dominates (bf16 has 8 bits of mantissa); tf32 inputs lose more.
@@ -59,7 +59,7 @@ class GpuBackend:
         import torch
 
         if not torch.cuda.is_available():
-            from cutlass_ops.errors import UnsupportedInputError
+            from custom_kernels.core.errors import UnsupportedInputError
 
             raise UnsupportedInputError("tuning needs a CUDA GPU, and torch sees none (for what "
                                         "would be built, use `cutlass-tune compile --dry-run`)")
@@ -67,17 +67,17 @@ class GpuBackend:
         self.jobs = jobs
 
     def device(self) -> DeviceSpec:
-        from tuning.device import current_spec
+        from custom_kernels.core.device import current_spec
 
         return current_spec(self.index)
 
     def scope(self) -> CacheScope:
-        from tuning.device import current_scope
+        from custom_kernels.core.device import current_scope
 
         return current_scope(self.index)
 
     def build(self, items, *, on_done=None) -> dict:
-        from cutlass_ops.kernels import prepare_many
+        from cutlass_ops.gemms.loader import prepare_many
 
         return prepare_many(items, jobs=self.jobs, on_done=on_done)
 
@@ -99,7 +99,7 @@ class GpuSession:
     def __init__(self, problem: GemmProblem, device_index: int):
         import torch
 
-        from cutlass_ops.operands import torch_dtype
+        from cutlass_ops.gemms.inputs import torch_dtype
 
         self.problem = problem
         ops = problem.operands
@@ -158,7 +158,7 @@ class GpuSession:
     def verify(self, choice: Choice) -> str | None:
         import torch
 
-        from cutlass_ops.errors import CutlassOpsError
+        from custom_kernels.core.errors import CutlassOpsError
 
         try:
             launch = self._launcher(choice)

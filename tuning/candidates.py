@@ -2,7 +2,7 @@
 run-time variants of a compiled kernel.
 
 A search compiles tens of kernels, not hundreds: ``select`` keeps the best few of the space by our
-model (``tuning.model``) and, when ``nvidia-matmul-heuristics`` is installed, NVIDIA's own picks,
+model (``cutlass_ops.gemms.ranking``) and, when ``nvidia-matmul-heuristics`` is installed, NVIDIA's own picks,
 with room kept for families the model ranks low (swap-A/B, stream-K, each schedule) because the
 model is rough. Run-time knobs (raster order, swizzle, splits) need no compile: ``variants`` lists
 those worth timing for a compiled kernel on this shape.
@@ -14,12 +14,13 @@ import enum
 import itertools
 import math
 
-from cutlass_ops import space
-from cutlass_ops.config import (Arch, EpilogueSchedule, GemmConfig, GemmOperands, GemmProblem,
+from cutlass_ops.gemms import space
+from cutlass_ops.gemms.config import (Arch, EpilogueSchedule, GemmConfig, GemmOperands, GemmProblem,
                                 KernelSchedule, RasterOrder, TileScheduler)
-from tuning import model
-from tuning.choice import Choice
-from tuning.device import DeviceSpec
+from cutlass_ops.gemms import ranking as model
+from cutlass_ops.gemms.ranking import fits_shape, orientations, rank  # noqa: F401 (part of this module's API)
+from cutlass_ops.gemms.choice import Choice
+from custom_kernels.core.device import DeviceSpec
 
 
 class Strategy(str, enum.Enum):
@@ -41,7 +42,7 @@ class Strategy(str, enum.Enum):
 # into whole waves of SMs (seen under ncu on an H200: 112 for 128x14336x4096 makes 128 tiles, one
 # wave; 176 for 1024x14336x4096 makes 656 tiles, 4.97 waves, where 128 gives 6.8 and 256 3.4).
 # They run one wgmma per k-step only with CuTe's extended wgmma shapes
-# (cutlass_ops.kernels.build_defines): before that a 176-wide tile ran at 0.45x cuBLAS, with them
+# (cutlass_ops.gemms.loader.build_defines): before that a 176-wide tile ran at 0.45x cuBLAS, with them
 # at 0.93x, and 64x224 / 128x224 won two shapes on an H200 (devrun/wide_mma.py).
 _N_TILES = (16, 32, 64, 96, 112, 128, 160, 176, 192, 208, 224, 256)
 # Wave-filling tiles are taken from the configs the model puts within this factor of its best.
@@ -89,21 +90,6 @@ def config_space(operands: GemmOperands, arch: Arch | str, *,
     return out
 
 
-def fits_shape(problem: GemmProblem, choice: Choice) -> bool:
-    """Rejects clusters of tiles far larger than the (possibly swapped) problem: such a kernel
-    computes mostly padding and can never win."""
-    p = choice.problem_for(problem)
-    tm, tn, _ = choice.config.tile
-    cm, cn, _ = choice.config.cluster
-    return (cm * tm <= 2 * max(64, math.ceil(p.m / 64) * 64)
-            and cn * tn <= 2 * max(16, math.ceil(p.n / 16) * 16))
-
-
-def orientations(problem: GemmProblem) -> tuple[bool, ...]:
-    """Swap-A/B is worth trying when M is the smaller extent (it never helps the other way)."""
-    return (False, True) if problem.m < problem.n else (False,)
-
-
 def all_choices(problem: GemmProblem, arch: Arch | str, *,
                 exhaustive: bool = False) -> list[Choice]:
     out = []
@@ -119,11 +105,6 @@ def all_choices(problem: GemmProblem, arch: Arch | str, *,
 def _family(choice: Choice) -> tuple:
     c = choice.config
     return (choice.swap_ab, c.kernel_schedule, c.tile_scheduler)
-
-
-def rank(problem: GemmProblem, device: DeviceSpec, choices: list[Choice]) -> list[Choice]:
-    """Fastest first by our model; ties broken by name for a stable order."""
-    return sorted(choices, key=lambda c: (model.estimate_us(problem, c, device), c.name))
 
 
 def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *,

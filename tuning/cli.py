@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cutlass_ops.config import GemmOperands, GemmProblem
+from cutlass_ops.gemms.config import GemmOperands, GemmProblem
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -109,7 +109,7 @@ def _entry_row(scope, name: str, entry: dict) -> dict:
 
 
 def _cache_rows(args) -> list[tuple[Any, str, dict]]:
-    from tuning.cache import all_caches
+    from custom_kernels.core.tuned_store import all_caches
 
     rows = []
     for cache in all_caches():
@@ -162,7 +162,7 @@ def cmd_tune(args) -> int:
     report = tune(problems, backend=backend, strategy=args.strategy, budget_s=args.budget,
                   force=args.force, use_heuristics=not args.no_heuristics,
                   progress=_progress(args))
-    from tuning import dispatch
+    from cutlass_ops.gemms import dispatch
 
     dispatch.reset()
     rows = []
@@ -194,11 +194,11 @@ def _fmt(ms: float | None) -> str:
 
 def cmd_bench(args) -> int:
     """Times tuned winners against torch.matmul now (fresh inputs)."""
-    from tuning.choice import Choice
+    from cutlass_ops.gemms.choice import Choice
 
     backend = make_backend(args)
     scope = backend.scope()
-    from tuning.cache import TuningCache
+    from custom_kernels.core.tuned_store import TuningCache
 
     entries = TuningCache(scope).entries()
     wanted = {p.name for p in _problems(args)} if (args.shapes or args.file) else None
@@ -268,8 +268,8 @@ def cmd_show(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from cutlass_ops.cache_dir import atomic_write_json
-    from tuning.cache import FAMILIES, all_caches, bundle
+    from custom_kernels.core.cache_dir import atomic_write_json
+    from custom_kernels.core.tuned_store import FAMILIES, all_caches, bundle
 
     docs = [c.export() for family in FAMILIES for c in all_caches(family=family)
             if not args.gpu or args.gpu.lower() in c.scope.gpu.lower()]
@@ -281,7 +281,7 @@ def cmd_export(args) -> int:
 
 
 def _by_family(docs: list[dict]) -> str:
-    from tuning.cache import family_of
+    from custom_kernels.core.tuned_store import family_of
 
     counts: dict[str, int] = {}
     for doc in docs:
@@ -290,7 +290,7 @@ def _by_family(docs: list[dict]) -> str:
 
 
 def _read_documents(path: str) -> list[dict]:
-    from tuning.cache import documents_in
+    from custom_kernels.core.tuned_store import documents_in
 
     try:
         data = json.loads(Path(path).read_text())
@@ -305,8 +305,8 @@ def _read_documents(path: str) -> list[dict]:
 
 
 def cmd_import(args) -> int:
-    from tuning import dispatch
-    from tuning.cache import import_document
+    from cutlass_ops.gemms import dispatch
+    from custom_kernels.core.tuned_store import import_document
 
     changed = 0
     for path in args.files:
@@ -318,8 +318,8 @@ def cmd_import(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from cutlass_ops.cache_dir import atomic_write_json
-    from tuning.cache import bundle, merge_documents
+    from custom_kernels.core.cache_dir import atomic_write_json
+    from custom_kernels.core.tuned_store import bundle, merge_documents
 
     docs = [doc for path in args.files for doc in _read_documents(path)]
     merged = merge_documents(docs)
@@ -331,11 +331,11 @@ def cmd_merge(args) -> int:
 
 
 def cmd_clear(args) -> int:
-    from tuning.cache import all_caches
+    from custom_kernels.core.tuned_store import all_caches
 
     if not _clear(all_caches(), args, "tuning cache"):
         return EXIT_FAILED
-    from tuning import dispatch
+    from cutlass_ops.gemms import dispatch
 
     dispatch.reset()
     return EXIT_OK
@@ -347,7 +347,7 @@ _NORM_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
 
 def _norm_problems(args):
-    from custom_kernels import norm_config as nc
+    from custom_kernels.norms import config as nc
 
     dtype = _NORM_DTYPES[args.dtype]
     out = _NORM_DTYPES[args.out_dtype] if args.out_dtype else dtype
@@ -359,11 +359,11 @@ def _norm_problems(args):
 
 
 def cmd_norms_tune(args) -> int:
-    from tuning import norm_tune
+    from tuning import norm_search
 
     problems = _norm_problems(args)
     say = (lambda message: print(message, file=sys.stderr)) if args.json else print
-    results = norm_tune.tune(problems, strategy=args.strategy, force=args.force, rows=args.rows,
+    results = norm_search.tune(problems, strategy=args.strategy, force=args.force, rows=args.rows,
                              reps=args.reps, jobs=args.jobs or 8, progress=say)
     if args.json:
         _emit(args, [{"problem": p.name, **entry} for p, entry in results])
@@ -371,11 +371,11 @@ def cmd_norms_tune(args) -> int:
 
 
 def _norm_rows(args) -> list[dict]:
-    from tuning import norm_tune
-    from tuning.cache import all_caches
+    from tuning import norm_search
+    from custom_kernels.core.tuned_store import all_caches
 
     rows = []
-    for cache in all_caches(family=norm_tune.NORMS):
+    for cache in all_caches(family=norm_search.NORMS):
         if args.gpu and args.gpu.lower() not in cache.scope.gpu.lower():
             continue
         for name, entry in sorted(cache.entries().items()):
@@ -402,10 +402,10 @@ def cmd_norms_list(args) -> int:
 
 
 def cmd_norms_clear(args) -> int:
-    from tuning import norm_tune
-    from tuning.cache import all_caches
+    from tuning import norm_search
+    from custom_kernels.core.tuned_store import all_caches
 
-    return EXIT_OK if _clear(all_caches(family=norm_tune.NORMS), args,
+    return EXIT_OK if _clear(all_caches(family=norm_search.NORMS), args,
                              "norm tuning") else EXIT_FAILED
 
 
@@ -434,7 +434,7 @@ def cmd_doctor(args) -> int:
 
 
 def _spec_for_args(args):
-    from tuning import device
+    from custom_kernels.core import device
 
     if args.gpu:
         return device.named_spec(args.gpu)
@@ -449,13 +449,13 @@ def _spec_for_args(args):
 
 
 def cmd_compile(args) -> int:
-    from cutlass_ops.kernels import is_built
+    from cutlass_ops.gemms.loader import is_built
     from tuning import candidates
 
     spec = _spec_for_args(args)
     kernels: dict[tuple, list[str]] = {}
     if args.tuned:  # the winners in the cache (imported from another machine, say)
-        from tuning.choice import Choice
+        from cutlass_ops.gemms.choice import Choice
 
         for cache, name, entry in _cache_rows(args):
             if entry.get("winner") and spec.name.lower() in cache.scope.gpu.lower():
@@ -483,7 +483,7 @@ def cmd_compile(args) -> int:
               f"{len(rows)} kernels on {spec.name}; "
               f"{sum(not r['built'] for r in rows)} to build")
         return EXIT_OK
-    from cutlass_ops.kernels import prepare_many
+    from cutlass_ops.gemms.loader import prepare_many
 
     progress = _progress(args)
     done = 0
@@ -511,8 +511,8 @@ def _quiet_bool(fn) -> bool:
 
 
 def cmd_report(args) -> int:
-    from cutlass_ops import cache_dir
-    from tuning import device
+    from custom_kernels.core import cache_dir
+    from custom_kernels.core import device
     from tuning.report import plot_report
 
     by_gpu: dict[str, list] = {}
@@ -660,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from cutlass_ops.errors import CutlassOpsError
+    from custom_kernels.core.errors import CutlassOpsError
 
     try:
         return args.fn(args)

@@ -28,7 +28,7 @@ def _gpu() -> str:
     if not torch.cuda.is_available():
         raise RuntimeError(f"torch {torch.__version__} sees no CUDA GPU (tuning and running need "
                            "one; compiling does not)")
-    from tuning.device import current_spec, driver_version
+    from custom_kernels.core.device import current_spec, driver_version
 
     spec = current_spec()
     return (f"{spec.name}, cc {spec.compute_capability / 10:.1f}, {spec.sm_count} SMs, driver "
@@ -36,13 +36,13 @@ def _gpu() -> str:
 
 
 def _nvcc() -> str:
-    from cutlass_ops.build import nvcc_path, nvcc_version
+    from cutlass_ops.gemms.build import nvcc_path, nvcc_version
 
     return f"{nvcc_path()} ({nvcc_version()})"
 
 
 def _cutlass() -> str:
-    from cutlass_ops.build import cutlass_include_dirs
+    from cutlass_ops.gemms.build import cutlass_include_dirs
 
     version = _version("nvidia-cutlass")
     if version is None:
@@ -60,8 +60,8 @@ def _package(name: str, purpose: str) -> Callable[[], str]:
 
 
 def _cache() -> str:
-    from cutlass_ops import cache_dir
-    from tuning.cache import all_caches
+    from custom_kernels.core import cache_dir
+    from custom_kernels.core.tuned_store import all_caches
 
     root = cache_dir.cache_root()
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0

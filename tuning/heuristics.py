@@ -12,11 +12,11 @@ from __future__ import annotations
 import functools
 import logging
 
-from cutlass_ops.config import (Arch, DType, GemmConfig, GemmProblem, KernelSchedule, Layout,
+from cutlass_ops.gemms.config import (Arch, DType, GemmConfig, GemmProblem, KernelSchedule, Layout,
                                 RasterOrder, TileScheduler)
-from tuning.candidates import orientations
-from tuning.choice import Choice
-from tuning.device import DeviceSpec
+from cutlass_ops.gemms.ranking import orientations
+from cutlass_ops.gemms.choice import Choice
+from custom_kernels.core.device import DeviceSpec
 
 log = logging.getLogger("cutlass_ops.tuning")
 

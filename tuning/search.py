@@ -19,12 +19,12 @@ import math
 import time
 from typing import Callable
 
-from cutlass_ops.config import GemmProblem
+from cutlass_ops.gemms.config import GemmProblem
 from tuning import candidates
 from tuning.backend import Backend
-from tuning.cache import TuningCache
+from custom_kernels.core.tuned_store import TuningCache
 from tuning.candidates import Strategy
-from tuning.choice import Choice
+from cutlass_ops.gemms.choice import Choice
 from tuning.timing import GraphCaptureError
 
 FIRST_ROUND_REPS = 15
@@ -136,7 +136,7 @@ def tune(problems: list[GemmProblem], *, backend: Backend, strategy: Strategy | 
 
 
 def _jobs(backend: Backend) -> int:
-    from cutlass_ops.build import default_jobs
+    from cutlass_ops.gemms.build import default_jobs
 
     return getattr(backend, "jobs", None) or default_jobs()
 

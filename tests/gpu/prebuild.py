@@ -14,7 +14,7 @@ sys.path[:0] = [str(root), str(Path(__file__).parent)]
 
 from benchmarks.gemm import FIXED_CONFIGS  # noqa: E402
 from cutlass_ops import GemmConfig, GemmOperands  # noqa: E402
-from cutlass_ops.kernels import prepare  # noqa: E402
+from cutlass_ops.gemms.loader import prepare  # noqa: E402
 from test_epilogue_gpu import work as epilogue_work  # noqa: E402
 from test_gemm_gpu import CONFIGS, STREAM_K  # noqa: E402
 

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import cutlass_ops
-from cutlass_ops import GemmConfig, GemmOperands, epilogues
+from cutlass_ops import GemmConfig, GemmOperands
+from cutlass_ops.gemms import epilogues
 from cutlass_ops.nn import Linear
-from tuning.choice import swapped_operands
+from cutlass_ops.gemms.choice import swapped_operands
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +48,7 @@ def work():
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    from cutlass_ops.kernels import prepare_many
+    from cutlass_ops.gemms.loader import prepare_many
 
     results = prepare_many(work())
     failed = {k[0].name + " " + k[1].build_name: str(v)[:300] for k, v in results.items()
@@ -110,7 +111,7 @@ def test_bad_bias_is_refused_not_misread():
 
 
 def test_dispatch_runs_a_built_fused_kernel_and_falls_back_unfused():
-    from tuning import dispatch
+    from cutlass_ops.gemms import dispatch
 
     dispatch.reset()
     x, w, bias, res = operands(256, 768, 512)

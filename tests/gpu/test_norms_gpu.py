@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 
-from custom_kernels import modules, norms
-from custom_kernels import norm_config as nc
+from custom_kernels.norms import modules, ops as norms
+from custom_kernels.norms import config as nc
 
 pytestmark = pytest.mark.gpu
 
@@ -375,15 +375,15 @@ def test_eager_path_equals_the_custom_ops(kind, residual):
 ], ids=lambda p: p.name)
 def test_quick_tune_checks_every_candidate_and_caches_the_winner(problem, tmp_path,
                                                                  monkeypatch):
-    from tuning import norm_tune
+    from tuning import norm_search
 
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
-    entry = norm_tune.tune_problem(problem, strategy="quick", rows=2048, reps=5)
+    entry = norm_search.tune_problem(problem, strategy="quick", rows=2048, reps=5)
     assert entry["failures"] == {}, entry["failures"]
     assert nc.NormConfig.from_name(entry["winner"]).why_invalid(problem) is None
     assert entry["winner_ms"] <= entry["heuristic_ms"] * 1.10 + 1e-3
-    norm_tune.norm_cache().put(problem, entry)
-    assert norm_tune.tuned_config_name(problem) == entry["winner"]
+    norm_search.norm_cache().put(problem, entry)
+    assert norm_search.tuned_config_name(problem) == entry["winner"]
     assert norms._tuned(problem, torch.cuda.current_device()) == \
         nc.NormConfig.from_name(entry["winner"])
 
@@ -412,7 +412,7 @@ def test_bad_cuda_input_is_refused_before_the_fast_accept(case, match):
         x, w = torch.empty(1, 262145, device="cuda"), torch.empty(262145, device="cuda")
     elif case == "strided_weight":
         w = torch.randn(128, device="cuda")[::2]
-    from cutlass_ops.errors import UnsupportedInputError
+    from custom_kernels.core.errors import UnsupportedInputError
 
     assert not norms._usual_call("rms", x, w, None, None, None)
     with pytest.raises(UnsupportedInputError, match=match):

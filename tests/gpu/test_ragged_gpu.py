@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from custom_kernels import ragged
-from cutlass_ops.errors import UnsupportedInputError
+from custom_kernels.core.errors import UnsupportedInputError
 
 pytestmark = pytest.mark.gpu
 

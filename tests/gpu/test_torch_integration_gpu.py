@@ -37,7 +37,7 @@ class Block(nn.Module):
 def built_kernels():
     """A few generic kernels for the forward (tn), dX (tt) and dW (nt) layouts, so that dispatch
     runs CUTLASS on these untuned shapes (its heuristic picks among built kernels)."""
-    from cutlass_ops.kernels import prepare_many
+    from cutlass_ops.gemms.loader import prepare_many
 
     configs = [GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 64)),
                GemmConfig(kernel_schedule="pingpong", tile=(64, 128, 64))]
@@ -45,7 +45,7 @@ def built_kernels():
              for la, lb in (("row", "col"), ("row", "row"), ("col", "row")) for c in configs]
     results = prepare_many(items)
     assert not [r for r in results.values() if isinstance(r, Exception)]
-    from tuning import dispatch
+    from cutlass_ops.gemms import dispatch
 
     dispatch.reset()
 

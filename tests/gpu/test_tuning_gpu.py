@@ -17,7 +17,7 @@ SHAPES = ["96x2048x1024", "4096x2048x1024"]
 SECOND_PROCESS = r"""
 import json, sys, torch
 import cutlass_ops
-from cutlass_ops.build import compiles_in_process
+from cutlass_ops.gemms.build import compiles_in_process
 out = {}
 for m, n, k in [(96, 2048, 1024), (200, 2048, 1024)]:  # tuned, then untuned
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -18,7 +18,7 @@ from typing import Any
 
 import platformdirs
 
-from cutlass_ops._version import __version__
+from custom_kernels.core.version import __version__
 
 ENV_VAR = "CUTLASS_OPS_CACHE_DIR"
 

@@ -27,14 +27,14 @@ import math
 import os
 import re
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
-from cutlass_ops import epilogues
-from cutlass_ops.config import Activation, BiasMode, Epilogue, GemmConfig, GemmOperands, GemmProblem
-from tuning.choice import Choice
-from tuning.device import DeviceSpec
+from cutlass_ops.gemms import epilogues, ranking
+from cutlass_ops.gemms.config import Activation, BiasMode, Epilogue, GemmConfig, GemmOperands, GemmProblem
+from cutlass_ops.gemms.choice import Choice
+from custom_kernels.core.device import DeviceSpec
 
 log = logging.getLogger("cutlass_ops")
 
@@ -74,6 +74,43 @@ def set_online(mode: str | None) -> None:
     reset()
 
 
+class OnlineTuner(Protocol):
+    """What the online modes need from the tuner, which sits on the floor above this one and
+    plugs in here (``register_online_tuner``, or the ``cutlass_ops.online_tuner`` entry point that
+    the installed package declares for ``tuning.online``)."""
+
+    def propose(self, problem: GemmProblem, device: DeviceSpec) -> Choice | None:
+        """The config to build for an untuned shape with nothing built (online "compile")."""
+
+    def tune(self, problem: GemmProblem, device_index: int) -> None:
+        """A quick tune of one problem, stored in the tuning cache (online "tune")."""
+
+
+_online_tuner: OnlineTuner | None = None
+
+
+def register_online_tuner(tuner: OnlineTuner | None) -> None:
+    global _online_tuner
+    _online_tuner = tuner
+    reset()
+
+
+def online_tuner() -> OnlineTuner | None:
+    """The registered online tuner, else the installed package's entry point, else None (then
+    the online modes behave as "off" and say so once)."""
+    global _online_tuner
+    if _online_tuner is None:
+        from importlib.metadata import entry_points
+
+        for point in entry_points(group="cutlass_ops.online_tuner"):
+            _online_tuner = point.load()
+            break
+        else:
+            _log_once("no online tuner is installed (pip install cutlass-ops provides one)",
+                      "the online modes are off")
+    return _online_tuner
+
+
 def online_mode() -> str:
     mode = _online or os.environ.get("CUTLASS_OPS_ONLINE", "off")
     return mode if mode in ONLINE_MODES else "off"
@@ -103,7 +140,7 @@ def _distance(a: GemmProblem, b: GemmProblem) -> float:
 
 def decide(problem: GemmProblem, entries: dict[str, dict], device: DeviceSpec,
            is_built: Callable[[Choice], bool], built_choices: Callable[[], list[Choice]],
-           online: str = "off") -> Decision:
+           online: str = "off", tuner: OnlineTuner | None = None) -> Decision:
     """Which kernel runs ``problem``, from the tuning cache's entries and what is built."""
     entry = entries.get(problem.name)
     if entry is not None:
@@ -136,17 +173,14 @@ def decide(problem: GemmProblem, entries: dict[str, dict], device: DeviceSpec,
                             f"{tuned.k}")
         break
 
-    from tuning import candidates
-
-    built = [c for c in built_choices() if candidates.fits_shape(problem, c)]
+    built = [c for c in built_choices() if ranking.fits_shape(problem, c)]
     if built:
-        best = candidates.rank(problem, device, [c.replace(splits=1) for c in built])[0]
+        best = ranking.rank(problem, device, [c.replace(splits=1) for c in built])[0]
         return Decision("heuristic", best, "untuned shape: the model's best built kernel")
-    if online in ("compile", "tune"):
-        best = candidates.select(problem, device, candidates.Strategy.QUICK,
-                                 use_heuristics=True)
-        if best:
-            return Decision("online", best[0], f"untuned shape, nothing built: online {online}")
+    if online in ("compile", "tune") and tuner is not None:
+        best = tuner.propose(problem, device)
+        if best is not None:
+            return Decision("online", best, f"untuned shape, nothing built: online {online}")
     return Decision("torch", None, f"no tuned or built kernel for {problem.name} on this GPU; run "
                     f"`cutlass-tune tune {problem.m}x{problem.n}x{problem.k}` (or set "
                     "CUTLASS_OPS_ONLINE=compile)")
@@ -160,9 +194,9 @@ _ARTIFACT_SUFFIX = re.compile(r"-[0-9a-f]{20}$")
 def built_choices(operands: GemmOperands, arch: str) -> list[Choice]:
     """The kernels built for these operands (either orientation), listed from the artifact cache
     without emitting or compiling anything."""
-    from cutlass_ops import cache_dir
-    from cutlass_ops.kernels import is_built
-    from tuning.choice import swapped_operands
+    from custom_kernels.core import cache_dir
+    from cutlass_ops.gemms.loader import is_built
+    from cutlass_ops.gemms.choice import swapped_operands
 
     root = cache_dir.versioned_dir("artifacts", arch)
     out = []
@@ -190,7 +224,7 @@ _entries_by_scope: dict[Any, dict[str, dict]] = {}
 def _entries(scope) -> dict[str, dict]:
     entries = _entries_by_scope.get(scope)
     if entries is None:
-        from tuning.cache import TuningCache
+        from custom_kernels.core.tuned_store import TuningCache
 
         entries = TuningCache(scope).entries()
         _entries_by_scope[scope] = entries
@@ -234,8 +268,8 @@ def _cutlass_route(decision: Decision, out_dtype, key, activation="identity") ->
     calls with the same signature (shapes, strides, dtypes, alignment, device) reuse its checked
     launch arguments and only swap in this call's pointers and scalars: the per-call host work is
     an output allocation, a struct copy and the launch."""
-    from cutlass_ops import gemm_api, runtime
-    from cutlass_ops.errors import InvalidConfigError, UnsupportedInputError
+    from cutlass_ops.gemms import plan as gemm_api, runtime
+    from custom_kernels.core.errors import InvalidConfigError, UnsupportedInputError
 
     choice = decision.choice
     assert choice is not None
@@ -355,8 +389,8 @@ _ACTIVATIONS = {a.value for a in Activation}
 
 def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
              residual=None) -> Route:
-    from cutlass_ops import operands as ops
-    from cutlass_ops.errors import CutlassOpsError
+    from cutlass_ops.gemms import inputs as ops
+    from custom_kernels.core.errors import CutlassOpsError
 
     reason = _unsupported(a, b, out_dtype)
     if reason is None and torch.is_grad_enabled() and any(
@@ -394,8 +428,8 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
         problem = dataclasses.replace(problem,
                                       operands=problem.operands.with_epilogue(epilogue))
 
-    from cutlass_ops.kernels import is_built
-    from tuning.device import current_scope, current_spec
+    from cutlass_ops.gemms.loader import is_built
+    from custom_kernels.core.device import current_scope, current_spec
 
     index = a.device.index
     device = current_spec(index)
@@ -403,12 +437,9 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
         problem, _entries(current_scope(index)), device,
         is_built=lambda c: _safe(lambda: is_built(c.operands_for(problem.operands), c.config)),
         built_choices=lambda: built_choices(problem.operands, device.arch),
-        online=online_mode())
+        online=online_mode(), tuner=online_tuner() if online_mode() != "off" else None)
     if decision.source == "online" and online_mode() == "tune":
-        from tuning.backend import GpuBackend
-        from tuning.search import tune
-
-        tune([problem], backend=GpuBackend(index), strategy="quick")
+        online_tuner().tune(problem, index)
         _entries_by_scope.clear()
         decision = decide(problem, _entries(current_scope(index)), device, lambda c: True,
                           lambda: [])
@@ -425,7 +456,7 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
 
 
 def _safe(fn) -> bool:
-    from cutlass_ops.errors import CutlassOpsError
+    from custom_kernels.core.errors import CutlassOpsError
 
     try:
         return fn()

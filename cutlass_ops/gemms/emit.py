@@ -21,9 +21,9 @@ from typing import Any, Iterable
 
 import filelock
 
-from cutlass_ops import cache_dir
-from cutlass_ops.config import Arch, GemmConfig, GemmOperands
-from cutlass_ops.errors import EmissionError, ToolchainError
+from custom_kernels.core import cache_dir
+from cutlass_ops.gemms.config import Arch, GemmConfig, GemmOperands
+from custom_kernels.core.errors import EmissionError, ToolchainError
 
 
 def cutlass_version() -> str:
@@ -55,7 +55,7 @@ def run_bridge(request: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
         package_parent = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
         proc = subprocess.run(
-            [sys.executable, "-m", "cutlass_ops.cutlass_bridge", str(request_path),
+            [sys.executable, "-m", "cutlass_ops.gemms.cutlass_bridge", str(request_path),
              str(result_path)],
             cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not result_path.exists():

@@ -1,4 +1,4 @@
-"""``RMSNorm`` and ``LayerNorm`` modules on the fused kernels of ``custom_kernels.norms``.
+"""``RMSNorm`` and ``LayerNorm`` modules on the fused kernels of ``custom_kernels.norms.ops``.
 
 They subclass ``torch.nn.RMSNorm`` / ``torch.nn.LayerNorm``: same constructor, same parameters,
 same ``state_dict`` (a checkpoint of one loads into the other). ``forward(x, residual=None)``
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from custom_kernels import norms
+from custom_kernels.norms import ops as norms
 
 
 class RMSNorm(torch.nn.RMSNorm):

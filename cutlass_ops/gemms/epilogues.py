@@ -6,7 +6,7 @@ to an unfused GEMM, autograd's recomputation) and the references of tests and th
 
 from __future__ import annotations
 
-from cutlass_ops.config import Activation
+from cutlass_ops.gemms.config import Activation
 
 
 def activate(x, activation: Activation | str):

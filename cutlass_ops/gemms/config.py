@@ -192,7 +192,7 @@ EPILOGUE_TILE_AUTO_CPP = "cutlass::epilogue::collective::EpilogueTileAuto"
 _EPILOGUE_TILE_M = {"pingpong": 64, "warpspecialized": 64, "cooperative": 128}
 # The accumulator values a thread hands to one register-to-shared-memory copy of the sm90 TMA
 # epilogue (size<0>(tRS_rAcc) in sm90_epilogue_tma_warpspecialized.hpp) are those of one wgmma:
-# N / 2 for a tile N wide, since cutlass_ops.kernels builds with CuTe's extended wgmma shapes
+# N / 2 for a tile N wide, since cutlass_ops.gemms.loader builds with CuTe's extended wgmma shapes
 # (one wgmma per tile width; devrun/epi_copy_values.cu prints it for 64-, 128- and 256-row tiles
 # and both 16-bit stmatrix atoms). The epilogue's FragmentSize (M * N / 128 or / 256) must divide
 # it ("Fragment size does not vectorize properly"), which any epilogue tile that divides the tile

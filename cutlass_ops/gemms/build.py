@@ -25,9 +25,9 @@ from pathlib import Path
 
 import filelock
 
-from cutlass_ops import cache_dir
-from cutlass_ops.config import Arch
-from cutlass_ops.errors import BuildError, ToolchainError
+from custom_kernels.core import cache_dir
+from cutlass_ops.gemms.config import Arch
+from custom_kernels.core.errors import BuildError, ToolchainError
 
 LAUNCHER = Path(__file__).with_name("csrc") / "gemm_launcher.cu"
 KERNEL_HEADER = "cutlass_ops_kernel.h"

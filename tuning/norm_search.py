@@ -8,7 +8,7 @@ the heuristic's choice, and the fastest is stored. Entries live in the tuning ca
 and software scope, in a ``norms`` directory beside the GEMM caches (so GEMM listings stay GEMM
 only), one per ``NormProblem`` (kind, direction, hidden, dtypes, alignment, residual).
 
-``custom_kernels.norms`` looks the winner up when it builds a plan for a problem (once per
+``custom_kernels.norms.ops`` looks the winner up when it builds a plan for a problem (once per
 process and problem): a tuned problem runs its winner, any other the heuristic.
 
 Strategies: ``quick`` (the staged kernel with 1 to 3 stages and at least 256 threads, about 15
@@ -23,29 +23,14 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from custom_kernels import norm_config as nc
-from tuning.cache import TuningCache, family_dir
+from custom_kernels.norms import config as nc
+from custom_kernels.norms.tuned import NORMS, norm_cache, tuned_config_name  # noqa: F401
 
-NORMS = "norms"  # the tuning cache family of these kernels (a key of tuning.cache.FAMILIES)
+NORMS = "norms"  # the tuning cache family of these kernels (a key of custom_kernels.core.tuned_store.FAMILIES)
 STRATEGIES = ("quick", "default", "exhaustive")
 FINALISTS = 3
 # Relative Frobenius error allowed against the float32 reference, by input dtype.
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
-
-
-def norm_cache(device: int | None = None, root: Path | None = None) -> TuningCache:
-    from tuning.device import current_scope
-
-    return TuningCache(current_scope(device), root, family=NORMS)
-
-
-def tuned_config_name(problem: nc.NormProblem, device: int | None = None) -> Optional[str]:
-    """The stored winner of ``problem`` on this GPU, or None."""
-    path = family_dir(NORMS)
-    if not path.is_dir():  # nothing was ever tuned: no device query at all
-        return None
-    entry = norm_cache(device).get(problem)
-    return entry.get("winner") if entry else None
 
 
 def candidates(problem: nc.NormProblem, strategy: str = "default") -> list[nc.NormConfig]:
@@ -80,7 +65,7 @@ class _Case:
     def __post_init__(self):
         import torch
 
-        from custom_kernels import norms
+        from custom_kernels.norms import ops as norms
 
         p = self.problem
         dt = {name: getattr(torch, name) for name in nc.DTYPE_CODES}
@@ -156,7 +141,7 @@ class _Case:
         return lambda: torch.autograd.grad(y, (hg, wg), dy, retain_graph=True)
 
     def runner(self, config: nc.NormConfig) -> Callable[[], object]:
-        from custom_kernels import norms
+        from custom_kernels.norms import ops as norms
 
         p = self.problem
         if p.direction == "fwd":
@@ -185,7 +170,7 @@ def tune_problem(problem: nc.NormProblem, *, strategy: str = "default",
     """Searches ``problem``'s configs on the current GPU; returns the cache entry (not stored)."""
     import torch
 
-    from custom_kernels import norms
+    from custom_kernels.norms import ops as norms
     from tuning.timing import do_bench, do_bench_interleaved
 
     start = time.perf_counter()

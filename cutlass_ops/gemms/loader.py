@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from cutlass_ops import build, emit, runtime, space
-from cutlass_ops.config import Arch, BiasMode, GemmConfig, GemmOperands
-from cutlass_ops.errors import CutlassOpsError, KernelLaunchError
+from cutlass_ops.gemms import build, emit, runtime, space
+from cutlass_ops.gemms.config import Arch, BiasMode, GemmConfig, GemmOperands
+from custom_kernels.core.errors import CutlassOpsError, KernelLaunchError
 
 _loaded: dict[tuple, runtime.LoadedKernel] = {}
 

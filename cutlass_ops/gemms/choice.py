@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cutlass_ops.config import GemmConfig, GemmOperands, GemmProblem, Layout
+from cutlass_ops.gemms.config import GemmConfig, GemmOperands, GemmProblem, Layout
 
 _FLIP = {Layout.ROW: Layout.COL, Layout.COL: Layout.ROW}
 

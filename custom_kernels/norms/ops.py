@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 from custom_kernels import jit
-from custom_kernels import norm_config as nc
+from custom_kernels.norms import config as nc
+from custom_kernels.norms.tuned import tuned_config_name
 from custom_kernels.launch import (allow_large_clusters, launch, max_active_blocks_per_sm,
                                    max_active_clusters, set_max_dynamic_shared, sm_count)
-from cutlass_ops.errors import UnsupportedInputError
+from custom_kernels.core.errors import UnsupportedInputError
 
 _log = logging.getLogger(__name__)
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -153,14 +154,9 @@ def _plan(problem: nc.NormProblem, cfg: nc.NormConfig, device: int, persistent: 
 
 
 def _tuned(problem: nc.NormProblem, device: int) -> Optional[nc.NormConfig]:
-    """The tuned config of ``problem``, if the tuning layer is installed and has one that is
-    valid here. The tuning layer sits above this one, so it is imported lazily and optionally;
-    a broken cache never stops a norm (the heuristic runs)."""
+    """The tuned config of ``problem``, if the norm tuner stored one that is valid here; a broken
+    cache never stops a norm (the heuristic runs)."""
     if os.environ.get("CUTLASS_OPS_NORM_TUNED", "1") == "0":
-        return None
-    try:
-        from tuning.norm_tune import tuned_config_name
-    except ImportError:
         return None
     try:
         name = tuned_config_name(problem, device)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from cutlass_ops import kernels, operands as ops, runtime, space
-from cutlass_ops.config import Activation, BiasMode, Epilogue, GemmConfig, Layout
-from cutlass_ops.errors import UnsupportedInputError
+from cutlass_ops.gemms import loader as kernels, inputs as ops, runtime, space
+from cutlass_ops.gemms.config import Activation, BiasMode, Epilogue, GemmConfig, Layout
+from custom_kernels.core.device import device_facts
+from custom_kernels.core.errors import UnsupportedInputError
 
 
 def as_config(config: GemmConfig | str | dict[str, Any]) -> GemmConfig:
@@ -154,7 +155,7 @@ def plan(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0, bias=None,
         return lambda: out
     if k == 0:  # an empty sum: the epilogue of a zero accumulator
         def empty_sum():
-            from cutlass_ops import epilogues
+            from cutlass_ops.gemms import epilogues
 
             zero = torch.zeros(out_shape, dtype=torch.float32, device=device)
             return out.copy_(epilogues.apply(zero, bias=bias, activation=activation, c=c,
@@ -182,7 +183,7 @@ def plan(a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0, bias=None,
     epilogue = Epilogue(activation, mode, residual=fused and c is not None)
     problem_operands = ops.gemm_operands(views["A"], views["B"], views["out"]).with_epilogue(
         epilogue)
-    sm_count, cc, gpu = runtime.device_facts(device.index)
+    sm_count, cc, gpu = device_facts(device.index)
     if config.arch.cc != cc:
         raise UnsupportedInputError(f"config {config.name} is for {config.arch.value}, but {gpu} "
                                     f"is compute capability {cc / 10:.1f}")

@@ -10,7 +10,7 @@ import ctypes
 import functools
 from pathlib import Path
 
-from cutlass_ops.errors import KernelLaunchError
+from custom_kernels.core.errors import KernelLaunchError
 
 ABI_VERSION = 2
 
@@ -105,12 +105,3 @@ class LoadedKernel:
 @functools.cache
 def load(library: str, name: str) -> LoadedKernel:
     return LoadedKernel(Path(library), name)
-
-
-@functools.cache
-def device_facts(index: int) -> tuple[int, int, str]:
-    """(SM count, compute capability as 90/100, name) of a CUDA device, queried once."""
-    import torch
-
-    props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, props.major * 10 + props.minor, props.name

@@ -20,14 +20,21 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import filelock
 
-from cutlass_ops import cache_dir
-from cutlass_ops.config import GemmProblem
+from custom_kernels.core import cache_dir
 
 FORMAT = 1
+
+
+class Keyed(Protocol):
+    """What a cache entry is keyed by: a problem of any kernel family with a stable ``name``."""
+
+    @property
+    def name(self) -> str: ...
+
 # Kernel families and the subdirectory of the tuning directory that holds each one's files.
 FAMILIES = {"gemm": "", "norms": "norms"}
 GEMM = "gemm"
@@ -93,10 +100,10 @@ class TuningCache:
     def entries(self) -> dict[str, dict[str, Any]]:
         return self._read()
 
-    def get(self, problem: GemmProblem) -> dict[str, Any] | None:
+    def get(self, problem: Keyed) -> dict[str, Any] | None:
         return self._read().get(problem.name)
 
-    def put(self, problem: GemmProblem, entry: dict[str, Any]) -> None:
+    def put(self, problem: Keyed, entry: dict[str, Any]) -> None:
         """Stores one problem's result; replaces what was there."""
         with self._lock:
             entries = self._read()

@@ -5,9 +5,9 @@ directory, sets up CUDA-Python globals and wants a GPU to pick its option regist
 with its working directory inside our cache, with the registry built for the target arch only (about
 1 s for sm90a, 5 s for sm100a instead of 15-20 s for every arch) and no GPU needed.
 
-Protocol: ``python -m cutlass_ops.cutlass_bridge REQUEST.json RESULT.json``. A request is
+Protocol: ``python -m cutlass_ops.gemms.cutlass_bridge REQUEST.json RESULT.json``. A request is
 ``{"op": "tile_descriptions" | "emit", "arch": "sm90a", "operands": {...}, "configs": [...]}``; the
-result holds plain data only. The parent side is ``cutlass_ops.emit``.
+result holds plain data only. The parent side is ``cutlass_ops.gemms.emit``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import traceback
 from typing import Any
 
-from cutlass_ops.config import (EPILOGUE_TILE_AUTO_CPP, Activation, Arch, BiasMode, DType,
+from cutlass_ops.gemms.config import (EPILOGUE_TILE_AUTO_CPP, Activation, Arch, BiasMode, DType,
                                 Epilogue, EpilogueSchedule, GemmConfig, GemmOperands,
                                 KernelSchedule, Layout, TileScheduler)
 

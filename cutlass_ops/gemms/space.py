@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 
-from cutlass_ops.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
+from cutlass_ops.gemms.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
                                 KernelSchedule, Layout, TileScheduler)
-from cutlass_ops.errors import InvalidConfigError
+from custom_kernels.core.errors import InvalidConfigError
 
 # Usable dynamic shared memory per CTA on sm90 and sm100 (228 KB less 1 KB reserved by the system).
 SMEM_BYTES = 227 * 1024
@@ -209,7 +209,7 @@ def config_from_tile_description(td: dict, arch: Arch) -> GemmConfig | None:
 def valid_configs(operands: GemmOperands, arch: Arch | str) -> list[GemmConfig]:
     """cutlass_cppgen's tile descriptions for the operands, as our configs, minus those our rules
     reject; sorted by name for a stable order."""
-    from cutlass_ops.emit import cutlass_tile_descriptions
+    from cutlass_ops.gemms.emit import cutlass_tile_descriptions
 
     arch = Arch(arch)
     configs = {config_from_tile_description(td, arch)

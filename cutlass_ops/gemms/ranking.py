@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 
-from cutlass_ops.config import GemmProblem, KernelSchedule, TileScheduler
-from tuning.choice import Choice
-from tuning.device import DeviceSpec
+from cutlass_ops.gemms.config import GemmProblem, KernelSchedule, TileScheduler
+from cutlass_ops.gemms.choice import Choice
+from custom_kernels.core.device import DeviceSpec
 
 # Fraction of the datasheet peak a large, well-shaped tile sustains on Hopper (clocks under load).
 _SUSTAINED = 0.80
@@ -104,3 +104,23 @@ def estimate_us(problem: GemmProblem, choice: Choice, device: DeviceSpec) -> flo
     terms = (compute_s * pipeline, load_s * pipeline, dram_s, l2_s)
     busy_s = max(terms) + 0.15 * (sum(terms) - max(terms))
     return busy_s * 1e6 + _LAUNCH_US + _PER_WAVE_US * waves
+
+
+def fits_shape(problem: GemmProblem, choice: Choice) -> bool:
+    """Rejects clusters of tiles far larger than the (possibly swapped) problem: such a kernel
+    computes mostly padding and can never win."""
+    p = choice.problem_for(problem)
+    tm, tn, _ = choice.config.tile
+    cm, cn, _ = choice.config.cluster
+    return (cm * tm <= 2 * max(64, math.ceil(p.m / 64) * 64)
+            and cn * tn <= 2 * max(16, math.ceil(p.n / 16) * 16))
+
+
+def rank(problem: GemmProblem, device: DeviceSpec, choices: list[Choice]) -> list[Choice]:
+    """Fastest first by our model; ties broken by name for a stable order."""
+    return sorted(choices, key=lambda c: (estimate_us(problem, c, device), c.name))
+
+
+def orientations(problem: GemmProblem) -> tuple[bool, ...]:
+    """Swap-A/B is worth trying when M is the smaller extent (it never helps the other way)."""
+    return (False, True) if problem.m < problem.n else (False,)

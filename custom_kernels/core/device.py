@@ -9,11 +9,13 @@ figures, which only changes the order in which candidates are tried, never corre
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import functools
 import re
 from pathlib import Path
 
-from tuning.cache import CacheScope
+from custom_kernels.core.tuned_store import CacheScope
+from custom_kernels.core.version import __version__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +68,17 @@ def named_spec(key: str) -> DeviceSpec:
 
 
 @functools.cache
-def current_spec(index: int | None = None) -> DeviceSpec:
+def device_facts(index: int) -> tuple[int, int, str]:
+    """(SM count, compute capability as 90/100, name) of a CUDA device, queried once."""
     import torch
 
-    from cutlass_ops.runtime import device_facts
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major * 10 + props.minor, props.name
+
+
+@functools.cache
+def current_spec(index: int | None = None) -> DeviceSpec:
+    import torch
 
     index = torch.cuda.current_device() if index is None else index
     sm_count, cc, name = device_facts(index)
@@ -97,14 +106,19 @@ def driver_version() -> str:
         return "unknown"
 
 
+def cutlass_version() -> str:
+    """The nvidia-cutlass wheel's version (part of every cache key); "absent" without it."""
+    try:
+        return importlib.metadata.version("nvidia-cutlass")
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
 @functools.cache
 def current_scope(index: int | None = None) -> CacheScope:
     """The tuning cache's scope for a CUDA device: everything besides the problem that changes
     which kernel wins."""
     import torch
-
-    from cutlass_ops import __version__
-    from cutlass_ops.emit import cutlass_version
 
     spec = current_spec(index)
     return CacheScope(gpu=spec.name, compute_capability=spec.compute_capability,

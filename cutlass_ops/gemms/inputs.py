@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from cutlass_ops.config import DType, GemmOperands, Layout
-from cutlass_ops.errors import UnsupportedInputError
+from cutlass_ops.gemms.config import DType, GemmOperands, Layout
+from custom_kernels.core.errors import UnsupportedInputError
 
 TMA_ALIGNMENT_BYTES = 16
 
