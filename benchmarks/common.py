@@ -1,13 +1,40 @@
-"""What every benchmark records beside its rows (BENCHMARKS.md): GPU, versions, copy bandwidth."""
+"""What every benchmark shares: the GPU it needs, and what it records beside its rows
+(BENCHMARKS.md): GPU, versions, copy bandwidth."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def missing_gpu_reason() -> str | None:
+    """Why this process cannot run the kernels (no CUDA torch, no GPU, not sm90), or None."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build; install a CUDA build of torch"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"{torch.cuda.get_device_name()} is sm{major}{minor}, not a Hopper (sm90) GPU"
+    return None
+
+
+def require_gpu() -> None:
+    """Stop at once, with one line on stderr and exit code 2, where the kernels cannot run:
+    otherwise a benchmark spends minutes in nvcc before its first launch fails."""
+    reason = missing_gpu_reason()
+    if reason is not None:
+        script = sys.argv[0] or "this benchmark"
+        print(f"{script} needs an sm90 CUDA GPU: {reason} (see README.md, Install)",
+              file=sys.stderr)
+        raise SystemExit(2)
 
 
 def versions() -> dict:

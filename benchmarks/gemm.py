@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import cutlass_ops  # noqa: E402
-from benchmarks.common import copy_bandwidth_gbs, print_table, write_result  # noqa: E402
+from benchmarks.common import (copy_bandwidth_gbs, print_table, require_gpu,  # noqa: E402
+                               write_result)
 from cutlass_ops import GemmConfig, GemmOperands  # noqa: E402
 from cutlass_ops.gemms.loader import prepare  # noqa: E402
 from tuning.timing import do_bench  # noqa: E402
@@ -147,6 +148,7 @@ def main() -> None:
     if args.print_shapes:
         print(" ".join(f"{m}x{n}x{k}" for m, n, k in shapes))
         return
+    require_gpu()
     if args.tuned:
         rows = [bench_tuned_shape(*shape) for shape in shapes]
         print_table(["case", "ours TFLOP/s", "torch TFLOP/s", "ratio", "correct", "dispatch",

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.common import RESULTS, copy_bandwidth_gbs, print_table, write_result  # noqa: E402
+from benchmarks.common import (RESULTS, copy_bandwidth_gbs, print_table, require_gpu,  # noqa: E402
+                               write_result)
 from custom_kernels.norms import ops as norms  # noqa: E402
 from custom_kernels.norms import config as nc  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
@@ -237,6 +238,7 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["rms", "ln"], choices=["rms", "ln"])
     parser.add_argument("--plot", action="store_true", help="also write norms.png")
     args = parser.parse_args()
+    require_gpu()
     hidden_sizes = QUICK_HIDDEN if args.quick else HIDDEN
     problems = [nc.NormProblem(k, d, h, "bfloat16", "bfloat16", "bfloat16")
                 for k in args.kinds for h in hidden_sizes for d in nc.DIRECTIONS]

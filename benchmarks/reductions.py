@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import copy_bandwidth_gbs, print_table, write_result  # noqa: E402
+from benchmarks.common import (copy_bandwidth_gbs, print_table, require_gpu,  # noqa: E402
+                               write_result)
 from custom_kernels import clip_grad as cg  # noqa: E402
 from custom_kernels import ragged  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
@@ -246,6 +247,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions; writes "
                         "reductions_quick.json")
     args = parser.parse_args()
+    require_gpu()
     reps = 20 if args.quick else 50
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)

@@ -31,7 +31,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import cutlass_ops  # noqa: E402
-from benchmarks.common import copy_bandwidth_gbs, print_table, write_result  # noqa: E402
+from benchmarks.common import (copy_bandwidth_gbs, print_table, require_gpu,  # noqa: E402
+                               write_result)
 from cutlass_ops import GemmOperands, GemmProblem  # noqa: E402
 from cutlass_ops.nn import Linear  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
@@ -233,6 +234,7 @@ def main() -> None:
     parser.add_argument("--tune", choices=["quick", "default"], help="tune the step GEMMs first")
     parser.add_argument("--quick", action="store_true", help="three shapes, to a _quick file")
     args = parser.parse_args()
+    require_gpu()
     shapes = SHAPES[::4] if args.quick else SHAPES
     fused = FUSED[::3] if args.quick else FUSED
     host = host_rows()

@@ -1,0 +1,45 @@
+"""The benchmarks' front door on a machine without a usable GPU: each script stops at once with
+one line saying what it needs (exit code 2, no traceback) instead of compiling kernels first,
+and listing the shapes to tune still works."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+# Hiding every GPU makes this the no-GPU case on any machine, a GPU machine included.
+NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+# Importing torch takes seconds on a loaded machine; without the check gemm.py spent minutes
+# in nvcc before it failed.
+TIMEOUT_S = 60
+
+
+def run_benchmark(script, *args):
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], env=NO_GPU,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("script, args", [("gemm.py", ["--quick"]), ("norms.py", ["--quick"]),
+                                          ("reductions.py", ["--quick"]),
+                                          ("torch_integration.py", ["--quick"])])
+def test_without_a_gpu_a_benchmark_stops_at_once_with_one_line(script, args):
+    result = run_benchmark(script, *args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert script in lines[0] and "needs an sm90 CUDA GPU" in lines[0]
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("args, count", [([], 16), (["--quick"], 3)])
+def test_print_shapes_needs_no_gpu(args, count):
+    result = run_benchmark("gemm.py", "--print-shapes", *args)
+    assert result.returncode == 0, result.stderr
+    shapes = result.stdout.split()
+    assert len(shapes) == count
+    assert all(re.fullmatch(r"\d+x\d+x\d+", shape) for shape in shapes)
