@@ -28,19 +28,37 @@ KERNELS = {
 FUSED = GemmOperands.make("bf16", epilogue="bias,gelu_tanh,residual")
 
 
-@pytest.fixture(scope="module")
-def built():
+# CI's smoke set (marker smoke): one sm90a kernel, one sm100a kernel, one fused epilogue, built
+# together so that two cores compile them in parallel; the full set runs with -m compile.
+SMOKE = ("sm90a pingpong", "sm100a 2-SM")
+
+
+def _build(names, fused):
     from cutlass_ops.gemms.loader import prepare_many
 
-    items = [(GemmOperands.make("bf16"), c) for c in KERNELS.values()]
-    items.append((FUSED, KERNELS["sm90a pingpong"]))
+    items = [(GemmOperands.make("bf16"), KERNELS[name]) for name in names]
+    if fused:
+        items.append((FUSED, KERNELS["sm90a pingpong"]))
     results = prepare_many(items, jobs=2)
-    return {config: results[(ops, config)] for ops, config in items[:-1]} | {
-        "fused": results[items[-1]]}
+    built = {config: results[(ops, config)] for ops, config in items if ops is not FUSED}
+    if fused:
+        built["fused"] = results[items[-1]]
+    return built
 
 
-def test_fused_epilogue_kernel_compiles_and_loads(built):
-    artifact = built["fused"]
+@pytest.fixture(scope="module")
+def smoke_built():
+    return _build(SMOKE, fused=True)
+
+
+@pytest.fixture(scope="module")
+def built(smoke_built):
+    return smoke_built | _build([name for name in KERNELS if name not in SMOKE], fused=False)
+
+
+@pytest.mark.smoke
+def test_fused_epilogue_kernel_compiles_and_loads(smoke_built):
+    artifact = smoke_built["fused"]
     assert not isinstance(artifact, Exception), artifact
     kernel = runtime.load(str(artifact.library), "fused")
     assert kernel.shared_storage_bytes > 0
@@ -50,10 +68,11 @@ def test_fused_epilogue_kernel_compiles_and_loads(built):
     assert "Sm90RowBroadcast" in (artifact.library.parent / "cutlass_ops_kernel.h").read_text()
 
 
-@pytest.mark.parametrize("name", list(KERNELS))
-def test_kernel_compiles_and_loads(built, name):
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.smoke) if name in SMOKE
+                                  else name for name in KERNELS])
+def test_kernel_compiles_and_loads(request, name):
     config = KERNELS[name]
-    artifact = built[config]
+    artifact = request.getfixturevalue("smoke_built" if name in SMOKE else "built")[config]
     assert not isinstance(artifact, Exception), artifact
     assert artifact.library.exists()
     kernel = runtime.load(str(artifact.library), config.build_name)  # no GPU needed to load
