@@ -1,4 +1,0 @@
-#!/usr/bin/env bash
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit 1
-export CUTLASS_OPS_CACHE_DIR=/tmp/coc
-timeout 570 python3 devrun/splitk.py $OUT/splitk.json 2>&1 | tail -150
