@@ -1,8 +1,9 @@
 """Where a tune's candidates are built and measured: the GPU backend.
 
-The search (``tuning.search``) only talks to this interface, so its logic (ranking, budgets,
-verification, failure records, the cache) is tested on a CPU with a fake backend, and the GPU
-backend stays a thin layer over ``cutlass_ops`` and ``tuning.timing``.
+The GEMM search (``tuning.search``) only talks to this interface, so its logic (ranking,
+budgets, verification, failure records, the cache) is tested on a CPU with a fake backend, and
+the GPU backend stays a thin layer over ``cutlass_ops`` and ``tuning.timing``. Its sessions are
+the tuner protocol's (``tuning.protocol.Session``).
 """
 
 from __future__ import annotations
@@ -13,32 +14,11 @@ from typing import Callable, Iterable, Protocol
 from cutlass_ops.gemms import epilogues
 from cutlass_ops.gemms.config import (Activation, BiasMode, DType, GemmConfig, GemmOperands,
                                 GemmProblem, Layout)
+from custom_kernels.core.tolerances import GEMM, relative_tolerance
 from custom_kernels.core.tuned_store import CacheScope
 from cutlass_ops.gemms.choice import Choice
 from custom_kernels.core.device import DeviceSpec
-
-# Relative (Frobenius) error a correct kernel stays under against a float32 reference: the output
-# rounding of the type dominates (bf16 has 8 bits of mantissa); tf32 inputs lose more.
-TOLERANCE = {DType.BF16: 1e-2, DType.F16: 4e-3, DType.F32: 5e-3}
-
-
-class Session(Protocol):
-    """The inputs of one problem on the device, with their reference result."""
-
-    def verify(self, choice: Choice) -> str | None:
-        """None if the choice computes the right result, else why not."""
-
-    # Times are the GPU's, without the host's launch cost: on the GPU, replays of each call
-    # captured in a CUDA graph (tuning.timing). A choice that cannot be captured raises
-    # tuning.timing.GraphCaptureError.
-    def time_ms(self, choice: Choice, reps: int) -> float: ...
-
-    def torch_ms(self, reps: int) -> float: ...
-
-    def compare_ms(self, choices: list[Choice], reps: int) -> tuple[dict[Choice, float], float]:
-        """The choices and torch.matmul timed interleaved: ({choice: ms}, torch ms)."""
-
-    def close(self) -> None: ...
+from tuning.protocol import Session, check
 
 
 class Backend(Protocol):
@@ -96,6 +76,10 @@ def _random_matrix(rows: int, cols: int, batch: int, layout: Layout, dtype, devi
 
 
 class GpuSession:
+    """One GEMM problem's session (``tuning.protocol.Session``): random inputs, a fused
+    epilogue's operands, the float32 reference and torch's same call. Times are replays of each
+    call captured in a CUDA graph: GPU time without the host's launch cost."""
+
     def __init__(self, problem: GemmProblem, device_index: int):
         import torch
 
@@ -131,9 +115,9 @@ class GpuSession:
             self.reference = epilogues.apply(
                 product, alpha=self.alpha, bias=self.bias, activation=self.activation,
                 c=self.c, beta=self.beta)
-            self.reference_norm = self.reference.norm().item()
-        self.tolerance = TOLERANCE[ops.element_a if ops.element_a is DType.F32
-                                   else ops.element_d]
+        # f32 operands run as TF32, whose input rounding dominates; else the output's rounding.
+        self.tolerance = relative_tolerance(
+            ops.element_a if ops.element_a is DType.F32 else ops.element_d, GEMM)
         self._launchers: dict[Choice, Callable] = {}
 
     def _launcher(self, choice: Choice) -> Callable:
@@ -167,10 +151,7 @@ class GpuSession:
             torch.cuda.synchronize(self.device)
         except CutlassOpsError as exc:
             return f"launch: {exc}"
-        error = ((self.out.float() - self.reference).norm() / self.reference_norm).item()
-        if not error <= self.tolerance:  # NaN (unwritten output) fails too
-            return f"wrong result: relative error {error:.3g} > {self.tolerance:g}"
-        return None
+        return check([self.out], [self.reference], self.tolerance)
 
     def time_ms(self, choice: Choice, reps: int) -> float:
         from tuning.timing import do_bench

@@ -33,17 +33,16 @@ class Strategy(str, enum.Enum):
         return {Strategy.QUICK: 4, Strategy.DEFAULT: 20, Strategy.EXHAUSTIVE: None}[self]
 
     @property
-    def finalists(self) -> int:
-        """Kernels whose run-time variants are timed after the first round."""
+    def varied_kernels(self) -> int:
+        """How many of the first round's best kernels get their run-time variants timed (the
+        search's round 2)."""
         return {Strategy.QUICK: 2, Strategy.DEFAULT: 5, Strategy.EXHAUSTIVE: 8}[self]
 
 
-# Tile N widths. Besides powers of two, the widths cuBLAS picks on Hopper to fit a shape's tiles
-# into whole waves of SMs (seen under ncu on an H200: 112 for 128x14336x4096 makes 128 tiles, one
-# wave; 176 for 1024x14336x4096 makes 656 tiles, 4.97 waves, where 128 gives 6.8 and 256 3.4).
-# They run one wgmma per k-step only with CuTe's extended wgmma shapes
-# (cutlass_ops.gemms.loader.build_defines): before that a 176-wide tile ran at 0.45x cuBLAS, with them
-# at 0.93x, and 64x224 / 128x224 won two shapes on an H200 (devrun/wide_mma.py).
+# Tile N widths: powers of two, and the widths cuBLAS picks on Hopper to fit a shape's tiles into
+# whole waves of SMs (112 makes 128x14336x4096 one wave of 128 tiles on 132 SMs). Widths outside
+# CuTe's default wgmma set run one wgmma per k-step (full speed) only with its extended shapes
+# (cutlass_ops.gemms.loader.build_defines). Measurements: docs/measurements.md.
 _N_TILES = (16, 32, 64, 96, 112, 128, 160, 176, 192, 208, 224, 256)
 # Wave-filling tiles are taken from the configs the model puts within this factor of its best.
 _NEAR_BEST = 1.3
@@ -183,16 +182,14 @@ def wave_fill(problem: GemmProblem, choice: Choice, device: DeviceSpec) -> float
 
 
 def measured_seeds(problem: GemmProblem) -> list[Choice]:
-    """Kernels that measured best on skinny problems on an H200 (devrun/smallm.py against
-    torch.matmul), searched first whatever the model says: its per-cluster and per-tile costs
-    cannot separate them from their neighbours, and the heuristics package leans to larger
+    """Kernels that measured best against torch.matmul on skinny problems (H200;
+    docs/measurements.md), searched first whatever the model says: its per-cluster and per-tile
+    costs cannot separate them from their neighbours, and the heuristics package leans to larger
     clusters there.
 
     - M (or N) up to 64: swap-A/B pingpong with a 64-row tile, the small extent padded to 16 or
-      32, K tiles of 128 (then 64), no cluster or 2x1: 1.08x / 1.04x torch.matmul at
-      16x4096x4096 / 16x4096x14336, where the tuner's picks without them reached 1.05x / 0.95x.
-    - M from 65 to 128: unswapped pingpong 64x64x64 (0.96 to 1.06x at 128 x 4096 x K) and
-      cooperative 128x128x64 (0.975x at 128x14336x4096, the best of 30 tile shapes)."""
+      32, K tiles of 128 (then 64), no cluster or 2x1.
+    - M from 65 to 128: unswapped pingpong 64x64x64 and cooperative 128x128x64."""
     small, swap = (problem.m, True) if problem.m <= problem.n else (problem.n, False)
     if small <= 64:
         pad = 16 if small <= 16 else 32 if small <= 32 else 64

@@ -1,14 +1,15 @@
-"""The search: for each problem, select candidates, build them (in parallel, through the
-artifact cache, all problems' kernels at once), verify and time them in rounds, and store the
-winner with torch.matmul's time and the runners-up.
+"""The GEMM search: the GEMM family's side of the tuner protocol (``tuning.protocol``).
 
-Rounds, so that tens of kernels cost seconds, not minutes, of GPU time per shape:
-1. every built candidate, verified against a float32 reference, then timed briefly;
-2. the run-time variants (raster order, swizzle, splits) of the best few, each verified too;
-3. each of the best four beside torch.matmul, the pair timed interleaved repetition by
-   repetition (clock and power drift would otherwise decide close calls); the best ratio wins.
-Failures (rule, emission, compile, launch, wrong result) are results: kept in the entry, never
-fatal. Each problem's entry is written as soon as it is done, so an interrupted tune keeps them.
+For each problem: candidates from our model (and NVIDIA's heuristics when installed), built in
+parallel through the artifact cache, all problems' kernels at once (one kernel serves every shape
+it fits); then the protocol's rounds, so that tens of kernels cost seconds, not minutes, of GPU
+time per shape: every built candidate verified against a float32 reference and timed briefly;
+the run-time variants (raster order, swizzle, splits) of the best few, verified too; each of the
+best four timed beside torch.matmul, the pair interleaved repetition by repetition; the best
+ratio wins and is stored with torch's time and the runners-up.
+
+A time budget goes mostly to builds (each problem's best candidates first); measuring gets the
+rest, and each problem at least a few seconds.
 """
 
 from __future__ import annotations
@@ -17,25 +18,18 @@ import dataclasses
 import datetime
 import math
 import time
-from typing import Callable
 
-from cutlass_ops.gemms.config import GemmProblem
-from tuning import candidates
-from tuning.backend import Backend
-from custom_kernels.core.tuned_store import TuningCache
-from tuning.candidates import Strategy
 from cutlass_ops.gemms.choice import Choice
-from tuning.timing import GraphCaptureError
+from cutlass_ops.gemms.config import GemmProblem
+from custom_kernels.core.tuned_store import TuningCache
+from tuning import candidates, protocol
+from tuning.backend import Backend
+from tuning.candidates import Strategy
+from tuning.protocol import Progress
 
-FIRST_ROUND_REPS = 15
-FINALISTS = 4
-FINAL_REPS = 60
-RUNNERS_UP = 8
-BUILD_SHARE = 0.75
-MIN_MEASURE_S = 2.0
-
-# Progress callback: (what, done, total, label), what in {"build", "problem"}.
-Progress = Callable[[str, int, int, str], None]
+ROUNDS = protocol.Rounds()  # the protocol's own: GEMMs are what it was set for
+BUILD_SHARE = 0.75  # of a time budget, for builds: measuring is quick but must not be starved
+MIN_MEASURE_S = 2.0  # every problem's measuring time, budget or not
 
 
 @dataclasses.dataclass
@@ -54,6 +48,121 @@ class TuneReport:
     reused: int  # kernels found in the artifact cache
 
 
+def tune(problems: list[GemmProblem], *, backend: Backend, strategy: Strategy | str = "default",
+         budget_s: float | None = None, cache: TuningCache | None = None, force: bool = False,
+         use_heuristics: bool = True, progress: Progress | None = None,
+         build_chunk: int | None = None) -> TuneReport:
+    """Tunes each problem not already in the cache (all of them with ``force``)."""
+    family = GemmFamily(backend, Strategy(strategy), budget_s=budget_s,
+                        use_heuristics=use_heuristics, progress=progress, build_chunk=build_chunk)
+    cache = cache if cache is not None else TuningCache(backend.scope())
+    results = protocol.run(problems, family, cache, force=force, progress=progress)
+    return TuneReport([TuneResult(r.problem, r.entry, r.cached) for r in results],
+                      family.build_seconds, time.perf_counter() - family.build_end,
+                      family.compiled, family.reused)
+
+
+class GemmFamily:
+    """Candidates, builds within a budget, sessions and entries of GEMM problems."""
+
+    rounds = ROUNDS
+
+    def __init__(self, backend: Backend, strategy: Strategy, *, budget_s: float | None,
+                 use_heuristics: bool, progress: Progress | None, build_chunk: int | None):
+        self.backend, self.strategy, self.use_heuristics = backend, strategy, use_heuristics
+        self.progress = progress or (lambda *args: None)
+        self.build_chunk = build_chunk
+        self.start = time.perf_counter()
+        self.budget_end = None if budget_s is None else self.start + budget_s
+        self.build_budget_end = None if budget_s is None else self.start + BUILD_SHARE * budget_s
+        self.device = backend.device()
+        self.build_seconds = 0.0
+        self.build_end = self.start
+        self.compiled = self.reused = 0
+
+    def candidates(self, problem: GemmProblem) -> list[Choice]:
+        return candidates.select(problem, self.device, self.strategy,
+                                 use_heuristics=self.use_heuristics)
+
+    def build(self, plans: dict[GemmProblem, list[Choice]]) -> dict:
+        """Builds in chunks (with a budget) in the order of ``_build_order``."""
+        order = _build_order(plans)
+        built: dict[tuple, object] = {}
+        chunk = max(1, self.build_chunk or (len(order) if self.budget_end is None
+                                            else _jobs(self.backend)))
+        done = 0
+        self.progress("build", 0, len(order), "")
+
+        def on_done(spec, result):
+            nonlocal done
+            done += 1
+            self.progress("build", done, len(order), spec.name)
+
+        for i in range(0, len(order), chunk):
+            if self.build_budget_end is not None and built \
+                    and time.perf_counter() > self.build_budget_end:
+                break
+            part = self.backend.build(order[i:i + chunk], on_done=on_done)
+            built.update(part)
+            for result in part.values():
+                seconds = getattr(result, "seconds", None)
+                if seconds is not None:
+                    self.compiled += seconds > 0
+                    self.reused += seconds == 0
+        self.build_end = time.perf_counter()
+        self.build_seconds = self.build_end - self.start
+        out = {}
+        for problem, plan in plans.items():
+            keys = {choice: (choice.operands_for(problem.operands), choice.config)
+                    for choice in plan}
+            out[problem] = {choice: _build_error(built[key]) for choice, key in keys.items()
+                            if key in built}
+        return out
+
+    def session(self, problem: GemmProblem):
+        return self.backend.session(problem)
+
+    def derived(self, problem: GemmProblem, ranked: list[Choice]) -> list[Choice]:
+        """The run-time variants of the best few kernels (no new build)."""
+        return [variant for choice in ranked[:self.strategy.varied_kernels]
+                for variant in candidates.variants(problem, choice, self.device)[1:]]
+
+    def baseline(self, problem: GemmProblem, plan: list[Choice]) -> None:
+        return None  # torch.matmul, timed beside each finalist, is the GEMMs' baseline
+
+    def deadline(self) -> float | None:
+        if self.budget_end is None:
+            return None
+        return max(self.budget_end, time.perf_counter() + MIN_MEASURE_S)
+
+    def entry(self, problem: GemmProblem, measured: protocol.Measured) -> dict:
+        times, winner = measured.times, measured.winner
+        winner_ms = times[winner] if winner else None
+        torch_ms = measured.torch_ms
+        return {
+            "winner": winner.to_dict() if winner else None,
+            "winner_name": winner.name if winner else None,
+            "winner_ms": winner_ms,
+            "winner_tflops": round(problem.flops / winner_ms / 1e9, 2) if winner else None,
+            "torch_ms": torch_ms,
+            "torch_tflops": round(problem.flops / torch_ms / 1e9, 2),
+            "prefer": "cutlass" if winner_ms is not None and winner_ms <= torch_ms else "torch",
+            "runners_up": [{"choice": c.name, "ms": times[c],
+                            "torch_ms": measured.torch_beside.get(c)}
+                           for c in measured.ranked()[1:1 + self.rounds.runners_up]],
+            "failures": [{"choice": f.candidate, "stage": f.stage, "error": f.error[:400]}
+                         for f in measured.failures],
+            "compiled_candidates": measured.runnable,
+            "timed_variants": len(times),
+            "strategy": self.strategy.value,
+            "complete": measured.complete,
+            "tune_seconds": round(measured.seconds, 2),
+            "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"),
+            "build_seconds_total": round(self.build_seconds, 2),
+        }
+
+
 def _build_order(plans: dict[GemmProblem, list[Choice]]) -> list[tuple]:
     """Kernels to build, interleaving the problems' rankings (every problem's best first) so that
     a time budget cut leaves each problem its best candidates."""
@@ -66,169 +175,17 @@ def _build_order(plans: dict[GemmProblem, list[Choice]]) -> list[tuple]:
     return list(dict.fromkeys(order))
 
 
-def _error_text(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"[:400]
-
-
-def tune(problems: list[GemmProblem], *, backend: Backend, strategy: Strategy | str = "default",
-         budget_s: float | None = None, cache: TuningCache | None = None, force: bool = False,
-         use_heuristics: bool = True, progress: Progress | None = None,
-         build_chunk: int | None = None) -> TuneReport:
-    """Tunes each problem not already in the cache (all of them with ``force``)."""
-    strategy = Strategy(strategy)
-    start = time.perf_counter()
-    deadline = start + budget_s if budget_s is not None else None
-    # Builds get most of a budget; measuring is quick but must not be starved.
-    build_deadline = start + BUILD_SHARE * budget_s if budget_s is not None else None
-    progress = progress or (lambda *args: None)
-    device = backend.device()
-    cache = cache if cache is not None else TuningCache(backend.scope())
-
-    problems = list(dict.fromkeys(problems))
-    results: dict[GemmProblem, TuneResult] = {}
-    todo = []
-    for problem in problems:
-        entry = None if force else cache.get(problem)
-        if entry is not None and entry.get("complete", True):
-            results[problem] = TuneResult(problem, entry, cached=True)
-        else:
-            todo.append(problem)
-
-    plans = {p: candidates.select(p, device, strategy, use_heuristics=use_heuristics)
-             for p in todo}
-    order = _build_order(plans)
-    built: dict[tuple, object] = {}
-    compiled = reused = 0
-    chunk = max(1, build_chunk or (len(order) if deadline is None else _jobs(backend)))
-    done = 0
-    progress("build", 0, len(order), "")
-    for i in range(0, len(order), chunk):
-        if build_deadline is not None and time.perf_counter() > build_deadline and built:
-            break
-
-        def on_done(spec, result):
-            nonlocal done
-            done += 1
-            progress("build", done, len(order), spec.name)
-
-        part = backend.build(order[i:i + chunk], on_done=on_done)
-        built.update(part)
-        for result in part.values():
-            seconds = getattr(result, "seconds", None)
-            if seconds is not None:
-                compiled += seconds > 0
-                reused += seconds == 0
-    build_seconds = time.perf_counter() - start
-
-    measure_start = time.perf_counter()
-    for n, problem in enumerate(todo):
-        progress("problem", n, len(todo), problem.name)
-        # Every problem gets a few seconds to measure its best candidates, budget or not.
-        problem_deadline = None if deadline is None else max(
-            deadline, time.perf_counter() + MIN_MEASURE_S)
-        entry = _measure(problem, plans[problem], built, backend, strategy, problem_deadline)
-        entry["build_seconds_total"] = round(build_seconds, 2)
-        cache.put(problem, entry)
-        results[problem] = TuneResult(problem, cache.get(problem) or entry, cached=False)
-        progress("problem", n + 1, len(todo), problem.name)
-    return TuneReport([results[p] for p in problems], build_seconds,
-                      time.perf_counter() - measure_start, compiled, reused)
+def _build_error(result) -> str | None:
+    """None for a built kernel, else its error as the entry records it."""
+    if isinstance(result, Exception):
+        return f"{type(result).__name__}: {result}"[:400]
+    return None
 
 
 def _jobs(backend: Backend) -> int:
     from cutlass_ops.gemms.build import default_jobs
 
     return getattr(backend, "jobs", None) or default_jobs()
-
-
-def _measure(problem: GemmProblem, plan: list[Choice], built: dict, backend: Backend,
-             strategy: Strategy, deadline: float | None) -> dict:
-    start = time.perf_counter()
-    device = backend.device()
-    failures: list[dict] = []
-    times: dict[Choice, float] = {}
-    complete = True
-
-    def out_of_time() -> bool:
-        return deadline is not None and time.perf_counter() > deadline
-
-    runnable = []
-    for choice in plan:
-        result = built.get((choice.operands_for(problem.operands), choice.config))
-        if result is None:
-            complete = False  # not built: the budget ran out first
-        elif isinstance(result, Exception):
-            failures.append({"choice": choice.name, "stage": "build", "error": _error_text(result)})
-        else:
-            runnable.append(choice)
-
-    session = backend.session(problem)
-    torch_by_choice: dict[Choice, float] = {}
-    session_torch_ms = None
-    try:
-        def try_choice(choice: Choice) -> None:
-            error = session.verify(choice)
-            if error is None:
-                try:
-                    times[choice] = session.time_ms(choice, FIRST_ROUND_REPS)
-                except GraphCaptureError as exc:  # it would break a user's CUDA graph too
-                    error = f"capture: {exc}"
-            if error is not None:
-                failures.append({"choice": choice.name, "stage": error.split(":")[0],
-                                 "error": error[:400]})
-
-        for choice in runnable:
-            if out_of_time() and times:
-                complete = False
-                break
-            try_choice(choice)
-
-        # Round 2: run-time variants of the best few kernels.
-        for choice in sorted(times, key=times.get)[:strategy.finalists]:
-            for variant in candidates.variants(problem, choice, device)[1:]:
-                if out_of_time():
-                    complete = False
-                    break
-                if variant not in times:
-                    try_choice(variant)
-
-        # Round 3: each of the best few against torch.matmul, the two interleaved repetition by
-        # repetition. Pairs, not one group: how many kernels share a round changes the GPU's
-        # power-limited clocks, and the benchmark compares one kernel with torch.
-        finalists = sorted(times, key=times.get)[:FINALISTS]
-        torch_by_choice: dict[Choice, float] = {}
-        for choice in finalists:
-            final, torch_by_choice[choice] = session.compare_ms([choice], FINAL_REPS)
-            times[choice] = final[choice]
-        if not finalists:  # nothing ran: torch's time still tells the user what to expect
-            session_torch_ms = session.torch_ms(FINAL_REPS)
-    finally:
-        session.close()
-
-    # The winner is the best ratio to torch among the finalists (each measured beside torch).
-    ranked = sorted(times, key=lambda c: (c not in torch_by_choice,
-                                          times[c] / torch_by_choice.get(c, 1.0), times[c]))
-    winner = ranked[0] if ranked else None
-    winner_ms = times[winner] if winner else None
-    torch_ms = torch_by_choice[winner] if winner else session_torch_ms
-    return {
-        "winner": winner.to_dict() if winner else None,
-        "winner_name": winner.name if winner else None,
-        "winner_ms": winner_ms,
-        "winner_tflops": round(problem.flops / winner_ms / 1e9, 2) if winner else None,
-        "torch_ms": torch_ms,
-        "torch_tflops": round(problem.flops / torch_ms / 1e9, 2),
-        "prefer": "cutlass" if winner_ms is not None and winner_ms <= torch_ms else "torch",
-        "runners_up": [{"choice": c.name, "ms": times[c], "torch_ms": torch_by_choice.get(c)}
-                       for c in ranked[1:1 + RUNNERS_UP]],
-        "failures": failures,
-        "compiled_candidates": len(runnable),
-        "timed_variants": len(times),
-        "strategy": strategy.value,
-        "complete": complete,
-        "tune_seconds": round(time.perf_counter() - start, 2),
-        "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def speedup(entry: dict) -> float:

@@ -108,3 +108,68 @@ def test_progress_reports_builds_and_problems(tmp_path):
     builds = [e for e in events if e[0] == "build"]
     assert builds[-1][1] == builds[-1][2] > 0
     assert ("problem", 2, 2, problems()[1].name) in events
+
+
+def test_one_tolerance_table_serves_every_family_and_dtype_spelling():
+    import subprocess
+    import sys
+
+    import torch
+
+    from cutlass_ops.gemms.config import DType
+    from custom_kernels.core.tolerances import relative_tolerance
+
+    spellings = [(DType.BF16, "bf16", "bfloat16", torch.bfloat16),
+                 (DType.F16, "f16", "float16", torch.float16),
+                 (DType.F32, "f32", "float32", torch.float32)]
+    for family in ("gemm", "norms"):
+        for names in spellings:
+            assert len({relative_tolerance(name, family) for name in names}) == 1
+    assert relative_tolerance(DType.BF16) == 1e-2  # the GEMM column by default
+    # f32 GEMMs run as TF32; the norms compute in true float32.
+    assert relative_tolerance("f32", "gemm") == 5e-3 > relative_tolerance("float32", "norms")
+    with pytest.raises(ValueError, match="dtype"):
+        relative_tolerance("int8")
+    with pytest.raises(ValueError, match="family"):
+        relative_tolerance("bf16", "conv")
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, custom_kernels.core.tolerances, tuning.protocol; "
+         "print('torch' in sys.modules)"], capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == "False"
+
+
+def test_check_fails_nan_and_errors_above_the_bound():
+    import torch
+
+    from tuning.protocol import check
+
+    reference = torch.ones(4, 4)
+    assert check([reference + 1e-3], [reference], 1e-2) is None
+    assert check([reference, reference * 1.5], [reference, reference], 1e-2) == \
+        "wrong result: relative error 0.5 > 0.01"
+    unwritten = torch.full((4, 4), float("nan"))
+    assert check([unwritten, reference], [reference, reference], 1e-2).endswith("nan > 0.01")
+    assert check([reference, unwritten], [reference, reference], 1e-2).endswith("nan > 0.01")
+
+
+def test_finalists_are_timed_each_beside_torch_and_the_best_ratio_wins(tmp_path):
+    backend = FakeBackend()
+    compared = []
+    session = backend.session
+
+    def recording_session(problem):
+        s = session(problem)
+        compare = s.compare_ms
+        s.compare_ms = lambda choices, reps: compared.append((choices, reps)) or \
+            compare(choices, reps)
+        return s
+
+    backend.session = recording_session
+    cache = TuningCache(SCOPE, tmp_path)
+    tune(problems()[:1], backend=backend, cache=cache, strategy="default", use_heuristics=False)
+    entry = cache.get(problems()[0])
+    assert len(compared) == 4 and all(len(c) == 1 and reps == 60 for c, reps in compared)
+    finalists = [c[0].name for c, _ in compared]
+    assert entry["winner_name"] in finalists
+    assert all(r["torch_ms"] is not None for r in entry["runners_up"][:3])
+    assert entry["timed_variants"] > entry["compiled_candidates"]  # round 2: run-time variants

@@ -1,5 +1,6 @@
-"""A fake tuning backend for CPU tests: builds and timings are made up (from our model), so the
-search's logic (ranking, rounds, failures, budgets, the cache) runs without a GPU."""
+"""A fake GEMM tuning backend for CPU tests: builds and timings are made up (from our model), so
+the search's logic (ranking, the tuner protocol's rounds, failures, budgets, the cache) runs
+without a GPU. ``FakeSession`` is a ``tuning.protocol.Session``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,52 @@
+"""How far a correct kernel's result may be from its float32 reference: one table for every kernel
+family, read by the tuner before a candidate may win (and by anything else that checks a kernel).
+
+The measure is the relative Frobenius error ``||result - reference|| / ||reference||``. A wrong
+kernel (a missed tile or row, a wrong stride, an unwritten output) is off by order 1 or NaN; a
+correct one only by rounding. Each bound sits several times above the rounding of its dtype and
+far below a wrong kernel's error. Torch-free at import.
+"""
+
+from __future__ import annotations
+
+GEMM = "gemm"
+NORMS = "norms"
+
+# Bound by element dtype and kernel family. The columns differ where the arithmetic does:
+# - float32: a GEMM's f32 operands run on the tensor cores as TF32 (10-bit mantissa), and that
+#   input rounding adds up over the K products of each output; the norms compute in true float32,
+#   so only the order of their row reductions differs from the reference.
+# - float16 / bfloat16: both families round their outputs to the dtype (unit roundoff 2^-11 /
+#   2^-8); a GEMM adds the float32 accumulation over K on top. The norms' bounds cover every output
+#   they compare (y and the new residual forward; dx, dW and dB backward) and keep more headroom
+#   for bfloat16; either family's value would separate right from wrong results.
+_BOUNDS = {
+    #            GEMM   norms
+    "bfloat16": {GEMM: 1e-2, NORMS: 2e-2},
+    "float16": {GEMM: 4e-3, NORMS: 5e-3},
+    "float32": {GEMM: 5e-3, NORMS: 1e-4},  # GEMM: TF32 inputs
+}
+# Our DType enum's values (cutlass_ops.gemms.config.DType) and torch's dtype names.
+_ALIASES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "half": "float16",
+            "float": "float32"}
+
+
+def relative_tolerance(dtype, family: str = GEMM) -> float:
+    """The bound for results of ``dtype`` (a DType, its value "bf16" / "f16" / "f32", a torch
+    dtype or its name) from a kernel of ``family``."""
+    name = str(getattr(dtype, "value", dtype)).removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    if name not in _BOUNDS:
+        raise ValueError(f"no tolerance for dtype {dtype!r}; known: {sorted(_BOUNDS)}")
+    column = _BOUNDS[name]
+    if family not in column:
+        raise ValueError(f"no tolerance for kernel family {family!r}; known: {sorted(column)}")
+    return column[family]
+
+
+def relative_error(result, reference) -> float:
+    """``||result - reference|| / ||reference||`` (Frobenius), computed in float32; NaN when the
+    result holds NaN (an unwritten output)."""
+    reference = reference.float()
+    error = (result.float() - reference).norm() / reference.norm().clamp_min(1e-30)
+    return float(error.item())

@@ -1,0 +1,252 @@
+"""The one tuner protocol: the steps by which every kernel family's tuner picks and records a
+winner. A family (``tuning.search`` for GEMMs, ``tuning.norm_search`` for the norms) provides its
+candidates, its builds and a session per problem; this module runs the steps alike for all:
+
+1. ``candidates(problem)``, the family's best guess first;
+2. ``build`` them all (in parallel, through the build cache): a failure is recorded, never fatal;
+3. each built candidate verified against the family's float32 reference (the bounds of
+   ``custom_kernels.core.tolerances``), then timed briefly with the one clock (``tuning.timing``):
+   the first round. Optionally a round 2 of candidates derived from the best (GEMM: run-time
+   variants of a compiled kernel), verified and timed alike;
+4. the finalists (and the family's baseline, the heuristic's choice, whatever its rank) timed
+   again beside torch's same call, interleaved repetition by repetition, so that clock and power
+   drift reach both alike; the best ratio to torch wins;
+5. the winner, runners-up and failures stored in the tuned-results store
+   (``custom_kernels.core.tuned_store``, the family's directory) as soon as each problem is done,
+   so an interrupted tune keeps every problem it finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Hashable, Iterable, Protocol
+
+from custom_kernels.core.tolerances import relative_error
+from custom_kernels.core.tuned_store import TuningCache
+from tuning.timing import GraphCaptureError
+
+Candidate = Hashable  # a family's candidate (a GEMM Choice, a NormConfig), with a ``name``
+# Progress callback: (what, done, total, label), what in {"build", "problem"}.
+Progress = Callable[[str, int, int, str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounds:
+    """How much each round measures: one set for every family, overridden where a family's
+    kernels need otherwise."""
+
+    first_reps: int = 15  # enough to rank candidates, not to separate close ones
+    finalists: int = 4  # the best of the first rounds, timed again beside torch
+    final_reps: int = 60
+    runners_up: int = 8  # stored with the winner
+    # Each finalist timed beside torch alone, not all in one group: how many compute-bound kernels
+    # share a round changes the GPU's power-limited clocks, and users compare one kernel to torch.
+    paired: bool = True
+
+
+class Session(Protocol):
+    """One problem's inputs on the device, its float32 reference and torch's same call."""
+
+    def verify(self, candidate: Candidate) -> str | None:
+        """None if the candidate computes the right result (``check``), else why not, as
+        "stage: detail" (stages: launch, wrong result)."""
+
+    # Times are the GPU's (tuning.timing). A call that cannot be captured in a CUDA graph, where
+    # the family times graph replays, raises tuning.timing.GraphCaptureError.
+    def time_ms(self, candidate: Candidate, reps: int) -> float: ...
+
+    def torch_ms(self, reps: int) -> float: ...
+
+    def compare_ms(self, candidates: list, reps: int) -> tuple[dict, float]:
+        """The candidates and torch's call timed interleaved: ({candidate: ms}, torch ms)."""
+
+    def close(self) -> None: ...
+
+
+class Family(Protocol):
+    """What a kernel family provides to be tuned."""
+
+    rounds: Rounds
+
+    def candidates(self, problem) -> list:
+        """What to build and measure for ``problem``, the best guess first."""
+
+    def build(self, plans: dict[Any, list]) -> dict[Any, dict]:
+        """Builds every problem's candidates: {problem: {candidate: None when ready, else the
+        build error}}. A candidate left out was not built (a time budget ran out first)."""
+
+    def session(self, problem) -> Session: ...
+
+    def derived(self, problem, ranked: list) -> Iterable:
+        """Round 2: candidates made from the first round's ranking without a new build."""
+
+    def baseline(self, problem, plan: list) -> Candidate | None:
+        """A candidate timed in the final round whatever its rank (the heuristic's), or None."""
+
+    def deadline(self) -> float | None:
+        """When (``time.perf_counter``) the next problem's measuring must stop; None: never."""
+
+    def entry(self, problem, measured: Measured) -> dict:
+        """The stored entry of ``problem`` (the family's format)."""
+
+
+def check(results: Iterable, references: Iterable, tolerance: float) -> str | None:
+    """The verification step: None when each result is within ``tolerance``
+    (``custom_kernels.core.tolerances.relative_tolerance``) of its float32 reference, else the
+    failure. NaN (an unwritten output) fails."""
+    errors = [relative_error(r, ref) for r, ref in zip(results, references)]
+    worst = max(errors, key=lambda e: math.inf if math.isnan(e) else e)
+    if not worst <= tolerance:
+        return f"wrong result: relative error {worst:.3g} > {tolerance:g}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    candidate: str  # its name
+    stage: str  # build, launch, wrong result, capture
+    error: str
+
+
+@dataclasses.dataclass
+class Measured:
+    """One problem's rounds."""
+
+    runnable: int  # candidates built and ready
+    first_ms: dict  # {candidate: ms} of the first round and round 2, in the order timed
+    final_ms: dict  # {finalist: ms} beside torch
+    torch_beside: dict  # {finalist: torch's ms beside it}
+    torch_alone_ms: float | None  # torch's time when no candidate ran
+    failures: list[Failure]
+    complete: bool  # False when a budget left candidates unbuilt or untimed
+    seconds: float
+
+    @property
+    def times(self) -> dict:
+        """The best-known time of each timed candidate: the final round's for the finalists."""
+        return {**self.first_ms, **self.final_ms}
+
+    def ranked(self) -> list:
+        """The finalists by their ratio to torch (each measured beside torch), then the rest."""
+        times = self.times
+        return sorted(times, key=lambda c: (c not in self.torch_beside,
+                                            times[c] / self.torch_beside.get(c, 1.0), times[c],
+                                            self.first_ms[c]))
+
+    @property
+    def winner(self) -> Candidate | None:
+        ranked = self.ranked()
+        return ranked[0] if ranked else None
+
+    @property
+    def torch_ms(self) -> float:
+        """torch's time beside the winner (alone when nothing ran: what to expect)."""
+        winner = self.winner
+        return self.torch_beside[winner] if winner is not None else self.torch_alone_ms
+
+
+def measure(problem, family: Family, plan: list, built: dict,
+            deadline: float | None = None) -> Measured:
+    """Steps 3 and 4 for one problem: its built candidates verified and timed in rounds."""
+    start = time.perf_counter()
+    rounds = family.rounds
+    failures: list[Failure] = []
+    complete = True
+    runnable = []
+    for candidate in plan:
+        if candidate not in built:
+            complete = False  # not built: the budget ran out first
+        elif built[candidate] is not None:
+            failures.append(Failure(candidate.name, "build", built[candidate]))
+        else:
+            runnable.append(candidate)
+
+    first: dict = {}
+    final: dict = {}
+    torch_beside: dict = {}
+    torch_alone = None
+    tried = set()
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
+    def try_candidate(candidate) -> None:
+        tried.add(candidate)
+        error = session.verify(candidate)
+        if error is None:
+            try:
+                first[candidate] = session.time_ms(candidate, rounds.first_reps)
+            except GraphCaptureError as exc:  # it would break a user's CUDA graph too
+                error = f"capture: {exc}"
+        if error is not None:
+            failures.append(Failure(candidate.name, error.split(":")[0], error))
+
+    session = family.session(problem)
+    try:
+        for candidate in runnable:
+            if out_of_time() and first:
+                complete = False
+                break
+            try_candidate(candidate)
+
+        for candidate in family.derived(problem, sorted(first, key=first.get)):
+            if out_of_time():
+                complete = False
+                break
+            if candidate not in tried:
+                try_candidate(candidate)
+
+        finalists = sorted(first, key=first.get)[:rounds.finalists]
+        baseline = family.baseline(problem, plan)
+        if baseline in first and baseline not in finalists:
+            finalists.append(baseline)
+        if rounds.paired:
+            for candidate in finalists:
+                ms, torch_beside[candidate] = session.compare_ms([candidate], rounds.final_reps)
+                final[candidate] = ms[candidate]
+        elif finalists:
+            final, torch_ms = session.compare_ms(finalists, rounds.final_reps)
+            torch_beside = dict.fromkeys(finalists, torch_ms)
+        if not finalists:  # nothing ran: torch's time still tells the user what to expect
+            torch_alone = session.torch_ms(rounds.final_reps)
+    finally:
+        session.close()
+    return Measured(len(runnable), first, final, torch_beside, torch_alone, failures, complete,
+                    time.perf_counter() - start)
+
+
+@dataclasses.dataclass
+class Result:
+    problem: Any
+    entry: dict
+    cached: bool  # True when the store already had it and nothing ran
+
+
+def run(problems: Iterable, family: Family, cache: TuningCache | None, *, force: bool = False,
+        progress: Progress | None = None) -> list[Result]:
+    """Every step for each problem not already in ``cache`` (all of them with ``force``); each
+    entry is stored as soon as its problem is done. ``cache`` None: nothing is read or stored."""
+    progress = progress or (lambda *args: None)
+    problems = list(dict.fromkeys(problems))
+    results: dict = {}
+    todo = []
+    for problem in problems:
+        entry = None if force or cache is None else cache.get(problem)
+        if entry is not None and entry.get("complete", True):
+            results[problem] = Result(problem, entry, cached=True)
+        else:
+            todo.append(problem)
+
+    plans = {problem: family.candidates(problem) for problem in todo}
+    built = family.build(plans)
+    for n, problem in enumerate(todo):
+        progress("problem", n, len(todo), problem.name)
+        measured = measure(problem, family, plans[problem], built[problem], family.deadline())
+        entry = family.entry(problem, measured)
+        if cache is not None:
+            cache.put(problem, entry)
+        results[problem] = Result(problem, entry, cached=False)
+        progress("problem", n + 1, len(todo), problem.name)
+    return [results[problem] for problem in problems]
