@@ -9,10 +9,10 @@ current working directory. Writes are atomic (temporary file in the same directo
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,11 @@ import platformdirs
 from custom_kernels.core.version import __version__
 
 ENV_VAR = "CUTLASS_OPS_CACHE_DIR"
+
+# A corrupt file is logged, not warned about: the caller can do nothing about it (it is set aside
+# and rebuilt), which is logging's case in the logging HOWTO, and an unconfigured logger prints
+# the bare message, where a warning would print one of our source lines under it.
+_log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -59,16 +64,19 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 
 def read_json_or_quarantine(path: Path) -> Any | None:
-    """The JSON in ``path``; None if absent. A corrupt file is renamed aside with a warning."""
+    """The JSON in ``path``; None if absent. A corrupt file (not UTF-8, or not JSON) is renamed
+    aside with a warning."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
     try:
-        return json.loads(text)
+        return json.loads(data.decode("utf-8"))  # what atomic_write_json writes
+    except UnicodeDecodeError:
+        quarantine(path, "is not UTF-8 text")
     except ValueError:
         quarantine(path, "is not valid JSON")
-        return None
+    return None
 
 
 def quarantine(path: Path, why: str) -> Path:
@@ -77,6 +85,5 @@ def quarantine(path: Path, why: str) -> Path:
         os.replace(path, aside)
     except FileNotFoundError:
         return aside
-    warnings.warn(f"cutlass-ops: {path} {why}; moved it to {aside.name} and will rebuild it",
-                  RuntimeWarning, stacklevel=3)
+    _log.warning("cutlass-ops: %s %s; moved it to %s and will rebuild it", path, why, aside.name)
     return aside

@@ -162,6 +162,8 @@ def all_caches(root: Path | None = None, family: str = GEMM) -> list[TuningCache
     out = []
     for path in sorted(family_dir(family, root).glob("*.json")):
         data = cache_dir.read_json_or_quarantine(path)
+        if data is None:  # gone, or set aside as corrupt
+            continue
         try:
             scope = CacheScope.from_dict(data["scope"])
         except (TypeError, KeyError):

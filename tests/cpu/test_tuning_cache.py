@@ -1,4 +1,5 @@
 import json
+import logging
 import multiprocessing
 
 import pytest
@@ -48,16 +49,32 @@ def test_concurrent_processes_lose_nothing(tmp_path):
     assert len(TuningCache(SCOPE, tmp_path).entries()) == 100
 
 
-@pytest.mark.parametrize("damage", ['{"format": 1, "scope": {', "\x00garbage", "[1, 2]"])
-def test_corrupt_file_is_set_aside_and_rebuilt(tmp_path, damage):
+@pytest.mark.parametrize("damage", [b'{"format": 1, "scope": {', b"\x00garbage", b"[1, 2]",
+                                    b"\xff\xfe{}"])
+def test_corrupt_file_is_set_aside_and_rebuilt(tmp_path, damage, caplog):
     cache = TuningCache(SCOPE, tmp_path)
     cache.put(problem(16), entry(0.5))
-    cache.path.write_text(damage)
-    with pytest.warns(RuntimeWarning, match="moved it to"):
+    cache.path.write_bytes(damage)
+    with caplog.at_level(logging.WARNING, logger="custom_kernels.core.cache_dir"):
         assert cache.get(problem(16)) is None
-    assert list(tmp_path.glob("*.corrupt-*"))
+    aside, = tmp_path.glob("*.corrupt-*")
+    assert f"{cache.path} " in caplog.text and f"moved it to {aside.name}" in caplog.text
     cache.put(problem(128), entry(0.7))
     assert set(cache.entries()) == {problem(128).name}
+
+
+def test_listing_sets_aside_a_file_that_is_not_utf8(tmp_path, caplog):
+    TuningCache(SCOPE, tmp_path).put(problem(16), entry(0.5))
+    TuningCache(SCOPE, tmp_path, family="norms").put(problem(16), entry(0.1))
+    bad, bad_norms = tmp_path / "bad.json", tmp_path / "norms" / "bad.json"
+    bad.write_bytes(b"\xff\xfe\x00\x01 not text")
+    bad_norms.write_bytes(b"\xff")
+    with caplog.at_level(logging.WARNING, logger="custom_kernels.core.cache_dir"):
+        assert [c.path for c in all_caches(tmp_path)] == [TuningCache(SCOPE, tmp_path).path]
+        assert len(all_caches(tmp_path, family="norms")) == 1
+    assert not bad.exists() and not bad_norms.exists()
+    assert f"{bad} is not UTF-8 text" in caplog.text and f"{bad_norms} is not" in caplog.text
+    assert len(list(tmp_path.rglob("bad.json.corrupt-*"))) == 2
 
 
 def test_export_import_merge_keeps_the_faster_winner(tmp_path):
