@@ -7,10 +7,8 @@ with the quartiles.
 Kernels that run for tens of microseconds need the host to have enqueued them by the time the GPU
 finishes the flush before them, or the events time the GPU waiting for Python. Two remedies, for
 two uses: ``pad_host`` (a spin kernel before each call) and ``graph`` (each call captured once in a
-CUDA graph and replayed). On an H100, torch.matmul at 16x4096x4096 timed 22.7 us at the median of
-one process and 26-36 us in another, 22.5-23.1 us with either remedy; but a 200 us spin made
-1024x14336x4096 and 4096^3 3-5% slower (why, we did not find out), where replays timed as the
-plain calls did (devrun/pad_modes.py, devrun/torch_noise.py). The tuner times replays.
+CUDA graph and replayed). Both remove the host's stalls; the spin also slows long kernels by a few
+percent and replays do not, so the tuner times replays (docs/measurements.md, "Timing method").
 """
 
 from __future__ import annotations
@@ -107,8 +105,8 @@ def do_bench_interleaved(fns: dict, *, warmup: int = 3, reps: int = 50, flush_l2
                          pad_host: bool = False, graph: bool = False, device=None) -> dict:
     """Times several functions fairly: each repetition runs every function once (each after
     its own L2 flush), in an order that rotates, so that clock and power drift over the run
-    reach all of them alike. Sequential timing favours whoever runs first on a cool GPU: on an
-    H200 that alone moved ratios between two kernels by 10%. ``pad_host`` and ``graph`` as in
+    reach all of them alike. Sequential timing favours whoever runs first on a cool GPU, by as
+    much as the differences being measured. ``pad_host`` and ``graph`` as in
     ``do_bench``.
     Returns {key: Timing}."""
     import torch

@@ -100,10 +100,9 @@ using VW = Vec<W, kVec>;
 
 // A row's reduction: within a group of lanes (several rows a warp), a block, or a cluster:
 // through st.async and mbarriers (ck::AsyncClusterReducer) for clusters of 8 or more, through
-// cluster barriers (ck::Reducer) below. H200, forward, fraction of the copy bandwidth
-// (devrun/async_reduce.sh): clusters of 8 at hidden 262144, LayerNorm 0.892 against 0.887,
-// RMSNorm 0.900 alike; clusters of 2 at 65536, LayerNorm 0.908 against 0.923, RMSNorm 0.915
-// against 0.927 (two blocks meet at a barrier sooner than 512 threads poll an mbarrier).
+// cluster barriers (ck::Reducer) below: a barrier's release waits for the previous row's stores
+// (MEMBAR.ALL.GPU), which costs large clusters, while two blocks meet at a barrier sooner than 512
+// threads poll an mbarrier (docs/measurements.md).
 // NORM_ASYNC_REDUCE: -1 (default) that rule, 0 never, 1 for every cluster (sweeps).
 #ifndef NORM_ASYNC_REDUCE
 #define NORM_ASYNC_REDUCE -1

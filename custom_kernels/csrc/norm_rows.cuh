@@ -3,8 +3,9 @@
 // vectors of a row (norm_layout.cuh) and reads them through accessors: callables
 // `(int it, int col) -> vector`, called only where col < hidden; they hide where the row
 // lives. The bounds check stays a branch per vector even where the row fills every vector:
-// kernels specialised for such rows let ptxas hoist loads across vectors, and on an H200 the
-// register pressure cost 1 to 5% (devrun/ln262_sweep.py, round 3). The formulas are in norms.cu's header (forward) and norm_layout.cuh (backward).
+// kernels specialised for such rows let ptxas hoist loads across vectors, and the register
+// pressure made them slower (docs/measurements.md). The formulas are in norms.cu's header
+// (forward) and norm_layout.cuh (backward).
 #pragma once
 
 #include "norm_layout.cuh"
@@ -107,11 +108,10 @@ __device__ __forceinline__ float row_shift(const In* xr, const In* rr) {
 
 // Forward output of one vector: y = (h - mean) * rstd * w (+ b); `bv` is read by LayerNorm only.
 // LayerNorm takes xhat as one FMA, h * rstd + (-mean * rstd), and y as a second (xhat * w + b):
-// two instructions an element where (h - mean) * rstd * w + b takes three. Its long-row forward
-// issues about 14 instructions an element, and on an H200 the one saved took hidden 262144 from
-// 0.875 to 0.888 of the copy bandwidth (devrun/ln262_sweep.py, round 4; 4096 to 65536 within
-// 0.5%). The rounding differs from the three-instruction form by an ulp of float, far below the
-// output's. RMSNorm (mean 0) keeps h * rstd * w.
+// two instructions an element where (h - mean) * rstd * w + b takes three: the long-row forward
+// issues about 14 instructions an element, so the one saved shows (docs/measurements.md). The
+// rounding differs from the three-instruction form by an ulp of float, far below the output's.
+// RMSNorm (mean 0) keeps h * rstd * w.
 __device__ __forceinline__ VOut normalize_vec(const VIn& v, const VW& wv, const VW& bv,
                                               float2 stats) {
   VOut o;
@@ -138,10 +138,9 @@ __device__ __forceinline__ void write_normalized_rows(Out* const (&yr)[R], const
                                                       GetH get_h, GetW get_w, GetB get_b,
                                                       const float2 (&stats)[R], int hidden,
                                                       int rank, int lane) {
-  // Load, then use, one vector at a time. Issuing the weight (and bias) loads of 2, 4 or all
-  // vectors before their uses (so their latencies overlap) lost at every size on an H200, up
-  // to 3x for LayerNorm's long rows: ptxas then hoists every load and the registers cost
-  // occupancy (devrun/outbatch.py at 32bf735).
+  // Load, then use, one vector at a time. Issuing the weight (and bias) loads of several
+  // vectors before their uses lost at every size: ptxas then hoists every load and the
+  // registers cost occupancy (docs/measurements.md).
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int col = vec_col(it, rank, lane);

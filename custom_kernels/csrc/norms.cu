@@ -31,8 +31,8 @@
 // Pass 1 of the forward with the row in registers, in two steps so that a thread with several
 // rows issues the loads of all of them before it uses any: ptxas does not move a load above
 // the use of an earlier one (each vector sits behind its own bounds-check branch), so
-// load-then-use per vector would wait for one memory round trip per vector (H200, bf16 hidden
-// 1000, 64-thread blocks: 0.86x torch.compile that way, 0.97x this way).
+// load-then-use per vector would wait for one memory round trip per vector
+// (docs/measurements.md).
 __device__ __forceinline__ void fwd_issue_loads(VIn (&h)[kIters], VIn (&r)[kIters], const In* xr,
                                                 const In* rr, int hidden, int rank, int lane) {
 #pragma unroll

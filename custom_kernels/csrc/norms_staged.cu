@@ -5,9 +5,9 @@
 //
 // Why: the direct kernels load a row into registers, reduce it, then write it, so a block's
 // loads stop at every reduction; on long rows few blocks fit on an SM and HBM idles during those
-// gaps (about 0.6 of the copy bandwidth measured at hidden >= 32768 on an H200). Here every
-// kernel is persistent: a grid that fills the GPU once (one wave) is split into row units (a
-// warp, a block or a thread block cluster), and unit u walks rows u, u + units, u + 2 units, ...
+// gaps (docs/measurements.md). Here every kernel is persistent: a grid that fills the GPU once
+// (one wave) is split into row units (a warp, a block or a thread block cluster), and unit u walks
+// rows u, u + units, u + 2 units, ...
 // Each thread copies its vectors of the next NORM_STAGES - 1 rows into shared memory with
 // cp.async while it reduces and writes the current row, so reads are always in flight.
 //
@@ -47,13 +47,9 @@ static_assert(kStages >= 1 && kStages <= 8, "1 to 8 stages");
 // The reduction's static shared memory, padded to a multiple of 128 bytes. Why: dynamic shared
 // memory starts where the static ends, and the staging slots take 16-byte cp.async copies of
 // whole 32-byte sectors; a region that starts 16 bytes off a 32-byte boundary splits every
-// sector over two. On an H200, against a copy timed in the same run (devrun/ab_align.py): the
-// long rows had been the misaligned ones (static 1040 bytes, RMSNorm, and 2064, LayerNorm, at
-// hidden 262144), 0.882 and 0.887 of the copy's speed, 0.932 and 0.930 padded; sizes whose
-// region was aligned did not move. The other way round, 16 more bytes of static memory (an
-// experiment) took hidden 8192 from 0.98 to 0.87 and 32768 from 0.93 to 0.89, with the same
-// instructions. norms_staged.cu's kernels declare no other static shared memory, and
-// test_norms.py checks the size ptxas reports.
+// sector over two, which cost 5 to 11% of the copy bandwidth with the same instructions
+// (docs/measurements.md, "Staging alignment"). norms_staged.cu's kernels declare no other static
+// shared memory, and test_norms.py checks the size ptxas reports.
 template <class T>
 __host__ __device__ constexpr int padded_slots(int slots) {
   return (slots * static_cast<int>(sizeof(T)) + 127) / 128 * 128 / static_cast<int>(sizeof(T));
@@ -165,9 +161,8 @@ __device__ __forceinline__ int prefetch_stage(int stage) {
 // once per block, each thread its own slots, so no barrier; or in global memory, read again for
 // every row (from L2).
 // Why shared memory: LayerNorm's weight and bias of a long row take 64 registers at 8 vectors a
-// thread. Read from L2 for every row they are twice the bytes of x, and on an H200 the speed then
-// depends on where the two tensors happen to sit: 0.70 to 0.94 of the copy bandwidth at hidden
-// 32768 over twelve placements of the same values (devrun/ln_wplace.py).
+// thread. Read from L2 for every row they are twice the bytes of x, and the speed then depends on
+// where the two tensors happen to sit in memory (docs/measurements.md, "Placement of w and b").
 enum class Home { kRegisters, kShared, kGlobal };
 
 constexpr int kMaxRegs = 65536 / kThreads < 255 ? 65536 / kThreads : 255;
@@ -177,7 +172,7 @@ constexpr int kWeightRegs = kIters * static_cast<int>(sizeof(VW)) / 4;
 // The rule, from sweeps on an H200: RMSNorm keeps up to 32 registers of weights (they save an
 // L2 read per element in the output loop); LayerNorm, whose weight and bias double that, keeps
 // them only when they take at most 8 (one vector each): beyond, the registers cost occupancy
-// that its one-stage configs need more (0.63 -> 0.95 of the copy bandwidth at hidden 8192).
+// that its one-stage configs need more (docs/measurements.md).
 #ifndef NORM_WEIGHT_REGS
 #define NORM_WEIGHT_REGS -1
 #endif

@@ -278,13 +278,10 @@ class NormConfig:
 
     def _caps_registers(self, problem: NormProblem) -> bool:
         """The direct forward with 16 lanes a row and at most 2 vectors a lane, all operands of
-        one width, runs with its registers capped at 32 (ptxas: 38-40 uncapped, no spill
-        capped; 16 blocks of 128 threads an SM instead of 12). H200, hidden 256, 32768 / 131072
-        rows against torch.compile (devrun/regcap.sh): LayerNorm 0.968 / 0.964x capped against
-        0.933-0.938 / 0.943-0.950x; RMSNorm 0.969-0.973 / 1.007-1.012x against 0.962 /
-        0.991-1.015x (once its sum of squares moved out of the load pass, fbcb992: before, the
-        cap spilled 4 bytes and lost 4%). An fp32 output or weight with 16-bit input spills
-        under the cap in LayerNorm."""
+        one width, runs with its registers capped at 32: it fits them without spilling (38-40
+        uncapped), and 16 blocks of 128 threads an SM instead of 12 measured faster on short
+        rows (docs/measurements.md). An fp32 output or weight with 16-bit input spills under the
+        cap in LayerNorm, so mixed widths stay uncapped."""
         return (problem.direction == "fwd" and not self.stages
                 and self.threads_per_row == 16 and self.rows_per_thread == 1
                 and self.iters(problem.hidden) <= 2
@@ -332,14 +329,13 @@ def heuristic(problem: NormProblem) -> NormConfig:
 
 def _aligned_heuristic(problem: NormProblem) -> NormConfig:
     """Rules read off a sweep of the whole space on an H200 (bf16, 32768 rows; in vectors of 16
-    bytes, so they carry over to other dtypes): devrun/norm_sweep.py, numbers in the README."""
+    bytes, so they carry over to other dtypes); the numbers are in docs/measurements.md."""
     vec = problem.vec
     vectors = math.ceil(problem.hidden / vec)
     if problem.direction == "fwd" and problem.kind == "ln":
         # LayerNorm. Short rows: the direct kernel (registers only, not persistent), 16 lanes
-        # a row up to half a vector a lane (H200, hidden 256: 0.97 / 0.98x torch.compile at
-        # 32768 / 131072 rows; persistent with 3 rows in flight a warp: 0.92 / 0.86x), a warp
-        # a row up to 4 vectors a lane. Then one stage, not persistent (more blocks per SM
+        # a row up to half a vector a lane (faster than persistent grids with rows in flight),
+        # a warp a row up to 4 vectors a lane. Then one stage, not persistent (more blocks per SM
         # cover each block's barriers; swept when the statistics took two reductions a row,
         # not again since they take one), 4 vectors a thread, then clusters of 512-thread
         # blocks with 8; except rows of more than 2048 vectors (below).
@@ -355,12 +351,10 @@ def _aligned_heuristic(problem: NormProblem) -> NormConfig:
             # Persistent with 2 stages, the bias in shared memory and the weight in registers
             # (1024 threads a row up to 4096 vectors, then clusters of 512): the one-stage
             # split below reads both from L2 for every row, and its speed depends on where they
-            # sit. H200, fraction of the copy bandwidth over eight placements of w and b, with
-            # the shift staged (b0f1fd9; devrun/shift_sweep.py): hidden 32768 0.920-0.924
-            # (t512_r1_c1_v8_s1: 0.899-0.940), 65536 0.886-0.912 (t512_r1_c2_v8_s1:
-            # 0.873-0.900), 262144 0.807-0.870 (t512_r1_c8_v8_s1: 0.782-0.861). Where it does
-            # not fit (a residual stream doubles the stages) or would take a cluster of 16
-            # (fp32 at 262144: not measured persistent), the rule below.
+            # sit; this one is faster at the worst placement and steadier across them
+            # (docs/measurements.md, "Norm kernels: long rows"). Where it does not fit (a
+            # residual stream doubles the stages) or would take a cluster of 16 (fp32 at
+            # 262144: not measured persistent), the rule below.
             in_smem = NormConfig(1024, 1, 1, vec, 2, param_smem=True) if vectors <= 4096 \
                 else NormConfig(512, 1, cluster, vec, 2, param_smem=True)
             if cluster <= 8 and in_smem.why_invalid(problem) is None:
@@ -368,10 +362,8 @@ def _aligned_heuristic(problem: NormProblem) -> NormConfig:
         return _fit(NormConfig(512, 1, cluster, vec, 1), problem)
     if problem.direction == "fwd":
         # The direct kernel (registers only, not persistent) for short rows: 16 lanes a row up
-        # to half a vector a lane, a warp a row up to 4 vectors a lane. Against torch.compile
-        # on an H200 at 32768 / 131072 rows (devrun/subwarp.py, with no statistics written):
-        # hidden 256 gives 0.97 / 0.98 (persistent with 3 rows in flight: 0.95 / 0.91),
-        # hidden 1000 0.96 / 0.98 (one stage through shared memory: 0.95 / 0.97).
+        # to half a vector a lane, a warp a row up to 4 vectors a lane; on short rows it beats
+        # both the persistent grid and one stage through shared memory (docs/measurements.md).
         if vectors <= 32:
             return NormConfig(128, 8, 1, vec)
         if vectors <= 128:

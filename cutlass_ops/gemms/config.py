@@ -193,8 +193,8 @@ _EPILOGUE_TILE_M = {"pingpong": 64, "warpspecialized": 64, "cooperative": 128}
 # The accumulator values a thread hands to one register-to-shared-memory copy of the sm90 TMA
 # epilogue (size<0>(tRS_rAcc) in sm90_epilogue_tma_warpspecialized.hpp) are those of one wgmma:
 # N / 2 for a tile N wide, since cutlass_ops.gemms.loader builds with CuTe's extended wgmma shapes
-# (one wgmma per tile width; devrun/epi_copy_values.cu prints it for 64-, 128- and 256-row tiles
-# and both 16-bit stmatrix atoms). The epilogue's FragmentSize (M * N / 128 or / 256) must divide
+# (one wgmma per tile width; docs/measurements.md, "Epilogue tiles", says how it was read off
+# CUTLASS's headers). The epilogue's FragmentSize (M * N / 128 or / 256) must divide
 # it ("Fragment size does not vectorize properly"), which any epilogue tile that divides the tile
 # does. (Without the extended shapes a tile such as 176 wide ran sixteen-wide wgmmas and allowed
 # only 16-wide epilogue tiles.)

@@ -17,11 +17,10 @@ _loaded: dict[tuple, runtime.LoadedKernel] = {}
 
 
 # The wgmma widths CuTe's sm90 selector (cute/arch/mma_sm90.hpp) knows by default. It splits any
-# other tile width into the largest of these that divides it: a 176-wide tile ran sixteen-wide
-# wgmmas and half as fast as cuBLAS's 176-wide kernel (H200). CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-# adds every multiple of 8 up to 256, at about 25 s more of nvcc per kernel (37 -> 62 s for
-# 128x128x64 on one core), so only the tiles that need it get it; for the others it changes
-# nothing (identical SASS).
+# other tile width into the largest of these that divides it (a 176-wide tile then runs 16-wide
+# wgmmas, at under half speed). CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED adds every multiple of 8 up
+# to 256 but makes nvcc much slower, so only the tiles that need it get it; for the others it
+# changes nothing (identical SASS). Timings in docs/measurements.md.
 _DEFAULT_WGMMA_WIDTHS = (8, 16, 32, 64, 96, 128, 192, 256)
 
 

@@ -87,7 +87,7 @@ def test_an_explicit_epilogue_tile_is_a_build_field_with_a_name_part():
 
 def test_epilogue_tile_widths_are_the_multiples_of_16_that_divide_the_tile():
     # With CuTe's extended wgmma shapes a thread hands N / 2 values to each epilogue copy, which
-    # every such width's fragment divides (devrun/epi_copy_values.cu).
+    # every such width's fragment divides (docs/measurements.md, "Epilogue tiles").
     assert epilogue_tile_widths(GemmConfig(tile=(128, 128, 64))) == [16, 32, 64, 128]
     assert epilogue_tile_widths(GemmConfig(tile=(128, 192, 64))) == [16, 32, 48, 64, 96, 192]
     assert epilogue_tile_widths(GemmConfig(tile=(128, 160, 64))) == [16, 32, 80, 160]
