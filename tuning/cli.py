@@ -8,7 +8,8 @@
     cutlass-tune norms list | norms clear --yes
 
 Listing commands take ``--json``. Nothing is written to the working directory unless a path is
-given: reports go to the cache directory by default.
+given: reports go to the cache directory by default. An error is one line on stderr (exit code 2
+for bad input, 1 otherwise); ``cutlass-tune --debug ...`` shows its traceback.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _problems(args) -> list[GemmProblem]:
     operands = _operands(args)
     found = [shapes.parse_shape(s) for s in args.shapes]
     for path in args.file or []:
-        found += shapes.read_shapes_file(path)
+        found += _read_shapes_file(path)
     problems = [GemmProblem(operands, m, n, k, batch) for m, n, k, batch in found]
     if getattr(args, "model", None):
         if not args.tokens:
@@ -86,6 +87,17 @@ def _problems(args) -> list[GemmProblem]:
                                     out_dtype=args.out_dtype, epilogue=epilogue)
             problems.append(GemmProblem(ops, m, n, k, batch))
     return list(dict.fromkeys(problems))
+
+
+def _read_shapes_file(path: str) -> list[tuple[int, int, int, int]]:
+    from tuning import shapes
+
+    try:
+        return shapes.read_shapes_file(path)
+    except OSError as exc:
+        raise ValueError(f"--file {path}: cannot read it ({exc.strerror})") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--file {path}: not UTF-8 text (byte {exc.start})") from exc
 
 
 def _shape_label(problem: dict | GemmProblem) -> str:
@@ -120,6 +132,11 @@ def _cache_rows(args) -> list[tuple[Any, str, dict]]:
     return rows
 
 
+# Builds show a count and the time, no rate or ETA: kernels found in the cache finish in
+# microseconds and nvcc builds in tens of seconds, so a rate over both means nothing.
+_BUILD_BAR = "{desc}: {n_fmt}/{total_fmt} kernels |{bar}| {elapsed}{postfix}"
+
+
 def _progress(args):
     """A tqdm progress bar for builds and one for problems (stderr); none with --json."""
     if args.json or args.no_progress:
@@ -131,9 +148,9 @@ def _progress(args):
     def update(what: str, done: int, total: int, label: str) -> None:
         bar = bars.get(what)
         if bar is None:
-            bar = bars[what] = tqdm(total=total, desc="compile" if what == "build" else "tune",
-                                    unit="kernel" if what == "build" else "shape",
-                                    file=sys.stderr, leave=True)
+            style = ({"desc": "compile", "bar_format": _BUILD_BAR} if what == "build"
+                     else {"desc": "tune", "unit": "shape"})
+            bar = bars[what] = tqdm(total=total, file=sys.stderr, leave=True, **style)
         bar.total = total
         bar.n = done
         bar.set_postfix_str(label[-60:], refresh=True)
@@ -358,10 +375,21 @@ def _norm_problems(args):
             for hidden in args.hidden for kind in args.kind for direction in args.direction]
 
 
+def _require_cuda_gpu() -> None:
+    import torch
+
+    from custom_kernels.core.errors import UnsupportedInputError
+
+    if not torch.cuda.is_available():
+        raise UnsupportedInputError(f"tuning needs a CUDA GPU, and torch {torch.__version__} "
+                                    "sees none")
+
+
 def cmd_norms_tune(args) -> int:
     from tuning import norm_search
 
     problems = _norm_problems(args)
+    _require_cuda_gpu()
     say = (lambda message: print(message, file=sys.stderr)) if args.json else print
     results = norm_search.tune(problems, strategy=args.strategy, force=args.force, rows=args.rows,
                              reps=args.reps, jobs=args.jobs or 8, progress=say)
@@ -445,14 +473,36 @@ def _spec_for_args(args):
             return device.current_spec()
     except ImportError:
         pass
+    print(f"no GPU found: ranking for H100; pass --gpu {'|'.join(device.KNOWN)} for another",
+          file=sys.stderr)
     return device.named_spec("H100")
 
 
 def cmd_compile(args) -> int:
     from cutlass_ops.gemms.loader import is_built
-    from tuning import candidates
 
     spec = _spec_for_args(args)
+    kernels = _kernels_to_compile(args, spec)
+    rows = []
+    for (operands, config), shapes in kernels.items():
+        built = _quiet_bool(lambda: is_built(operands, config))
+        rows.append({"operands": operands.name, "kernel": config.build_name, "built": built,
+                     "for": shapes})
+    if args.dry_run:
+        _emit(args, {"gpu": spec.name, "arch": spec.arch, "kernels": rows},
+              (["operands", "kernel", "built", "shapes"],
+               [[r["operands"], r["kernel"], r["built"], ",".join(r["for"][:3])] for r in rows]),
+              f"{len(rows)} kernels on {spec.name}; "
+              f"{sum(not r['built'] for r in rows)} to build")
+        return EXIT_OK
+    return _build_kernels(args, list(kernels), to_build=sum(not r["built"] for r in rows))
+
+
+def _kernels_to_compile(args, spec) -> dict[tuple, list[str]]:
+    """(operands, config) -> the shapes it serves: the candidates of the shapes given, and with
+    --tuned the cached winners for ``spec``'s GPU."""
+    from tuning import candidates
+
     kernels: dict[tuple, list[str]] = {}
     if args.tuned:  # the winners in the cache (imported from another machine, say)
         from cutlass_ops.gemms.choice import Choice
@@ -471,34 +521,44 @@ def cmd_compile(args) -> int:
                                         use_heuristics=not args.no_heuristics):
             key = (choice.operands_for(problem.operands), choice.config)
             kernels.setdefault(key, []).append(_shape_label(problem))
-    rows = []
-    for (operands, config), shapes in kernels.items():
-        built = _quiet_bool(lambda: is_built(operands, config))
-        rows.append({"operands": operands.name, "kernel": config.build_name, "built": built,
-                     "for": shapes})
-    if args.dry_run:
-        _emit(args, {"gpu": spec.name, "arch": spec.arch, "kernels": rows},
-              (["operands", "kernel", "built", "shapes"],
-               [[r["operands"], r["kernel"], r["built"], ",".join(r["for"][:3])] for r in rows]),
-              f"{len(rows)} kernels on {spec.name}; "
-              f"{sum(not r['built'] for r in rows)} to build")
-        return EXIT_OK
-    from cutlass_ops.gemms.loader import prepare_many
+    return kernels
 
-    progress = _progress(args)
+
+def _build_kernels(args, kernels: list[tuple], to_build: int) -> int:
+    """Emits and builds ``kernels``; says first what the slow steps will be, counts in the
+    progress bar and the summary only real builds (a kernel found in the cache takes no time)."""
+    from cutlass_ops.gemms import emit, loader
+
+    to_emit = sum(not _quiet_bool(lambda: emit.cached_source(*key) is not None)
+                  for key in kernels)
+    steps = [f"building {to_build} kernels with nvcc ({len(kernels) - to_build} already in the "
+             "cache)"]
+    if to_emit:
+        steps.insert(0, f"emitting {to_emit} kernel sources with cutlass_cppgen (about a minute "
+                        "on a cold cache)")
+    print(", then ".join(steps) + "...", file=sys.stderr)
+    progress = _progress(args) if to_build else None
     done = 0
 
     def on_done(build_spec, result):
         nonlocal done
+        if getattr(result, "seconds", None) == 0.0:  # found in the cache: not a build
+            return
         done += 1
         if progress:
-            progress("build", done, len(kernels), build_spec.name)
+            progress("build", done, to_build, build_spec.name)
 
-    results = prepare_many(list(kernels), jobs=args.jobs, on_done=on_done)
+    if progress:
+        progress("build", 0, to_build, "")
+    results = loader.prepare_many(kernels, jobs=args.jobs, on_done=on_done)
+    if progress and done < to_build:  # some failed before nvcc, or another process built them
+        progress("build", done, done, "")
     failed = {f"{o.name}-{c.build_name}": str(r)[:200] for (o, c), r in results.items()
               if isinstance(r, Exception)}
-    _emit(args, {"built": len(results) - len(failed), "failed": failed},
-          text=f"built {len(results) - len(failed)} kernels, {len(failed)} failed" +
+    cached = sum(not isinstance(r, Exception) and r.seconds == 0.0 for r in results.values())
+    built = len(results) - len(failed) - cached
+    _emit(args, {"built": built, "already_built": cached, "failed": failed},
+          text=f"{built} built, {cached} already in the cache, {len(failed)} failed" +
                "".join(f"\n  {k}: {v}" for k, v in failed.items()))
     return EXIT_OK if not failed else EXIT_FAILED
 
@@ -547,6 +607,20 @@ def cmd_report(args) -> int:
 
 # ---- parser ----------------------------------------------------------------------------------
 
+EXAMPLES = """\
+examples:
+  cutlass-tune tune 16x4096x4096 4096x14336x4096 --strategy quick
+  cutlass-tune tune --model mypkg.models:build --tokens 4096 --backward
+  cutlass-tune compile --dry-run 16x4096x4096 --gpu H200     (no GPU needed)
+  cutlass-tune export tuned.json    (then `cutlass-tune import tuned.json` on another machine)
+
+The cache lives in the user cache directory; set CUTLASS_OPS_CACHE_DIR to move it."""
+
+_DTYPES = ["bf16", "f16", "f32"]
+_STRATEGY_HELP = ("how many configs to try: quick (a handful), default, exhaustive (every one "
+                  "the rules allow); default: %(default)s")
+
+
 def _add_problem_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("shapes", nargs="*", metavar="MxNxK[xL]", help="GEMM shapes (L: batch)")
     p.add_argument("--file", action="append", help="a file of shapes, one per line")
@@ -557,8 +631,9 @@ def _add_problem_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--backward", action="store_true",
                        help="with --model, add the two backward GEMMs of each Linear (dX = dY W "
                        "in layout tt, dW = dY^T X in nt, as cutlass_ops.nn.Linear runs them)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
-    p.add_argument("--out-dtype", choices=["bf16", "f16", "f32"], help="default: --dtype")
+    p.add_argument("--dtype", default="bf16", choices=_DTYPES,
+                   help="A and B element type; default: %(default)s")
+    p.add_argument("--out-dtype", choices=_DTYPES, help="D's element type; default: --dtype")
     p.add_argument("--layout", default="tn", help="A, B (and D) layouts: t row-major, "
                    "n column-major; default tn (y = x @ W.T)")
     p.add_argument("--epilogue", default="", help="a fused epilogue, D = act(AB + bias) + C: "
@@ -566,8 +641,20 @@ def _add_problem_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    "and one of relu, gelu, gelu_tanh, silu; e.g. bias,gelu_tanh")
 
 
+def _add_build_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jobs", type=int, help="parallel nvcc processes (default: CPU count)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cutlass-tune", description=__doc__.splitlines()[0])
+    from custom_kernels.core.version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="cutlass-tune", description=__doc__.splitlines()[0].replace("``", ""),
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (default: one line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name, fn, help, json_flag=True, gpu_filter=False):
@@ -581,33 +668,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("tune", cmd_tune, "search configs for shapes and cache the winners")
     _add_problem_args(p)
-    p.add_argument("--strategy", default="default", choices=["quick", "default", "exhaustive"])
+    p.add_argument("--strategy", default="default", choices=["quick", "default", "exhaustive"],
+                   help=_STRATEGY_HELP)
     p.add_argument("--budget", type=float, help="time budget in seconds (keeps the best so far)")
     p.add_argument("--force", action="store_true", help="re-tune shapes already in the cache")
     p.add_argument("--no-heuristics", action="store_true",
                    help="rank with our model only, not nvidia-matmul-heuristics")
-    p.add_argument("--jobs", type=int, help="parallel nvcc processes (default: CPU count)")
-    p.add_argument("--no-progress", action="store_true")
+    _add_build_args(p)
 
     p = command("bench", cmd_bench, "time tuned winners against torch.matmul (a table)")
     _add_problem_args(p, model=False)
-    p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--jobs", type=int)
+    p.add_argument("--reps", type=int, default=50,
+                   help="timed repetitions per kernel; default: %(default)s")
+    p.add_argument("--jobs", type=int, help="parallel nvcc processes (default: CPU count)")
 
     command("list", cmd_list, "the tuning cache as a table", gpu_filter=True)
     p = command("show", cmd_show, "one shape's entry: winner, runners-up, failures",
                 gpu_filter=True)
-    p.add_argument("shape", metavar="MxNxK[xL]")
-    p.add_argument("--dtype", choices=["bf16", "f16", "f32"])
+    p.add_argument("shape", metavar="MxNxK[xL]", help="the GEMM shape (L: batch)")
+    p.add_argument("--dtype", choices=_DTYPES, help="only entries of this A element type")
 
     p = command("export", cmd_export, "write the cache (every GPU) to a file", json_flag=False,
                 gpu_filter=True)
-    p.add_argument("file")
+    p.add_argument("file", help="the JSON file to write")
     p = command("import", cmd_import, "merge exported files into the cache")
-    p.add_argument("files", nargs="+")
+    p.add_argument("files", nargs="+", help="files written by export or merge")
     p = command("merge", cmd_merge, "merge exported files into one file (the cache untouched)")
-    p.add_argument("files", nargs="+")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("files", nargs="+", help="files written by export or merge")
+    p.add_argument("-o", "--output", required=True, help="the merged JSON file to write")
     p = command("clear", cmd_clear, "delete the tuning cache", json_flag=False, gpu_filter=True)
     p.add_argument("--yes", action="store_true", help="really delete")
     command("doctor", cmd_doctor, "what is installed, found and missing")
@@ -615,57 +703,72 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("compile", cmd_compile, "build (or list with --dry-run) the kernels a tune "
                 "would compile; needs nvcc, not a GPU")
     _add_problem_args(p)
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the kernels and whether each is built; build nothing")
     p.add_argument("--tuned", action="store_true",
                    help="also the winners already in the tuning cache for this GPU")
     p.add_argument("--gpu", help="rank for this GPU (H100, H200, ...); default: this machine's")
-    p.add_argument("--strategy", default="default", choices=["quick", "default", "exhaustive"])
-    p.add_argument("--no-heuristics", action="store_true")
-    p.add_argument("--jobs", type=int)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--strategy", default="default", choices=["quick", "default", "exhaustive"],
+                   help=_STRATEGY_HELP)
+    p.add_argument("--no-heuristics", action="store_true",
+                   help="rank with our model only, not nvidia-matmul-heuristics")
+    _add_build_args(p)
 
     p = command("report", cmd_report, "PNG plot of tuned and cuBLAS TFLOP/s with the roofline",
                 gpu_filter=True)
     p.add_argument("--out", help="PNG path (default: in the cache directory)")
+    _add_norm_parsers(sub)
+    return parser
 
+
+def _add_norm_parsers(sub) -> None:
     norms = sub.add_parser("norms", help="tune / list / clear the fused norms' launch configs",
                            description="The RMSNorm / LayerNorm kernels' configs (threads, rows "
                            "per block, cluster, stages), searched on this GPU and cached.")
     norm_sub = norms.add_subparsers(dest="norm_command", required=True)
     p = norm_sub.add_parser("tune", help="search configs for hidden sizes and cache the winners")
     p.set_defaults(fn=cmd_norms_tune)
-    p.add_argument("--hidden", type=int, nargs="+", required=True)
-    p.add_argument("--kind", nargs="+", default=["rms", "ln"], choices=["rms", "ln"])
-    p.add_argument("--direction", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
-    p.add_argument("--dtype", default="bf16", choices=list(_NORM_DTYPES))
+    p.add_argument("--hidden", type=int, nargs="+", required=True,
+                   help="hidden sizes (the normalized dimension)")
+    p.add_argument("--kind", nargs="+", default=["rms", "ln"], choices=["rms", "ln"],
+                   help="RMSNorm, LayerNorm or both (default)")
+    p.add_argument("--direction", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"],
+                   help="forward, backward or both (default)")
+    p.add_argument("--dtype", default="bf16", choices=list(_NORM_DTYPES),
+                   help="x's element type; default: %(default)s")
     p.add_argument("--out-dtype", choices=list(_NORM_DTYPES), help="y (and dy); default --dtype")
     p.add_argument("--weight-dtype", choices=list(_NORM_DTYPES), help="default --dtype")
     p.add_argument("--residual", action="store_true", help="the fused residual-add variant")
-    p.add_argument("--strategy", default="default", choices=["quick", "default", "exhaustive"])
+    p.add_argument("--strategy", default="default", choices=["quick", "default", "exhaustive"],
+                   help=_STRATEGY_HELP)
     p.add_argument("--rows", type=int, help="rows to time with (default: 32768, fewer when long)")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=20,
+                   help="timed repetitions per config; default: %(default)s")
     p.add_argument("--force", action="store_true", help="re-tune problems already cached")
     p.add_argument("--jobs", type=int, help="parallel NVRTC processes (default 8)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = norm_sub.add_parser("list", help="the norm entries of the tuning cache as a table")
     p.set_defaults(fn=cmd_norms_list)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--gpu", help="only this GPU's entries (substring of its name)")
     p = norm_sub.add_parser("clear", help="delete the norm tuning entries")
     p.set_defaults(fn=cmd_norms_clear)
     p.add_argument("--gpu", help="only this GPU's entries (substring of its name)")
     p.add_argument("--yes", action="store_true", help="really delete")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from custom_kernels.core.errors import CutlassOpsError
 
+    command = " ".join(filter(None, [args.command, getattr(args, "norm_command", None)]))
     try:
         return args.fn(args)
-    except (ValueError, CutlassOpsError, ImportError) as exc:
-        print(f"cutlass-tune {args.command}: {exc}", file=sys.stderr)
+    except (ValueError, CutlassOpsError, ImportError, OSError) as exc:
+        if args.debug:
+            raise
+        # One line: the errors we raise name the problem and the way out.
+        print(f"cutlass-tune {command}: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
     except KeyboardInterrupt:
         print("interrupted: finished shapes are in the cache", file=sys.stderr)

@@ -41,6 +41,18 @@ def _nvcc() -> str:
     return f"{nvcc_path()} ({nvcc_version()})"
 
 
+def _nvrtc() -> str:
+    """NVRTC and the CUDA headers the custom kernels compile against (nothing is compiled)."""
+    from custom_kernels.jit import include_dirs, nvrtc_version
+
+    version = nvrtc_version()
+    if version == "unavailable":
+        raise RuntimeError("libnvrtc cannot be loaded; the custom kernels (norms, segment_sum) "
+                           "need it: install the CUDA toolkit or the nvidia-cuda-nvrtc wheel of "
+                           "your CUDA version")
+    return f"NVRTC {version}, headers in {include_dirs()[0]}"
+
+
 def _cutlass() -> str:
     from cutlass_ops.gemms.build import cutlass_include_dirs
 
@@ -78,6 +90,7 @@ def diagnose() -> dict[str, Any]:
         _check("nvcc", _nvcc, True),
         _check("cutlass", _cutlass, True),
         _check("cuda-python", _package("cuda-python", "custom kernels"), False),
+        _check("nvrtc", _nvrtc, False),
         _check("nvidia-matmul-heuristics",
                _package("nvidia-matmul-heuristics", "optional: better ranking"), False),
         _check("matplotlib", _package("matplotlib", "optional: cutlass-tune report"), False),

@@ -1,10 +1,15 @@
 """Every cutlass-tune command, with --json where it has one, on a CPU: tune and bench run on
 the fake backend of tuning_fakes."""
 
+import argparse
 import json
+import logging
+import os
+import subprocess
+import sys
 
 import pytest
-from tuning_fakes import FakeBackend
+from tuning_fakes import FakeArtifact, FakeBackend, FakeSpec
 
 from tuning import cli
 
@@ -126,7 +131,7 @@ def test_doctor_reports_every_check(capsys):
     report = json.loads(out)
     assert code in (0, 1)
     names = {c["what"] for c in report["checks"]}
-    assert {"gpu", "nvcc", "cutlass", "cache", "nvidia-matmul-heuristics"} <= names
+    assert {"gpu", "nvcc", "nvrtc", "cutlass", "cache", "nvidia-matmul-heuristics"} <= names
     assert set(report["missing_required"]) <= set(report["missing"])
     code, out, _ = run(capsys, "doctor")
     assert "cache" in out
@@ -167,3 +172,185 @@ def test_compile_tuned_lists_the_cached_winners(capsys, monkeypatch):
     assert any(winner.removeprefix("swap:").startswith(k) for k in listed)
     code, _, err = run(capsys, "compile", "--dry-run", "--gpu", "H100")
     assert code == 2 and "--tuned" in err
+
+
+# ---- the front door: corrupt caches, errors as one line, compile's honesty, help -------------
+
+def _tuning_dir():
+    from custom_kernels.core.tuned_store import tuning_dir
+
+    return tuning_dir()
+
+
+@pytest.mark.parametrize("argv", [("list",), ("export", "EXPORT"), ("clear", "--yes"),
+                                  ("norms", "list")])
+def test_a_cache_file_that_is_not_utf8_is_set_aside(capsys, caplog, tmp_path, argv):
+    run_json(capsys, "tune", "16x4096x4096", "--strategy", "quick", "--no-heuristics")
+    bad, bad_norms = _tuning_dir() / "bad.json", _tuning_dir() / "norms" / "bad.json"
+    bad_norms.parent.mkdir(exist_ok=True)
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    bad_norms.write_bytes(b"\xff\xfe\x00garbage")
+    argv = [str(tmp_path / "export.json") if a == "EXPORT" else a for a in argv]
+    with caplog.at_level(logging.WARNING, logger="custom_kernels.core.cache_dir"):
+        code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    asides = list(bad.parent.glob("bad.json.corrupt-*"))
+    if argv[0] == "norms":
+        assert bad.exists() and not bad_norms.exists()
+        asides = list(bad_norms.parent.glob("bad.json.corrupt-*"))
+    else:
+        assert not bad.exists()
+    assert len(asides) == 1
+    assert "is not UTF-8 text" in caplog.text and asides[0].name in caplog.text
+    if argv[0] == "export":
+        assert "1 entries" in out
+    if argv[0] == "clear":
+        assert run_json(capsys, "list") == []
+
+
+def test_the_corrupt_file_message_is_one_line_without_our_source(tmp_path):
+    # A fresh process, as a user runs it: nothing configures logging or warnings.
+    from custom_kernels.core import cache_dir
+
+    bad = cache_dir.versioned_dir("tuning") / "bad.json"
+    bad.write_bytes(b"\xff\xfe garbage")
+    done = subprocess.run([sys.executable, "-m", "tuning.cli", "list"], cwd=tmp_path,
+                          env={**os.environ}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    aside, = bad.parent.glob("bad.json.corrupt-*")
+    lines = done.stderr.splitlines()
+    assert lines == [f"cutlass-ops: {bad} is not UTF-8 text; moved it to {aside.name} and will "
+                     "rebuild it"], done.stderr
+
+
+def test_a_shapes_file_that_cannot_be_read_is_one_usage_line(capsys, tmp_path):
+    for path, why in [(tmp_path / "absent.txt", "No such file"), (tmp_path, "Is a directory")]:
+        code, _, err = run(capsys, "tune", "--file", str(path))
+        assert code == 2 and len(err.splitlines()) == 1
+        assert err.startswith(f"cutlass-tune tune: --file {path}: cannot read it ({why}")
+    binary = tmp_path / "shapes.bin"
+    binary.write_bytes(b"\xff16x16x16\n")
+    code, _, err = run(capsys, "tune", "--file", str(binary))
+    assert code == 2 and f"--file {binary}: not UTF-8 text" in err
+
+
+def test_norms_tune_without_a_gpu_is_one_line(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run(capsys, "norms", "tune", "--hidden", "4096")
+    assert code == 2 and not out
+    assert err.startswith("cutlass-tune norms tune: tuning needs a CUDA GPU")
+    assert len(err.splitlines()) == 1
+
+
+def test_errors_are_one_line_unless_debug(capsys, monkeypatch):
+    def broken(args):
+        raise PermissionError(13, "Permission denied", "/somewhere/tuning")
+
+    monkeypatch.setattr(cli, "cmd_list", broken)
+    code, _, err = run(capsys, "list")
+    assert code == 1 and err.splitlines() == [
+        "cutlass-tune list: [Errno 13] Permission denied: '/somewhere/tuning'"]
+    with pytest.raises(PermissionError):
+        cli.main(["--debug", "list"])
+
+
+@pytest.mark.parametrize("version", ["13.0", "unavailable"])
+def test_doctor_checks_nvrtc_without_compiling(capsys, monkeypatch, version):
+    from custom_kernels import jit
+
+    monkeypatch.setattr(jit, "nvrtc_version", lambda: version)
+    monkeypatch.setattr(jit, "include_dirs", lambda: ("/cuda/include", "/cuda/include/cccl"))
+    monkeypatch.setattr(jit, "compile_cubin", None)  # doctor must not compile
+    report = json.loads(run(capsys, "doctor", "--json")[1])
+    nvrtc, = [c for c in report["checks"] if c["what"] == "nvrtc"]
+    if version == "13.0":
+        assert nvrtc["ok"] and nvrtc["detail"] == "NVRTC 13.0, headers in /cuda/include"
+    else:
+        assert not nvrtc["ok"] and "libnvrtc cannot be loaded" in nvrtc["detail"]
+        assert "nvrtc" in report["missing"]
+
+
+def test_compile_says_when_it_ranks_for_a_gpu_it_guessed(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ("compile", "--dry-run", "16x4096x4096", "--strategy", "quick", "--no-heuristics")
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and "on NVIDIA H100" in out
+    assert err.startswith("no GPU found: ranking for H100; pass --gpu H100") and "H200" in err
+    code, _, err = run(capsys, *argv, "--gpu", "H200")
+    assert code == 0 and "no GPU found" not in err
+
+
+def _fake_builds(monkeypatch, cached: bool):
+    """loader's emission and build replaced: every kernel already built (``cached``) or built
+    now, as prepare_many reports them (on_done per build, an Artifact with its seconds)."""
+    from cutlass_ops.gemms import emit, loader
+
+    monkeypatch.setattr(loader, "is_built", lambda operands, config: cached)
+    monkeypatch.setattr(emit, "cached_source", lambda operands, config: "//" if cached else None)
+
+    def prepare_many(items, *, jobs=None, on_done=None):
+        results = {}
+        for operands, config in items:
+            results[(operands, config)] = FakeArtifact(seconds=0.0 if cached else 30.0)
+            on_done(FakeSpec(config.build_name), results[(operands, config)])
+        return results
+
+    monkeypatch.setattr(loader, "prepare_many", prepare_many)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_compile_counts_only_real_builds(capsys, monkeypatch, cached):
+    _fake_builds(monkeypatch, cached)
+    argv = ("compile", "16x4096x4096", "--gpu", "H100", "--strategy", "quick",
+            "--no-heuristics")
+    kernels = len(run_json(capsys, *argv, "--dry-run")["kernels"])
+    code, out, err = run(capsys, *argv)
+    assert code == 0
+    if cached:
+        assert out.strip() == f"0 built, {kernels} already in the cache, 0 failed"
+        assert "emitting" not in err and "building 0 kernels" in err
+        assert "compile:" not in err  # no progress bar for nothing to build
+    else:
+        assert out.strip() == f"{kernels} built, 0 already in the cache, 0 failed"
+        assert err.startswith(f"emitting {kernels} kernel sources with cutlass_cppgen")
+        assert f"then building {kernels} kernels with nvcc" in err
+        assert f"compile: {kernels}/{kernels} kernels" in err
+    assert "/s" not in err  # no rate: builds and cache hits take times apart
+    result = run_json(capsys, *argv)
+    assert result == {"built": 0 if cached else kernels, "already_built": kernels if cached
+                      else 0, "failed": {}}
+
+
+def test_version_help_and_examples(capsys):
+    from custom_kernels.core.version import __version__
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out == f"cutlass-tune {__version__}\n"
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "examples:" in out and "cutlass-tune tune 16x4096x4096" in out
+
+
+def _parsers(parser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_option_and_command_has_help():
+    for parser in _parsers(cli.build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            if isinstance(action, argparse._SubParsersAction):
+                assert all(choice.help for choice in action._choices_actions), parser.prog
+                continue
+            assert action.help, f"{parser.prog} {action.option_strings or action.dest}"
