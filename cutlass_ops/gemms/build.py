@@ -1,11 +1,12 @@
-"""nvcc builds of emitted kernels into a content-addressed artifact cache.
+"""nvcc builds of emitted kernels, kept in the build cache (``custom_kernels.core.build_cache``).
 
 An artifact is ``<cache>/<version>/artifacts/<arch>/<readable name>-<hash>/`` holding the kernel
-header, ``kernel.so``, and ``build.log``. The hash covers the emitted source, our launcher, the nvcc
-version, the flags and the arch, so a change to any of them builds anew and nothing stale is
-loaded. A failed build keeps its log and a ``failed.json`` marker: the same failure is reported
-again without re-running nvcc (``retry_failed=True`` overrides). Builds run in parallel
-processes (nvcc itself), each under a per-artifact file lock so concurrent callers build once.
+header, ``kernel.so``, its ``built.json`` and ``build.log``. The hash covers the emitted source, our
+launcher, the nvcc version, the flags, the defines and the arch, so a change to any of them builds
+anew and nothing stale is loaded. A failed build keeps its log and a ``failed.json`` record: the
+same failure is reported again without re-running nvcc (``retry_failed=True`` overrides), since
+one costs up to minutes. Builds run in parallel (threads, each waiting on its nvcc process),
+each entry built once however many callers ask for it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
 import importlib.util
 import os
 import re
@@ -23,11 +23,9 @@ import threading
 import time
 from pathlib import Path
 
-import filelock
-
-from custom_kernels.core import cache_dir
-from cutlass_ops.gemms.config import Arch
+from custom_kernels.core import build_cache, cache_dir
 from custom_kernels.core.errors import BuildError, ToolchainError
+from cutlass_ops.gemms.config import Arch
 
 LAUNCHER = Path(__file__).with_name("csrc") / "gemm_launcher.cu"
 KERNEL_HEADER = "cutlass_ops_kernel.h"
@@ -100,18 +98,19 @@ class BuildSpec:
 
     @functools.cached_property
     def key(self) -> str:
-        digest = hashlib.sha256()
         parts = [self.kernel_source.encode(), LAUNCHER.read_bytes(), nvcc_version().encode(),
                  " ".join(nvcc_flags(self.arch)).encode(), self.arch.value.encode()]
         if self.defines:  # absent from the keys of kernels without any, which stay as they were
             parts.append(" ".join(self.defines).encode())
-        for part in parts:
-            digest.update(len(part).to_bytes(8, "little") + part)
-        return digest.hexdigest()[:20]
+        return build_cache.key_of_parts(parts)
 
     @property
     def directory(self) -> Path:
-        return cache_dir.versioned_dir("artifacts", self.arch.value) / f"{self.name}-{self.key}"
+        return build_cache.entry_path("artifacts", self.arch.value, self.name, self.key)
+
+    @property
+    def entry(self) -> build_cache.Entry:
+        return build_cache.directory_entry(self.directory, self.name, LIBRARY, "built.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,19 +118,6 @@ class Artifact:
     spec: BuildSpec
     library: Path
     seconds: float  # build time; 0.0 when it came from the cache
-
-
-def _failure(spec: BuildSpec) -> BuildError | None:
-    marker = spec.directory / "failed.json"
-    data = cache_dir.read_json_or_quarantine(marker)
-    if data is None:
-        return None
-    return BuildError(spec.name, str(spec.directory / "build.log"), data.get("summary", ""))
-
-
-def _summary(log: str) -> str:
-    errors = [line.strip() for line in log.splitlines() if "error" in line]
-    return errors[0][:300] if errors else log.strip()[-300:]
 
 
 _compiles = 0  # nvcc runs in this process: dispatch promises none on a tuned shape
@@ -148,14 +134,13 @@ def _nvcc_slots() -> threading.BoundedSemaphore:
     return threading.BoundedSemaphore(default_jobs())
 
 
-def _compile(spec: BuildSpec) -> Artifact:
+def _compile(spec: BuildSpec, library: Path) -> build_cache.Built:
+    """Runs nvcc on our launcher around the kernel header, writing ``library``."""
     directory = spec.directory
-    header = directory / KERNEL_HEADER
-    cache_dir.atomic_write_text(header, spec.kernel_source)
-    tmp_library = directory / f".{LIBRARY}.{os.getpid()}.tmp"
+    cache_dir.atomic_write_text(directory / KERNEL_HEADER, spec.kernel_source)
     command = [nvcc_path(), *nvcc_flags(spec.arch), *(f"-D{d}" for d in spec.defines),
                f"-I{directory}",
-               *(f"-I{d}" for d in cutlass_include_dirs()), "-o", str(tmp_library), str(LAUNCHER)]
+               *(f"-I{d}" for d in cutlass_include_dirs()), "-o", str(library), str(LAUNCHER)]
     global _compiles
     with _nvcc_slots():
         _compiles += 1
@@ -163,39 +148,27 @@ def _compile(spec: BuildSpec) -> Artifact:
         try:
             proc = subprocess.run(command, capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
-            log, ok = proc.stdout + proc.stderr, proc.returncode == 0
+            output, ok = proc.stdout + proc.stderr, proc.returncode == 0
         except subprocess.TimeoutExpired as exc:
-            log, ok = f"nvcc timed out after {BUILD_TIMEOUT_S} s\n{exc.stderr or ''}", False
+            output, ok = f"nvcc timed out after {BUILD_TIMEOUT_S} s\n{exc.stderr or ''}", False
         seconds = time.perf_counter() - start
-    cache_dir.atomic_write_text(directory / "build.log", " ".join(command) + "\n\n" + log)
+    log = " ".join(command) + "\n\n" + output
     if not ok:
-        tmp_library.unlink(missing_ok=True)
-        summary = _summary(log)
-        cache_dir.atomic_write_json(directory / "failed.json",
-                                    {"summary": summary, "seconds": seconds})
-        raise BuildError(spec.name, str(directory / "build.log"), summary)
-    os.replace(tmp_library, directory / LIBRARY)
-    cache_dir.atomic_write_json(directory / "built.json", {"seconds": seconds, "name": spec.name})
-    return Artifact(spec, directory / LIBRARY, seconds)
+        raise build_cache.BuildFailed(log)
+    return build_cache.Built({"seconds": seconds, "name": spec.name}, log)
 
 
 def is_built(spec: BuildSpec) -> bool:
+    """Whether the artifact is on disk (a cheap listing check: ``build`` also checks that it is
+    whole, and rebuilds it if not)."""
     return (spec.directory / LIBRARY).exists()
 
 
 def build(spec: BuildSpec, *, retry_failed: bool = False) -> Artifact:
     """The artifact for ``spec``: from the cache, or compiled now. Raises BuildError."""
-    library = spec.directory / LIBRARY
-    if library.exists():
-        return Artifact(spec, library, 0.0)
-    with filelock.FileLock(str(spec.directory) + ".lock"):
-        if library.exists():  # another process built it while we waited
-            return Artifact(spec, library, 0.0)
-        failure = _failure(spec)
-        if failure is not None and not retry_failed:
-            raise failure
-        (spec.directory / "failed.json").unlink(missing_ok=True)
-        return _compile(spec)
+    published = build_cache.get_or_build(spec.entry, lambda library: _compile(spec, library),
+                                         retry=retry_failed)
+    return Artifact(spec, published.path, published.seconds)
 
 
 def default_jobs() -> int:

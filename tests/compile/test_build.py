@@ -1,12 +1,17 @@
-"""The artifact cache: keys, kept failures, locking. Uses tiny broken sources so nvcc fails fast."""
+"""nvcc artifacts in the build cache: keys, kept failures, locking. Uses tiny broken sources so
+nvcc fails fast."""
 
+import hashlib
+import json
 import threading
 
 import pytest
 
 from cutlass_ops.gemms import build
 from cutlass_ops.gemms.config import Arch
+from custom_kernels.core import build_cache
 from custom_kernels.core.errors import BuildError
+from custom_kernels.core.version import __version__
 
 pytestmark = pytest.mark.skipif(not build.nvcc_available(), reason="nvcc not found")
 
@@ -22,6 +27,26 @@ def test_key_covers_source_and_arch():
     assert "compute_90a" in " ".join(build.nvcc_flags(Arch.SM90A))
     defined = build.BuildSpec("k", BROKEN, Arch.SM90A, ("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",))
     assert defined.key != a.key
+
+
+def test_key_is_the_one_existing_artifact_caches_were_built_under():
+    """Length-prefixed parts, defines only when there are some: a change here would rebuild
+    every kernel of every existing cache."""
+    def legacy(spec):
+        parts = [spec.kernel_source.encode(), build.LAUNCHER.read_bytes(),
+                 build.nvcc_version().encode(), " ".join(build.nvcc_flags(spec.arch)).encode(),
+                 spec.arch.value.encode()]
+        if spec.defines:
+            parts.append(" ".join(spec.defines).encode())
+        digest = hashlib.sha256()
+        for part in parts:
+            digest.update(len(part).to_bytes(8, "little") + part)
+        return digest.hexdigest()[:20]
+
+    for spec in (build.BuildSpec("k", BROKEN, Arch.SM90A),
+                 build.BuildSpec("k", BROKEN, Arch.SM100A, ("A=1", "B"))):
+        assert spec.key == legacy(spec)
+        assert spec.directory.parent.parts[-3:] == (__version__, "artifacts", spec.arch.value)
 
 
 def test_only_tile_widths_cute_splits_get_the_extended_wgmma_shapes():
@@ -52,7 +77,10 @@ def test_failure_is_kept_with_its_log_and_not_recompiled(monkeypatch):
     assert "broken" in str(first.value) and log.endswith("build.log")
     assert "deliberately broken" in open(log).read()
 
-    monkeypatch.setattr(build, "_compile", lambda spec: pytest.fail("nvcc ran again"))
+    record = json.loads((spec.directory / "failed.json").read_text())
+    assert "deliberately broken" in record["summary"]
+    assert not (spec.directory / build.LIBRARY).exists()
+    monkeypatch.setattr(build, "_compile", lambda spec, out: pytest.fail("nvcc ran again"))
     with pytest.raises(BuildError, match="deliberately broken"):
         build.build(spec)
 
@@ -63,11 +91,39 @@ def test_retry_failed_rebuilds():
         build.build(spec)
     marker = spec.directory / "failed.json"
     marker.write_text("{corrupt")
-    with pytest.warns(RuntimeWarning, match="not valid JSON"):
-        with pytest.raises(BuildError):
-            build.build(spec)  # a corrupt marker is set aside and the build runs again
+    with pytest.raises(BuildError):
+        build.build(spec)  # a corrupt record is set aside and the build runs again
+    assert list(spec.directory.glob("failed.json.corrupt-*"))
+    assert json.loads(marker.read_text())["summary"]  # the new failure is recorded
     with pytest.raises(BuildError):
         build.build(spec, retry_failed=True)
+
+
+def test_success_publishes_a_whole_library_and_its_metadata(monkeypatch, tmp_path):
+    """The success path without CUTLASS's compile time: a one-line launcher."""
+    launcher = tmp_path / "launcher.cu"
+    launcher.write_text(f'#include "{build.KERNEL_HEADER}"\n'
+                        'extern "C" int probe() { return VALUE; }\n')
+    monkeypatch.setattr(build, "LAUNCHER", launcher)
+    spec = build.BuildSpec("tiny", "#define VALUE 7\n", Arch.SM90A)
+    artifact = build.build(spec)
+    assert artifact.library == spec.directory / build.LIBRARY and artifact.seconds > 0
+    assert build.is_built(spec) and build_cache.damage(artifact.library) is None
+    assert json.loads((spec.directory / "built.json").read_text())["name"] == "tiny"
+    assert "-o" in (spec.directory / "build.log").read_text()
+    assert not (spec.directory / "failed.json").exists()
+    assert build.build(spec).seconds == 0.0  # from the cache
+
+
+def test_artifact_without_its_metadata_is_set_aside_and_rebuilt():
+    spec = build.BuildSpec("broken-no-metadata", BROKEN, Arch.SM90A)
+    spec.directory.mkdir(parents=True)
+    (spec.directory / build.LIBRARY).write_bytes(b"a library whose build.json never came")
+    assert build.is_built(spec)
+    with pytest.raises(BuildError, match="deliberately broken"):  # nvcc ran on the source again
+        build.build(spec)
+    assert not build.is_built(spec)
+    assert list(spec.directory.glob(build.LIBRARY + ".corrupt-*"))
 
 
 def test_concurrent_callers_compile_once(monkeypatch):
@@ -75,9 +131,9 @@ def test_concurrent_callers_compile_once(monkeypatch):
     calls = []
     real = build._compile
 
-    def counting(s):
+    def counting(s, out):
         calls.append(s)
-        return real(s)
+        return real(s, out)
 
     monkeypatch.setattr(build, "_compile", counting)
     errors = []
