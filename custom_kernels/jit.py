@@ -5,8 +5,11 @@ arch) and never touches a GPU, so it can run in a process pool or on a machine w
 cubin lives at ``<cache>/<version>/nvrtc/<arch>/<stem>-<hash>.cubin`` beside a ``.json`` with the
 mangled names of the name expressions (NVRTC gives them only at compile time). The hash covers
 every file in ``csrc/`` (so any ``.cuh`` a kernel includes), the defines, the name expressions,
-the arch, the NVRTC and cuda.core versions, the include directories and the options. A failed
-compile keeps its log in ``<stem>-<hash>.log`` and raises ``BuildError``.
+the arch, the NVRTC and cuda.core versions, the include directories and the options. The entry is
+kept by ``custom_kernels.core.build_cache`` (one lock per key, corrupt entries rebuilt). A failed
+compile keeps its log in ``<stem>-<hash>.log`` and a ``<stem>-<hash>.failed.json`` record and raises
+``BuildError``; the next call compiles again rather than re-raising the record: NVRTC takes about a
+second, and no caller has a retry switch to clear a failure that was not the source's fault.
 
 ``get_kernel`` compiles (or finds) the cubin and loads it, memoized per (source, name, defines,
 device): after the first call it costs a dict lookup.
@@ -24,10 +27,8 @@ import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import filelock
-
-from custom_kernels.core import cache_dir
-from custom_kernels.core.errors import BuildError, ToolchainError
+from custom_kernels.core import build_cache
+from custom_kernels.core.errors import ToolchainError
 
 CSRC = Path(__file__).resolve().with_name("csrc")
 DEFAULT_ARCH = "sm_90a"
@@ -99,13 +100,13 @@ def cache_key(source: str, defines: Mapping = {}, name_expressions: Sequence[str
         "names": list(name_expressions), "arch": arch, "nvrtc": nvrtc_version(),
         "cuda.core": _cuda_core_version(), "include": include_dirs(), "options": _OPTIONS,
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+    return build_cache.key(payload)
 
 
 def cubin_path(source: str, defines: Mapping = {}, name_expressions: Sequence[str] = (),
                arch: str = DEFAULT_ARCH) -> Path:
     key = cache_key(source, defines, name_expressions, arch)
-    return cache_dir.versioned_dir("nvrtc", arch) / f"{Path(source).stem}-{key}.cubin"
+    return build_cache.entry_path("nvrtc", arch, Path(source).stem, key).with_suffix(".cubin")
 
 
 def compile_cubin(source: str, *, defines: Mapping = {}, name_expressions: Sequence[str] = (),
@@ -115,41 +116,30 @@ def compile_cubin(source: str, *, defines: Mapping = {}, name_expressions: Seque
     if not src.is_file():
         raise FileNotFoundError(f"no kernel source {source!r} under {CSRC}")
     path = cubin_path(source, defines, name_expressions, arch)
-    if _valid(path, name_expressions):
-        return path
-    with filelock.FileLock(str(path.with_suffix(".lock"))):
-        if _valid(path, name_expressions):
-            return path
-        code, mapping = _nvrtc(src, path, defines, name_expressions, arch)
-        cache_dir.atomic_write_json(path.with_suffix(".json"), mapping)
-        cache_dir.atomic_write_bytes(path, code)
+    build_cache.get_or_build(_entry(path, name_expressions),
+                             lambda out: _nvrtc(src, out, defines, name_expressions, arch))
     return path
 
 
-def _valid(path: Path, name_expressions: Sequence[str]) -> bool:
-    """A complete entry: a non-empty cubin and, where names were asked, their mangled names. A
-    corrupt entry is set aside so the caller rebuilds it."""
-    if not path.is_file():
-        return False
-    if path.stat().st_size == 0:
-        cache_dir.quarantine(path, "is empty")
-        return False
-    if name_expressions:
-        mapping = cache_dir.read_json_or_quarantine(path.with_suffix(".json"))
-        if not isinstance(mapping, dict) or not all(n in mapping for n in name_expressions):
-            cache_dir.quarantine(path, "has no complete symbol table")
-            return False
-    return True
+def _entry(path: Path, name_expressions: Sequence[str]) -> build_cache.Entry:
+    """The cubin's entry; its sidecar is the symbol table, complete when it maps every name
+    expression asked for."""
+    def has_every_name(mapping) -> bool:
+        return isinstance(mapping, dict) and all(n in mapping for n in name_expressions)
+
+    return build_cache.file_entry(path, sidecar_ok=has_every_name, keep_failures=False)
 
 
-def _nvrtc(src: Path, path: Path, defines: Mapping, name_expressions: Sequence[str],
-           arch: str) -> tuple[bytes, dict]:
+def _nvrtc(src: Path, out: Path, defines: Mapping, name_expressions: Sequence[str],
+           arch: str) -> build_cache.Built:
+    """Compiles ``src`` into ``out``; the sidecar maps each name expression to its mangled name."""
     try:
         from cuda.core import Program, ProgramOptions
 
         options = ProgramOptions(
             name=src.name, arch=arch, include_path=list(include_dirs()),
-            define_macro=list(_normalize_defines(defines)), **_OPTIONS)
+            # cuda.core refuses an empty list of macros: None when there are none.
+            define_macro=list(_normalize_defines(defines)) or None, **_OPTIONS)
         program = Program(src.read_text(), "c++", options)
     except ToolchainError:
         raise
@@ -160,15 +150,12 @@ def _nvrtc(src: Path, path: Path, defines: Mapping, name_expressions: Sequence[s
     try:
         obj = program.compile("cubin", name_expressions=tuple(name_expressions), logs=log)
     except Exception as exc:
-        log_path = path.with_suffix(".log")
-        text = f"{log.getvalue()}\n{type(exc).__name__}: {exc}\n"
-        cache_dir.atomic_write_text(log_path, text)
-        first = next((line for line in text.splitlines() if "error" in line), str(exc))
-        raise BuildError(path.stem, str(log_path), first.strip()[:300]) from exc
+        raise build_cache.BuildFailed(f"{log.getvalue()}\n{type(exc).__name__}: {exc}\n") from exc
     finally:
         program.close()
-    mapping = {name: _as_str(obj.symbol_mapping[name]) for name in name_expressions}
-    return bytes(obj.code), mapping
+    out.write_bytes(bytes(obj.code))
+    return build_cache.Built({name: _as_str(obj.symbol_mapping[name])
+                              for name in name_expressions})
 
 
 def _as_str(value) -> str:

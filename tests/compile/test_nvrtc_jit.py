@@ -1,13 +1,14 @@
 """custom_kernels.jit and custom_kernels.launch without a GPU: include paths, cache keys and paths,
 cache hits, corrupt entries, errors."""
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
 from custom_kernels import jit, launch
-from custom_kernels.core import cache_dir
+from custom_kernels.core import build_cache, cache_dir
 from custom_kernels.core.errors import BuildError, ToolchainError
 
 
@@ -46,6 +47,17 @@ def test_cache_key_covers_every_csrc_file(monkeypatch, tmp_path):
     assert jit.cache_key("a.cu") != before
 
 
+def test_cache_key_is_the_one_existing_cubin_caches_were_built_under():
+    """sha256 of the sorted-key JSON payload: a change here would recompile every cached cubin."""
+    _toolkit_or_skip()
+    payload = {"source": "norms.cu", "csrc": jit._csrc_digest(), "defines": [["A", "1"]],
+               "names": ["k"], "arch": "sm_90a", "nvrtc": jit.nvrtc_version(),
+               "cuda.core": jit._cuda_core_version(), "include": list(jit.include_dirs()),
+               "options": {"std": "c++17", "lineinfo": True}}
+    legacy = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+    assert jit.cache_key("norms.cu", {"A": 1}, ("k",), "sm_90a") == legacy
+
+
 def test_cubin_path_is_versioned_and_readable(cache_root):
     _toolkit_or_skip()
     path = jit.cubin_path("norms.cu", {"NORM_PART": 0}, ("norm_fwd",), "sm_90a")
@@ -63,16 +75,26 @@ def test_cached_cubin_is_returned_without_nvrtc():
     assert jit.compile_cubin("norms.cu", defines=defines, name_expressions=("norm_fwd",)) == path
 
 
-def test_entry_without_symbol_table_is_set_aside_and_rebuilt():
+def test_entry_without_symbol_table_is_set_aside():
     _toolkit_or_skip()
     defines = {"TEST_CORRUPT_ENTRY": 1}
     path = jit.cubin_path("norms.cu", defines, ("norm_fwd",))
     cache_dir.atomic_write_bytes(path, b"cubin")
     path.with_suffix(".json").write_text("{not json")
-    with pytest.warns(RuntimeWarning):
-        assert not jit._valid(path, ("norm_fwd",))
+    entry = jit._entry(path, ("norm_fwd",))
+    assert not build_cache.is_complete(entry, repair=True)
     assert not path.exists()
     assert list(path.parent.glob(path.with_suffix(".json").name + ".corrupt-*"))
+    assert list(path.parent.glob(path.name + ".corrupt-*"))
+
+
+def test_symbol_table_without_the_name_asked_for_is_incomplete():
+    _toolkit_or_skip()
+    path = jit.cubin_path("norms.cu", {"TEST_OTHER_NAME": 1}, ("norm_fwd",))
+    cache_dir.atomic_write_json(path.with_suffix(".json"), {"norm_bwd": "_Z8norm_bwdv"})
+    cache_dir.atomic_write_bytes(path, b"cubin")
+    assert not build_cache.is_complete(jit._entry(path, ("norm_fwd",)))
+    assert build_cache.is_complete(jit._entry(path, ("norm_bwd",)))
 
 
 def test_missing_source_is_reported():
@@ -90,7 +112,17 @@ def test_compile_error_keeps_the_log(monkeypatch, tmp_path):
         return
     with pytest.raises(BuildError) as info:
         jit.compile_cubin("broken.cu", name_expressions=("k",))
-    assert "error" in Path(info.value.log_path).read_text()
+    log = Path(info.value.log_path)
+    assert "error" in log.read_text() and "error" in str(info.value)
+    record = json.loads(log.with_suffix(".failed.json").read_text())
+    assert record["summary"] and not list(log.parent.glob(log.stem + ".cubin*"))
+    # NVRTC failures are not kept: the next call compiles again.
+    calls = []
+    real = jit._nvrtc
+    monkeypatch.setattr(jit, "_nvrtc", lambda *args: calls.append(args) or real(*args))
+    with pytest.raises(BuildError):
+        jit.compile_cubin("broken.cu", name_expressions=("k",))
+    assert len(calls) == 1
 
 
 def test_symbol_table_is_json_beside_the_cubin():
