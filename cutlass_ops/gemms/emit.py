@@ -89,10 +89,23 @@ def check_emitted_shapes(source: str, config: GemmConfig) -> None:
 
 def cached_source(operands: GemmOperands, config: GemmConfig) -> str | None:
     """The emitted source if it is in the cache, else None (no emission)."""
+    return _read_source(_emitted_path(operands, config))
+
+
+def _read_source(path) -> str | None:
+    """A cached source, or None when absent; an empty or undecodable file is set aside (the
+    cache's corruption rule), so that it is emitted again."""
     try:
-        return _emitted_path(operands, config).read_text()
+        text = path.read_bytes().decode()
     except OSError:
         return None
+    except UnicodeDecodeError:
+        cache_dir.quarantine(path, "is not UTF-8 text")
+        return None
+    if not text.strip():
+        cache_dir.quarantine(path, "is empty")
+        return None
+    return text
 
 
 def emit_sources(operands: GemmOperands, configs: Iterable[GemmConfig]) -> dict[GemmConfig, str]:
@@ -102,9 +115,9 @@ def emit_sources(operands: GemmOperands, configs: Iterable[GemmConfig]) -> dict[
     out: dict[GemmConfig, Any] = {}
     missing: dict[Arch, list[GemmConfig]] = {}
     for config in configs:
-        path = _emitted_path(operands, config)
-        if path.exists():
-            out[config] = path.read_text()
+        source = _read_source(_emitted_path(operands, config))
+        if source is not None:
+            out[config] = source
         else:
             missing.setdefault(config.arch, []).append(config)
     for arch, todo in missing.items():

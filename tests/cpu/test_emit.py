@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 
 from cutlass_ops.gemms import emit
@@ -92,10 +94,21 @@ def test_cutlass_cppgen_errors_are_reported_per_config():
     assert isinstance(result[PINGPONG], str)
 
 
-def test_tile_descriptions_cache_survives_corruption(cache_root):
+def test_tile_descriptions_cache_survives_corruption(cache_root, caplog):
     first = emit.cutlass_tile_descriptions(BF16_TN, GemmConfig().arch)
     [path] = list((emit.cache_dir.versioned_dir("tile_descriptions")).glob("sm90a-*.json"))
     path.write_text('[{"truncated": ')
-    with pytest.warns(RuntimeWarning, match="not valid JSON"):
+    with caplog.at_level(logging.WARNING, logger="custom_kernels.core.cache_dir"):
         again = emit.cutlass_tile_descriptions(BF16_TN, GemmConfig().arch)
+    assert "not valid JSON" in caplog.text
     assert again == first
+
+
+def test_an_undecodable_cached_source_is_set_aside_and_emitted_again(cache_root, caplog):
+    first = emit.emit_sources(BF16_TN, [PINGPONG])[PINGPONG]
+    path = emit._emitted_path(BF16_TN, PINGPONG)
+    path.write_bytes(b"\xff\xfe not a source")
+    with caplog.at_level(logging.WARNING, logger="custom_kernels.core.cache_dir"):
+        assert emit.cached_source(BF16_TN, PINGPONG) is None
+    assert "not UTF-8" in caplog.text and not path.exists()
+    assert emit.emit_sources(BF16_TN, [PINGPONG])[PINGPONG] == first
