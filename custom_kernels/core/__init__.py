@@ -2,5 +2,7 @@
 
 errors, version, cache_dir (cache root, atomic writes, quarantine of corrupt files), tuned_store
 (the tuned-results store: dispatch reads it, the tuner writes it), device (GPU identity and
-figures). Imports nothing of this project outside this package; importing it loads no torch.
+figures), build_cache (the one build cache of nvcc shared objects and NVRTC cubins: keys, locks,
+failure records, corruption rule), tolerances (the one table of verification bounds).
+Imports nothing of this project outside this package; importing it loads no torch.
 """

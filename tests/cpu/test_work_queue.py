@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-CSRC = Path(__file__).resolve().parents[1] / "custom_kernels" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "custom_kernels" / "csrc"
 
 
 def nvcc_cubin(source: str, defines: dict, out: Path, arch: str = "sm_90a") -> bytes:
@@ -31,7 +31,7 @@ def nvcc_cubin(source: str, defines: dict, out: Path, arch: str = "sm_90a") -> b
 def test_package_import_loads_no_torch():
     code = ("import sys, custom_kernels; assert 'torch' not in sys.modules; "
             "assert 'custom_kernels.clip_grad' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
 def test_lazy_exports_resolve():
@@ -81,7 +81,7 @@ def test_persistent_launch_needs_no_work_queue_import_of_cuda():
     """The module imports without touching CUDA; counters() needs a GPU only when called."""
     code = ("import custom_kernels.work_queue as w, custom_kernels.cooperative as c, sys; "
             "assert 'torch' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
 @pytest.mark.compile
