@@ -1,0 +1,30 @@
+"""Compile-only through NVRTC, no GPU: the custom kernel families' own compile functions build
+cubins for sm_90a (skipped where libnvrtc cannot be loaded)."""
+
+import pytest
+
+from custom_kernels import jit
+
+pytestmark = [pytest.mark.compile,
+              pytest.mark.skipif(jit.nvrtc_version() == "unavailable",
+                                 reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)")]
+
+
+@pytest.mark.smoke
+def test_norm_family_compiles_forward_and_backward(cache_root):
+    from custom_kernels.norms import config as nc
+    from custom_kernels.norms import ops
+
+    problems = [nc.NormProblem("rms", direction, 4096, "bfloat16", "bfloat16", "bfloat16",
+                               residual=True) for direction in ("fwd", "bwd")]
+    ops.precompile(problems, workers=2)
+    cubins = list((jit.cubin_path("norms.cu").parent).glob("*.cubin"))
+    assert cubins and all(p.stat().st_size > 0 for p in cubins)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_ragged_family_compiles(cache_root, dtype):
+    from custom_kernels import ragged
+
+    path = ragged.compile_ragged(dtype, offset_bits=64, vec=True)
+    assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
