@@ -25,14 +25,16 @@ def run_benchmark(script, *args):
 
 @pytest.mark.parametrize("script, args", [("gemm.py", ["--quick"]), ("norms.py", ["--quick"]),
                                           ("reductions.py", ["--quick"]),
-                                          ("torch_integration.py", ["--quick"])])
+                                          ("torch_integration.py", ["--quick"]),
+                                          ("sweeps/gemm_configs.py", ["--preset", "small-m"]),
+                                          ("sweeps/norm_configs.py", [])])
 def test_without_a_gpu_a_benchmark_stops_at_once_with_one_line(script, args):
     result = run_benchmark(script, *args)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert script in lines[0] and "needs an sm90 CUDA GPU" in lines[0]
+    assert Path(script).name in lines[0] and "needs an sm90 CUDA GPU" in lines[0]
     assert result.stdout == ""
 
 
