@@ -21,8 +21,10 @@ function, the torch fallback and the float64 reference.
 - ``error_if_nonfinite=True`` needs the norm on the host before anything is scaled: it runs the
   two-kernel path with a host sync between the norm and the scaling (so not inside CUDA graph
   capture), and raises ``RuntimeError`` like torch, leaving the gradients untouched.
-- Fallback to torch (documented, not an error): norm types other than 1, 2 and inf, gradients on
-  the CPU or on several devices, other dtypes, sparse or non-contiguous gradients.
+- Fallback to torch (documented, not an error; logged once per reason): norm types other than
+  1, 2 and inf, gradients on the CPU (the CPU rule, ``custom_kernels.core.fallback``) or on
+  several GPUs, other dtypes, sparse or non-contiguous gradients. Gradients on a GPU and off one
+  together raise UnsupportedInputError.
 - Devices without cooperative launch take the two-kernel path (``cooperative=False`` forces it).
 - CUDA graphs: call once eagerly before capturing (the queue counters and the task table are
   allocated on first use); the captured launch replays with the counters reset on the device.
@@ -58,6 +60,8 @@ import torch
 from custom_kernels import jit, work_queue
 from custom_kernels.cooperative import (launch_cooperative, max_cooperative_grid,
                                         supports_cooperative_launch)
+from custom_kernels.core.errors import UnsupportedInputError
+from custom_kernels.core.fallback import log_once
 from custom_kernels.launch import launch, sm_count
 
 SOURCE = "clip_grad.cu"
@@ -285,6 +289,8 @@ def clip_grad_norm_(parameters_or_grads, max_norm: float, norm_type: float = 2.0
     device = grads[0].get_device()
     plan = _plan(grads, device) if norm_code is not None and device >= 0 else None
     if plan is None:
+        log_once("clip_grad_norm_ uses torch.nn.utils.clip_grad_norm_",
+                 _torch_reason(grads, norm_code))
         return torch_clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite, foreach)
     norm = torch.empty((), dtype=plan.out_dtype, device=grads[0].device)
     if plan.n_tasks == 0:  # only empty tensors: torch's norm is 0 and nothing is scaled
@@ -301,6 +307,25 @@ def clip_grad_norm_(parameters_or_grads, max_norm: float, norm_type: float = 2.0
 # ---------------------------------------------------------------------------------------------
 # Torch fallback and float64 reference
 # ---------------------------------------------------------------------------------------------
+
+def _torch_reason(grads, norm_code) -> str:
+    """Why torch clips these gradients (``_plan`` found no plan). Raises UnsupportedInputError
+    for gradients on a GPU and off one together."""
+    devices = sorted({str(g.device) for g in grads})
+    on_gpu = {device.startswith("cuda") for device in devices}
+    if on_gpu == {True, False}:
+        raise UnsupportedInputError(f"clip_grad_norm_: gradients on {', '.join(devices)}: on "
+                                    "CUDA devices and off them in one call")
+    if on_gpu == {False}:
+        return f"the gradients are on {', '.join(devices)}, not a CUDA device"
+    if len(devices) > 1:
+        return f"the gradients are on several GPUs ({', '.join(devices)})"
+    if norm_code is None:
+        return "a norm type other than 1, 2 and inf"
+    if any(g.dtype not in DTYPE_CODES for g in grads):
+        return "a gradient dtype other than float32, float16 and bfloat16"
+    return "a sparse or non-contiguous gradient"
+
 
 def torch_clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite, foreach):
     """What torch.nn.utils.clip_grad_norm_ does, for a list of gradients (not parameters)."""

@@ -31,6 +31,7 @@ import torch
 
 from custom_kernels import jit, work_queue
 from custom_kernels.cooperative import max_cooperative_grid
+from custom_kernels.core import fallback
 from custom_kernels.core.errors import UnsupportedInputError
 
 SOURCE = "ragged.cu"
@@ -112,8 +113,7 @@ def compile_ragged(dtype: str = "bfloat16", offset_bits: int = 64, vec: bool = T
 # ---------------------------------------------------------------------------------------------
 
 def _check(values: torch.Tensor, offsets: torch.Tensor) -> None:
-    if not values.is_cuda:
-        raise UnsupportedInputError(f"values must be on a CUDA device, not {values.device}")
+    """The input rules, on any device (the device rule comes after them)."""
     if values.dtype not in DTYPE_CODES:
         raise UnsupportedInputError(f"values must be float32, float16 or bfloat16, not "
                                     f"{values.dtype}")
@@ -124,15 +124,18 @@ def _check(values: torch.Tensor, offsets: torch.Tensor) -> None:
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise UnsupportedInputError(f"offsets must be 1-D with S + 1 >= 1 entries, got shape "
                                     f"{tuple(offsets.shape)}")
-    if offsets.device != values.device:
-        raise UnsupportedInputError(f"offsets on {offsets.device} but values on {values.device}")
 
 
 def segment_sum(values: torch.Tensor, offsets: torch.Tensor, *, mean: bool = False
                 ) -> torch.Tensor:
     """``out[s] = values[offsets[s]:offsets[s + 1]].sum(0)`` (or ``.mean(0)``, 0 when empty) for
-    every segment, shape ``[S, *values.shape[1:]]``; see the module docstring."""
+    every segment, shape ``[S, *values.shape[1:]]``; see the module docstring. Tensors off a
+    CUDA device run ``torch_segment_sum`` (the CPU rule, ``custom_kernels.core.fallback``)."""
     _check(values, offsets)
+    if values.device != offsets.device or not values.is_cuda:
+        if fallback.off_cuda({"values": values, "offsets": offsets}, "segment_sum",
+                             "torch_segment_sum"):
+            return torch_segment_sum(values, offsets, mean)
     segments = offsets.numel() - 1
     tail = values.shape[1:]
     rows, d = values.shape[0], math.prod(tail)
@@ -152,8 +155,29 @@ def segment_mean(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Baselines (benchmarks/reductions.py) and the float64 reference
+# Torch fallback, baselines (benchmarks/reductions.py) and the float64 reference
 # ---------------------------------------------------------------------------------------------
+
+def torch_segment_sum(values: torch.Tensor, offsets: torch.Tensor, mean: bool = False
+                      ) -> torch.Tensor:
+    """``segment_sum`` in torch, for tensors off a CUDA device: the same result (values's dtype,
+    accumulated in fp32, offsets clamped to the rows, empty segments 0) without a kernel."""
+    rows, segments = values.shape[0], offsets.numel() - 1
+    bounds = offsets.long().clamp(0, rows)
+    lo, hi = bounds[:-1], torch.maximum(bounds[1:], bounds[:-1])
+    row = torch.arange(rows, device=values.device)
+    # With nondecreasing offsets a row belongs to at most one segment: the last that starts at
+    # or before it, if the row comes before that segment's end.
+    segment = torch.searchsorted(lo, row, right=True) - 1
+    inside = (segment >= 0) & (row < hi[segment.clamp(min=0)]) if segments else \
+        torch.zeros(rows, dtype=torch.bool, device=values.device)
+    out = torch.zeros((segments, *values.shape[1:]), dtype=torch.float32, device=values.device)
+    out.index_add_(0, segment[inside], values[inside].float())
+    if mean:
+        lengths = (hi - lo).clamp(min=1).to(torch.float32)
+        out /= lengths.view(-1, *([1] * (values.dim() - 1)))
+    return out.to(values.dtype)
+
 
 def segment_sum_loop(values: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """One reduction launch per segment; ``bounds`` are the offsets as Python ints."""

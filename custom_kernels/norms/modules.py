@@ -5,10 +5,13 @@ same ``state_dict`` (a checkpoint of one loads into the other). ``forward(x, res
 returns ``y``, or ``(y, new_residual)`` when a residual is given (pre-norm: ``h = x + residual``,
 ``y = norm(h)``).
 
-Fallback to torch (the parent's forward, on ``x + residual`` when a residual is given) when the
-kernels cannot run: CPU (or any non-CUDA) tensors, a ``normalized_shape`` of more than one
-dimension, no affine weight (``elementwise_affine=False``), a LayerNorm without bias, or input
-the kernels refuse (see ``norms.why_unsupported``: dtypes, shapes, strides, hidden size).
+Fallback to torch (the parent's forward, on ``x + residual`` when a residual is given, logged
+once per reason) when the kernels cannot run: CPU (or any non-CUDA) tensors (the CPU rule,
+``custom_kernels.core.fallback``), a ``normalized_shape`` of more than one dimension, no affine
+weight (``elementwise_affine=False``), a LayerNorm without bias, or input the kernels refuse
+(see ``norms.why_unsupported``: dtypes, shapes, strides, hidden size). Tensors on different
+devices raise UnsupportedInputError. The inputs are checked once per call, through the
+memoized ``norms.refusal``: a warm call pays one dictionary lookup, then the kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from custom_kernels.core.fallback import log_once
 from custom_kernels.norms import ops as norms
 
 
@@ -38,16 +42,14 @@ class RMSNorm(torch.nn.RMSNorm):
         return new
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if self._kernel_ok(x, residual):
+        weight = self.weight  # a module attribute lookup costs about as much as the check
+        why = _refusal(self, "rms", x, weight, None, residual)
+        if why is None:
             eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-            return norms.rms_norm(x, self.weight, eps, residual=residual,
-                                  out_dtype=self.out_dtype)
+            return norms._norm("rms", x, weight, None, residual, float(eps),
+                               self.out_dtype or x.dtype, None)
+        log_once("cutlass_ops.nn.RMSNorm uses torch.nn.RMSNorm", why)
         return _fallback(super().forward, x, residual, self.out_dtype)
-
-    def _kernel_ok(self, x, residual) -> bool:
-        return (len(self.normalized_shape) == 1 and self.weight is not None
-                and norms.why_unsupported("rms", x, self.weight, None, residual,
-                                          self.out_dtype) is None)
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -68,16 +70,22 @@ class LayerNorm(torch.nn.LayerNorm):
         return new
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if self._kernel_ok(x, residual):
-            return norms.layer_norm(x, self.weight, self.bias, self.eps, residual=residual,
-                                    out_dtype=self.out_dtype)
+        weight, bias = self.weight, self.bias
+        why = _refusal(self, "ln", x, weight, bias, residual)
+        if why is None:
+            return norms._norm("ln", x, weight, bias, residual, float(self.eps),
+                               self.out_dtype or x.dtype, None)
+        log_once("cutlass_ops.nn.LayerNorm uses torch.nn.LayerNorm", why)
         return _fallback(super().forward, x, residual, self.out_dtype)
 
-    def _kernel_ok(self, x, residual) -> bool:
-        return (len(self.normalized_shape) == 1 and self.weight is not None
-                and self.bias is not None
-                and norms.why_unsupported("ln", x, self.weight, self.bias, residual,
-                                          self.out_dtype) is None)
+
+def _refusal(module, kind, x, weight, bias, residual) -> Optional[str]:
+    """Why the module's kernel cannot run this call, or None (then nothing is checked again)."""
+    if weight is None or len(module.normalized_shape) != 1:
+        return "a normalized_shape of more than one dimension, or no affine weight"
+    if kind == "ln" and bias is None:
+        return "a LayerNorm without bias"
+    return norms.refusal(kind, x, weight, bias, residual, module.out_dtype)
 
 
 def _fallback(forward, x, residual, out_dtype):

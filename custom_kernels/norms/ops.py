@@ -16,6 +16,11 @@ gradient of ``residual``, with the gradient of the new residual added), dweight 
 
 Everything runs on torch's current stream with memory from torch's allocator and no host sync,
 so the ops work eagerly, under ``torch.compile(fullgraph=True)`` and inside CUDA graphs.
+
+The inputs are checked once per call, by ``refusal`` (``why_unsupported``, remembered per input
+signature), for the public functions and the modules alike; input the kernels refuse raises
+UnsupportedInputError naming the problem. Tensors off a CUDA device run the references below
+(the CPU rule, ``custom_kernels.core.fallback``), unless a ``config`` names a kernel.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from custom_kernels.norms import config as nc
 from custom_kernels.norms.tuned import tuned_config_name
 from custom_kernels.launch import (allow_large_clusters, launch, max_active_blocks_per_sm,
                                    max_active_clusters, set_max_dynamic_shared, sm_count)
+from custom_kernels.core import fallback
 from custom_kernels.core.errors import UnsupportedInputError
 
 _log = logging.getLogger(__name__)
@@ -423,20 +429,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
              *, config=None):
     """RMSNorm of ``x`` (after adding ``residual`` when given) scaled by ``weight``.
     Returns ``y``, or ``(y, new_residual)`` with a residual. ``config``: a ``NormConfig`` or its
-    name, overriding the forward heuristic (the tuner's hook)."""
-    check_inputs("rms", x, weight, None, residual, out_dtype)
-    return _norm("rms", x, weight, None, residual, float(eps), out_dtype or x.dtype,
-                 _config_name(config))
+    name, overriding the forward heuristic (the tuner's hook). Tensors off a CUDA device run
+    ``rms_norm_reference`` (the CPU rule, ``custom_kernels.core.fallback``)."""
+    if _kernel_runs("rms", x, weight, None, residual, out_dtype, config):
+        return _norm("rms", x, weight, None, residual, float(eps), out_dtype or x.dtype,
+                     _config_name(config))
+    return rms_norm_reference(x, weight, eps, residual, out_dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
                residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
                *, config=None):
     """LayerNorm over the last dimension of ``x`` (after adding ``residual`` when given).
-    Returns ``y``, or ``(y, new_residual)`` with a residual."""
-    check_inputs("ln", x, weight, bias, residual, out_dtype)
-    return _norm("ln", x, weight, bias, residual, float(eps), out_dtype or x.dtype,
-                 _config_name(config))
+    Returns ``y``, or ``(y, new_residual)`` with a residual. Tensors off a CUDA device run
+    ``layer_norm_reference``."""
+    if _kernel_runs("ln", x, weight, bias, residual, out_dtype, config):
+        return _norm("ln", x, weight, bias, residual, float(eps), out_dtype or x.dtype,
+                     _config_name(config))
+    return layer_norm_reference(x, weight, bias, eps, residual, out_dtype)
+
+
+def _kernel_runs(kind, x, weight, bias, residual, out_dtype, config) -> bool:
+    """The public functions' rule: True when the kernels take the inputs; False (logged once)
+    when the tensors are off a CUDA device and no ``config`` names a kernel, so that the
+    reference runs; raises UnsupportedInputError naming the problem otherwise."""
+    why = refusal(kind, x, weight, bias, residual, out_dtype)
+    if why is None:
+        return True
+    if config is not None or not isinstance(why, OffCuda):
+        raise UnsupportedInputError(why)
+    fallback.log_once("custom_kernels.norms uses the torch reference", why)
+    return False
 
 
 def _norm(kind, x, weight, bias, residual, eps, out_dtype, config):
@@ -504,42 +527,45 @@ def _config_name(config) -> Optional[str]:
     return config.name
 
 
-def check_inputs(kind, x, weight, bias, residual, out_dtype) -> None:
-    """Raises UnsupportedInputError naming the problem. Runs on any device (meta and CPU
-    tensors included) and touches no data, so it runs before anything is launched; the device
-    check comes last so that every other rule can be tested without a GPU."""
-    if _usual_call(kind, x, weight, bias, residual, out_dtype):
-        return
-    why = why_unsupported(kind, x, weight, bias, residual, out_dtype)
-    if why:
-        raise UnsupportedInputError(why)
+def refusal(kind, x, weight, bias, residual, out_dtype) -> Optional[str]:
+    """Why the kernels cannot take these inputs, or None: ``why_unsupported``, remembered per
+    input signature (devices, dtypes, hidden size and the strides the rules read), so that a
+    warm call of the functions or the modules pays one dictionary lookup. Raises
+    UnsupportedInputError for tensors on different devices."""
+    if torch.compiler.is_compiling():  # symbolic shapes: judged while tracing, at no run cost
+        return _judge(kind, x, weight, bias, residual, out_dtype)
+    try:
+        key = (kind, x.device, x.dtype, x.shape[-1], x.stride(-1), weight.device, weight.dtype,
+               weight.shape, weight.stride(), out_dtype,
+               None if bias is None else (bias.device, bias.dtype, bias.shape, bias.stride()),
+               None if residual is None else (residual.device, residual.dtype,
+                                              residual.shape == x.shape, residual.stride(-1)))
+    except (AttributeError, IndexError, RuntimeError):  # not tensors, or x has no dimension
+        return _judge(kind, x, weight, bias, residual, out_dtype)
+    found = _refusals.get(key, _UNJUDGED)
+    if found is _UNJUDGED:
+        found = _refusals[key] = _judge(kind, x, weight, bias, residual, out_dtype)
+    return found
 
 
-def _usual_call(kind, x, weight, bias, residual, out_dtype) -> bool:
-    """A fast accept (a few microseconds less per call) of the usual call: plain CUDA tensors on
-    one device, x with a unit last stride, weight (and bias) [hidden] contiguous, of x's dtype,
-    no residual, no other output dtype. Anything else goes through why_unsupported, which
-    accepts a superset of this and names what it refuses."""
-    if residual is not None or (out_dtype is not None and out_dtype != x.dtype):
-        return False
-    if type(x) not in _PLAIN or type(weight) not in _PLAIN or not x.is_cuda:
-        return False
-    dtype, shape = x.dtype, x.shape
-    if not shape or dtype not in _DTYPES or weight.dtype != dtype or x.stride(-1) != 1:
-        return False
-    hidden = shape[-1]
-    if not 1 < hidden <= nc.MAX_HIDDEN or weight.shape != (hidden,) or weight.stride(0) != 1:
-        return False
-    if weight.device != x.device:
-        return False
-    if kind == "ln":
-        return (type(bias) in _PLAIN and bias.dtype == dtype and bias.shape == (hidden,)
-                and bias.stride(0) == 1 and bias.device == x.device)
-    return True
+_refusals: dict[tuple, Optional[str]] = {}
+_UNJUDGED = object()
+
+
+class OffCuda(str):
+    """A refusal saying only that the tensors are not on a CUDA device: the CPU rule's case."""
 
 
 def why_unsupported(kind, x, weight, bias, residual, out_dtype) -> Optional[str]:
-    """The reason these inputs cannot run on the kernels, or None."""
+    """The reason these inputs cannot run on the kernels, or None. Dtypes and shapes are
+    judged before devices, so that every other rule can be tested without a GPU."""
+    try:
+        return _judge(kind, x, weight, bias, residual, out_dtype)
+    except UnsupportedInputError as exc:  # tensors on different devices
+        return str(exc)
+
+
+def _judge(kind, x, weight, bias, residual, out_dtype) -> Optional[str]:
     name = "rms_norm" if kind == "rms" else "layer_norm"
     tensors = {"x": x, "weight": weight, "bias": bias, "residual": residual}
     for key, t in tensors.items():
@@ -553,12 +579,9 @@ def why_unsupported(kind, x, weight, bias, residual, out_dtype) -> Optional[str]
     why = _why_shapes(name, x, weight, bias, residual)
     if why:
         return why
-    devices = {key: t.device for key, t in tensors.items() if t is not None}
-    if any(d.type != "cuda" for d in devices.values()):
-        where = ", ".join(f"{k} on {d}" for k, d in devices.items())
-        return f"{name}: all tensors must be on one CUDA device ({where})"
-    if len(set(devices.values())) > 1:
-        return f"{name}: tensors on different devices: {devices}"
+    device = fallback.common_device(tensors, name)
+    if device.type != "cuda":
+        return OffCuda(f"{name}: the tensors are on {device}, not a CUDA device")
     return None
 
 

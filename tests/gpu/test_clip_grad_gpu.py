@@ -191,6 +191,17 @@ def test_only_empty_tensors_and_fallbacks():
     torch.testing.assert_close(cg.clip_grad_norm_(doubles, 1e9), torch.linalg.norm(doubles[0]))
 
 
+def test_gradients_on_a_gpu_and_off_it_raise():
+    from custom_kernels.core.errors import UnsupportedInputError
+
+    for grads in ([torch.randn(10, device="cuda"), torch.randn(10)],
+                  [torch.randn(10), torch.randn(10, device="cuda")]):
+        before = [g.clone() for g in grads]
+        with pytest.raises(UnsupportedInputError, match="cpu, cuda:0"):
+            cg.clip_grad_norm_(grads, 1e-3)
+        assert all(torch.equal(g, b) for g, b in zip(grads, before))  # nothing was scaled
+
+
 @pytest.mark.parametrize("cooperative", [True, False])
 def test_cuda_graph_replays(cooperative):
     grads = make_grads(1000, "mixed", seed=15)
