@@ -1,6 +1,9 @@
 """cutlass-ops: tuned CUTLASS GEMMs and the kernels around them, for PyTorch on Hopper.
 
 Importing this package does nothing else: no CUDA initialization, no files, no cutlass_cppgen.
+CPU tensors: ``matmul``, ``explain``, ``nn`` and ``convert``ed models run torch; ``gemm`` and
+``plan``, which name a kernel, raise UnsupportedInputError (the rule of every public entry point
+is written in ``custom_kernels.core.fallback``).
 """
 
 from custom_kernels.core.version import __version__
@@ -14,7 +17,7 @@ from custom_kernels.core.errors import (BuildError, CutlassOpsError, EmissionErr
 def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, bias=None, activation="identity", config,
          out=None, out_dtype=None):
     """D = activation(alpha * (a @ b) + bias) + beta * c with one chosen CUTLASS config (see
-    gemm_api.gemm)."""
+    cutlass_ops.gemms.plan.gemm)."""
     from cutlass_ops.gemms.plan import gemm as _gemm
 
     return _gemm(a, b, c, alpha=alpha, beta=beta, bias=bias, activation=activation,
@@ -23,7 +26,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, bias=None, activation="identity",
 
 def plan(a, b, c=None, *, alpha=1.0, beta=0.0, bias=None, activation="identity", config,
          out=None, out_dtype=None):
-    """Checks once and returns ``launch()`` for repeated runs (see gemm_api.plan)."""
+    """Checks once and returns ``launch()`` for repeated runs (see cutlass_ops.gemms.plan)."""
     from cutlass_ops.gemms.plan import plan as _plan
 
     return _plan(a, b, c, alpha=alpha, beta=beta, bias=bias, activation=activation,

@@ -6,7 +6,8 @@ activation fused into the GEMM's epilogue. ``convert(model)`` swaps Linear layer
 our kernels apply, fuses an activation module that directly follows a Linear inside an
 ``nn.Sequential`` (where the order of calls is certain), swaps RMSNorm and LayerNorm for the
 fused norm kernels' modules (``custom_kernels.norms.modules``, re-exported here), and reports every
-decision with its reason.
+decision with its reason. On tensors off a CUDA device the modules run torch's computation, with
+one warning per reason (the CPU rule, ``custom_kernels.core.fallback``).
 """
 
 from __future__ import annotations

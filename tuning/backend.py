@@ -123,19 +123,11 @@ class GpuSession:
     def _launcher(self, choice: Choice) -> Callable:
         launch = self._launchers.get(choice)
         if launch is None:
-            import cutlass_ops
+            from cutlass_ops.gemms.choice import plan_choice
 
-            fused = dict(alpha=self.alpha, beta=self.beta, activation=self.activation)
-            if choice.swap_ab:  # D^T = B^T A^T, written through D's transposed view
-                bias = None if self.bias is None else (
-                    self.bias.view(-1, 1) if self.bias.dim() == 1 else self.bias.view(-1))
-                launch = cutlass_ops.plan(
-                    self.b.transpose(-1, -2), self.a.transpose(-1, -2),
-                    None if self.c is None else self.c.transpose(-1, -2), bias=bias,
-                    config=choice.config, out=self.out.transpose(-1, -2), **fused)
-            else:
-                launch = cutlass_ops.plan(self.a, self.b, self.c, bias=self.bias,
-                                          config=choice.config, out=self.out, **fused)
+            launch = plan_choice(choice, self.a, self.b, self.c, alpha=self.alpha,
+                                 beta=self.beta, bias=self.bias, activation=self.activation,
+                                 out=self.out)
             self._launchers[choice] = launch
         return launch
 

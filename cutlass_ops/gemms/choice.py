@@ -3,17 +3,18 @@
 Swap-A/B computes D^T = B^T A^T instead of D = A B. The memory is the same (a row-major D is a
 column-major D^T), so it costs nothing but changes which extent fills the CTA tile's M: for a
 small M (decode, small batches) the large N then fills the 64 or 128 rows of a wgmma tile that M
-would leave mostly empty. It is how cuBLAS and CUTLASS's maintainers handle skinny GEMMs.
+would leave mostly empty. It is how cuBLAS and CUTLASS's maintainers handle skinny GEMMs. ``Choice.orient`` is the one
+place the swap is written for tensors: dispatch and the tuner (through ``plan_choice``) both run
+a choice through it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
-from cutlass_ops.gemms.config import GemmConfig, GemmOperands, GemmProblem, Layout
-
-_FLIP = {Layout.ROW: Layout.COL, Layout.COL: Layout.ROW}
+from cutlass_ops.gemms.config import Activation, GemmConfig, GemmOperands, GemmProblem
+from cutlass_ops.gemms.inputs import CheckedGemm, transposed_layout as _flip
 
 
 def swapped_operands(operands: GemmOperands) -> GemmOperands:
@@ -23,8 +24,8 @@ def swapped_operands(operands: GemmOperands) -> GemmOperands:
         element_a=operands.element_b, element_b=operands.element_a,
         element_c=operands.element_c, element_d=operands.element_d,
         element_accumulator=operands.element_accumulator,
-        layout_a=_FLIP[operands.layout_b], layout_b=_FLIP[operands.layout_a],
-        layout_c=_FLIP[operands.layout_c],
+        layout_a=_flip(operands.layout_b), layout_b=_flip(operands.layout_a),
+        layout_c=_flip(operands.layout_c),
         alignment_a=operands.alignment_b, alignment_b=operands.alignment_a,
         alignment_c=operands.alignment_c,
         # A bias along N (nn.Linear's) runs along the rows of D^T.
@@ -53,6 +54,20 @@ class Choice:
         return GemmProblem(swapped_operands(problem.operands), problem.n, problem.m, problem.k,
                            problem.batch)
 
+    def orient(self, checked: CheckedGemm) -> CheckedGemm:
+        """The checked problem the kernel computes: as given, or swapped, with A and B trading
+        places as each other's transposes and C and D read through their transposed views. The
+        memory is the same, so nothing needs checking again."""
+        if not self.swap_ab or checked.problem is None:
+            return checked
+        views = checked.views
+        swapped = {"A": views["B"].transposed(), "B": views["A"].transposed(),
+                   "out": views["out"].transposed()}
+        if "C" in views:
+            swapped["C"] = views["C"].transposed()
+        return dataclasses.replace(checked, problem=self.problem_for(checked.problem),
+                                   views=swapped)
+
     def replace(self, **changes: Any) -> Choice:
         return Choice(self.config.replace(**changes), self.swap_ab)
 
@@ -67,3 +82,15 @@ class Choice:
     def from_name(cls, name: str) -> Choice:
         swap = name.startswith("swap:")
         return cls(GemmConfig.from_name(name.removeprefix("swap:")), swap)
+
+
+def plan_choice(choice: Choice, a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0,
+                bias=None, activation: Activation | str = Activation.IDENTITY, out=None,
+                out_dtype=None) -> Callable[[], Any]:
+    """``cutlass_ops.plan`` for a choice: the same checks, then its kernel on the problem as
+    given or swapped (``Choice.orient``); ``launch()`` returns ``out`` either way."""
+    from cutlass_ops.gemms import plan
+
+    checked = plan.check(a, b, c, alpha=alpha, beta=beta, bias=bias, activation=activation,
+                         out=out, out_dtype=out_dtype, config=choice.config)
+    return plan.launcher(choice.orient(checked), choice.config)

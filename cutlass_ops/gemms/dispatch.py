@@ -15,14 +15,17 @@ its kernels are tuned and built on their own. Where none is tuned or built, the 
 plain GEMM's route and the epilogue in torch (never a compile, never a wrong answer).
 
 The decision is memoized per call signature, so a warm call costs one dictionary lookup before
-the launch. ``decide`` is the pure part (tested on a CPU); ``explain`` says what a call would do.
+the launch. Inputs are checked once per signature, by the checks ``cutlass_ops.gemm`` runs
+(``inputs.check_product`` / ``check_epilogue``): a refusal sends the call to torch (or its
+epilogue to torch), and the checked problem is what the kernel's launch arguments are built
+from. Tensors off a CUDA device run torch (``custom_kernels.core.fallback``: the CPU rule).
+``decide`` is the pure part (tested on a CPU); ``explain`` says what a call would do.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import math
 import os
 import re
@@ -31,17 +34,16 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from cutlass_ops.gemms import epilogues, ranking
-from cutlass_ops.gemms.config import Activation, BiasMode, Epilogue, GemmConfig, GemmOperands, GemmProblem
+from cutlass_ops.gemms import epilogues, inputs, ranking
+from cutlass_ops.gemms.config import Arch, GemmConfig, GemmOperands, GemmProblem
 from cutlass_ops.gemms.choice import Choice
+from custom_kernels.core import fallback
 from custom_kernels.core.device import DeviceSpec
-
-log = logging.getLogger("cutlass_ops")
+from custom_kernels.core.errors import UnsupportedInputError
 
 ONLINE_MODES = ("off", "compile", "tune")
 _online: str | None = None
 _routes: dict[tuple, Route] = {}
-_logged: set[tuple[str, str]] = set()
 _lock = threading.Lock()
 
 
@@ -124,9 +126,7 @@ def reset() -> None:
 
 
 def _log_once(reason: str, what: str = "cutlass_ops.matmul uses torch.matmul") -> None:
-    if (what, reason) not in _logged:
-        _logged.add((what, reason))
-        log.warning("%s: %s", what, reason)
+    fallback.log_once(what, reason)
 
 
 # ---- the pure decision ---------------------------------------------------------------------
@@ -233,8 +233,8 @@ def _entries(scope) -> dict[str, dict]:
 
 def _signature(a, b, out_dtype) -> tuple:
     aligned = a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-    return (a.device, a.dtype, b.dtype, out_dtype, a.shape, a.stride(), b.shape, b.stride(),
-            aligned, _grad_needed(a, b))
+    return (a.device, b.device, a.dtype, b.dtype, out_dtype, a.shape, a.stride(), b.shape,
+            b.stride(), aligned, torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
 
 
 def _grad_needed(a, b) -> bool:
@@ -263,72 +263,67 @@ def _unfused_route(decision: Decision, plain: Route, activation) -> Route:
                  kind=plain.kind)
 
 
-def _cutlass_route(decision: Decision, out_dtype, key, activation="identity") -> Route:
-    """Runs the chosen kernel. The first call goes through gemm_api.plan (every check); later
-    calls with the same signature (shapes, strides, dtypes, alignment, device) reuse its checked
-    launch arguments and only swap in this call's pointers and scalars: the per-call host work is
-    an output allocation, a struct copy and the launch."""
-    from cutlass_ops.gemms import plan as gemm_api, runtime
-    from custom_kernels.core.errors import InvalidConfigError, UnsupportedInputError
+def _cutlass_route(decision: Decision, checked: inputs.CheckedGemm, key,
+                   activation="identity") -> Route:
+    """Runs the chosen kernel on the route's checked problem. The first call loads the kernel
+    and builds its launch arguments from the checked problem (``plan.prepare``, then
+    can_implement and the workspace query); every call, the first one too, copies them and
+    swaps in its own pointers and scalars, which the signature (shapes, strides, dtypes,
+    alignment, devices) keeps valid: the per-call host work is an output allocation, a struct
+    copy and the launch."""
+    from custom_kernels.core.errors import InvalidConfigError
 
     choice = decision.choice
     assert choice is not None
-    prepared: dict[str, Any] = {}
+    out_dtype = checked.out_dtype
+    launcher: list[Callable] = []  # the fast launch, once prepared
 
-    def first_launch(a, b, bias, residual, alpha, beta):
-        out = _row_major_output(a, b, out_dtype)
-        c = residual  # matmul() turned a residual with beta = 0 into None
-        beta = beta if c is not None else 0.0
-        if choice.swap_ab:  # D^T = B^T A^T, written through D's transposed view
-            launch = gemm_api.plan(
-                b.transpose(-1, -2), a.transpose(-1, -2),
-                c.transpose(-1, -2) if c is not None else None, alpha=alpha, beta=beta,
-                # nn.Linear's bias runs along N, the rows of D^T
-                bias=bias.view(-1, 1) if bias is not None else None, activation=activation,
-                config=choice.config, out=out.transpose(-1, -2))
-        else:
-            launch = gemm_api.plan(a, b, c, alpha=alpha, beta=beta, bias=bias,
-                                   activation=activation, config=choice.config, out=out)
-        launch()
-        if hasattr(launch, "kernel"):  # not for empty problems, which launch nothing
-            prepared.update(kernel=launch.kernel, args=launch.args,
-                            workspace_bytes=launch.workspace_bytes, has_c=c is not None)
-        return out
+    def run(a, b, bias=None, residual=None, alpha=1.0, beta=1.0):
+        if launcher:
+            return launcher[0](a, b, bias, residual, alpha, beta)
+        from cutlass_ops.gemms import plan
 
-    def fast_launch(a, b, bias, residual, alpha, beta):
-        out = _row_major_output(a, b, out_dtype)
-        args = runtime.GemmArgs.from_buffer_copy(prepared["args"])
-        first, second = (b, a) if choice.swap_ab else (a, b)
+        try:
+            kernel, args = plan.prepare(choice.orient(checked), choice.config)
+        except InvalidConfigError as exc:
+            # A rule of the config the decision did not foresee: this signature goes to torch.
+            torch_route = _torch_route(Decision("torch", None, str(exc)), out_dtype, activation)
+            _log_once(str(exc))
+            if key is not None:
+                with _lock:
+                    _routes[key] = torch_route
+            return torch_route.run(a, b, bias, residual, alpha, beta)
+        launcher.append(_fast_launch(kernel, args, kernel.workspace_bytes(args), choice.swap_ab,
+                                     "C" in checked.views, out_dtype))
+        return launcher[0](a, b, bias, residual, alpha, beta)
+
+    return Route(decision, run)
+
+
+def _fast_launch(kernel, template, workspace_bytes: int, swap_ab: bool, has_c: bool, out_dtype):
+    """A launch of checked arguments with one call's pointers and scalars swapped in."""
+    from cutlass_ops.gemms.runtime import GemmArgs
+
+    def launch(a, b, bias, residual, alpha, beta):
+        out = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=out_dtype, device=a.device)
+        args = GemmArgs.from_buffer_copy(template)
+        first, second = (b, a) if swap_ab else (a, b)  # swapped, the kernel's A is b^T
         args.a, args.b = first.data_ptr(), second.data_ptr()
         args.d = out.data_ptr()
-        if prepared["has_c"]:  # the signature fixes whether a residual comes, and its strides
+        if has_c:  # the signature fixes whether a residual comes, and its strides
             args.c, args.beta = residual.data_ptr(), beta
         else:
             args.c = args.d
         args.alpha = alpha
         if bias is not None:
             args.bias = bias.data_ptr()
-        size = prepared["workspace_bytes"]
-        workspace = torch.empty(size, dtype=torch.uint8, device=out.device) if size else None
-        prepared["kernel"].run_checked(args, workspace.data_ptr() if size else 0, size,
-                                       _current_stream(out.device.index))
+        workspace = (torch.empty(workspace_bytes, dtype=torch.uint8, device=out.device)
+                     if workspace_bytes else None)
+        kernel.run_checked(args, workspace.data_ptr() if workspace_bytes else 0, workspace_bytes,
+                           _current_stream(out.device.index))
         return out
 
-    def run(a, b, bias=None, residual=None, alpha=1.0, beta=1.0):
-        if prepared:
-            return fast_launch(a, b, bias, residual, alpha, beta)
-        try:
-            return first_launch(a, b, bias, residual, alpha, beta)
-        except (UnsupportedInputError, InvalidConfigError) as exc:
-            # A check the signature did not foresee: this call signature goes to torch from now.
-            fallback = _torch_route(Decision("torch", None, str(exc)), out_dtype, activation)
-            _log_once(str(exc))
-            if key is not None:
-                with _lock:
-                    _routes[key] = fallback
-            return fallback.run(a, b, bias, residual, alpha, beta)
-
-    return Route(decision, run)
+    return launch
 
 
 def _current_stream(index: int) -> int:
@@ -340,93 +335,63 @@ def _current_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
 
 
-def _row_major_output(a, b, out_dtype):
-    shape = (*a.shape[:-1], b.shape[-1])
-    return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
-
-
-def _unsupported(a, b, out_dtype) -> str | None:
-    """Why a call cannot run on our kernels (torch.matmul takes it), or None."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+def _torch_reason(a, b, bias, residual) -> str | None:
+    """Why torch runs this call whatever its shapes, or None: operands that are not tensors,
+    tensors off a CUDA device (the CPU rule; tensors on several devices raise), gradients, a
+    GPU that is not an sm90 one."""
+    if not _tensors(a, b):
         return "the operands are not tensors"
-    if not (a.is_cuda and b.is_cuda):
-        return f"the operands are on {a.device} and {b.device}, not a CUDA device"
-    if a.device != b.device:
-        return f"the operands are on different devices ({a.device}, {b.device})"
-    supported = (torch.bfloat16, torch.float16, torch.float32)
-    if a.dtype not in supported or a.dtype != b.dtype:
-        return f"dtypes {a.dtype} and {b.dtype} (we run bf16, f16 or f32 pairs)"
-    if out_dtype is not None and out_dtype not in supported:
-        return f"output dtype {out_dtype}"
-    if not (a.dim() == b.dim() and a.dim() in (2, 3)) or a.shape[-1] != b.shape[-2] or (
-            a.dim() == 3 and a.shape[0] != b.shape[0]):
-        return f"shapes {tuple(a.shape)} @ {tuple(b.shape)} (we run 2-D @ 2-D and batched 3-D)"
+    device = fallback.common_device({"A": a, "B": b, "bias": bias, "residual": residual},
+                                    "cutlass_ops.matmul")
+    if device.type != "cuda":
+        return f"the tensors are on {device}, not a CUDA device"
     if _grad_needed(a, b):
         return "an operand requires grad: use cutlass_ops.nn / the custom ops for autograd"
-    if torch.cuda.get_device_capability(a.device) != (9, 0):
-        return f"{torch.cuda.get_device_name(a.device)} is not an sm90 GPU"
-    return None
+    if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (bias, residual)):
+        return "the bias or residual requires grad: use cutlass_ops.nn / the custom ops"
+    refusal = inputs.arch_refusal(Arch.SM90A, device)
+    return None if refusal is None else f"{refusal}, not an sm90 GPU"
 
 
-def _epilogue_problem_reason(bias, residual, activation, m, n, out_dtype) -> str | None:
-    """Why this call's epilogue cannot be fused (its torch form runs instead), or None."""
-    if activation not in _ACTIVATIONS:
-        return f"activation {activation!r} (we fuse {', '.join(sorted(_ACTIVATIONS))})"
-    for name, t, shapes in (("bias", bias, ((n,), (1, n))), ("residual", residual, ((m, n),))):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.dtype != out_dtype or not t.is_cuda:
-            return f"the {name} is not a CUDA tensor of the output's dtype {out_dtype}"
-        if tuple(t.shape) not in shapes:
-            return f"the {name} has shape {tuple(t.shape)} (fused: {shapes[0]})"
-    if bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16):
-        return "the bias is not contiguous and 16-byte aligned"
-    return None
-
-
-_ACTIVATIONS = {a.value for a in Activation}
+def _check(a, b, out_dtype, bias, activation, residual
+           ) -> tuple[inputs.CheckedGemm | None, str | None, str | None]:
+    """(the checked problem, why torch runs the product, why torch runs the epilogue): the
+    product's refusal sends the call to torch, the epilogue's to the plain GEMM's route with the
+    epilogue in torch. Dispatch fuses epilogues of 2-D problems only."""
+    try:
+        checked = inputs.check_product(a, b, out_dtype=out_dtype)
+    except UnsupportedInputError as exc:
+        return None, str(exc), None
+    if checked.problem is None:
+        return None, "an empty product (M, N, K or the batch is 0)", None
+    if bias is None and residual is None and activation == "identity":
+        return checked, None, None
+    try:
+        checked = inputs.check_epilogue(checked, c=residual, bias=bias, activation=activation,
+                                        beta=0.0 if residual is None else 1.0)
+    except UnsupportedInputError as exc:
+        return checked, None, str(exc)
+    if checked.problem.batch != 1 and not checked.problem.operands.epilogue.is_default:
+        return checked, None, "a fused epilogue on batched (3-D) operands"
+    return checked, None, None
 
 
 def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
              residual=None) -> Route:
-    from cutlass_ops.gemms import inputs as ops
-    from custom_kernels.core.errors import CutlassOpsError
-
-    reason = _unsupported(a, b, out_dtype)
-    if reason is None and torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (bias, residual)):
-        reason = "the bias or residual requires grad: use cutlass_ops.nn / the custom ops"
+    checked = epilogue_reason = None
+    reason = _torch_reason(a, b, bias, residual)
+    if reason is None:
+        checked, reason, epilogue_reason = _check(a, b, out_dtype, bias, activation, residual)
     if reason is not None:
         _log_once(reason)
         return _torch_route(Decision("torch", None, reason), out_dtype, activation)
-    batch = a.shape[0] if a.dim() == 3 else 1
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    out_dtype_ = out_dtype or a.dtype
-    try:
-        views = [ops.matrix_view(a, "A", batch), ops.matrix_view(b, "B", batch)]
-        for view, name in zip(views, "AB"):
-            ops.check_tma_alignment(view, name)
-        out_type = ops.element_type(out_dtype_, "the output")
-        if (n * out_type.bytes) % 16:
-            raise CutlassOpsError(f"N = {n} rows of {out_type.value} are not 16-byte aligned")
-    except CutlassOpsError as exc:
-        _log_once(str(exc))
-        return _torch_route(Decision("torch", None, str(exc)), out_dtype, activation)
-    out_view = ops.MatrixView(m, n, batch, ops.Layout.ROW, n, m * n, 0, out_type)
-    problem = GemmProblem(ops.gemm_operands(views[0], views[1], out_view), m, n, k, batch)
-    fused = bias is not None or activation != "identity"
-    if fused:
-        reason = _epilogue_problem_reason(bias, residual, activation, m, n, out_dtype_)
-        if reason is not None or batch != 1:
-            reason = reason or "a fused epilogue on batched (3-D) operands"
-            _log_once(reason, "cutlass_ops.matmul runs the epilogue unfused, in torch")
-            return _unfused_route(Decision("unfused", None, reason), route(a, b, out_dtype),
-                                  activation)
-        epilogue = Epilogue(Activation(activation),
-                            BiasMode.N if bias is not None else BiasMode.NONE,
-                            residual=residual is not None)
-        problem = dataclasses.replace(problem,
-                                      operands=problem.operands.with_epilogue(epilogue))
+    if epilogue_reason is not None:
+        _log_once(epilogue_reason, "cutlass_ops.matmul runs the epilogue unfused, in torch")
+        return _unfused_route(Decision("unfused", None, epilogue_reason), route(a, b, out_dtype),
+                              activation)
+    problem = checked.problem
+    fused = not problem.operands.epilogue.is_default
 
     from cutlass_ops.gemms.loader import is_built
     from custom_kernels.core.device import current_scope, current_spec
@@ -452,7 +417,7 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
         if decision.source == "torch":
             _log_once(decision.reason)
         return _torch_route(decision, out_dtype, activation)
-    return _cutlass_route(decision, out_dtype, key, activation)
+    return _cutlass_route(decision, checked, key, activation)
 
 
 def _safe(fn) -> bool:

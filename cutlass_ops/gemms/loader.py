@@ -2,7 +2,9 @@
 
 ``prepare`` does the first two for many configs at once (emission batched in one cutlass_cppgen
 process per arch, builds in parallel); ``kernel_for`` returns a loaded kernel and memoizes it in the
-process, so the per-call cost after the first call is one dictionary lookup.
+process, so the per-call cost after the first call is one dictionary lookup. The config's rules
+(``space.check``) are checked here, once per (operands, config) in a process: ``plan`` leaves
+them to this layer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from cutlass_ops.gemms.config import Arch, BiasMode, GemmConfig, GemmOperands
 from custom_kernels.core.errors import CutlassOpsError, KernelLaunchError
 
 _loaded: dict[tuple, runtime.LoadedKernel] = {}
+_valid: set[tuple[GemmOperands, GemmConfig]] = set()
 
 
 # The wgmma widths CuTe's sm90 selector (cute/arch/mma_sm90.hpp) knows by default. It splits any
@@ -35,6 +38,14 @@ def build_spec(operands: GemmOperands, config: GemmConfig, source: str) -> build
                            build_defines(config))
 
 
+def check_config(operands: GemmOperands, config: GemmConfig) -> None:
+    """``space.check``, remembered once passed: raises InvalidConfigError with every rule the
+    config breaks for these operands."""
+    if (operands, config) not in _valid:
+        space.check(operands, config)
+        _valid.add((operands, config))
+
+
 def prepare(operands: GemmOperands, configs: Iterable[GemmConfig], *, jobs: int | None = None,
             retry_failed: bool = False,
             on_done: Callable | None = None) -> dict[GemmConfig, build.Artifact | Exception]:
@@ -44,7 +55,7 @@ def prepare(operands: GemmOperands, configs: Iterable[GemmConfig], *, jobs: int 
     todo = []
     for config in dict.fromkeys(configs):
         try:
-            space.check(operands, config)
+            check_config(operands, config)
             todo.append(config)
         except CutlassOpsError as exc:
             results[config] = exc
@@ -77,7 +88,7 @@ def prepare_many(items: Iterable[tuple[GemmOperands, GemmConfig]], *, jobs: int 
         todo = []
         for config in configs:
             try:
-                space.check(operands, config)
+                check_config(operands, config)
                 todo.append(config)
             except CutlassOpsError as exc:
                 results[(operands, config)] = exc
@@ -121,6 +132,7 @@ def check_epilogue_slots(operands: GemmOperands, kernel: runtime.LoadedKernel) -
 
 def kernel_for(operands: GemmOperands, config: GemmConfig) -> runtime.LoadedKernel:
     """The loaded kernel for a config, built if needed. Raises the error that prevented it."""
+    check_config(operands, config)  # the memo below is per build: run-time fields need it too
     key = (operands, config.build_fields())
     kernel = _loaded.get(key)
     if kernel is None:

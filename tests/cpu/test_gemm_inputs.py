@@ -51,3 +51,58 @@ def test_gemm_refuses_cpu_tensors_before_anything_else():
         cutlass_ops.gemm(a, a, config=GemmConfig())
     with pytest.raises(ValueError, match="not a GemmConfig name"):
         cutlass_ops.gemm(a, a, config="fastest")
+
+
+def bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def test_check_gemm_refusals_name_the_problem():
+    """The checks plan() and dispatch share are pure metadata work: CPU tensors test them."""
+    a, b = bf16(128, 128), bf16(128, 128).t()
+    cases = [
+        ((a, b.half()), {}, "mixed operand types"),
+        ((a.double(), b.double()), {}, "supported: bfloat16"),
+        ((a, b[:64]), {}, "shapes do not multiply"),
+        ((a[None].expand(2, -1, -1), b), {}, "must both be 2-D"),
+        ((a, b), {"beta": 1.0}, "no C was given"),
+        ((a, b, bf16(128, 64)), {"beta": 1.0}, "no broadcasting"),
+        ((a, b), {"out": a}, "overlaps A"),
+        ((a, b), {"out": bf16(128, 128), "out_dtype": torch.float32}, "expected torch.float32"),
+        ((a, b), {"bias": bf16(100)}, "bias has shape"),
+        ((a, b), {"bias": torch.randn(128)}, "bias has dtype"),
+        ((a, b), {"bias": bf16(128, 2)[:, 0].reshape(128, 1)}, "contiguous and 16-byte"),
+        ((a, b, bf16(128, 128).t()), {"beta": 1.0, "out": bf16(128, 128)}, "share one layout"),
+        ((a, b), {"activation": "tanh"}, "activation 'tanh'"),
+    ]
+    for args, kwargs, expected in cases:
+        with pytest.raises(UnsupportedInputError, match=expected):
+            ops.check_gemm(*args, **kwargs)
+
+
+def test_checked_problem_and_fresh_output():
+    a, b, c, bias = bf16(64, 32), bf16(32, 48), bf16(48, 64).t(), bf16(48)
+    checked = ops.check_gemm(a, b, c, beta=1.0, bias=bias, activation="relu")
+    assert checked.out is None and checked.out_layout is Layout.COL  # a fresh output takes C's
+    assert checked.views["out"].ptr == 0 and checked.views["C"].layout is Layout.COL
+    assert checked.problem.operands.epilogue.name == "bias_n-relu-res"
+    out = ops.new_output(checked.shape, checked.out_dtype, checked.out_layout, "cpu")
+    bound = ops.with_output(checked, out)
+    assert bound.views["out"] == ops.matrix_view(out, "out", 1)
+    empty = ops.check_gemm(bf16(0, 32), b)
+    assert empty.problem is None and empty.views == {} and empty.shape == (0, 48)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_swapped_choice_is_the_problem_of_the_transposed_tensors(bias):
+    """Choice.orient reads the checked views transposed: the same problem and views as checking
+    D^T = B^T A^T on the transposed tensors (a bias along N runs along M there)."""
+    from cutlass_ops.gemms.choice import Choice
+
+    a, b, out, vector = bf16(16, 64), bf16(256, 64).t(), bf16(16, 256), bf16(256)
+    bias_kw = {"bias": vector} if bias else {}
+    swapped = Choice(GemmConfig(), swap_ab=True).orient(ops.check_gemm(a, b, out=out, **bias_kw))
+    bias_kw = {"bias": vector.view(-1, 1)} if bias else {}
+    direct = ops.check_gemm(b.t(), a.t(), out=out.t(), **bias_kw)
+    assert swapped.problem == direct.problem and swapped.views == direct.views
+    assert swapped.out is out

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cutlass_ops
-from custom_kernels.core import cache_dir
+from custom_kernels.core import cache_dir, fallback
 from cutlass_ops.gemms.config import GemmConfig, GemmOperands, GemmProblem
 from cutlass_ops.gemms import dispatch
 from cutlass_ops.gemms.choice import Choice
@@ -86,7 +86,7 @@ def test_online_mode_is_validated(monkeypatch):
 
 
 def test_unsupported_inputs_run_on_torch_with_one_log_line(caplog):
-    dispatch._logged.clear()
+    fallback.logged.clear()
     a, b = torch.randn(8, 16), torch.randn(16, 4)
     with caplog.at_level(logging.WARNING, logger="cutlass_ops"):
         for _ in range(3):
@@ -120,48 +120,86 @@ def test_built_choices_reads_the_artifact_cache(monkeypatch, tmp_path):
 
 
 class _FakeKernel:
+    """Records the launch arguments of each run (a copy of the struct)."""
+
     def __init__(self):
         self.launches = []
 
-    def run(self, args, workspace_ptr, workspace_bytes, stream):
-        self.launches.append((args.a, args.b, args.c, args.d, args.m, args.n))
+    def workspace_bytes(self, args):
+        return 0
 
-    run_checked = run
+    def run_checked(self, args, workspace_ptr, workspace_bytes, stream):
+        self.launches.append(bytes(args))
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    from cutlass_ops.gemms import loader, plan
+
+    kernel = _FakeKernel()
+    monkeypatch.setattr(loader, "kernel_for", lambda operands, config: kernel)
+    monkeypatch.setattr(plan, "device_facts", lambda index: (132, 90, "H100"))
+    monkeypatch.setattr(dispatch, "_current_stream", lambda index: 0)
+    return kernel
+
+
+def on_gpu0(checked):
+    """A problem checked on CPU tensors, as if they were on cuda:0 (the device index is an
+    argument of the launch)."""
+    import dataclasses
+
+    return dataclasses.replace(checked, device=torch.device("cuda", 0))
+
+
+def planned_args(a, b, c=None, **kwargs) -> bytes:
+    """The launch arguments plan() builds for these tensors (CPU tensors: checks only)."""
+    from cutlass_ops.gemms import inputs, plan
+
+    checked = on_gpu0(inputs.check_gemm(a, b, c, **kwargs))
+    return bytes(plan._launch_args(checked, GemmConfig(), 132))
 
 
 @pytest.mark.parametrize("swap", [False, True])
-def test_fast_path_swaps_in_the_pointers_plan_would_use(monkeypatch, swap):
-    """After the first (fully checked) launch, a call with the same signature reuses the launch
-    arguments with this call's pointers: they must be the ones plan() would have set."""
-    from cutlass_ops.gemms import plan as gemm_api, runtime
+def test_fast_path_launches_what_plan_would(fake_kernel, swap):
+    """Every call of a cutlass route (the first one too) launches the route's checked arguments
+    with its own pointers: those plan() builds for the call's tensors; swapped, those it builds
+    for D^T = B^T A^T written through D's transposed view."""
+    from cutlass_ops.gemms import inputs
 
-    kernel = _FakeKernel()
+    def bf16(*shape):
+        return torch.randn(*shape).to(torch.bfloat16)
 
-    def fake_plan(a, b, c=None, *, config, out=None, out_dtype=None, **_):
-        args = runtime.GemmArgs(m=a.shape[0], n=b.shape[1], a=a.data_ptr(), b=b.data_ptr(),
-                                c=out.data_ptr(), d=out.data_ptr())
-
-        def launch():
-            kernel.run(args, 0, 0, 0)
-            return out
-
-        launch.kernel, launch.args, launch.workspace_bytes = kernel, args, 0
-        return launch
-
-    monkeypatch.setattr(gemm_api, "plan", fake_plan)
-    monkeypatch.setattr(dispatch, "_current_stream", lambda index: 0)
+    a, b = bf16(16, 32), bf16(32, 8)
+    checked = on_gpu0(inputs.check_product(a, b))
     route = dispatch._cutlass_route(
-        dispatch.Decision("exact", Choice(GemmConfig(), swap_ab=swap), "test"), None, None)
-    for _ in range(3):  # the first launch goes through plan, the others through the fast path
-        a, b = torch.randn(16, 32), torch.randn(32, 8)
+        dispatch.Decision("exact", Choice(GemmConfig(), swap_ab=swap), "test"), checked, None)
+    for _ in range(3):
+        a, b = bf16(16, 32), bf16(32, 8)
         out = route.run(a, b)
-        assert out.shape == (16, 8) and out.is_contiguous()
-        want = ((b.data_ptr(), a.data_ptr()) if swap else (a.data_ptr(), b.data_ptr())) + (
-            out.data_ptr(), out.data_ptr())
-        assert kernel.launches[-1][:4] == want
-        # Sizes come from the first launch's checked arguments (same signature).
-        assert kernel.launches[-1][4:] == kernel.launches[0][4:]
-    assert len(kernel.launches) == 3
+        assert out.shape == (16, 8) and out.is_contiguous() and out.dtype == torch.bfloat16
+        want = (planned_args(b.t(), a.t(), out=out.t()) if swap else
+                planned_args(a, b, out=out))
+        assert fake_kernel.launches[-1] == want
+    assert len(fake_kernel.launches) == 3
+
+
+def test_fast_path_sets_bias_residual_and_scalars(fake_kernel):
+    from cutlass_ops.gemms import inputs
+
+    def bf16(*shape):
+        return torch.randn(*shape).to(torch.bfloat16)
+
+    a, b, bias, res = bf16(16, 32), bf16(32, 8), bf16(8), bf16(16, 8)
+    checked = on_gpu0(inputs.check_epilogue(inputs.check_product(a, b), c=res, beta=1.0,
+                                            bias=bias, activation="relu"))
+    assert checked.problem.operands.epilogue.name == "bias_n-relu-res"
+    route = dispatch._cutlass_route(dispatch.Decision("exact", Choice(GemmConfig()), "test"),
+                                    checked, None, "relu")
+    for alpha, beta in ((1.0, 1.0), (0.5, 2.0), (2.0, 0.25)):
+        a, b, bias, res = bf16(16, 32), bf16(32, 8), bf16(8), bf16(16, 8)
+        out = route.run(a, b, bias, res, alpha, beta)
+        assert fake_kernel.launches[-1] == planned_args(
+            a, b, res, alpha=alpha, beta=beta, bias=bias, activation="relu", out=out)
 
 
 def test_fused_epilogue_is_its_own_tuned_problem():
@@ -189,37 +227,3 @@ def test_epilogue_arguments_on_torch_match_the_formula(activation):
     torch.testing.assert_close(cutlass_ops.matmul(a, b, residual=nan, beta=0.0), a @ b)
     with pytest.raises(ValueError):
         cutlass_ops.matmul(a, b, activation="tanh")
-
-
-def test_fast_path_sets_bias_residual_and_scalars(monkeypatch):
-    from cutlass_ops.gemms import plan as gemm_api, runtime
-
-    seen = []
-
-    class Kernel:
-        def run(self, args, workspace_ptr, workspace_bytes, stream):
-            seen.append((args.c, args.d, args.bias, args.alpha, args.beta))
-
-        run_checked = run
-
-    def fake_plan(a, b, c=None, *, alpha, beta, bias, activation, config, out, **_):
-        assert activation == "relu"
-        args = runtime.GemmArgs(a=a.data_ptr(), b=b.data_ptr(), c=c.data_ptr(),
-                                d=out.data_ptr(), alpha=alpha, beta=beta, bias=bias.data_ptr())
-
-        def launch():
-            Kernel().run(args, 0, 0, 0)
-            return out
-
-        launch.kernel, launch.args, launch.workspace_bytes = Kernel(), args, 0
-        return launch
-
-    monkeypatch.setattr(gemm_api, "plan", fake_plan)
-    monkeypatch.setattr(dispatch, "_current_stream", lambda index: 0)
-    route = dispatch._cutlass_route(dispatch.Decision("exact", Choice(GemmConfig()), "test"),
-                                    None, None, "relu")
-    for alpha, beta in ((1.0, 1.0), (0.5, 2.0), (2.0, 0.25)):
-        a, b, bias, res = torch.randn(16, 32), torch.randn(32, 8), torch.randn(8), \
-            torch.randn(16, 8)
-        out = route.run(a, b, bias, res, alpha, beta)
-        assert seen[-1] == (res.data_ptr(), out.data_ptr(), bias.data_ptr(), alpha, beta)
