@@ -22,6 +22,7 @@ import ctypes
 import functools
 
 from custom_kernels.core.errors import CutlassOpsError, KernelLaunchError
+from custom_kernels.core.fallback import require_cuda_arguments
 
 
 class CooperativeLaunchUnsupported(CutlassOpsError):
@@ -71,6 +72,7 @@ def launch_cooperative(kernel, *args, grid: int, block: int, shared_mem: int = 0
     import torch
     from cuda.bindings import driver
 
+    require_cuda_arguments(args, "launch_cooperative")
     if device is None:
         device = torch.cuda.current_device()
     if not supports_cooperative_launch(device):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 
 from custom_kernels.core.errors import CutlassOpsError
+from custom_kernels.core.fallback import require_cuda_arguments
 
 COUNTERS = 4  # ck::kCounters: kMaxPhases tickets, then the done counter
 SLOTS = 64
@@ -116,6 +117,7 @@ def launch_persistent(kernel, *args, tasks: int, block: int, shared_mem: int = 0
     """Launch ``kernel`` persistently for ``tasks`` tasks on torch's current stream; its arguments
     include the counters (``counters(device)``). Cooperative when asked (the grid is then
     co-resident by construction). Returns the grid size."""
+    require_cuda_arguments(args, "launch_persistent")
     grid = persistent_grid(kernel, tasks, block, shared_mem, device)
     if cooperative:
         from custom_kernels.cooperative import launch_cooperative

@@ -3,6 +3,7 @@
 errors, version, cache_dir (cache root, atomic writes, quarantine of corrupt files), tuned_store
 (the tuned-results store: dispatch reads it, the tuner writes it), device (GPU identity and
 figures), build_cache (the one build cache of nvcc shared objects and NVRTC cubins: keys, locks,
-failure records, corruption rule), tolerances (the one table of verification bounds).
+failure records, corruption rule), tolerances (the one table of verification bounds), fallback
+(the device rule of the public entry points and the one warning a fallback logs).
 Imports nothing of this project outside this package; importing it loads no torch.
 """

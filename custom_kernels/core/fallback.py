@@ -72,3 +72,11 @@ def require_cuda(tensors: Mapping[str, Any], entry: str):
         raise UnsupportedInputError(f"{entry}: the tensors are on {device}; a CUDA kernel needs "
                                     "CUDA tensors (move them with .cuda())")
     return device
+
+
+def require_cuda_arguments(args, entry: str) -> None:
+    """``require_cuda`` for a kernel launcher's positional arguments (the tensors among them)."""
+    if any(getattr(getattr(a, "device", None), "type", "cuda") != "cuda" for a in args):
+        require_cuda({f"argument {i}": a for i, a in enumerate(args) if hasattr(a, "device")},
+                     entry)
+

@@ -207,9 +207,6 @@ def test_norm_functions_with_a_config_refuse_cpu_tensors():
         norms.layer_norm(x, w, w, config="t128_r1_c1_v8")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="custom_kernels/cooperative.py and work_queue.py do not apply the rule "
-                          "yet (fallback.require_cuda on the tensor arguments)")
 @pytest.mark.parametrize("entry", ["launch_cooperative", "launch_persistent"])
 def test_kernel_launchers_refuse_cpu_tensors(entry):
     size = {"grid": 1} if entry == "launch_cooperative" else {"tasks": 1}
