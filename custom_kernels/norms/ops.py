@@ -532,6 +532,8 @@ def refusal(kind, x, weight, bias, residual, out_dtype) -> Optional[str]:
     input signature (devices, dtypes, hidden size and the strides the rules read), so that a
     warm call of the functions or the modules pays one dictionary lookup. Raises
     UnsupportedInputError for tensors on different devices."""
+    if _usual_call(kind, x, weight, bias, residual, out_dtype):
+        return None
     if torch.compiler.is_compiling():  # symbolic shapes: judged while tracing, at no run cost
         return _judge(kind, x, weight, bias, residual, out_dtype)
     try:
@@ -550,6 +552,29 @@ def refusal(kind, x, weight, bias, residual, out_dtype) -> Optional[str]:
 
 _refusals: dict[tuple, Optional[str]] = {}
 _UNJUDGED = object()
+
+
+def _usual_call(kind, x, weight, bias, residual, out_dtype) -> bool:
+    """A fast accept of the usual call, cheaper than building the memo's key: plain CUDA tensors
+    on one device, x with a unit last stride, weight (and bias) [hidden] contiguous, of x's
+    dtype, no residual, no other output dtype. It accepts a subset of what ``why_unsupported``
+    accepts and refuses nothing: anything else goes through the memo."""
+    if residual is not None or (out_dtype is not None and out_dtype != x.dtype):
+        return False
+    if type(x) not in _PLAIN or type(weight) not in _PLAIN or not x.is_cuda:
+        return False
+    dtype, shape = x.dtype, x.shape
+    if not shape or dtype not in _DTYPES or weight.dtype != dtype or x.stride(-1) != 1:
+        return False
+    hidden = shape[-1]
+    if not 1 < hidden <= nc.MAX_HIDDEN or weight.shape != (hidden,) or weight.stride(0) != 1:
+        return False
+    if weight.device != x.device:
+        return False
+    if kind == "ln":
+        return (type(bias) in _PLAIN and bias.dtype == dtype and bias.shape == (hidden,)
+                and bias.stride(0) == 1 and bias.device == x.device)
+    return True
 
 
 class OffCuda(str):

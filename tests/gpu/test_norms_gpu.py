@@ -420,3 +420,22 @@ def test_bad_cuda_input_is_refused_after_a_good_call(case, match):
         norms.rms_norm(x, w)
     with pytest.raises(UnsupportedInputError, match=match):
         norms.layer_norm(x, w, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+def test_the_fast_accept_takes_only_what_the_rules_take(kind):
+    """norms._usual_call skips the memo for the usual call: it must never accept an input that
+    why_unsupported refuses."""
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, device="cuda", dtype=torch.bfloat16)
+    variants = {"usual": (x, w, w.clone()), "transposed x": (x.t().contiguous().t(), w, w),
+                "half weight": (x, w.half(), w.half()), "cpu weight": (x, w.cpu(), w.cpu()),
+                "short weight": (x, w[:63], w[:63]), "strided weight": (x, w.repeat(2)[::2], w),
+                "float64": (x.double(), w.double(), w.double()), "bias of other dtype": (x, w, w.float())}
+    accepted = []
+    for name, (xv, wv, bv) in variants.items():
+        bias = bv if kind == "ln" else None
+        if norms._usual_call(kind, xv, wv, bias, None, None):
+            accepted.append(name)
+            assert norms.why_unsupported(kind, xv, wv, bias, None, None) is None, name
+    assert "usual" in accepted
