@@ -1,0 +1,147 @@
+"""Host cost of a warm eager call of the public entry points against the torch calls they
+replace, at shapes where the host bounds the rate: calls per second over back-to-back calls.
+
+Rows: ``cutlass_ops.matmul`` at 16x256x256 on a CUTLASS kernel (built on first use in a private,
+empty cache: online mode "compile", about a minute) against torch.matmul; the fused norms at
+16x4096 bf16, the functions (``custom_kernels.norms.rms_norm`` / ``layer_norm``, with and
+without a residual) and the modules (``cutlass_ops.nn.RMSNorm`` / ``LayerNorm``, inference and
+with grad enabled) against torch's functional calls and modules. Ours and torch alternate in
+batches of back-to-back calls; each figure is the median batch. Every row checks ours against
+torch on the same inputs. Writes benchmarks/results/host_cost.json.
+
+    python benchmarks/host_cost.py [--batches 9] [--calls 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import cutlass_ops  # noqa: E402
+import cutlass_ops.nn  # noqa: E402
+from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from custom_kernels import norms  # noqa: E402
+from custom_kernels.core.tolerances import relative_error  # noqa: E402
+
+
+def us_per_call(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def row(case: str, ours, theirs, reference_name: str, batches: int, calls: int,
+        grad: bool = False, **detail) -> dict:
+    with torch.set_grad_enabled(grad):
+        error = relative_error(first(ours()), first(theirs()))
+        us_per_call(ours, 100), us_per_call(theirs, 100)  # warm: plans, routes, allocator
+        mine, ref = [], []
+        for _ in range(batches):
+            mine.append(us_per_call(ours, calls))
+            ref.append(us_per_call(theirs, calls))
+    ours_us, ref_us = statistics.median(mine), statistics.median(ref)
+    ours_cps, ref_cps = round(1e6 / ours_us), round(1e6 / ref_us)
+    return {"case": case, "unit": "calls/s", "ours": ours_cps, "reference": ref_cps,
+            "reference_name": reference_name, "ratio": round(ours_cps / ref_cps, 4),
+            "correct": error < 2e-2,
+            "detail": {"ours_us": round(ours_us, 2), "reference_us": round(ref_us, 2),
+                       "relative_error": round(error, 5), **detail}}
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+@contextlib.contextmanager
+def private_cache_with_online_compile():
+    """An empty cache, so that no tuned entry or nearby shape sends the shape to torch: the
+    online mode builds and runs the model's CUTLASS pick, and the row times our own path."""
+    from cutlass_ops.gemms import dispatch
+    from tuning.online import ONLINE
+
+    previous = os.environ.get("CUTLASS_OPS_CACHE_DIR")
+    private = tempfile.mkdtemp(prefix="cutlass-ops-host-")
+    os.environ["CUTLASS_OPS_CACHE_DIR"] = private
+    dispatch.register_online_tuner(ONLINE)  # a checkout without `pip install` has no entry point
+    dispatch.set_online("compile")
+    try:
+        yield
+    finally:
+        dispatch.set_online(None)
+        if previous is None:
+            os.environ.pop("CUTLASS_OPS_CACHE_DIR", None)
+        else:
+            os.environ["CUTLASS_OPS_CACHE_DIR"] = previous
+        dispatch.reset()
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def matmul_rows(batches: int, calls: int) -> list[dict]:
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    wt = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16).t()
+    with private_cache_with_online_compile(), torch.no_grad():
+        decision = cutlass_ops.explain(x, wt)
+        return [row("matmul bf16 16x256x256", lambda: cutlass_ops.matmul(x, wt),
+                    lambda: torch.matmul(x, wt), "torch.matmul", batches, calls,
+                    dispatch=decision.source,
+                    kernel=decision.choice.name if decision.choice else "torch.matmul")]
+
+
+def norm_rows(batches: int, calls: int) -> list[dict]:
+    hidden, kw = 4096, {"device": "cuda", "dtype": torch.bfloat16}
+    x, r = torch.randn(16, hidden, **kw), torch.randn(16, hidden, **kw)
+    w, b = 1 + 0.1 * torch.randn(hidden, **kw), torch.randn(hidden, **kw)
+    shape = (hidden,)
+    rows = [
+        row("rms_norm function bf16 16x4096", lambda: norms.rms_norm(x, w, 1e-6),
+            lambda: F.rms_norm(x, shape, w, 1e-6), "F.rms_norm", batches, calls),
+        row("rms_norm function with residual bf16 16x4096",
+            lambda: norms.rms_norm(x, w, 1e-6, residual=r),
+            lambda: F.rms_norm(x + r, shape, w, 1e-6), "x + r, F.rms_norm", batches, calls),
+        row("layer_norm function bf16 16x4096", lambda: norms.layer_norm(x, w, b, 1e-5),
+            lambda: F.layer_norm(x, shape, w, b, 1e-5), "F.layer_norm", batches, calls),
+    ]
+    for name, ours_cls, torch_cls in (("RMSNorm", cutlass_ops.nn.RMSNorm, torch.nn.RMSNorm),
+                                      ("LayerNorm", cutlass_ops.nn.LayerNorm,
+                                       torch.nn.LayerNorm)):
+        ours, theirs = ours_cls(hidden, eps=1e-6, **kw), torch_cls(hidden, eps=1e-6, **kw)
+        with torch.no_grad():
+            for module in (ours, theirs):
+                module.weight.copy_(w)
+        for grad in (False, True):
+            rows.append(row(f"{name} module bf16 16x4096{' grad enabled' if grad else ''}",
+                            lambda: ours(x), lambda: theirs(x), f"torch.nn.{name}", batches,
+                            calls, grad=grad))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=9, help="alternating batches per row")
+    parser.add_argument("--calls", type=int, default=1000, help="back-to-back calls per batch")
+    args = parser.parse_args()
+    require_gpu()
+    rows = norm_rows(args.batches, args.calls) + matmul_rows(args.batches, args.calls)
+    print_table(["case", "ours us", "torch us", "ratio (calls/s)", "correct"],
+                [[r["case"], r["detail"]["ours_us"], r["detail"]["reference_us"], r["ratio"],
+                  r["correct"]] for r in rows])
+    print(f"wrote {write_result('host_cost', rows)}")
+
+
+if __name__ == "__main__":
+    main()
