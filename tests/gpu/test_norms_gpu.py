@@ -55,9 +55,11 @@ def _rel_err(a, b):
 
 
 def _fits(rows, hidden, dtype, residual):
-    """Skip what does not fit: inputs, outputs and gradients plus a float32 chunk."""
+    """Skip what does not fit: inputs, outputs and gradients, the float32 reference's y, h and
+    dx (held as chunk lists, then concatenated: 24 bytes an element at the peak) plus a float32
+    chunk."""
     tensors = 8 if residual else 6
-    need = rows * hidden * (tensors * dtype.itemsize) + 16 * CHUNK * 4
+    need = rows * hidden * (tensors * dtype.itemsize + 24) + 16 * CHUNK * 4
     free, _ = torch.cuda.mem_get_info()
     return need < 0.85 * free
 
