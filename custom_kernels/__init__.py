@@ -19,4 +19,6 @@ def __getattr__(name):
         raise AttributeError(f"module 'custom_kernels' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups are plain attribute reads, not this hook (~2 us)
+    return value

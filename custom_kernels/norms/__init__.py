@@ -18,7 +18,9 @@ def __getattr__(name):
         raise AttributeError(f"module 'custom_kernels.norms' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(f"custom_kernels.norms.{module}"), name)
+    value = getattr(importlib.import_module(f"custom_kernels.norms.{module}"), name)
+    globals()[name] = value  # later lookups are plain attribute reads, not this hook (~2 us)
+    return value
 
 
 __all__ = list(_PUBLIC)

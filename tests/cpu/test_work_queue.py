@@ -44,6 +44,18 @@ def test_lazy_exports_resolve():
         custom_kernels.no_such_function
 
 
+def test_lazy_exports_are_looked_up_once():
+    """A resolved name becomes a plain attribute of the package, so that a call such as
+    ``norms.rms_norm(...)`` does not pay the import hook (microseconds) every time."""
+    import custom_kernels
+    import custom_kernels.norms as norms
+
+    for package, name in ((custom_kernels, "segment_sum"), (norms, "rms_norm"),
+                          (norms, "RMSNorm")):
+        value = getattr(package, name)
+        assert vars(package)[name] is value
+
+
 def test_counter_layout_matches_header():
     from custom_kernels import work_queue
 
