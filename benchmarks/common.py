@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -90,3 +93,27 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
     for row in [headers, ["-" * w for w in widths], *rows]:
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)), flush=True)
+
+
+@contextlib.contextmanager
+def private_cache_with_online_compile():
+    """An empty cache, so that no tuned entry or nearby shape sends the shape to torch: the
+    online mode builds and runs the model's CUTLASS pick, and the row times our own path."""
+    from cutlass_ops.gemms import dispatch
+    from tuning.online import ONLINE
+
+    previous = os.environ.get("CUTLASS_OPS_CACHE_DIR")
+    private = tempfile.mkdtemp(prefix="cutlass-ops-host-")
+    os.environ["CUTLASS_OPS_CACHE_DIR"] = private
+    dispatch.register_online_tuner(ONLINE)  # a checkout without `pip install` has no entry point
+    dispatch.set_online("compile")
+    try:
+        yield
+    finally:
+        dispatch.set_online(None)
+        if previous is None:
+            os.environ.pop("CUTLASS_OPS_CACHE_DIR", None)
+        else:
+            os.environ["CUTLASS_OPS_CACHE_DIR"] = previous
+        dispatch.reset()
+        shutil.rmtree(private, ignore_errors=True)

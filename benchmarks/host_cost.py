@@ -15,12 +15,8 @@ torch on the same inputs. Writes benchmarks/results/host_cost.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +27,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import cutlass_ops  # noqa: E402
 import cutlass_ops.nn  # noqa: E402
-from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from benchmarks.common import (print_table, private_cache_with_online_compile,  # noqa: E402
+                               require_gpu, write_result)
 from custom_kernels import norms  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 
@@ -65,30 +62,6 @@ def row(case: str, ours, theirs, reference_name: str, batches: int, calls: int,
 
 def first(out):
     return out[0] if isinstance(out, tuple) else out
-
-
-@contextlib.contextmanager
-def private_cache_with_online_compile():
-    """An empty cache, so that no tuned entry or nearby shape sends the shape to torch: the
-    online mode builds and runs the model's CUTLASS pick, and the row times our own path."""
-    from cutlass_ops.gemms import dispatch
-    from tuning.online import ONLINE
-
-    previous = os.environ.get("CUTLASS_OPS_CACHE_DIR")
-    private = tempfile.mkdtemp(prefix="cutlass-ops-host-")
-    os.environ["CUTLASS_OPS_CACHE_DIR"] = private
-    dispatch.register_online_tuner(ONLINE)  # a checkout without `pip install` has no entry point
-    dispatch.set_online("compile")
-    try:
-        yield
-    finally:
-        dispatch.set_online(None)
-        if previous is None:
-            os.environ.pop("CUTLASS_OPS_CACHE_DIR", None)
-        else:
-            os.environ["CUTLASS_OPS_CACHE_DIR"] = previous
-        dispatch.reset()
-        shutil.rmtree(private, ignore_errors=True)
 
 
 def matmul_rows(batches: int, calls: int) -> list[dict]:

@@ -31,8 +31,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import cutlass_ops  # noqa: E402
-from benchmarks.common import (copy_bandwidth_gbs, print_table, require_gpu,  # noqa: E402
-                               write_result)
+from benchmarks.common import (copy_bandwidth_gbs, print_table,  # noqa: E402
+                               private_cache_with_online_compile, require_gpu, write_result)
 from cutlass_ops import GemmOperands, GemmProblem  # noqa: E402
 from cutlass_ops.nn import Linear  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
@@ -170,62 +170,37 @@ def host_rows():
     """Calls per second at a tiny shape where the host bounds the rate. The kernel behind our
     calls is CUTLASS (built on first use if needed: online mode "compile"), so the figure is our
     own path: checks memoized per signature, output allocation, argument copy, C++ launch."""
-    from cutlass_ops.gemms import dispatch
-
     m, n, k = 16, 256, 256
     theirs = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     ours = Linear.from_linear(theirs)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = theirs.weight
     rows = []
-    # A private, empty cache: no tuned entry or nearby shape can send this shape to torch, so
-    # the online mode builds and runs the model's CUTLASS pick and we time our own path.
-    import os
-    import shutil
-    import tempfile
-
-    previous = os.environ.get("CUTLASS_OPS_CACHE_DIR")
-    private = tempfile.mkdtemp(prefix="cutlass-ops-host-")
-    os.environ["CUTLASS_OPS_CACHE_DIR"] = private
-    dispatch.reset()
-    from tuning.online import ONLINE
-
-    dispatch.register_online_tuner(ONLINE)  # a checkout without `pip install` has no entry point
-    dispatch.set_online("compile")
-    try:
-        with torch.no_grad():
-            decision = cutlass_ops.explain(x, w.t())
-            assert decision.choice is not None, decision.reason
-            pairs = [
-                ("functional linear", lambda: cutlass_ops.ops.linear_fast(x, w),
-                 lambda: F.linear(x, w), "torch.nn.functional.linear"),
-                ("nn.Linear module", lambda: ours(x), lambda: theirs(x), "torch.nn.Linear"),
-                ("matmul", lambda: cutlass_ops.matmul(x, w.t()), lambda: torch.matmul(x, w.t()),
-                 "torch.matmul"),
-                ("custom op cutlass_ops::linear", lambda: cutlass_ops.ops.linear(x, w, None),
-                 lambda: F.linear(x, w), "torch.nn.functional.linear"),
-            ]
-            for name, fn, ref_fn, ref_name in pairs:
-                fn()  # resolves (and, the first time, builds) the kernel
-                cps, ref_cps = calls_per_second(fn), calls_per_second(ref_fn)
-                rows.append({
-                    "case": f"host overhead {name} bf16 {m}x{n}x{k} eager", "unit": "calls/s",
-                    "ours": round(cps), "reference": round(ref_cps), "reference_name": ref_name,
-                    "ratio": round(round(cps) / round(ref_cps), 4),
-                    "correct": rel(fn(), ref_fn()) < 2e-2,
-                    "detail": {"us_per_call_ours": round(1e6 / cps, 2),
-                               "us_per_call_reference": round(1e6 / ref_cps, 2),
-                               "dispatch": decision.source,
-                               "kernel": decision.choice.name if decision.choice
-                               else "torch.matmul"}})
-    finally:
-        dispatch.set_online(None)
-        if previous is None:
-            os.environ.pop("CUTLASS_OPS_CACHE_DIR", None)
-        else:
-            os.environ["CUTLASS_OPS_CACHE_DIR"] = previous
-        dispatch.reset()
-        shutil.rmtree(private, ignore_errors=True)
+    with private_cache_with_online_compile(), torch.no_grad():
+        decision = cutlass_ops.explain(x, w.t())
+        assert decision.choice is not None, decision.reason
+        pairs = [
+            ("functional linear", lambda: cutlass_ops.ops.linear_fast(x, w),
+             lambda: F.linear(x, w), "torch.nn.functional.linear"),
+            ("nn.Linear module", lambda: ours(x), lambda: theirs(x), "torch.nn.Linear"),
+            ("matmul", lambda: cutlass_ops.matmul(x, w.t()), lambda: torch.matmul(x, w.t()),
+             "torch.matmul"),
+            ("custom op cutlass_ops::linear", lambda: cutlass_ops.ops.linear(x, w, None),
+             lambda: F.linear(x, w), "torch.nn.functional.linear"),
+        ]
+        for name, fn, ref_fn, ref_name in pairs:
+            fn()  # resolves (and, the first time, builds) the kernel
+            cps, ref_cps = calls_per_second(fn), calls_per_second(ref_fn)
+            rows.append({
+                "case": f"host overhead {name} bf16 {m}x{n}x{k} eager", "unit": "calls/s",
+                "ours": round(cps), "reference": round(ref_cps), "reference_name": ref_name,
+                "ratio": round(round(cps) / round(ref_cps), 4),
+                "correct": rel(fn(), ref_fn()) < 2e-2,
+                "detail": {"us_per_call_ours": round(1e6 / cps, 2),
+                           "us_per_call_reference": round(1e6 / ref_cps, 2),
+                           "dispatch": decision.source,
+                           "kernel": decision.choice.name if decision.choice
+                           else "torch.matmul"}})
     return rows
 
 
