@@ -17,7 +17,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from cutlass_ops import ops
+from cutlass_ops import norm_probe, ops
 from cutlass_ops.gemms.config import Activation
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
@@ -116,11 +116,16 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
     that directly follows a converted Linear in an nn.Sequential moves into the Linear's
     epilogue and becomes nn.Identity. With ``norms``, torch.nn.RMSNorm and LayerNorm layers
     become the fused norm modules (same parameters; they fall back to torch for input the
-    kernels do not take). Returns what was done and why, per layer."""
+    kernels do not take), and so do modules built like an RMSNorm that are not torch's (Hugging
+    Face's LlamaRMSNorm, Mistral's, Qwen2's, Qwen3's) once a numeric probe agrees
+    (``cutlass_ops.norm_probe``). Returns what was done and why, per layer."""
     decisions = []
     for name, module in list(model.named_modules()):
         if norms and type(module) in (nn.RMSNorm, nn.LayerNorm):
             decisions.append(_convert_norm(model, name, module, include, exclude))
+            continue
+        if norms and norm_probe.looks_like_rms_norm(module):
+            decisions.append(_convert_probed_norm(model, name, module, include, exclude))
             continue
         if not isinstance(module, nn.Linear) or isinstance(module, Linear):
             continue
@@ -173,6 +178,27 @@ def _convert_norm(model, name, module, include, exclude) -> Decision:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, ours)
     return Decision(name, kind, True, "fused norm kernel (torch where the input does not fit)")
+
+
+def _convert_probed_norm(model, name, module, include, exclude) -> Decision:
+    """A module built like an RMSNorm that is not torch's (Hugging Face's LlamaRMSNorm and its
+    copies): swapped only when the numeric probe agrees (cutlass_ops.norm_probe)."""
+    kind = type(module).__name__
+    if include is not None and name not in include or name in exclude:
+        return Decision(name, kind, False, "excluded by the caller")
+    weight = module.weight
+    if weight.device.type != "cuda":
+        return Decision(name, kind, False, f"weights on {weight.device}: move the model to a "
+                        "CUDA device first")
+    if not name:
+        return Decision(name, kind, False, "the model itself is a norm: wrap it")
+    why = norm_probe.probe(module)
+    if why is not None:
+        return Decision(name, kind, False, why)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, norm_probe.drop_in(module))
+    return Decision(name, kind, True, "RMSNorm by structure and by a numeric probe: fused norm "
+                    "kernel (torch where the input does not fit)")
 
 
 def _next_in_sequential(parent: nn.Sequential, child: str) -> nn.Module | None:
