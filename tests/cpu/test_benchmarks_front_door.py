@@ -26,7 +26,7 @@ def run_benchmark(script, *args):
 @pytest.mark.parametrize("script, args", [("gemm.py", ["--quick"]), ("norms.py", ["--quick"]),
                                           ("reductions.py", ["--quick"]),
                                           ("torch_integration.py", ["--quick"]),
-                                          ("host_cost.py", []),
+                                          ("host_cost.py", []), ("e2e.py", ["--quick"]),
                                           ("sweeps/gemm_configs.py", ["--preset", "small-m"]),
                                           ("sweeps/norm_configs.py", [])])
 def test_without_a_gpu_a_benchmark_stops_at_once_with_one_line(script, args):
