@@ -38,18 +38,25 @@ SUMMARY_CHARS = 300
 # ---- keys ------------------------------------------------------------------------------------
 
 def key(payload: Mapping[str, Any]) -> str:
-    """The hash of a JSON-able payload (canonical: sorted keys): NVRTC cubins and new kinds."""
+    """The hash of a JSON-able payload (canonical: sorted keys): the one key of every entry."""
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:KEY_CHARS]
 
 
-def key_of_parts(parts: Sequence[bytes]) -> str:
-    """The hash of raw byte parts, each prefixed by its length so that no two lists collide. The
-    nvcc artifacts' key, kept as it is so that their existing caches (minutes of nvcc per entry)
-    stay valid."""
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(len(part).to_bytes(8, "little") + part)
-    return digest.hexdigest()[:KEY_CHARS]
+def digest(data: bytes) -> str:
+    """A payload field for large inputs (sources, headers): their sha256."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def adopt(directory: Path, legacy: Path, artifact: str) -> None:
+    """Moves an entry built under an earlier key (``legacy``) to its key now (``directory``) when
+    only the earlier one exists and holds its artifact: the migration that keeps caches warm
+    across a change of key. A concurrent adopter or builder that got there first wins."""
+    if directory.exists() or not (legacy / artifact).is_file():
+        return
+    try:
+        os.replace(legacy, directory)
+    except OSError:  # the new entry appeared meanwhile, or the old one went
+        pass
 
 
 def entry_path(kind: str, arch: str, name: str, entry_key: str) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import os
 import re
@@ -98,15 +99,30 @@ class BuildSpec:
 
     @functools.cached_property
     def key(self) -> str:
-        parts = [self.kernel_source.encode(), LAUNCHER.read_bytes(), nvcc_version().encode(),
-                 " ".join(nvcc_flags(self.arch)).encode(), self.arch.value.encode()]
-        if self.defines:  # absent from the keys of kernels without any, which stay as they were
-            parts.append(" ".join(self.defines).encode())
-        return build_cache.key_of_parts(parts)
+        return build_cache.key({
+            "source": build_cache.digest(self.kernel_source.encode()),
+            "launcher": build_cache.digest(LAUNCHER.read_bytes()), "nvcc": nvcc_version(),
+            "flags": nvcc_flags(self.arch), "arch": self.arch.value,
+            "defines": list(self.defines)})
 
     @property
     def directory(self) -> Path:
         return build_cache.entry_path("artifacts", self.arch.value, self.name, self.key)
+
+    def adopt_legacy(self) -> None:
+        """An artifact built under the key of cutlass-ops before its one build cache (length-
+        prefixed byte parts) moves to today's key instead of being compiled again."""
+        if self.directory.exists():
+            return
+        parts = [self.kernel_source.encode(), LAUNCHER.read_bytes(), nvcc_version().encode(),
+                 " ".join(nvcc_flags(self.arch)).encode(), self.arch.value.encode()]
+        if self.defines:
+            parts.append(" ".join(self.defines).encode())
+        legacy = hashlib.sha256()
+        for part in parts:
+            legacy.update(len(part).to_bytes(8, "little") + part)
+        name = f"{self.name}-{legacy.hexdigest()[:build_cache.KEY_CHARS]}"
+        build_cache.adopt(self.directory, self.directory.with_name(name), LIBRARY)
 
     @property
     def entry(self) -> build_cache.Entry:
@@ -161,11 +177,13 @@ def _compile(spec: BuildSpec, library: Path) -> build_cache.Built:
 def is_built(spec: BuildSpec) -> bool:
     """Whether the artifact is on disk (a cheap listing check: ``build`` also checks that it is
     whole, and rebuilds it if not)."""
+    spec.adopt_legacy()
     return (spec.directory / LIBRARY).exists()
 
 
 def build(spec: BuildSpec, *, retry_failed: bool = False) -> Artifact:
     """The artifact for ``spec``: from the cache, or compiled now. Raises BuildError."""
+    spec.adopt_legacy()
     published = build_cache.get_or_build(spec.entry, lambda library: _compile(spec, library),
                                          retry=retry_failed)
     return Artifact(spec, published.path, published.seconds)

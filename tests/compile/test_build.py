@@ -29,10 +29,10 @@ def test_key_covers_source_and_arch():
     assert defined.key != a.key
 
 
-def test_key_is_the_one_existing_artifact_caches_were_built_under():
-    """Length-prefixed parts, defines only when there are some: a change here would rebuild
-    every kernel of every existing cache."""
-    def legacy(spec):
+def test_an_artifact_under_the_key_before_the_one_build_cache_is_adopted(monkeypatch):
+    """Length-prefixed byte parts, defines only when there are some: the key every existing
+    artifact cache was built under. Such an entry moves to today's key instead of a rebuild."""
+    def legacy_directory(spec):
         parts = [spec.kernel_source.encode(), build.LAUNCHER.read_bytes(),
                  build.nvcc_version().encode(), " ".join(build.nvcc_flags(spec.arch)).encode(),
                  spec.arch.value.encode()]
@@ -41,12 +41,17 @@ def test_key_is_the_one_existing_artifact_caches_were_built_under():
         digest = hashlib.sha256()
         for part in parts:
             digest.update(len(part).to_bytes(8, "little") + part)
-        return digest.hexdigest()[:20]
+        return spec.directory.with_name(f"{spec.name}-{digest.hexdigest()[:20]}")
 
+    monkeypatch.setattr(build, "_compile", lambda *a: pytest.fail("nvcc ran"))
     for spec in (build.BuildSpec("k", BROKEN, Arch.SM90A),
                  build.BuildSpec("k", BROKEN, Arch.SM100A, ("A=1", "B"))):
-        assert spec.key == legacy(spec)
         assert spec.directory.parent.parts[-3:] == (__version__, "artifacts", spec.arch.value)
+        old = legacy_directory(spec)
+        old.mkdir(parents=True)
+        (old / build.LIBRARY).write_bytes(b"library")
+        assert build.is_built(spec) and not old.exists()
+        assert (spec.directory / build.LIBRARY).read_bytes() == b"library"
 
 
 def test_only_tile_widths_cute_splits_get_the_extended_wgmma_shapes():

@@ -63,8 +63,21 @@ def test_key_is_stable_and_ignores_the_order_of_the_payload():
     assert build_cache.key({"a": "x", "b": [1, 2]}) == "5125d018f84d57c49a8d"
     assert build_cache.key({"b": [1, 2], "a": "x"}) == "5125d018f84d57c49a8d"
     assert build_cache.key({"a": "x", "b": [2, 1]}) != "5125d018f84d57c49a8d"
-    assert build_cache.key_of_parts([b"ab", b"c"]) == "43ee655579de01ca739b"
-    assert build_cache.key_of_parts([b"a", b"bc"]) != "43ee655579de01ca739b"  # length-prefixed
+    assert build_cache.digest(b"ab") != build_cache.digest(b"ab ")
+
+
+def test_an_entry_under_an_earlier_key_is_adopted_once(tmp_path):
+    legacy, directory = tmp_path / "k-old", tmp_path / "k-new"
+    build_cache.adopt(directory, legacy, "kernel.so")  # nothing to adopt: nothing happens
+    assert not directory.exists()
+    legacy.mkdir()
+    build_cache.adopt(directory, legacy, "kernel.so")  # no artifact in it: left alone
+    assert legacy.exists() and not directory.exists()
+    (legacy / "kernel.so").write_bytes(b"\x7fELF")
+    build_cache.adopt(directory, legacy, "kernel.so")
+    assert (directory / "kernel.so").read_bytes() == b"\x7fELF" and not legacy.exists()
+    build_cache.adopt(directory, tmp_path / "other", "kernel.so")  # the new entry stays
+    assert (directory / "kernel.so").exists()
 
 
 def test_entry_paths_are_versioned_and_readable(cache_root, tmp_path):
