@@ -24,7 +24,7 @@ import secrets
 import struct
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple
 
 import filelock
 
