@@ -58,6 +58,14 @@ def _dispatch():
     return module
 
 
+def linear_cross_entropy(hidden, weight, labels, **options):
+    """Cross-entropy of the LM head ``hidden @ weight.T`` against ``labels`` without
+    materializing the logits (see cutlass_ops.cross_entropy)."""
+    from cutlass_ops.cross_entropy import linear_cross_entropy as _loss
+
+    return _loss(hidden, weight, labels, **options)
+
+
 def convert(model, **options):
     """Swaps a model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place where our
     kernels apply, fusing activations that follow them in an nn.Sequential; returns a report of
@@ -77,7 +85,8 @@ def __getattr__(name):
 
 
 __all__ = [
-    "__version__", "gemm", "plan", "matmul", "explain", "convert", "Activation", "Arch",
+    "__version__", "gemm", "plan", "matmul", "explain", "convert", "linear_cross_entropy",
+    "Activation", "Arch",
     "BiasMode", "DType", "Epilogue",
     "EpilogueSchedule", "GemmConfig",
     "GemmOperands", "GemmProblem", "KernelSchedule", "Layout", "RasterOrder", "TileScheduler",

@@ -1,0 +1,162 @@
+"""linear_cross_entropy against torch.nn.functional.cross_entropy on the full float32 logits: the
+loss and every gradient, on the CPU (the chunked computation is the same code on a GPU; its
+GEMMs go through cutlass_ops.matmul, which runs torch's on CPU tensors), and the argument checks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cutlass_ops
+from custom_kernels.core.errors import UnsupportedInputError
+
+
+def reference(hidden, weight, labels, bias=None, softcap=None, **kw):
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), **kw)
+
+
+def inputs(rows=37, hidden=48, vocab=1000, dtype=torch.float32, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, hidden, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).to(dtype).requires_grad_()
+    b = torch.randn(vocab, generator=g).to(dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    labels[::5] = -100
+    return h, w, b, labels
+
+
+def grads(loss, tensors):
+    return torch.autograd.grad(loss.sum() if loss.dim() else loss,
+                               [t for t in tensors if t is not None])
+
+
+def close(a, b, tol):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item() <= tol
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_cross_entropy_on_the_full_logits(reduction, smoothing, softcap, bias):
+    h, w, b, labels = inputs(bias=bias)
+    ours = cutlass_ops.linear_cross_entropy(h, w, labels, bias=b, reduction=reduction,
+                                            label_smoothing=smoothing, logit_softcap=softcap,
+                                            chunk_rows=8)  # 37 rows: chunks of 8, the last of 5
+    theirs = reference(h, w, labels, b, softcap, reduction=reduction,
+                       label_smoothing=smoothing)
+    assert ours.shape == theirs.shape and ours.dtype == torch.float32
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    if reduction == "none":  # a per-row incoming gradient, as a weighted loss would give
+        weights = torch.rand(ours.shape, generator=torch.Generator().manual_seed(1))
+        ours, theirs = ours * weights, theirs * weights
+    for mine, ref in zip(grads(ours, (h, w, b)), grads(theirs, (h, w, b))):
+        assert close(mine, ref, 1e-5)
+
+
+@pytest.mark.parametrize("vocab", [32000, 1000, 257])
+def test_bfloat16_within_its_tolerance(vocab):
+    h, w, _, labels = inputs(rows=64, hidden=64, vocab=vocab, dtype=torch.bfloat16)
+    ours = cutlass_ops.linear_cross_entropy(h, w, labels, chunk_rows=24)
+    theirs = reference(h, w, labels)
+    assert abs(ours.item() - theirs.item()) <= 1e-2 * abs(theirs.item())
+    for mine, ref in zip(grads(ours, (h, w)), grads(theirs, (h, w))):
+        assert mine.dtype == torch.bfloat16 and close(mine, ref, 2e-2)
+
+
+def test_three_dimensional_hidden_and_num_items_in_batch():
+    h, w, _, labels = inputs(rows=24)
+    h3 = h.detach().view(2, 12, -1).requires_grad_()
+    ours = cutlass_ops.linear_cross_entropy(h3, w, labels.view(2, 12), num_items_in_batch=7)
+    theirs = reference(h3, w, labels.view(2, 12), reduction="sum") / 7
+    assert torch.allclose(ours, theirs, rtol=1e-5)
+    none = cutlass_ops.linear_cross_entropy(h3, w, labels.view(2, 12), reduction="none")
+    assert none.shape == (2, 12) and (none.view(-1)[labels == -100] == 0).all()
+
+
+def test_a_chunk_of_ignored_rows_and_all_rows_ignored():
+    h, w, _, labels = inputs(rows=20)
+    labels[:10] = -100  # the whole first chunk
+    ours = cutlass_ops.linear_cross_entropy(h, w, labels, chunk_rows=10)
+    assert torch.allclose(ours, reference(h, w, labels), rtol=1e-5)
+    (gh,) = torch.autograd.grad(ours, [h])
+    assert (gh[:10] == 0).all() and gh[10:].abs().sum() > 0
+    labels[:] = -100  # F.cross_entropy's mean over no rows: NaN
+    assert torch.isnan(cutlass_ops.linear_cross_entropy(h, w, labels)) == \
+        torch.isnan(reference(h, w, labels))
+    assert cutlass_ops.linear_cross_entropy(h, w, labels, reduction="sum").item() == 0
+
+
+def test_custom_ignore_index_and_int32_labels():
+    h, w, _, labels = inputs()
+    labels = torch.where(labels == -100, torch.tensor(7), labels).int()
+    labels[::3] = 7
+    ours = cutlass_ops.linear_cross_entropy(h, w, labels, ignore_index=7)
+    assert torch.allclose(ours, reference(h, w, labels.long(), ignore_index=7), rtol=1e-5)
+
+
+def test_default_chunk_fits_the_budget():
+    from cutlass_ops.cross_entropy import CHUNK_BYTES_CAP, default_chunk_rows
+
+    rows = default_chunk_rows(4096 * 8, 128256, torch.device("cpu"))
+    assert rows % 128 == 0 and rows * 128256 * 4 <= CHUNK_BYTES_CAP
+    assert default_chunk_rows(5, 128256, torch.device("cpu")) == 5
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(labels=torch.full((37,), 1000)), "outside [0, 1000)"),
+    (dict(labels=torch.full((37,), -5)), "outside [0, 1000)"),
+    (dict(labels=torch.zeros(36, dtype=torch.long)), "leading shape"),
+    (dict(labels=torch.zeros(37)), "int64"),
+    (dict(weight=torch.randn(1000, 47)), "weight must be (vocab, hidden)"),
+    (dict(weight=torch.randn(1000, 48, dtype=torch.float64)), "one floating dtype"),
+    (dict(bias=torch.randn(999)), "bias must be"),
+    (dict(reduction="avg"), "reduction must be"),
+    (dict(label_smoothing=1.5), "label_smoothing"),
+    (dict(logit_softcap=0.0), "logit_softcap"),
+    (dict(num_items_in_batch=0), "num_items_in_batch"),
+    (dict(reduction="sum", num_items_in_batch=4), "num_items_in_batch"),
+    (dict(chunk_rows=-1), "chunk_rows"),
+])
+def test_bad_input_is_refused_by_name(change, words):
+    h, w, _, labels = inputs()
+    args = dict(hidden=h, weight=w, labels=labels) | change
+    with pytest.raises(UnsupportedInputError, match=words.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[")):
+        cutlass_ops.linear_cross_entropy(args.pop("hidden"), args.pop("weight"),
+                                         args.pop("labels"), **args)
+
+
+def test_compiles_with_fullgraph_and_matches_eager():
+    h, w, _, labels = inputs()
+    compiled = torch.compile(
+        lambda h, w, labels: cutlass_ops.linear_cross_entropy(h, w, labels, chunk_rows=8),
+        fullgraph=True, backend="aot_eager")
+    ours = compiled(h, w, labels)
+    theirs = reference(h, w, labels)
+    assert torch.allclose(ours, theirs, rtol=1e-5)
+    for mine, ref in zip(grads(ours, (h, w)), grads(theirs, (h, w))):
+        assert close(mine, ref, 1e-5)
+
+
+def test_peak_memory_holds_one_chunk_of_logits():
+    """The logits of all rows never exist at once: a chunk of 8 rows of a 32000 vocabulary
+    allocates about 1 MB of float32 logits where the full 256 rows would need 33 MB."""
+    h, w, _, labels = inputs(rows=256, hidden=32, vocab=32000)
+    seen = []
+    original = torch.Tensor.float
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if out.dim() == 2 and out.shape[-1] == 32000:
+            seen.append(out.shape[0])
+        return out
+
+    torch.Tensor.float = spy
+    try:
+        cutlass_ops.linear_cross_entropy(h, w, labels, chunk_rows=8).backward()
+    finally:
+        torch.Tensor.float = original
+    assert seen and max(seen) == 8
