@@ -120,7 +120,7 @@ def _matmul(a, b):
         from cutlass_ops import ops
 
         return ops.mm(a, b)
-    from cutlass_ops import matmul
+    from cutlass_ops.gemms.dispatch import matmul
 
     return matmul(a, b)
 
