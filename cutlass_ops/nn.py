@@ -17,7 +17,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from cutlass_ops import norm_probe, ops
+from cutlass_ops import lm_loss, norm_probe, ops
 from cutlass_ops.gemms.config import Activation
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
@@ -109,7 +109,7 @@ def _why_not(layer: nn.Linear) -> str | None:
 
 
 def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: bool = True,
-            norms: bool = True) -> ConversionReport:
+            norms: bool = True, fused_loss: bool = True) -> ConversionReport:
     """Swaps the model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place (sharing
     parameters), leaving unsupported ones alone. ``include``: names to consider (default all);
     ``exclude``: names to leave alone. With ``fuse_activations``, a ReLU / GELU / SiLU module
@@ -118,7 +118,10 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
     become the fused norm modules (same parameters; they fall back to torch for input the
     kernels do not take), and so do modules built like an RMSNorm that are not torch's (Hugging
     Face's LlamaRMSNorm, Mistral's, Qwen2's, Qwen3's) once a numeric probe agrees
-    (``cutlass_ops.norm_probe``). Returns what was done and why, per layer."""
+    (``cutlass_ops.norm_probe``). With ``fused_loss``, a Hugging Face causal LM called with
+    labels computes its head and loss a chunk at a time, without materializing the logits (then
+    not returned; ``cutlass_ops.lm_loss``), after a probe of its loss. Returns what was done and
+    why, per layer."""
     decisions = []
     for name, module in list(model.named_modules()):
         if norms and type(module) in (nn.RMSNorm, nn.LayerNorm):
@@ -155,6 +158,11 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
             setattr(parent, _child_name(parent, follower), nn.Identity())
             reason += f"; {follower_name} ({type(follower).__name__}) fused as {activation}"
         decisions.append(Decision(name, kind, True, reason))
+    if fused_loss and lm_loss.structure_refusal(model) is None:
+        why = lm_loss.route(model)
+        decisions.append(Decision("lm_head+loss", type(model).__name__, why is None,
+                                  why or "labels: the head and the loss a chunk of rows at a "
+                                  "time, no logits (cutlass_ops.linear_cross_entropy)"))
     return ConversionReport(decisions)
 
 

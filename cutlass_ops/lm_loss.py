@@ -1,0 +1,113 @@
+"""A causal language model's loss through ``linear_cross_entropy``: when a Hugging Face causal LM
+(``...ForCausalLM``: a decoder ``model``, an ``lm_head`` Linear, a ``forward`` taking ``labels``)
+is called with labels, its logits are never materialized. The backbone runs as it would, then
+the head and the loss run a chunk of rows at a time (``cutlass_ops.cross_entropy``), with the
+loss Hugging Face computes: labels shifted by one, ``ignore_index`` -100, the mean over the
+non-ignored labels or the sum over ``num_items_in_batch`` when the trainer passes it, and the
+config's ``final_logit_softcapping`` (Gemma 2). The output's ``logits`` is then None, as Hugging
+Face's own fused losses do; without labels (inference, ``generate()``) nothing changes.
+
+The swap is checked like a norm's: on a few random tokens, the model's own loss and ours must
+agree within bf16 tolerance, else the model keeps its forward and the report says why.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+PROBE_TOKENS = 16
+PROBE_TOLERANCE = 2e-2  # relative, on the loss: bf16 logits rounded differently
+
+
+def structure_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` is not a causal LM whose loss we can route, or None."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        return "no lm_head Linear"
+    if not isinstance(getattr(model, "model", None), nn.Module):
+        return "no decoder backbone at .model"
+    if getattr(getattr(model, "config", None), "vocab_size", None) != head.out_features:
+        return "config.vocab_size is not the lm_head's output size"
+    if "labels" not in inspect.signature(type(model).forward).parameters:
+        return "its forward takes no labels"
+    if getattr(model.forward, "__self__", None) is model and \
+            getattr(model.forward, "__func__", None) is _forward:
+        return "its loss is routed already"
+    return None
+
+
+def loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                     num_items_in_batch=None) -> torch.Tensor:
+    """Hugging Face's causal-LM loss (labels shifted by one) from the backbone's last hidden
+    states, through the chunked head."""
+    from cutlass_ops.cross_entropy import linear_cross_entropy
+
+    shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    head = model.lm_head
+    num_items = int(num_items_in_batch) if num_items_in_batch is not None else None
+    return linear_cross_entropy(hidden, head.weight, shifted.to(hidden.device),
+                                bias=head.bias, ignore_index=IGNORE_INDEX,
+                                logit_softcap=getattr(model.config, "final_logit_softcapping",
+                                                      None),
+                                num_items_in_batch=num_items)
+
+
+def _forward(self, *args, **kwargs):
+    """The model's own forward without labels; with them, the backbone, then the chunked head
+    and loss (no logits)."""
+    bound = self._cutlass_ops_signature.bind(*args, **kwargs)
+    arguments = dict(bound.arguments)
+    labels = arguments.pop("labels", None)
+    if labels is None:
+        return self._cutlass_ops_original_forward(*args, **kwargs)
+    extra = arguments.pop("kwargs", {})
+    arguments.pop("logits_to_keep", None)
+    arguments.pop("return_dict", None)
+    outputs = self.model(**arguments, **extra)
+    loss = loss_from_hidden(self, outputs[0], labels, extra.get("num_items_in_batch"))
+    fields = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+    return self._cutlass_ops_output_type(loss=loss, logits=None, **fields)
+
+
+def route(model: nn.Module) -> str | None:
+    """Routes ``model``'s loss through the chunked head after a probe; returns None when done,
+    else why not (the model is then unchanged)."""
+    why = structure_refusal(model)
+    if why is not None:
+        return why
+    original = model.forward
+    probe_ids = torch.randint(0, model.config.vocab_size, (1, PROBE_TOKENS),
+                              generator=torch.Generator().manual_seed(0)).to(
+        model.lm_head.weight.device)
+    with torch.no_grad():
+        expected = original(input_ids=probe_ids, labels=probe_ids)
+    output_type = type(expected)
+    if getattr(expected, "loss", None) is None:
+        return "its forward returned no loss for labels"
+    model._cutlass_ops_original_forward = original
+    model._cutlass_ops_signature = inspect.signature(original)
+    model._cutlass_ops_output_type = output_type
+    model.forward = types.MethodType(_forward, model)
+    with torch.no_grad():
+        ours = model(input_ids=probe_ids, labels=probe_ids).loss
+    error = abs(ours.item() - expected.loss.item()) / max(abs(expected.loss.item()), 1e-30)
+    if not error <= PROBE_TOLERANCE:
+        unroute(model)
+        return (f"its loss differs from ours by {error:.3g} (relative; tolerance "
+                f"{PROBE_TOLERANCE:g}): another loss than Hugging Face's causal-LM loss, left "
+                "as it is")
+    return None
+
+
+def unroute(model: nn.Module) -> None:
+    """Restores the model's own forward."""
+    if "forward" in vars(model):
+        del model.forward
+    for name in ("_cutlass_ops_original_forward", "_cutlass_ops_signature",
+                 "_cutlass_ops_output_type"):
+        vars(model).pop(name, None)
