@@ -60,16 +60,16 @@ def loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
 def _forward(self, *args, **kwargs):
     """The model's own forward without labels; with them, the backbone, then the chunked head
     and loss (no logits)."""
-    bound = self._cutlass_ops_signature.bind(*args, **kwargs)
-    arguments = dict(bound.arguments)
+    # Positional arguments by the original forward's parameter names (cheaper than binding a
+    # signature, and traceable by torch.compile).
+    arguments = dict(zip(self._cutlass_ops_positional, args), **kwargs)
     labels = arguments.pop("labels", None)
     if labels is None:
         return self._cutlass_ops_original_forward(*args, **kwargs)
-    extra = arguments.pop("kwargs", {})
     arguments.pop("logits_to_keep", None)
     arguments.pop("return_dict", None)
-    outputs = self.model(**arguments, **extra)
-    loss = loss_from_hidden(self, outputs[0], labels, extra.get("num_items_in_batch"))
+    outputs = self.model(**arguments)
+    loss = loss_from_hidden(self, outputs[0], labels, arguments.get("num_items_in_batch"))
     fields = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     return self._cutlass_ops_output_type(loss=loss, logits=None, **fields)
 
@@ -90,7 +90,9 @@ def route(model: nn.Module) -> str | None:
     if getattr(expected, "loss", None) is None:
         return "its forward returned no loss for labels"
     model._cutlass_ops_original_forward = original
-    model._cutlass_ops_signature = inspect.signature(original)
+    model._cutlass_ops_positional = tuple(
+        name for name, p in inspect.signature(original).parameters.items()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
     model._cutlass_ops_output_type = output_type
     model.forward = types.MethodType(_forward, model)
     with torch.no_grad():
@@ -108,6 +110,6 @@ def unroute(model: nn.Module) -> None:
     """Restores the model's own forward."""
     if "forward" in vars(model):
         del model.forward
-    for name in ("_cutlass_ops_original_forward", "_cutlass_ops_signature",
+    for name in ("_cutlass_ops_original_forward", "_cutlass_ops_positional",
                  "_cutlass_ops_output_type"):
         vars(model).pop(name, None)

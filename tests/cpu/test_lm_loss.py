@@ -93,3 +93,16 @@ def test_routing_twice_and_unrouting():
 
 def test_not_a_causal_lm():
     assert lm_loss.structure_refusal(torch.nn.Linear(4, 4)) == "no lm_head Linear"
+
+
+def test_a_routed_model_compiles_with_fullgraph():
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    cutlass_ops.convert(model)
+    ids, labels = batch()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ours = compiled(input_ids=ids, labels=labels)
+    assert ours.logits is None
+    assert torch.allclose(ours.loss, reference(input_ids=ids, labels=labels).loss, rtol=1e-5)
+    ours.loss.backward()
+    assert model.lm_head.weight.grad is not None
