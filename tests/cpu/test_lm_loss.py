@@ -106,3 +106,19 @@ def test_a_routed_model_compiles_with_fullgraph():
     assert torch.allclose(ours.loss, reference(input_ids=ids, labels=labels).loss, rtol=1e-5)
     ours.loss.backward()
     assert model.lm_head.weight.grad is not None
+
+
+def test_with_activation_checkpointing():
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.gradient_checkpointing_enable()
+        m.train()
+    cutlass_ops.convert(model)
+    ids, labels = batch()
+    ours, theirs = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    assert torch.allclose(ours.loss, theirs.loss, rtol=1e-5)
+    ours.loss.backward()
+    theirs.loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
