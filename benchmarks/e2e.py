@@ -10,12 +10,14 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
   128-token prompt, with its KV cache (eager and ours; compiled decoding is not timed here);
 - ``peak memory train ours vs eager``: unit 1/GB, so that ``ratio`` = eager's GB over ours.
 Times are CUDA-event medians after warm-up. Each variant's loss and logits are checked against
-eager's on the same inputs (bf16 tolerance). The GEMMs run what dispatch has: tune the model's
-shapes first (``cutlass-tune tune --model ... --backward``) for the tuned kernels. Results are
+eager's on the same inputs (bf16 tolerance). The GEMMs run what dispatch has: ``--tune quick``
+first tunes every GEMM the converted model runs (its Linears forward and backward, the decode
+batches, the chunked loss head). "ours" is ``convert``'s model: fused norms, our Linear, and the
+loss through the chunked head when labels are passed. Results are
 written after each section, so an interrupted run keeps what it measured.
 Writes benchmarks/results/e2e.json (e2e_quick.json with --quick: 2 layers, 1024 tokens).
 
-    python benchmarks/e2e.py [--quick] [--layers 8] [--tokens 4096] [--new-tokens 128]
+    python benchmarks/e2e.py [--quick] [--tune quick] [--layers 8] [--tokens 4096]
 """
 
 from __future__ import annotations
@@ -114,6 +116,25 @@ def measure_decode(variants, batch, new_tokens, reps):
     return out
 
 
+def tune(model, args) -> None:
+    """Tunes what the converted model runs: every Linear's GEMMs on the train / prefill tokens
+    (forward and backward), the forward at each decode batch, and the chunked loss head."""
+    from cutlass_ops.cross_entropy import default_chunk_rows
+    from cutlass_ops.gemms import dispatch
+    from tuning.backend import GpuBackend
+    from tuning.search import tune as run_tune
+    from tuning.shapes import model_problems
+
+    chunk = default_chunk_rows(args.tokens, model.config.vocab_size, torch.device("cuda"))
+    problems = model_problems(model, args.tokens, backward=True, loss_chunk_rows=chunk)
+    for batch in (1, 16):
+        problems += model_problems(model, batch)
+    report = run_tune(list(dict.fromkeys(problems)), backend=GpuBackend(), strategy=args.tune)
+    print(f"tuned {len(problems)} GEMMs: compiled {report.built} kernels in "
+          f"{report.build_seconds:.0f} s, measured in {report.measure_seconds:.0f} s", flush=True)
+    dispatch.reset()
+
+
 def rate_row(case, tokens, ours, ref, ref_name, correct, **detail):
     ours_tps, ref_tps = tokens / ours["ms"] * 1e3, tokens / ref["ms"] * 1e3
     return {"case": case, "unit": "tokens/s", "ours": round(ours_tps, 1),
@@ -137,6 +158,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generate() decodes")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per figure")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
+    parser.add_argument("--tune", choices=["quick", "default", "exhaustive"],
+                        help="first tune the model's GEMMs (train, prefill and decode rows, and "
+                             "the chunked loss head) with this strategy")
     args = parser.parse_args()
     require_gpu()
     if args.quick:
@@ -144,6 +168,8 @@ def main() -> None:
     import cutlass_ops
 
     eager = llama(args.layers)
+    if args.tune:
+        tune(eager, args)
     ours = copy.deepcopy(eager)
     report = cutlass_ops.convert(ours)
     variants = {"eager": eager, "ours": ours}

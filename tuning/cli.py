@@ -79,13 +79,8 @@ def _problems(args) -> list[GemmProblem]:
             raise ValueError("--model needs --tokens (rows of activations per call, e.g. batch "
                              "x sequence length)")
         model = shapes.load_model(args.model)
-        # Each of a Linear's GEMMs in the layouts cutlass_ops.nn.Linear runs it with.
-        gemms = shapes.harvest_linear_gemms(model, args.tokens, backward=args.backward)
-        for (m, n, k, batch), layout, epilogue in gemms:
-            ops = GemmOperands.make(args.dtype, layout_a=_LAYOUT_LETTERS[layout[0]],
-                                    layout_b=_LAYOUT_LETTERS[layout[1]],
-                                    out_dtype=args.out_dtype, epilogue=epilogue)
-            problems.append(GemmProblem(ops, m, n, k, batch))
+        problems += shapes.model_problems(model, args.tokens, dtype=args.dtype,
+                                          out_dtype=args.out_dtype, backward=args.backward)
     return list(dict.fromkeys(problems))
 
 

@@ -112,6 +112,29 @@ def harvest_linear_gemms(model: Any, tokens: int, *,
     return list(gemms)
 
 
+def model_problems(model: Any, tokens: int, *, dtype: str = "bf16", out_dtype: str | None = None,
+                   backward: bool = False, loss_chunk_rows: int | None = None) -> list:
+    """The GemmProblems to tune so that a converted model finds exact hits: each Linear's GEMMs
+    on ``tokens`` rows in the layouts cutlass_ops.nn.Linear runs them with, and, with
+    ``loss_chunk_rows``, the chunked head of cutlass_ops.linear_cross_entropy (the lm_head's three
+    GEMMs on a chunk of rows: logits, grad of hidden, grad of weight)."""
+    from cutlass_ops.gemms.config import GemmOperands, GemmProblem
+
+    letters = {"t": "row", "n": "col"}
+    gemms = harvest_linear_gemms(model, tokens, backward=backward)
+    head = getattr(model, "lm_head", None)
+    if loss_chunk_rows and head is not None:
+        chunk = _linear_gemms(loss_chunk_rows, head.in_features, head.out_features, True)
+        gemms += [(shape, layout, "") for shape, layout in zip(chunk, LINEAR_LAYOUTS)]
+    problems = []
+    for (m, n, k, batch), layout, epilogue in gemms:
+        operands = GemmOperands.make(dtype, layout_a=letters[layout[0]],
+                                     layout_b=letters[layout[1]], out_dtype=out_dtype,
+                                     epilogue=epilogue)
+        problems.append(GemmProblem(operands, m, n, k, batch))
+    return list(dict.fromkeys(problems))
+
+
 def _split_model_spec(spec: str) -> tuple[str, str]:
     module_name, separator, attribute = spec.partition(":")
     module_name, attribute = module_name.strip(), attribute.strip()

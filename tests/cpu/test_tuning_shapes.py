@@ -203,3 +203,25 @@ def test_load_model_explains_bad_targets(model_package, attribute, message):
 def test_load_model_explains_an_import_error():
     with pytest.raises(ValueError, match="cannot import 'no_such_package_for_shapes_test.models'"):
         load_model("no_such_package_for_shapes_test.models:build")
+
+
+def test_model_problems_cover_the_linears_and_the_chunked_head():
+    import torch
+
+    from tuning.shapes import model_problems
+
+    class Lm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 128, bias=True)
+            self.lm_head = torch.nn.Linear(64, 1000, bias=False)
+
+    problems = model_problems(Lm(), 256, backward=True, loss_chunk_rows=32)
+    found = {(p.m, p.n, p.k, p.operands.layout_a.value, p.operands.layout_b.value,
+              p.operands.epilogue.is_default) for p in problems}
+    assert (256, 128, 64, "row", "col", False) in found  # proj forward, bias fused
+    assert (256, 64, 128, "row", "row", True) in found  # proj dX
+    assert (128, 64, 256, "col", "row", True) in found  # proj dW
+    assert {(32, 1000, 64, "row", "col", True), (32, 64, 1000, "row", "row", True),
+            (1000, 64, 32, "col", "row", True)} <= found  # the head on a chunk of 32 rows
+    assert len(problems) == len(set(problems))
