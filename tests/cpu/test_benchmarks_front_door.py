@@ -27,6 +27,7 @@ def run_benchmark(script, *args):
                                           ("reductions.py", ["--quick"]),
                                           ("torch_integration.py", ["--quick"]),
                                           ("host_cost.py", []), ("e2e.py", ["--quick"]),
+                                          ("cross_entropy.py", ["--quick"]),
                                           ("sweeps/gemm_configs.py", ["--preset", "small-m"]),
                                           ("sweeps/norm_configs.py", [])])
 def test_without_a_gpu_a_benchmark_stops_at_once_with_one_line(script, args):
