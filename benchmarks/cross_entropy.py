@@ -13,7 +13,6 @@ inputs. Writes benchmarks/results/cross_entropy.json (cross_entropy_quick.json w
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
+from tuning.timing import do_bench  # noqa: E402
 
 
 def eager_loss(hidden, weight, labels):
@@ -64,15 +64,8 @@ def measure(loss_fn, hidden, weight, labels, reps):
     run()
     torch.cuda.synchronize()
     peak_gb = (torch.cuda.max_memory_allocated() - base) / 1e9
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return {"ms": statistics.median(times), "peak_gb": peak_gb, "loss": loss, "grads": grads}
+    ms = do_bench(run, warmup=1, reps=reps).median_ms
+    return {"ms": ms, "peak_gb": peak_gb, "loss": loss, "grads": grads}
 
 
 def row(case, unit, ours, reference, reference_name, correct, **detail) -> dict:

@@ -7,7 +7,8 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
 - ``train``: forward and backward of the causal-LM loss on ``--tokens`` tokens (2 sequences);
 - ``prefill``: the inference forward on the same tokens, under no_grad;
 - ``decode batch 1`` / ``decode batch 16``: ``generate()`` of ``--new-tokens`` greedy tokens after a
-  128-token prompt, with its KV cache (eager and ours; compiled decoding is not timed here);
+  128-token prompt, with its KV cache (eager and ours; compiled decoding is not timed here); each
+  repetition is a whole generate() of many steps, so a third of ``--reps`` of them;
 - ``peak memory train ours vs eager``: unit 1/GB, so that ``ratio`` = eager's GB over ours.
 Times are CUDA-event medians after warm-up. Each variant's loss and logits are checked against
 eager's on the same inputs (bf16 tolerance). The GEMMs run what dispatch has: ``--tune quick``
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
+from tuning.timing import do_bench  # noqa: E402
 
 PROMPT = 128
 SEQUENCES = 2
@@ -52,17 +53,9 @@ def llama(layers: int):
 
 
 def median_ms(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """The project's one clock (tuning.timing.do_bench): CUDA events, median. No L2 flush: a
+    model step's working set is far larger than the L2."""
+    return do_bench(fn, warmup=warmup, reps=reps, flush_l2=False).median_ms
 
 
 def train_step(model, ids):
@@ -156,7 +149,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens a train / prefill step")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generate() decodes")
-    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per figure")
+    parser.add_argument("--reps", type=int, default=20,
+                        help="timed repetitions per train / prefill figure (decode: a third, each\n                        a whole generate() of --new-tokens steps)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
     parser.add_argument("--tune", choices=["quick", "default", "exhaustive"],
                         help="first tune the model's GEMMs (train, prefill and decode rows, and "
