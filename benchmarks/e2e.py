@@ -9,7 +9,11 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
 - ``decode batch 1`` / ``decode batch 16``: ``generate()`` of ``--new-tokens`` greedy tokens after a
   128-token prompt, with its KV cache (eager and ours; compiled decoding is not timed here); each
   repetition is a whole generate() of many steps, so a third of ``--reps`` of them;
-- ``peak memory train ours vs eager``: unit 1/GB, so that ``ratio`` = eager's GB over ours.
+- ``train ours vs ours without fused loss``: the converted model against itself converted with
+  ``fused_loss=False`` (the head and loss as Hugging Face computes them);
+- ``peak memory train ours vs eager`` (and vs compile, vs ours without fused loss): unit 1/GB, so
+  that ``ratio`` = the reference's GB over ours; each variant's peak without the other variants'
+  weights (they share the GPU).
 Times are CUDA-event medians after warm-up. Each variant's loss and logits are checked against
 eager's on the same inputs (bf16 tolerance). The GEMMs run what dispatch has: ``--tune quick``
 first tunes every GEMM the converted model runs (its Linears forward and backward, the decode
@@ -67,16 +71,26 @@ def train_step(model, ids):
     return step
 
 
+def parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def measure_train(variants, ids, reps):
+    """Time and peak memory of each variant's train step. The variants share the GPU, so a
+    variant's peak is the allocator's peak less what the other variants' weights hold: the
+    figure the model alone would show (its weights, gradients, activations and temporaries)."""
     out = {}
     for name, model in variants.items():
         model.train()
         step = train_step(model, ids)
         loss = step().detach().float().item()
+        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        others = torch.cuda.memory_allocated() - parameter_bytes(model)
         torch.cuda.reset_peak_memory_stats()
         ms = median_ms(step, reps)
-        out[name] = {"ms": ms, "loss": loss, "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
+        peak = torch.cuda.max_memory_allocated() - others
+        out[name] = {"ms": ms, "loss": loss, "peak_gb": peak / 1e9}
         model.zero_grad(set_to_none=True)
     return out
 
@@ -137,9 +151,18 @@ def rate_row(case, tokens, ours, ref, ref_name, correct, **detail):
                        **detail}}
 
 
+def memory_row(ours, ref, ref_name):
+    return {"case": f"peak memory train ours vs {ref_name}", "unit": "1/GB",
+            "ours": round(1 / ours["peak_gb"], 5), "reference": round(1 / ref["peak_gb"], 5),
+            "reference_name": ref_name, "ratio": round(ref["peak_gb"] / ours["peak_gb"], 4),
+            "correct": True, "detail": {"ours_gb": round(ours["peak_gb"], 2),
+                                        "reference_gb": round(ref["peak_gb"], 2)}}
+
+
 def pairs(have):
     """(ours variant, reference variant) pairs the issue names, among the variants measured."""
-    wanted = [("ours", "eager"), ("ours", "compile"), ("ours+compile", "compile")]
+    wanted = [("ours", "eager"), ("ours", "compile"), ("ours+compile", "compile"),
+              ("ours", "ours without fused loss")]
     return [(a, b) for a, b in wanted if a in have and b in have]
 
 
@@ -152,6 +175,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20,
                         help="timed repetitions per train / prefill figure (decode: a third, each\n                        a whole generate() of --new-tokens steps)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
+    parser.add_argument("--no-loss-baseline", action="store_true",
+                        help="skip the converted model without the fused loss (train rows)")
     parser.add_argument("--tune", choices=["quick", "default", "exhaustive"],
                         help="first tune the model's GEMMs (train, prefill and decode rows, and "
                              "the chunked loss head) with this strategy")
@@ -167,6 +192,12 @@ def main() -> None:
     ours = copy.deepcopy(eager)
     report = cutlass_ops.convert(ours)
     variants = {"eager": eager, "ours": ours}
+    if not args.no_loss_baseline:
+        # The converted model without the chunked loss head: what the fused loss is measured
+        # against (its time and its memory).
+        unfused_loss = copy.deepcopy(eager)
+        cutlass_ops.convert(unfused_loss, fused_loss=False)
+        variants["ours without fused loss"] = unfused_loss
     if not args.no_compile:
         variants["compile"] = torch.compile(eager)
         variants["ours+compile"] = torch.compile(ours)
@@ -186,14 +217,12 @@ def main() -> None:
         loss_ok = abs(train[a]["loss"] - train[b]["loss"]) <= 1e-2 * abs(train[b]["loss"])
         rows.append(rate_row(f"train {a} vs {b}", args.tokens, train[a], train[b], b, loss_ok,
                              loss_ours=train[a]["loss"], loss_reference=train[b]["loss"]))
-    rows.append({"case": "peak memory train ours vs eager", "unit": "1/GB",
-                 "ours": round(1 / train["ours"]["peak_gb"], 5),
-                 "reference": round(1 / train["eager"]["peak_gb"], 5), "reference_name": "eager",
-                 "ratio": round(train["eager"]["peak_gb"] / train["ours"]["peak_gb"], 4),
-                 "correct": True, "detail": {"ours_gb": round(train["ours"]["peak_gb"], 2),
-                                             "reference_gb": round(train["eager"]["peak_gb"], 2)}})
+    for reference in ("eager", "compile", "ours without fused loss"):
+        if reference in train:
+            rows.append(memory_row(train["ours"], train[reference], reference))
     save()
-    prefill = measure_prefill(variants, ids, args.reps)
+    inference = {k: v for k, v in variants.items() if k != "ours without fused loss"}
+    prefill = measure_prefill(inference, ids, args.reps)
     errors = {k: relative_error(v["logits"], prefill["eager"]["logits"]) for k, v in
               prefill.items()}
     for a, b in pairs(prefill):

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from cutlass_ops import lm_loss, norm_probe, ops
+from cutlass_ops import decoder_blocks, lm_loss, norm_probe, ops
 from cutlass_ops.gemms.config import Activation
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
@@ -109,7 +109,8 @@ def _why_not(layer: nn.Linear) -> str | None:
 
 
 def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: bool = True,
-            norms: bool = True, fused_loss: bool = True) -> ConversionReport:
+            norms: bool = True, fused_loss: bool = True, fuse_blocks: bool = True
+            ) -> ConversionReport:
     """Swaps the model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place (sharing
     parameters), leaving unsupported ones alone. ``include``: names to consider (default all);
     ``exclude``: names to leave alone. With ``fuse_activations``, a ReLU / GELU / SiLU module
@@ -120,8 +121,11 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
     Face's LlamaRMSNorm, Mistral's, Qwen2's, Qwen3's) once a numeric probe agrees
     (``cutlass_ops.norm_probe``). With ``fused_loss``, a Hugging Face causal LM called with
     labels computes its head and loss a chunk at a time, without materializing the logits (then
-    not returned; ``cutlass_ops.lm_loss``), after a probe of its loss. Returns what was done and
-    why, per layer."""
+    not returned; ``cutlass_ops.lm_loss``), after a probe of its loss. With ``fuse_blocks``, a
+    decoder layer built like Llama's (Mistral, Qwen2, Qwen3...) runs as a fused block (merged
+    QKV and gate+up GEMMs, rotary and SwiGLU kernels, residual adds in GEMM epilogues;
+    ``cutlass_ops.decoder_blocks``), after a probe of the layer. Returns what was done and why,
+    per layer."""
     decisions = []
     for name, module in list(model.named_modules()):
         if norms and type(module) in (nn.RMSNorm, nn.LayerNorm):
@@ -158,6 +162,8 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
             setattr(parent, _child_name(parent, follower), nn.Identity())
             reason += f"; {follower_name} ({type(follower).__name__}) fused as {activation}"
         decisions.append(Decision(name, kind, True, reason))
+    if fuse_blocks:
+        decisions += _fuse_decoder_layers(model, include, exclude)
     if fused_loss and lm_loss.structure_refusal(model) is None:
         why = lm_loss.route(model)
         decisions.append(Decision("lm_head+loss", type(model).__name__, why is None,
@@ -207,6 +213,24 @@ def _convert_probed_norm(model, name, module, include, exclude) -> Decision:
     setattr(model.get_submodule(parent_name), child, norm_probe.drop_in(module))
     return Decision(name, kind, True, "RMSNorm by structure and by a numeric probe: fused norm "
                     "kernel (torch where the input does not fit)")
+
+
+def _fuse_decoder_layers(model, include, exclude) -> list[Decision]:
+    """Decoder layers (found by structure, after their Linears and norms were converted) made
+    fused blocks where the probe agrees."""
+    decisions = []
+    for name, module in list(model.named_modules()):
+        if not decoder_blocks.looks_like_decoder_layer(module):
+            continue
+        kind = type(module).__name__
+        if include is not None and name not in include or name in exclude:
+            decisions.append(Decision(name, kind, False, "excluded by the caller"))
+            continue
+        why = decoder_blocks.fuse(module)
+        decisions.append(Decision(name, kind, why is None, why or (
+            "fused block: QKV and gate+up as one GEMM each, rotary and SwiGLU kernels, the "
+            "o_proj and down_proj residual adds in their GEMM epilogues")))
+    return decisions
 
 
 def _next_in_sequential(parent: nn.Sequential, child: str) -> nn.Module | None:

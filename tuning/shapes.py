@@ -106,10 +106,42 @@ def harvest_linear_gemms(model: Any, tokens: int, *,
     gemms: dict[tuple[Shape, str, str], None] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            shapes = _linear_gemms(tokens, module.in_features, module.out_features, backward)
-            epilogues = ["bias" if module.bias is not None else ""] + [""] * (len(shapes) - 1)
-            gemms.update(dict.fromkeys(zip(shapes, LINEAR_LAYOUTS, epilogues)))
+            gemms.update(dict.fromkeys(_layer_gemms(tokens, module.in_features,
+                                                    module.out_features, backward,
+                                                    module.bias is not None)))
+        else:
+            gemms.update(dict.fromkeys(_fused_block_gemms(module, tokens, backward)))
     return list(gemms)
+
+
+def _layer_gemms(tokens, in_features, out_features, backward, bias, residual=False):
+    shapes = _linear_gemms(tokens, in_features, out_features, backward)
+    forward = ",".join(part for part, on in (("bias", bias), ("residual", residual)) if on)
+    return list(zip(shapes, LINEAR_LAYOUTS, [forward] + [""] * (len(shapes) - 1)))
+
+
+def _fused_block_gemms(module, tokens: int, backward: bool) -> list:
+    """The GEMMs a decoder layer runs once ``convert`` fuses it (cutlass_ops.decoder_blocks):
+    Q, K and V as one GEMM, gate and up as one, o_proj and down_proj with the residual in their
+    epilogue. Layers that are not built like one add nothing (their Linears are harvested on
+    their own)."""
+    from cutlass_ops import decoder_blocks
+
+    if not decoder_blocks.looks_like_decoder_layer(module):
+        return []
+    attention, mlp = module.self_attn, module.mlp
+    if decoder_blocks.structure_refusal(module, require_gpu=False) is not None:
+        return []
+    merged = []
+    for group in ((attention.q_proj, attention.k_proj, attention.v_proj),
+                  (mlp.gate_proj, mlp.up_proj)):
+        width = sum(layer.out_features for layer in group)
+        merged += _layer_gemms(tokens, group[0].in_features, width, backward,
+                               group[0].bias is not None)
+    for layer in (attention.o_proj, mlp.down_proj):
+        merged += _layer_gemms(tokens, layer.in_features, layer.out_features, backward,
+                               layer.bias is not None, residual=True)
+    return merged
 
 
 def model_problems(model: Any, tokens: int, *, dtype: str = "bf16", out_dtype: str | None = None,

@@ -247,15 +247,37 @@ def _torch_route(decision: Decision, out_dtype, activation="identity") -> Route:
             a, b = a.to(out_dtype), b.to(out_dtype)
         if bias is None and residual is None and activation == "identity" and alpha == 1.0:
             return torch.matmul(a, b)
+        fused = _torch_addmm(a, b, bias, activation, residual, alpha, beta)
+        if fused is not None:
+            return fused
         return epilogues.apply(torch.matmul(a, b), alpha=alpha, bias=bias,
                                activation=activation, c=residual, beta=beta)
 
     return Route(decision, run)
 
 
+def _torch_addmm(a, b, bias, activation, residual, alpha, beta):
+    """``alpha * (a @ b) + bias + beta * residual`` as one cuBLAS GEMM whose epilogue adds the
+    residual (or the bias), when the epilogue is linear and the operands are 2-D of one dtype;
+    None otherwise. Unfused, the add would cost another pass over the output."""
+    if activation != "identity" or a.dim() != 2 or b.dim() != 2:
+        return None
+    c = residual if residual is not None else bias
+    if c is None or c.dtype != a.dtype or b.dtype != a.dtype:
+        return None
+    out = torch.addmm(c, a, b, beta=beta if residual is not None else 1.0, alpha=alpha)
+    if residual is not None and bias is not None:
+        out += bias
+    return out
+
+
 def _unfused_route(decision: Decision, plain: Route, activation) -> Route:
     """No fused kernel for this epilogue: the plain GEMM's own route, then the epilogue in torch."""
     def run(a, b, bias=None, residual=None, alpha=1.0, beta=1.0):
+        if plain.kind == "torch":
+            fused = _torch_addmm(a, b, bias, activation, residual, alpha, beta)
+            if fused is not None:
+                return fused
         return epilogues.apply(plain.run(a, b), alpha=alpha, bias=bias, activation=activation,
                                c=residual, beta=beta)
 

@@ -1,0 +1,310 @@
+"""Hugging Face decoder layers run as fused blocks: Llama, Mistral, Qwen2, Qwen3, and any layer
+built like them, recognised by what it holds (not by its class) and swapped only after a numeric
+probe.
+
+A fused layer computes, per token row (``h`` the residual stream)::
+
+    x = input_layernorm(h)                          # the fused RMSNorm kernel (cutlass_ops.nn)
+    q, k, v = x @ [Wq; Wk; Wv]^T                    # one GEMM (cutlass_ops.fused_linear)
+    q, k = q_norm(q), k_norm(k)                     # Qwen3 only
+    q, k = rotary(q, k, cos, sin)                   # one kernel (custom_kernels.rotary)
+    a = attention(q, k, v)                          # the model's own attention function
+    h = a @ Wo^T + h                                # the residual add in the GEMM's epilogue
+    x = post_attention_layernorm(h)
+    h = swiglu(x @ [Wgate; Wup]^T) @ Wdown^T + h    # one GEMM, one kernel, one GEMM + epilogue
+
+where Hugging Face's forward launches three projections, about ten elementwise kernels for the
+rotary embedding, two more for SiLU and the product, and two residual adds. The attention itself
+(SDPA, flash or eager, the KV cache, sliding windows) is the model's: the fused attention calls
+the same ``ALL_ATTENTION_FUNCTIONS`` interface with the same arguments.
+
+Nothing the user sees changes: the layer keeps its submodules, parameters and ``state_dict`` (Q,
+K and V stay three Parameters; ``fused_linear.pack`` only lays them out end to end in one storage
+so that the merged GEMM reads them without a copy), its class is a subclass of the original one
+(``isinstance`` checks, gradient checkpointing and ``save_pretrained`` keep working), and
+``unfuse`` restores the original class. Moving the model (``.to()``) packs the weights again.
+A model holding fused layers cannot be pickled whole (``torch.save(model)``); its
+``state_dict`` can, as Hugging Face saves it.
+
+The probe: on random hidden states and rotary angles, the layer's own forward (its converted
+norms and Linears included) and the fused one must agree within bf16 tolerance, else the layer
+keeps its forward and the report says why (another residual scheme, another activation, a
+rotary convention that is not ``rotate_half``...).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from cutlass_ops import fused_linear
+from custom_kernels.core.tolerances import relative_error
+
+LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_NORMS = frozenset({"q_norm", "k_norm"})
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+MLP_CHILDREN = frozenset({*MLP_LINEARS, "act_fn"})
+ATTENTION_ATTRIBUTES = ("head_dim", "layer_idx", "scaling", "config", "attention_dropout")
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+PROBE_TOKENS = 16
+PROBE_TOLERANCE = 2e-2  # relative, on the layer's output: GEMMs of other shapes round otherwise
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused forwards (mixins placed before the model's own classes)
+# ---------------------------------------------------------------------------------------------
+
+class FusedAttention:
+    """The attention's forward with Q, K and V as one GEMM and the rotary embedding as one
+    kernel. ``attend`` stops before ``o_proj``, so the fused layer can add the residual in
+    o_proj's epilogue."""
+
+    def attend(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):
+        from custom_kernels.rotary import apply_rotary
+
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        qkv = fused_linear.merged_linear(hidden_states, [p.weight for p in projections],
+                                         fused_linear.merged_bias(projections))
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = (t.view(hidden_shape) for t in
+                   qkv.split([p.out_features for p in projections], dim=-1))
+        if getattr(self, "q_norm", None) is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, k, cos, sin)
+        v = v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        namespace = sys.modules[self._hf_class.__module__]
+        interface = namespace.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, namespace.eager_attention_forward)
+        out, weights = interface(
+            self, q, k, v, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, sliding_window=_sliding_window(self), **kwargs)
+        return out.reshape(*input_shape, -1), weights
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, cache=None, **kwargs):
+        out, weights = self.attend(hidden_states, position_embeddings, attention_mask,
+                                   cache if cache is not None else past_key_values, **kwargs)
+        return self.o_proj(out), weights
+
+    def _apply(self, fn, *args, **kwargs):
+        result = super()._apply(fn, *args, **kwargs)
+        fused_linear.pack([self.q_proj, self.k_proj, self.v_proj])
+        return result
+
+
+class FusedMLP:
+    """``down(silu(gate(x)) * up(x))`` with gate and up as one GEMM and SwiGLU as one kernel."""
+
+    def activated(self, x):
+        from custom_kernels.swiglu import swiglu
+
+        pair = (self.gate_proj, self.up_proj)
+        return swiglu(fused_linear.merged_linear(x, [p.weight for p in pair],
+                                                 fused_linear.merged_bias(pair)))
+
+    def forward(self, x):
+        return self.down_proj(self.activated(x))
+
+    def _apply(self, fn, *args, **kwargs):
+        result = super()._apply(fn, *args, **kwargs)
+        fused_linear.pack([self.gate_proj, self.up_proj])
+        return result
+
+
+class FusedDecoderLayer:
+    """The pre-norm decoder layer with both residual adds in GEMM epilogues. Takes the cache as
+    ``cache`` (transformers >= 5.2x) or ``past_key_values`` (earlier 5.x)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None,
+                past_key_values=None, use_cache=False, position_embeddings=None, cache=None,
+                **kwargs):
+        attention, mlp = self.self_attn, self.mlp
+        x = self.input_layernorm(hidden_states)
+        a, _ = attention.attend(x, position_embeddings, attention_mask,
+                                cache if cache is not None else past_key_values,
+                                position_ids=position_ids, use_cache=use_cache, **kwargs)
+        o = attention.o_proj
+        h = fused_linear.linear_residual(a, o.weight, o.bias, hidden_states)
+        x = self.post_attention_layernorm(h)
+        down = mlp.down_proj
+        return fused_linear.linear_residual(mlp.activated(x), down.weight, down.bias, h)
+
+
+def _sliding_window(attention):
+    """Qwen2 and Qwen3 keep it per layer (None on full-attention layers); Mistral reads its
+    config's; Llama has none."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    return getattr(attention.config, "sliding_window", None)
+
+
+_classes: dict = {}
+
+
+def _fused_class(mixin: type, cls: type) -> type:
+    """``Fused<cls>``: the mixin's forward on top of the model's class (cached per class)."""
+    key = (mixin, cls)
+    if key not in _classes:
+        _classes[key] = type(f"Fused{cls.__name__}", (mixin, cls),
+                             {"_hf_class": cls, "__module__": __name__,
+                              "__doc__": f"{cls.__name__} as a fused block ({__name__})."})
+    return _classes[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Recognition, probe, swap
+# ---------------------------------------------------------------------------------------------
+
+def is_fused(layer: nn.Module) -> bool:
+    return isinstance(layer, FusedDecoderLayer)
+
+
+def looks_like_decoder_layer(module: nn.Module) -> bool:
+    """Holds exactly a self_attn, an mlp and the two norms of a pre-norm decoder layer."""
+    return not is_fused(module) and \
+        frozenset(name for name, _ in module.named_children()) == LAYER_CHILDREN
+
+
+def structure_refusal(layer: nn.Module, require_gpu: bool = True) -> str | None:
+    """Why ``layer`` is not built like a Llama-style decoder layer we can fuse, or None.
+    ``require_gpu=False`` skips the device, dtype and GPU checks (the fused forward then runs
+    the kernels' torch fallbacks: for tests of the block's arithmetic on the CPU)."""
+    if not looks_like_decoder_layer(layer):
+        return (f"its submodules are {sorted(n for n, _ in layer.named_children())}, not "
+                f"{sorted(LAYER_CHILDREN)}")
+    attention, mlp = layer.self_attn, layer.mlp
+    names = frozenset(n for n, _ in attention.named_children())
+    if not set(ATTENTION_LINEARS) <= names or names - set(ATTENTION_LINEARS) - ATTENTION_NORMS \
+            or len(names & ATTENTION_NORMS) == 1:
+        return (f"self_attn holds {sorted(names)}: not q/k/v/o projections (with an optional "
+                "q_norm and k_norm pair)")
+    missing = [a for a in ATTENTION_ATTRIBUTES if not hasattr(attention, a)]
+    if missing:
+        return f"self_attn has no {', '.join(missing)}"
+    namespace = sys.modules.get(type(attention).__module__)
+    if not (hasattr(namespace, "ALL_ATTENTION_FUNCTIONS") and
+            hasattr(namespace, "eager_attention_forward") and
+            hasattr(getattr(namespace, "ALL_ATTENTION_FUNCTIONS"), "get_interface")):
+        return "its attention's module has no ALL_ATTENTION_FUNCTIONS.get_interface and " \
+            "eager_attention_forward (transformers 5.x)"
+    if frozenset(n for n, _ in mlp.named_children()) != MLP_CHILDREN:
+        return f"mlp holds {sorted(n for n, _ in mlp.named_children())}, not {sorted(MLP_CHILDREN)}"
+    return _linear_refusal(attention, mlp, require_gpu)
+
+
+def _linear_refusal(attention, mlp, require_gpu: bool) -> str | None:
+    linears = {n: getattr(attention, n) for n in ATTENTION_LINEARS}
+    linears.update({n: getattr(mlp, n) for n in MLP_LINEARS})
+    for name, layer in linears.items():
+        if not isinstance(layer, nn.Linear):
+            return f"{name} is a {type(layer).__name__}, not a Linear"
+    weight = linears["q_proj"].weight
+    if any(layer.weight.dtype != weight.dtype for layer in linears.values()):
+        return "its projections do not share one dtype"
+    why = _device_refusal(weight) if require_gpu else None
+    return why or _shape_refusal(linears, attention.head_dim)
+
+
+def _device_refusal(weight) -> str | None:
+    if weight.device.type != "cuda":
+        return f"weights on {weight.device}: move the model to a CUDA device first"
+    if weight.dtype not in SUPPORTED_DTYPES:
+        return f"{weight.dtype} weights: the fused blocks are bf16/fp16"
+    if torch.cuda.get_device_capability(weight.device) != (9, 0):
+        return f"{torch.cuda.get_device_name(weight.device)} is not an sm90 GPU"
+    return None
+
+
+def _shape_refusal(linears, head_dim) -> str | None:
+    hidden = linears["q_proj"].in_features
+    if any(linears[n].in_features != hidden for n in ("k_proj", "v_proj", "gate_proj",
+                                                       "up_proj")):
+        return "q/k/v and gate/up do not read the same hidden size"
+    if linears["gate_proj"].out_features != linears["up_proj"].out_features:
+        return "gate_proj and up_proj differ in width"
+    if not isinstance(head_dim, int) or head_dim % 2 or head_dim > 256:
+        return f"head_dim {head_dim}: the rotary kernel takes even head sizes up to 256"
+    return None
+
+
+def fuse(layer: nn.Module, *, require_gpu: bool = True) -> str | None:
+    """Makes ``layer`` a fused block in place, after the probe; returns None when done, else
+    why not (the layer is then unchanged). ``require_gpu``: see ``structure_refusal``."""
+    why = structure_refusal(layer, require_gpu)
+    if why is not None:
+        return why
+    attention, mlp = layer.self_attn, layer.mlp
+    originals = (layer.__class__, attention.__class__, mlp.__class__)
+    fused_linear.pack([attention.q_proj, attention.k_proj, attention.v_proj])
+    fused_linear.pack([mlp.gate_proj, mlp.up_proj])
+    layer.__class__ = _fused_class(FusedDecoderLayer, originals[0])
+    attention.__class__ = _fused_class(FusedAttention, originals[1])
+    mlp.__class__ = _fused_class(FusedMLP, originals[2])
+    try:
+        why = probe(layer, originals)
+    except Exception as exc:  # a forward that takes other arguments, say: keep the layer's own
+        why = f"the probe failed: {type(exc).__name__}: {exc}"
+    if why is not None:
+        layer.__class__, attention.__class__, mlp.__class__ = originals
+    return why
+
+
+def unfuse(layer: nn.Module) -> None:
+    """Restores the classes ``fuse`` replaced (the packed weights stay packed: same values)."""
+    for module in (layer, layer.self_attn, layer.mlp):
+        if hasattr(type(module), "_hf_class"):
+            module.__class__ = type(module)._hf_class
+
+
+def probe(layer: nn.Module, originals) -> str | None:
+    """None when the fused forward computes what the layer's own forward does, on random
+    hidden states and rotary angles (no mask: causal attention), else what differs."""
+    weight = layer.self_attn.q_proj.weight
+    device, dtype = weight.device, weight.dtype
+    generator = torch.Generator(device=device).manual_seed(0)
+    hidden = layer.self_attn.q_proj.in_features
+    head_dim = layer.self_attn.head_dim
+    with torch.no_grad():
+        x = torch.randn(2, PROBE_TOKENS, hidden, generator=generator, device=device).to(dtype)
+        positions = torch.arange(PROBE_TOKENS, device=device)
+        inverse = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
+        angles = (positions[:, None].float() * inverse[None, :]).repeat(1, 2)
+        cos, sin = (f(angles)[None].expand(2, -1, -1).to(dtype).contiguous()
+                    for f in (torch.cos, torch.sin))
+        arguments = dict(attention_mask=None, position_ids=positions[None].expand(2, -1),
+                         position_embeddings=(cos, sin))
+        ours = layer(x, **arguments)
+        theirs = _with_classes(layer, originals, lambda: layer(x, **arguments))
+    if not isinstance(theirs, torch.Tensor):
+        return (f"its forward returns a {type(theirs).__name__}, not the hidden states "
+                "(a transformers version before 5?)")
+    error = relative_error(ours, theirs)
+    if not error <= PROBE_TOLERANCE:
+        return (f"the fused block's output differs from the layer's own by {error:.3g} "
+                f"(relative; the tolerance is {PROBE_TOLERANCE:g}): left to the layer's forward")
+    return None
+
+
+def _with_classes(layer, classes, run):
+    """Runs ``run`` with the layer, its attention and its MLP back in ``classes``."""
+    modules = (layer, layer.self_attn, layer.mlp)
+    current = tuple(m.__class__ for m in modules)
+    try:
+        for module, cls in zip(modules, classes):
+            module.__class__ = cls
+        return run()
+    finally:
+        for module, cls in zip(modules, current):
+            module.__class__ = cls
+
+
+__all__ = ["fuse", "unfuse", "is_fused", "looks_like_decoder_layer", "structure_refusal",
+           "probe", "FusedAttention", "FusedMLP", "FusedDecoderLayer"]

@@ -1,0 +1,283 @@
+"""Linear layers fused at the GEMM: several projections of one input as one GEMM, and a Linear
+whose residual add runs in the GEMM's epilogue.
+
+``merged_linear(x, weights, bias)`` computes ``x @ cat(weights).T (+ bias)`` as one GEMM: the
+attention's Q, K and V projections, or the MLP's gate and up projections, read their input once
+and launch once instead of three or two times. The weights stay separate Parameters (the model's
+``state_dict``, its optimizer and its checkpoints see nothing new); ``pack`` lays them out end to
+end in one storage, so that the merged GEMM reads them through a view, without a copy. Weights
+that are not packed (a model moved with ``.to()`` after conversion, say) are concatenated on each
+call: the same result, one copy slower. The backward is one GEMM for the input's gradient and one
+for the merged weight gradient, split into the per-weight gradients.
+
+``linear_residual(x, weight, bias, residual)`` computes ``x @ weight.T + bias + residual``, the
+residual added in the GEMM's epilogue (``cutlass_ops.matmul``'s ``residual``; cuBLAS's ``beta = 1``
+where torch runs), which saves the separate pass of ``residual + o_proj(x)`` over the output.
+
+Each has the three paths of ``cutlass_ops.ops.linear_fast``: a torch.library custom op with a fake
+while torch.compile traces, an autograd.Function eagerly when gradients are needed, a direct call
+otherwise. All of them run the GEMMs through the tuned dispatch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from cutlass_ops.gemms import dispatch
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+# ---------------------------------------------------------------------------------------------
+
+
+def merged_view(tensors: Sequence[Tensor]) -> Optional[Tensor]:
+    """The tensors as one tensor, concatenated along dim 0, without a copy: when they are
+    contiguous blocks laid end to end in one storage (what ``pack`` makes). None otherwise."""
+    first = tensors[0]
+    if len(tensors) == 1:
+        return first
+    tail = tuple(first.shape[1:])
+    offset = first.storage_offset()
+    try:
+        base = first.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake or functional tensors have no storage
+        return None
+    for t in tensors:
+        if (tuple(t.shape[1:]) != tail or t.dtype != first.dtype or not t.is_contiguous()
+                or t.storage_offset() != offset or t.untyped_storage().data_ptr() != base):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    strides = first.stride() if first.dim() > 1 else (1,)
+    return first.detach().as_strided((rows, *tail), strides, first.storage_offset())
+
+
+def concatenated(tensors: Sequence[Tensor]) -> Tensor:
+    """``torch.cat(tensors)``, as a view when they are packed."""
+    view = merged_view(tensors)
+    return view if view is not None else torch.cat([t.detach() for t in tensors])
+
+
+def pack(layers: Sequence[torch.nn.Linear]) -> None:
+    """Moves the weights (and the biases, when all have one) of ``layers`` into one storage,
+    end to end, in place: each Parameter keeps its identity, shape and values (``.data``
+    changes), so optimizers and state_dicts are unaffected. A no-op when already packed."""
+    for name in ("weight", "bias"):
+        params = [getattr(layer, name) for layer in layers]
+        if any(p is None for p in params) or merged_view(params) is not None:
+            continue
+        with torch.no_grad():
+            buffer = torch.cat([p.detach() for p in params])
+            start = 0
+            for p in params:
+                p.data = buffer[start:start + p.shape[0]]
+                start += p.shape[0]
+
+
+def is_packed(layers: Sequence[torch.nn.Linear]) -> bool:
+    return merged_view([layer.weight for layer in layers]) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# The GEMMs (no autograd): forward and backward of both
+# ---------------------------------------------------------------------------------------------
+
+def _rows(t: Tensor) -> Tensor:
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+             residual: Optional[Tensor] = None) -> Tensor:
+    rows = _rows(x)
+    res = None if residual is None else _rows(residual)
+    y = dispatch.matmul(rows, weight.t(), bias=bias, residual=res)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _backward(grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool):
+    """(dX = dY W, dW = dY^T X), either None when not needed."""
+    rows = _rows(grad)
+    grad_x = dispatch.matmul(rows, weight).view(x.shape) if need_x else None
+    grad_w = dispatch.matmul(rows.t(), _rows(x)) if need_w else None
+    return grad_x, grad_w
+
+
+def _split(grad_w: Optional[Tensor], weights: Sequence[Tensor]):
+    if grad_w is None:
+        return [None] * len(weights)
+    return list(grad_w.split([w.shape[0] for w in weights]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops (torch.compile)
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("cutlass_ops::merged_linear", mutates_args=())
+def merged_linear_op(x: Tensor, weights: list[Tensor], bias: Optional[Tensor]) -> Tensor:
+    """x @ cat(weights).T + bias, one GEMM."""
+    with torch.no_grad():
+        return _forward(x, concatenated(weights), bias)
+
+
+@merged_linear_op.register_fake
+def _(x, weights, bias):
+    rows = sum(w.shape[0] for w in weights)
+    return x.new_empty((*x.shape[:-1], rows))
+
+
+@torch.library.custom_op("cutlass_ops::merged_linear_backward", mutates_args=())
+def merged_linear_backward_op(grad: Tensor, x: Tensor, weights: list[Tensor], need_x: bool,
+                              need_w: bool) -> tuple[Tensor, Tensor]:
+    """(dX, dW of the merged weight); an empty tensor for the one not needed."""
+    with torch.no_grad():
+        grad_x, grad_w = _backward(grad, x, concatenated(weights), need_x, need_w)
+    return (grad_x if grad_x is not None else grad.new_empty(0),
+            grad_w if grad_w is not None else grad.new_empty(0))
+
+
+@merged_linear_backward_op.register_fake
+def _(grad, x, weights, need_x, need_w):
+    rows = sum(w.shape[0] for w in weights)
+    return (x.new_empty(x.shape) if need_x else grad.new_empty(0),
+            weights[0].new_empty((rows, x.shape[-1])) if need_w else grad.new_empty(0))
+
+
+def _merged_setup(ctx, inputs, output) -> None:
+    x, weights, bias = inputs
+    ctx.save_for_backward(x, *weights)
+    ctx.has_bias = bias is not None
+
+
+def _merged_backward(ctx, grad):
+    x, *weights = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[1])
+    grad_x, grad_w = merged_linear_backward_op(grad, x, weights, need_x, need_w)
+    grad_b = _rows(grad).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return (grad_x if need_x else None, _split(grad_w if need_w else None, weights), grad_b)
+
+
+merged_linear_op.register_autograd(_merged_backward, setup_context=_merged_setup)
+
+
+@torch.library.custom_op("cutlass_ops::linear_residual", mutates_args=())
+def linear_residual_op(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                       residual: Tensor) -> Tensor:
+    """x @ weight.T + bias + residual, the residual added in the GEMM's epilogue."""
+    with torch.no_grad():
+        return _forward(x, weight, bias, residual)
+
+
+@linear_residual_op.register_fake
+def _(x, weight, bias, residual):
+    torch._check(tuple(residual.shape) == (*x.shape[:-1], weight.shape[0]),
+                 lambda: "cutlass_ops::linear_residual: residual must have the output's shape")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _residual_setup(ctx, inputs, output) -> None:
+    x, weight, bias, residual = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _residual_backward(ctx, grad):
+    from cutlass_ops import ops
+
+    x, weight = ctx.saved_tensors
+    rows = _rows(grad)
+    grad_x = ops.mm(rows, weight).view(x.shape) if ctx.needs_input_grad[0] else None
+    grad_w = ops.mm(rows.t(), _rows(x)) if ctx.needs_input_grad[1] else None
+    grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b, grad if ctx.needs_input_grad[3] else None
+
+
+linear_residual_op.register_autograd(_residual_backward, setup_context=_residual_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager autograd (a few microseconds a call where the custom ops' Python dispatch costs ~17)
+# ---------------------------------------------------------------------------------------------
+
+class _EagerMerged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, *weights):
+        ctx.save_for_backward(x, *weights)
+        ctx.has_bias = bias is not None
+        return _forward(x, concatenated(weights), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        need_x, need_b, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
+            any(ctx.needs_input_grad[2:])
+        with torch.no_grad():
+            grad_x, grad_w = _backward(grad, x, concatenated(weights), need_x, need_w)
+            grad_b = _rows(grad).sum(0) if ctx.has_bias and need_b else None
+        return (grad_x, grad_b, *_split(grad_w, weights))
+
+
+class _EagerResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _forward(x, weight, bias, residual)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.no_grad():
+            grad_x, grad_w = _backward(grad, x, weight, ctx.needs_input_grad[0],
+                                       ctx.needs_input_grad[1])
+            grad_b = _rows(grad).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, grad if ctx.needs_input_grad[3] else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def merged_bias(layers: Sequence[torch.nn.Linear]) -> Optional[Tensor]:
+    """The layers' biases concatenated (a view when packed), None when none has one; a layer
+    without a bias among ones with a bias contributes zeros."""
+    biases = [layer.bias for layer in layers]
+    if all(b is None for b in biases):
+        return None
+    if all(b is not None for b in biases):
+        view = merged_view(biases) if not _needs_grad(*biases) else None
+        return view if view is not None else torch.cat(biases)
+    return torch.cat([b if b is not None else layer.weight.new_zeros(layer.out_features)
+                      for b, layer in zip(biases, layers)])
+
+
+def merged_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = None) -> Tensor:
+    """``x @ cat(weights).T + bias`` as one GEMM, with autograd to ``x``, each weight and the
+    bias (of the merged width). Split the result with ``.split([w.shape[0] for w in weights],
+    -1)``."""
+    weights = list(weights)
+    if torch.compiler.is_compiling():
+        return merged_linear_op(x, weights, bias)
+    if _needs_grad(x, bias, *weights):
+        return _EagerMerged.apply(x, bias, *weights)
+    return _forward(x, concatenated(weights), bias)
+
+
+def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor
+                    ) -> Tensor:
+    """``x @ weight.T + bias + residual`` with the add in the GEMM's epilogue, with autograd."""
+    if torch.compiler.is_compiling():
+        return linear_residual_op(x, weight, bias, residual)
+    if _needs_grad(x, weight, bias, residual):
+        return _EagerResidual.apply(x, weight, bias, residual)
+    return _forward(x, weight, bias, residual)
+
+
+__all__ = ["merged_linear", "linear_residual", "pack", "is_packed", "merged_view",
+           "merged_bias"]
