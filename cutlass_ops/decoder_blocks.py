@@ -269,6 +269,14 @@ def probe(layer: nn.Module, originals) -> str | None:
     hidden states and rotary angles (no mask: causal attention), else what differs."""
     weight = layer.self_attn.q_proj.weight
     device, dtype = weight.device, weight.dtype
+    # The activation on its own, over a range where SiLU, GELU and ReLU part clearly (on the
+    # layer's output a small-weight model would hide the difference).
+    z = torch.linspace(-8.0, 8.0, 257, device=device, dtype=dtype)
+    with torch.no_grad():
+        activation_error = relative_error(layer.mlp.act_fn(z), torch.nn.functional.silu(z))
+    if not activation_error <= PROBE_TOLERANCE:
+        return (f"its MLP activation ({type(layer.mlp.act_fn).__name__}) is not SiLU "
+                f"(relative difference {activation_error:.3g}): the fused block is SwiGLU's")
     generator = torch.Generator(device=device).manual_seed(0)
     hidden = layer.self_attn.q_proj.in_features
     head_dim = layer.self_attn.head_dim
@@ -286,9 +294,11 @@ def probe(layer: nn.Module, originals) -> str | None:
     if not isinstance(theirs, torch.Tensor):
         return (f"its forward returns a {type(theirs).__name__}, not the hidden states "
                 "(a transformers version before 5?)")
-    error = relative_error(ours, theirs)
+    # The layer's update, not its output: the residual stream passes through both unchanged
+    # and would dilute any difference.
+    error = relative_error(ours - x, theirs - x)
     if not error <= PROBE_TOLERANCE:
-        return (f"the fused block's output differs from the layer's own by {error:.3g} "
+        return (f"the fused block's update differs from the layer's own by {error:.3g} "
                 f"(relative; the tolerance is {PROBE_TOLERANCE:g}): left to the layer's forward")
     return None
 

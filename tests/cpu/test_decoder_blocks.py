@@ -164,7 +164,7 @@ def test_the_probe_refuses_a_look_alike_with_another_activation():
     layer.mlp.act_fn = torch.nn.GELU()  # same structure, other numerics
     classes = (type(layer), type(layer.self_attn), type(layer.mlp))
     why = decoder_blocks.fuse(layer, require_gpu=False)
-    assert why is not None and "differs" in why
+    assert why is not None and "not SiLU" in why
     assert (type(layer), type(layer.self_attn), type(layer.mlp)) == classes
 
 
