@@ -8,6 +8,7 @@ _LAZY = {
     "clip_grad_norm_": "custom_kernels.clip_grad",
     "segment_sum": "custom_kernels.ragged",
     "segment_mean": "custom_kernels.ragged",
+    "apply_rotary": "custom_kernels.rotary",
     "launch_cooperative": "custom_kernels.cooperative",
     "launch_persistent": "custom_kernels.work_queue",
 }

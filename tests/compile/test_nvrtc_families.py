@@ -28,3 +28,13 @@ def test_ragged_family_compiles(cache_root, dtype):
 
     path = ragged.compile_ragged(dtype, offset_bits=64, vec=True)
     assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_rotary_family_compiles(cache_root, dtype, backward):
+    from custom_kernels import rotary
+
+    for head_dim in (128, 6):  # 16-byte vectors; one element an access
+        path = rotary.compile_rotary(dtype, head_dim, backward)
+        assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
