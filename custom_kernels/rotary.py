@@ -7,9 +7,10 @@ and ``k`` ``[B, S, Hk, D]`` are the views ``proj(x).view(B, S, -1, D)`` (any str
 last stride: column slices of one merged QKV output are read in place), ``cos`` / ``sin``
 ``[B, S, D]`` or ``[1, S, D]`` (what HF's rotary module returns, ``q``'s dtype, unit last
 stride). It returns ``q_out`` ``[B, Hq, S, D]`` and ``k_out`` ``[B, Hk, S, D]``, contiguous: the
-layout scaled_dot_product_attention and HF's KV cache take, so the transposed copy HF's
-attention makes later is already done. Both tensors are one launch that reads q, k, cos and sin
-once and writes each output once (eager HF: six elementwise kernels for each of q and k).
+layout scaled_dot_product_attention and HF's KV cache take (HF's own results keep the
+projection's [B, S, H, D] memory order). Both are one launch that reads q, k, cos and sin once
+and writes each output once; eager HF runs five elementwise kernels for each of q and k (neg,
+cat, two products, the sum), each reading and writing the whole tensor.
 
 Values: fp32, fp16 or bf16, ``D`` even (any size; models use 64 to 256). In bf16 and fp16 the
 result is HF's bit for bit: the kernel rounds each product and the sum as eager torch does (see
@@ -76,9 +77,9 @@ def vector_width(itemsize: int, half: int, strides=(), pointers=()) -> int:
 
 
 def _strides(t: Optional[torch.Tensor], dims: int) -> tuple:
-    """The batch, sequence (and head) strides of a [B, S, (H,) D] view; 0 for a dimension of
-    size 1 (never stepped over: a broadcast cos batch, and no needless scalar path) or no
-    tensor."""
+    """The batch, sequence (and head) strides of a [B, S, (H,) D] view, or zeros for no tensor.
+    A dimension of size 1 gets 0: that broadcasts a cos / sin of batch 1, and its stride, never
+    used, cannot narrow the accesses."""
     if t is None:
         return (0,) * dims
     return tuple(0 if n == 1 else s for n, s in zip(t.shape[:dims], t.stride()[:dims]))

@@ -88,10 +88,15 @@ rotary_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ 
               long long c_sb, long long c_ss, long long s_sb, long long s_ss) {
   const long long vectors = half / VW;
   const long long t = static_cast<long long>(blockIdx.x) * BLOCK + threadIdx.x;
-  const long long row = t / vectors;
-  if (row >= rows) return;
-  const long long col = (t - row * vectors) * VW;
-  const long long bi = row / seq, si = row - bi * seq;
+  if (t >= rows * vectors) return;
+  long long row, col, bi, si;
+  if (rows * vectors <= 0xffffffffLL) {  // the usual case (uniform): 32-bit divisions
+    const unsigned tu = static_cast<unsigned>(t), vu = static_cast<unsigned>(vectors);
+    const unsigned ru = tu / vu, su = static_cast<unsigned>(seq), bu = ru / su;
+    row = ru, col = static_cast<long long>(tu - ru * vu) * VW, bi = bu, si = ru - bu * su;
+  } else {
+    row = t / vectors, col = (t - row * vectors) * VW, bi = row / seq, si = row - bi * seq;
+  }
 
   V c1, c2, s1, s2;
   const T* cp = cos_p + bi * c_sb + si * c_ss + col;
