@@ -38,3 +38,15 @@ def test_rotary_family_compiles(cache_root, dtype, backward):
     for head_dim in (128, 6):  # 16-byte vectors; one element an access
         path = rotary.compile_rotary(dtype, head_dim, backward)
         assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("vec", [True, False])
+def test_cross_entropy_family_compiles(cache_root, dtype, vec):
+    from custom_kernels import cross_entropy
+
+    # 1024-thread blocks (a 128256 vocabulary) with and without the soft-cap; 512 and 256 too
+    for vocab, softcap in ((128256, False), (128256, True), (32000, False), (50257, True),
+                           (1000, False)):
+        path = cross_entropy.compile_cross_entropy(dtype, vocab, vec, softcap)
+        assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
