@@ -1,21 +1,28 @@
 """``linear_cross_entropy``: a causal LM's head and its loss without materializing the logits.
 
 ``loss = cross_entropy(hidden @ weight.T + bias, labels)``, computed a chunk of rows at a time:
-each chunk's logits (one GEMM through ``cutlass_ops.matmul``, in the input dtype, then float32 as
-Hugging Face's loss does) give that chunk's log-sum-exp, loss and logit gradient, which two more
-GEMMs turn into the chunk's share of ``grad_hidden`` and ``grad_weight`` (accumulated in float32).
-Never more than one chunk of logits is alive. For ``mean`` and ``sum`` the gradients are computed
-in the forward pass and only scaled by the incoming gradient in the backward (no second pass over
-the vocabulary); ``none`` recomputes each chunk in the backward, where the per-row incoming
-gradient is known.
+each chunk's logits (one GEMM through ``cutlass_ops.matmul``, bias in its epilogue, in the model
+dtype) go through the fused kernel ``custom_kernels.cross_entropy`` (the custom op
+``custom_kernels::cross_entropy_chunk``), which reads them once for the log-sum-exp and the loss
+and overwrites them in place with the logit gradient, in the model dtype; two more GEMMs turn that
+into the chunk's share of ``grad_hidden`` and ``grad_weight``. Never more than one chunk of
+logits is alive, and no float32 copy of it. ``grad_weight`` is accumulated in the weight's dtype,
+in place (``addmm_``: cuBLAS's beta = 1 epilogue, so one [V, H] buffer; the tuned dispatch's
+``residual=`` epilogue writes a new tensor and would hold two): one rounding per chunk, as
+Liger-Kernel does, against float32 accumulation's one at the end. ``grad_bias`` is summed in
+float32. For ``mean`` and ``sum`` the gradients are computed in the forward pass and only scaled
+by the incoming gradient in the backward, in place (no second pass over the vocabulary); ``none``
+recomputes each chunk in the backward, where the per-row incoming gradient is known (the
+kernel's ``row_scale``). Gradients of inputs that need none (a frozen head) are not computed.
 
 Semantics are ``torch.nn.functional.cross_entropy``'s on the full float32 logits: ``ignore_index``,
 ``mean`` over the non-ignored rows (or over ``num_items_in_batch``, as Hugging Face's trainer
 normalizes), ``sum``, ``none``, ``label_smoothing``, and Gemma-2's ``logit_softcap`` (logits become
 ``cap * tanh(logits / cap)`` before the loss). A vocabulary sharded across GPUs is out of scope.
 
-Today the per-chunk step is torch's; the fused kernel of ``custom_kernels`` (one read and one
-write of the chunk) replaces ``_chunk_step`` without changing anything else here.
+Tensors off a CUDA device keep torch's step (``_chunk_step``: float32 logits, the CPU rule of
+``custom_kernels.core.fallback``), except under ``torch.compile``, where the custom op runs on
+every device (its CPU implementation is that same torch step).
 """
 
 from __future__ import annotations
@@ -24,12 +31,17 @@ from typing import Optional
 
 import torch
 
+from custom_kernels import cross_entropy as kernel
+from custom_kernels.core import fallback
 from custom_kernels.core.errors import UnsupportedInputError
 
 REDUCTIONS = ("mean", "sum", "none")
-# Chunk logits are float32: this much memory per chunk unless the caller sets chunk_rows.
+# A chunk's logits (in the model dtype, which the kernel overwrites with the gradient) take at
+# most this much memory unless the caller sets chunk_rows.
 CHUNK_BYTES_CAP = 1 << 30
 CHUNK_SHARE_OF_FREE = 1 / 8
+# In-place scaling of a gradient in float32 goes this many elements at a time (a bounded temp).
+SCALE_BLOCK = 1 << 24
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -48,7 +60,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     rows_hidden, flat_labels = _check(hidden, weight, labels, bias, reduction, label_smoothing,
                                       logit_softcap, num_items_in_batch, ignore_index)
     chunk = chunk_rows or default_chunk_rows(rows_hidden.shape[0], weight.shape[0],
-                                             hidden.device)
+                                             hidden.device, hidden.dtype)
     if chunk < 1:
         raise UnsupportedInputError(f"chunk_rows must be positive, got {chunk}")
     loss = _LinearCrossEntropy.apply(rows_hidden, weight, bias, flat_labels, ignore_index,
@@ -57,14 +69,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return loss.view(labels.shape) if reduction == "none" else loss
 
 
-def default_chunk_rows(rows: int, vocab: int, device: torch.device) -> int:
-    """Rows whose float32 logits fit an eighth of the free device memory, at most 1 GiB; a
-    multiple of 128 (whole GEMM tiles) unless the problem is smaller."""
+def default_chunk_rows(rows: int, vocab: int, device: torch.device,
+                       dtype: torch.dtype = torch.float32) -> int:
+    """Rows whose logits in ``dtype`` (the model's: the chunk the kernel works on in place) fit
+    an eighth of the free device memory, at most 1 GiB; a multiple of 128 (whole GEMM tiles)
+    unless the problem is smaller. (Off CUDA the torch step adds float32 copies of the chunk.)"""
     budget = CHUNK_BYTES_CAP
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = min(budget, int(free * CHUNK_SHARE_OF_FREE))
-    chunk = max(1, budget // (4 * vocab))
+    chunk = max(1, budget // (dtype.itemsize * vocab))
     if chunk >= 128:
         chunk -= chunk % 128
     return min(rows, chunk) if rows else 1
@@ -113,20 +127,22 @@ def _check(hidden, weight, labels, bias, reduction, label_smoothing, logit_softc
     return hidden.reshape(-1, hidden.shape[-1]), flat
 
 
-def _matmul(a, b):
-    """The tuned dispatch eagerly; under torch.compile its custom op (``cutlass_ops::mm``, which
-    has a fake implementation), since the eager dispatch reads pointers a graph cannot trace."""
+def _matmul(a, b, bias=None):
+    """The tuned dispatch eagerly (``bias`` in the GEMM's epilogue); under torch.compile its
+    custom ops (``cutlass_ops::mm`` / ``::linear``, which have fake implementations), since the
+    eager dispatch reads pointers a graph cannot trace."""
     if torch.compiler.is_compiling():
         from cutlass_ops import ops
 
-        return ops.mm(a, b)
+        return ops.mm(a, b) if bias is None else ops.linear(a, b.t(), bias)
     from cutlass_ops.gemms.dispatch import matmul
 
-    return matmul(a, b)
+    return matmul(a, b, bias=bias.detach() if bias is not None else None)
 
 
 def _logits(hidden_chunk, weight, bias, softcap):
-    """A chunk's float32 logits, and the softcap's tanh (None without a cap) for the gradient."""
+    """A chunk's float32 logits, and the softcap's tanh (None without a cap) for the gradient:
+    the torch step's input, off CUDA."""
     logits = _matmul(hidden_chunk, weight.t())
     if bias is not None:
         logits = logits + bias
@@ -137,25 +153,38 @@ def _logits(hidden_chunk, weight, bias, softcap):
     return capped * softcap, capped
 
 
-def _chunk_step(logits, capped, labels, ignore_index, smoothing):
-    """Per row of a chunk: the loss (0 where ignored) and the gradient of the summed loss with
-    respect to the chunk's pre-cap logits (float32)."""
-    valid = labels != ignore_index
-    target = torch.where(valid, labels, 0)
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, target[:, None])[:, 0]
-    loss = (1.0 - smoothing) * (lse - picked)
-    if smoothing:
-        loss = loss + smoothing * (lse - logits.mean(dim=-1))
-    loss = torch.where(valid, loss, 0.0)
-    grad = torch.softmax(logits, dim=-1)
-    if smoothing:
-        grad -= smoothing / logits.shape[-1]
-    grad.scatter_add_(1, target[:, None], torch.full_like(picked[:, None], smoothing - 1.0))
-    grad *= valid[:, None]
-    if capped is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-        grad *= 1.0 - capped * capped
-    return loss, grad
+# Per row of a chunk: the loss (0 where ignored) and the gradient of the summed loss with respect
+# to the chunk's pre-cap float32 logits; F.cross_entropy's semantics (custom_kernels keeps the one
+# definition, which its op's CPU implementation runs too).
+_chunk_step = kernel.torch_chunk_step
+
+
+def _torch_chunk(hidden_chunk, weight, bias, labels, ignore_index, smoothing, softcap,
+                 row_scale, want_grads):
+    """The chunk off CUDA: torch's step on float32 logits; the gradient (times ``row_scale``)
+    in hidden's dtype, and its float32 column sums when ``bias`` has a gradient to take."""
+    logits, capped = _logits(hidden_chunk, weight, bias, softcap)
+    losses, grad = _chunk_step(logits, capped, labels, ignore_index, smoothing)
+    del logits, capped
+    if not want_grads:
+        return losses, None, None
+    if row_scale is not None:
+        grad *= row_scale[:, None]
+    return losses, grad.to(hidden_chunk.dtype), grad.sum(0)
+
+
+def _fused_chunk(hidden_chunk, weight, bias, labels, ignore_index, smoothing, softcap,
+                 row_scale, want_grads):
+    """The chunk through the fused kernel: logits in the model dtype (bias in the GEMM's
+    epilogue), overwritten in place with the gradient (times ``row_scale``)."""
+    logits = _matmul(hidden_chunk, weight.t(), bias)
+    if logits.stride(-1) != 1:  # the kernel's layout (a GEMM's output has it)
+        logits = logits.contiguous()
+    losses = torch.ops.custom_kernels.cross_entropy_chunk(
+        logits, labels, ignore_index, smoothing, softcap, row_scale, want_grads)
+    if not want_grads:
+        return losses, None, None
+    return losses, logits, logits.sum(0, dtype=torch.float32) if bias is not None else None
 
 
 def _chunks(rows: int, chunk: int):
@@ -163,32 +192,57 @@ def _chunks(rows: int, chunk: int):
         yield slice(start, min(start + chunk, rows))
 
 
+def _accumulate(grad_weight, grad_t, hidden_chunk):
+    """``grad_weight + grad_t @ hidden_chunk`` in the weight's dtype: the first chunk's GEMM
+    writes it, later ones add in place (cuBLAS's beta = 1: no second [V, H] buffer, one rounding
+    per chunk)."""
+    if grad_weight is None:
+        return _matmul(grad_t, hidden_chunk)
+    return grad_weight.addmm_(grad_t, hidden_chunk)
+
+
 def _loss_and_grads(hidden, weight, bias, labels, ignore_index, smoothing, softcap, chunk,
-                    row_scale=None, want_grads=True):
-    """The per-row losses and, with ``want_grads``, the gradients of ``sum(row_scale * loss)``
-    (hidden's dtype; weight's and bias's in float32, summed over the chunks)."""
+                    row_scale=None, wants=(True, True, True)):
+    """The per-row losses and the gradients of ``sum(row_scale * loss)`` that ``wants`` asks for
+    (hidden, weight, bias): hidden's and weight's in their dtype, bias's in float32."""
     rows = hidden.shape[0]
     losses = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-    grad_hidden = grad_weight = grad_bias = None
-    if want_grads:
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        if bias is not None:
-            grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+    want_hidden, want_weight, want_bias = wants[0], wants[1], wants[2] and bias is not None
+    want_grads = want_hidden or want_weight or want_bias
+    grad_hidden = torch.empty_like(hidden) if want_hidden else None
+    grad_weight = None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+        if want_bias else None
+    fused = hidden.is_cuda or torch.compiler.is_compiling()
+    if not fused:
+        fallback.log_once("linear_cross_entropy uses torch's chunk step",
+                          f"the tensors are on {hidden.device}, not a CUDA device")
+    step = _fused_chunk if fused else _torch_chunk
     for part in _chunks(rows, chunk):
-        logits, capped = _logits(hidden[part], weight, bias, softcap)
-        losses[part], grad = _chunk_step(logits, capped, labels[part], ignore_index, smoothing)
-        del logits, capped
-        if not want_grads:
-            continue
-        if row_scale is not None:
-            grad *= row_scale[part, None]
+        losses[part], grad, column_sums = step(
+            hidden[part], weight, bias, labels[part], ignore_index, smoothing, softcap,
+            row_scale[part] if row_scale is not None else None, want_grads)
         if grad_bias is not None:
-            grad_bias += grad.sum(0)
-        grad = grad.to(hidden.dtype)
-        grad_hidden[part] = _matmul(grad, weight)
-        grad_weight += _matmul(grad.t(), hidden[part]).float()
+            grad_bias += column_sums
+        if want_hidden:
+            grad_hidden[part] = _matmul(grad, weight)
+        if want_weight:
+            grad_weight = _accumulate(grad_weight, grad.t(), hidden[part])
+        del grad
+    if want_weight and grad_weight is None:  # no rows
+        grad_weight = torch.zeros_like(weight)
     return losses, grad_hidden, grad_weight, grad_bias
+
+
+def _scale_(t, scale):
+    """``t *= scale`` in place, computed in float32 (``scale``: a 0-d float32 tensor; a bf16
+    tensor times it on a GPU would round the scale to bf16 first), a bounded block at a time."""
+    if t is None or t.dtype == torch.float32:
+        return t.mul_(scale) if t is not None else None
+    rows = max(1, SCALE_BLOCK // max(1, t[0].numel())) if t.dim() else 1
+    for block in (t.split(rows) if t.dim() else (t,)):
+        block.copy_(block.float() * scale)
+    return t
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -198,13 +252,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         args = (ignore_index, smoothing, softcap, chunk)
         ctx.reduction, ctx.args, ctx.weight_dtype = reduction, args, weight.dtype
         if reduction == "none":  # the per-row incoming gradient comes later: recompute then
-            losses, *_ = _loss_and_grads(hidden, weight, bias, labels, *args, want_grads=False)
+            losses, *_ = _loss_and_grads(hidden, weight, bias, labels, *args,
+                                         wants=(False, False, False))
             ctx.save_for_backward(hidden, weight, bias, labels)
             return losses
         # The gradients of the summed loss, now, while each chunk's logits are at hand; the
         # backward only scales them.
         losses, *grads = _loss_and_grads(hidden, weight, bias, labels, *args,
-                                         want_grads=any(ctx.needs_input_grad[:3]))
+                                         wants=tuple(ctx.needs_input_grad[:3]))
         ctx.grads = grads
         ctx.count = 1.0
         if reduction == "mean":  # F.cross_entropy: the non-ignored rows (NaN when none is)
@@ -217,15 +272,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.reduction == "none":
             hidden, weight, bias, labels = ctx.saved_tensors
             _, grad_hidden, grad_weight, grad_bias = _loss_and_grads(
-                hidden, weight, bias, labels, *ctx.args, row_scale=grad_output.float())
+                hidden, weight, bias, labels, *ctx.args, row_scale=grad_output.float(),
+                wants=tuple(ctx.needs_input_grad[:3]))
         else:
             grad_hidden, grad_weight, grad_bias = ctx.grads
             ctx.grads = None
             scale = grad_output.float() / ctx.count
-            grad_hidden = (grad_hidden.float() * scale).to(grad_hidden.dtype)
-            grad_weight = grad_weight * scale
+            grad_hidden, grad_weight = _scale_(grad_hidden, scale), _scale_(grad_weight, scale)
             grad_bias = grad_bias * scale if grad_bias is not None else None
-        return (grad_hidden, grad_weight.to(ctx.weight_dtype),
+        return (grad_hidden, grad_weight,
                 grad_bias.to(ctx.weight_dtype) if grad_bias is not None else None,
                 None, None, None, None, None, None, None)
 

@@ -185,3 +185,195 @@ def test_any_shape_and_chunking_matches_the_full_logits(rows, vocab, chunk, redu
     weights = torch.rand(ours.shape, generator=g) if reduction == "none" else 1.0
     for mine, ref in zip(grads(ours * weights, (h, w)), grads(theirs * weights, (h, w))):
         assert torch.allclose(mine, ref, rtol=1e-4, atol=1e-5)
+
+
+# ---- the fused chunk step (custom_kernels.cross_entropy) on the CPU: its custom op runs the torch
+# step there; the GPU tests hold the kernel to the same reference ----------------------------------
+
+def chunk_reference(logits, labels, ignore_index=-100, smoothing=0.0, softcap=None,
+                    row_scale=None):
+    """Per-row losses of F.cross_entropy on the float32 logits, and the gradient of
+    sum(row_scale * loss) with respect to the raw logits, by autograd."""
+    raw = logits.detach().float().requires_grad_()
+    x = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
+    loss = F.cross_entropy(x, labels, ignore_index=ignore_index, label_smoothing=smoothing,
+                           reduction="none")
+    weights = row_scale if row_scale is not None else torch.ones_like(loss)
+    (grad,) = torch.autograd.grad((loss * weights).sum(), [raw])
+    return loss.detach(), grad
+
+
+def chunk_inputs(rows=19, vocab=300, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(rows, vocab, generator=g)).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    labels[::4] = -100
+    return logits, labels
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_chunk_op_on_the_cpu_matches_cross_entropy(smoothing, softcap, scaled):
+    from custom_kernels.cross_entropy import chunk_loss_and_grad
+
+    logits, labels = chunk_inputs()
+    row_scale = torch.rand(logits.shape[0], generator=torch.Generator().manual_seed(3)) \
+        if scaled else None
+    loss_ref, grad_ref = chunk_reference(logits, labels, smoothing=smoothing, softcap=softcap,
+                                         row_scale=row_scale)
+    data = logits.data_ptr()
+    losses = chunk_loss_and_grad(logits, labels, smoothing=smoothing, softcap=softcap,
+                                 row_scale=row_scale)
+    assert losses.dtype == torch.float32 and losses.shape == labels.shape
+    assert torch.allclose(losses, loss_ref, rtol=1e-5, atol=1e-6)
+    assert logits.data_ptr() == data and torch.allclose(logits, grad_ref, rtol=1e-5, atol=1e-7)
+    assert (logits[labels == -100] == 0).all() and (losses[labels == -100] == 0).all()
+
+
+def test_chunk_op_without_grad_leaves_the_logits_and_takes_any_ignore_index():
+    from custom_kernels.cross_entropy import chunk_loss_and_grad
+
+    logits, labels = chunk_inputs(dtype=torch.bfloat16)
+    labels = torch.where(labels == -100, 5, labels)
+    before = logits.clone()
+    losses = chunk_loss_and_grad(logits, labels, ignore_index=5, write_grad=False)
+    assert torch.equal(logits, before)
+    assert torch.allclose(losses, chunk_reference(before, labels, ignore_index=5)[0], rtol=1e-5)
+
+
+def test_chunk_op_bfloat16_gradient_is_written_in_place_in_bfloat16():
+    from custom_kernels.cross_entropy import chunk_loss_and_grad
+
+    logits, labels = chunk_inputs(dtype=torch.bfloat16)
+    loss_ref, grad_ref = chunk_reference(logits, labels, smoothing=0.1)
+    losses = chunk_loss_and_grad(logits, labels, smoothing=0.1)
+    assert logits.dtype == torch.bfloat16 and torch.allclose(losses, loss_ref, rtol=1e-5)
+    assert torch.equal(logits, grad_ref.to(torch.bfloat16))
+
+
+def test_chunk_op_treats_labels_out_of_range_as_ignored():
+    from custom_kernels.cross_entropy import chunk_loss_and_grad
+
+    logits, labels = chunk_inputs()
+    labels[1], labels[2] = 300, -7
+    losses = chunk_loss_and_grad(logits, labels)
+    assert losses[1] == 0 and losses[2] == 0 and (logits[1:3] == 0).all()
+    assert (losses[3:] > 0).any()
+
+
+def test_chunk_op_passes_opcheck():
+    logits, labels = chunk_inputs(rows=6, vocab=40)
+    row_scale = torch.rand(6)
+    op = torch.ops.custom_kernels.cross_entropy_chunk.default
+    torch.library.opcheck(op, (logits, labels, -100, 0.1, 3.0, row_scale, True))
+    torch.library.opcheck(op, (logits.clone(), labels, -100, 0.0, None, None, False))
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(logits=torch.zeros(4, 10, dtype=torch.float64)), "float32, float16 or bfloat16"),
+    (dict(logits=torch.zeros(4, 10).t()), "rows"),
+    (dict(logits=torch.zeros(4, 10)[:, ::2]), "contiguous last dimension"),
+    (dict(labels=torch.zeros(4, dtype=torch.int32)), "int64"),
+    (dict(labels=torch.zeros(3, dtype=torch.long)), "int64 of shape"),
+    (dict(row_scale=torch.ones(4, dtype=torch.float64)), "row_scale"),
+    (dict(smoothing=-0.1), "smoothing"),
+    (dict(softcap=0.0), "softcap"),
+])
+def test_chunk_op_refuses_bad_input_by_name(change, words):
+    from custom_kernels.cross_entropy import chunk_loss_and_grad
+
+    args = dict(logits=torch.zeros(4, 10), labels=torch.zeros(4, dtype=torch.long)) | change
+    with pytest.raises(UnsupportedInputError, match=words):
+        chunk_loss_and_grad(args.pop("logits"), args.pop("labels"), **args)
+
+
+def test_bfloat16_grad_weight_accumulated_in_bfloat16_stays_close_to_float32():
+    """grad_weight is accumulated over 16 chunks in bf16 (one rounding per chunk, no float32
+    [V, H] buffer): within bf16 tolerance of the float32 gradient, and returned in bf16."""
+    h, w, b, labels = inputs(rows=256, hidden=64, vocab=2000, dtype=torch.bfloat16, bias=True)
+    ours = cutlass_ops.linear_cross_entropy(h, w, labels, bias=b, chunk_rows=16,
+                                            label_smoothing=0.1, logit_softcap=20.0)
+    hf, wf, bf = (t.detach().float().requires_grad_() for t in (h, w, b))
+    theirs = reference(hf, wf, labels, bf, 20.0, label_smoothing=0.1)
+    assert abs(ours.item() - theirs.item()) <= 1e-2 * abs(theirs.item())
+    mine = grads(ours, (h, w, b))
+    for got, ref in zip(mine, grads(theirs, (hf, wf, bf))):
+        assert got.dtype == torch.bfloat16 and close(got, ref, 2e-2)
+
+
+def test_weight_gradient_accumulates_in_place_in_its_dtype(monkeypatch):
+    """The first chunk's GEMM creates grad_weight in the weight's dtype; every later chunk adds
+    into that same tensor (addmm_): one [V, H] buffer, never a float32 one."""
+    from cutlass_ops import cross_entropy as ce
+
+    seen = []
+    original = ce._accumulate
+
+    def spy(grad_weight, grad_t, hidden_chunk):
+        out = original(grad_weight, grad_t, hidden_chunk)
+        seen.append((grad_weight is None or out is grad_weight, out.dtype, out.data_ptr()))
+        return out
+
+    monkeypatch.setattr(ce, "_accumulate", spy)
+    h, w, _, labels = inputs(rows=40, dtype=torch.bfloat16)
+    cutlass_ops.linear_cross_entropy(h, w, labels, chunk_rows=8).backward()
+    assert len(seen) == 5 and all(same and dtype == torch.bfloat16 for same, dtype, _ in seen)
+    assert len({ptr for *_, ptr in seen}) == 1
+
+
+def test_a_frozen_head_gets_no_weight_gradient(monkeypatch):
+    from cutlass_ops import cross_entropy as ce
+
+    monkeypatch.setattr(ce, "_accumulate", lambda *a: pytest.fail("grad_weight computed"))
+    h, w, _, labels = inputs()
+    w = w.detach()
+    ours = cutlass_ops.linear_cross_entropy(h, w, labels, chunk_rows=8)
+    (mine,) = grads(ours, (h,))
+    (ref,) = grads(reference(h, w, labels), (h,))
+    assert close(mine, ref, 1e-5)
+
+
+def test_default_chunk_budgets_the_model_dtype():
+    from cutlass_ops.cross_entropy import CHUNK_BYTES_CAP, default_chunk_rows
+
+    cpu = torch.device("cpu")
+    rows = default_chunk_rows(4096 * 8, 128256, cpu, torch.bfloat16)
+    assert rows % 128 == 0 and rows * 128256 * 2 <= CHUNK_BYTES_CAP
+    assert (rows, default_chunk_rows(4096 * 8, 128256, cpu)) == (4096, 2048)  # 1 GiB cap
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compiled_graph_calls_the_chunk_op(reduction):
+    """Under torch.compile the chunk step is the custom op (its CPU implementation here), with
+    bias, smoothing and the soft-cap, forward and backward."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    h, w, b, labels = inputs(bias=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    kw = dict(reduction=reduction, label_smoothing=0.1)
+    fn = torch.compile(lambda h, w, b, labels: cutlass_ops.linear_cross_entropy(
+        h, w, labels, bias=b, logit_softcap=5.0, chunk_rows=8, **kw), fullgraph=True,
+        backend=counter)
+    ours = fn(h, w, b, labels)
+    theirs = reference(h, w, labels, b, 5.0, **kw)
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    weights = torch.rand(ours.shape) if reduction == "none" else 1.0
+    for mine, ref in zip(grads(ours * weights, (h, w, b)), grads(theirs * weights, (h, w, b))):
+        assert close(mine, ref, 1e-5)
+    graph = counter.graphs[0]  # the autograd.Function's forward is a subgraph of it
+    assert any("cross_entropy_chunk" in m.code for m in graph.modules()
+               if isinstance(m, torch.fx.GraphModule))
+
+
+def test_chunk_kernel_grid_keeps_the_rows_in_flight_within_l2():
+    """The persistent grid (pure arithmetic): an H100's 132 SMs and 50 MB of L2."""
+    from custom_kernels.cross_entropy import block_size, grid_size
+
+    assert grid_size(4096, 128256 * 2, 2, 132, 50 << 20) == 132  # 256 KB rows: one per SM
+    assert grid_size(4096, 128256 * 4, 2, 132, 50 << 20) == 132  # never under one per SM
+    assert grid_size(4096, 32000 * 2, 4, 132, 50 << 20) == 4 * 132  # 4 x 132 x 64 KB in L2
+    assert grid_size(4096, 32000 * 2, 3, 132, 50 << 20) == 3 * 132  # the occupancy bounds it
+    assert grid_size(5, 32000 * 2, 4, 132, 50 << 20) == 5
+    assert (block_size(128256, 2), block_size(32000, 2), block_size(1000, 2)) == (1024, 512, 256)
+    assert block_size(50257, 2, vec=False) == 1024

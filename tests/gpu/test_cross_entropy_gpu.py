@@ -1,7 +1,13 @@
 """linear_cross_entropy on the GPU against a float32 reference on the full logits: loss and every
 gradient, with ignored tokens, an all-ignored chunk, label smoothing, soft-capping, vocabularies
 that are not a multiple of a tile, rows that are not a multiple of the chunk; and a peak memory
-that holds one chunk of logits, not all of them."""
+that holds one chunk of logits, not all of them.
+
+Then the fused chunk kernel itself (custom_kernels.cross_entropy.chunk_loss_and_grad) against
+F.cross_entropy on the same logits upcast to float32, loss and in-place gradient by autograd:
+vocabularies 32000 / 128256 / 151936 / 50257, the three dtypes, ignored rows and an all-ignored
+chunk, smoothing, soft-cap, row_scale, the vector and scalar paths, strided and misaligned rows,
+labels out of range, opcheck, CUDA graph capture."""
 
 import pytest
 import torch
@@ -76,3 +82,215 @@ def test_bad_labels_are_refused_before_any_launch():
     labels[3] = 1000
     with pytest.raises(UnsupportedInputError, match="outside"):
         cutlass_ops.linear_cross_entropy(h, w, labels)
+
+
+# ---- the fused chunk kernel -------------------------------------------------------------------
+
+from custom_kernels import cross_entropy as ce  # noqa: E402
+
+# Gradient tolerance: one rounding to the dtype; fp32: ex2.approx and lse * log2e rounding.
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 6e-3}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def chunk_case(rows, vocab, dtype, seed=0, scale=4.0):
+    g = torch.Generator("cuda").manual_seed(seed)
+    logits = (scale * torch.randn(rows, vocab, device="cuda", generator=g)).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    labels[::7] = -100
+    return logits, labels
+
+
+def chunk_reference(logits, labels, ignore_index=-100, smoothing=0.0, softcap=None,
+                    row_scale=None):
+    raw = logits.detach().float().requires_grad_()
+    x = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
+    loss = F.cross_entropy(x, labels, ignore_index=ignore_index, label_smoothing=smoothing,
+                           reduction="none")
+    weights = row_scale if row_scale is not None else torch.ones_like(loss)
+    (grad,) = torch.autograd.grad((loss * weights).sum(), [raw])
+    return loss.detach(), grad
+
+
+def tolerances(dtype, softcap):
+    """(loss, gradient) tolerances: fp16 / bf16 take tanh.approx (relative error 2^-11) under a
+    soft-cap, against the exact tanh of the reference."""
+    if softcap is None or dtype == torch.float32:
+        return 2e-5, GRAD_TOL[dtype]
+    return 2e-3, 1e-2
+
+
+def assert_step(logits, labels, losses, loss_ref, grad_ref, dtype, softcap=None):
+    loss_tol, grad_tol = tolerances(dtype, softcap)
+    assert losses.dtype == torch.float32 and losses.shape == labels.shape
+    assert torch.allclose(losses, loss_ref, rtol=loss_tol, atol=loss_tol), \
+        (losses - loss_ref).abs().max()
+    assert logits.dtype == dtype
+    assert relative_error(logits, grad_ref) < grad_tol, relative_error(logits, grad_ref)
+    # Row by row too (the label entry, p - 1, dominates each row's norm).
+    worst = ((logits.float() - grad_ref).norm(dim=1) /
+             grad_ref.norm(dim=1).clamp_min(1e-30))[labels != -100].max().item()
+    assert worst < 2 * grad_tol, worst
+
+
+@pytest.mark.parametrize("vocab", [32000, 128256, 151936, 50257])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_loss_and_in_place_gradient(vocab, dtype):
+    logits, labels = chunk_case(300, vocab, dtype)
+    loss_ref, grad_ref = chunk_reference(logits, labels)
+    ptr = logits.data_ptr()
+    losses = ce.chunk_loss_and_grad(logits, labels)
+    assert logits.data_ptr() == ptr
+    assert_step(logits, labels, losses, loss_ref, grad_ref, dtype)
+    ignored = labels == -100
+    assert (losses[ignored] == 0).all() and (logits[ignored] == 0).all()
+
+
+@pytest.mark.parametrize("vocab", [32000, 50257])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("smoothing, softcap, scaled", [
+    (0.1, None, False), (0.0, 30.0, False), (0.1, 30.0, True), (0.0, None, True),
+    (1.0, 5.0, False)])
+def test_kernel_smoothing_softcap_and_row_scale(vocab, dtype, smoothing, softcap, scaled):
+    logits, labels = chunk_case(97, vocab, dtype, seed=1, scale=softcap or 4.0)
+    row_scale = torch.rand(97, device="cuda") * 3 if scaled else None
+    loss_ref, grad_ref = chunk_reference(logits, labels, smoothing=smoothing, softcap=softcap,
+                                         row_scale=row_scale)
+    losses = ce.chunk_loss_and_grad(logits, labels, smoothing=smoothing, softcap=softcap,
+                                    row_scale=row_scale)
+    assert_step(logits, labels, losses, loss_ref, grad_ref, dtype, softcap)
+
+
+def test_kernel_all_ignored_chunk_reads_nothing():
+    """Ignored rows are written with zeros without being read: NaN logits there stay harmless."""
+    logits = torch.full((64, 32000), float("nan"), device="cuda", dtype=torch.bfloat16)
+    labels = torch.full((64,), -100, device="cuda")
+    losses = ce.chunk_loss_and_grad(logits, labels, smoothing=0.1, softcap=30.0)
+    assert (losses == 0).all() and (logits == 0).all()
+
+
+def test_kernel_without_gradient_leaves_the_logits():
+    logits, labels = chunk_case(50, 128256, torch.bfloat16)
+    before = logits.clone()
+    losses = ce.chunk_loss_and_grad(logits, labels, smoothing=0.1, write_grad=False)
+    assert torch.equal(logits, before)
+    assert torch.allclose(losses, chunk_reference(before, labels, smoothing=0.1)[0], rtol=2e-5,
+                          atol=2e-5)
+
+
+@pytest.mark.parametrize("vocab", [32000, 50257, 13])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_scalar_path_equals_the_vector_path(vocab, dtype):
+    logits, labels = chunk_case(40, vocab, dtype, seed=2)
+    loss_ref, grad_ref = chunk_reference(logits, labels, smoothing=0.1)
+    results = []
+    for vec in (True, False):
+        work = logits.clone()
+        losses = torch.empty(40, dtype=torch.float32, device="cuda")
+        ce._launch(work, labels, None, losses, -100, 0.1, None, True, vec=vec)
+        assert_step(work, labels, losses, loss_ref, grad_ref, dtype)
+        results.append((losses, work))
+    assert torch.allclose(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("offset, width", [(0, 32000 + 8), (3, 32000 + 11), (1, 50257 + 2)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_strided_and_misaligned_rows_stay_in_bounds(offset, width, dtype):
+    """Rows inside a wider buffer (any row stride, a base 1 to 7 elements past a 16-byte
+    boundary): each row's head and tail take the scalar path; nothing outside is touched."""
+    vocab = 50257 if width > 50257 else 32000
+    buffer, labels = chunk_case(33, width + offset, dtype, seed=3)
+    labels = torch.where(labels == -100, labels, labels % vocab)
+    logits = buffer[:, offset:offset + vocab]
+    outside = buffer.clone()
+    loss_ref, grad_ref = chunk_reference(logits, labels, softcap=30.0)
+    losses = ce.chunk_loss_and_grad(logits, labels, softcap=30.0)
+    assert_step(logits, labels, losses, loss_ref, grad_ref, dtype, 30.0)
+    mask = torch.ones_like(buffer, dtype=torch.bool)
+    mask[:, offset:offset + vocab] = False
+    assert torch.equal(buffer[mask], outside[mask])
+
+
+def test_kernel_treats_labels_out_of_range_as_ignored():
+    logits, labels = chunk_case(20, 32000, torch.float32)
+    labels[1], labels[2], labels[3] = 32000, -5, 2 ** 40
+    losses = ce.chunk_loss_and_grad(logits, labels)
+    torch.cuda.synchronize()
+    assert (losses[1:4] == 0).all() and (logits[1:4] == 0).all()
+    assert (losses[4:][labels[4:] != -100] > 0).all()
+
+
+def test_kernel_custom_ignore_index_and_many_rows_per_block():
+    """More rows than the persistent grid: every block takes several rows."""
+    logits, labels = chunk_case(2000, 32000, torch.bfloat16, seed=4)
+    labels[labels == -100] = 17
+    labels[100:300] = 17
+    loss_ref, grad_ref = chunk_reference(logits, labels, ignore_index=17)
+    losses = ce.chunk_loss_and_grad(logits, labels, ignore_index=17)
+    assert_step(logits, labels, losses, loss_ref, grad_ref, torch.bfloat16)
+
+
+def test_kernel_opcheck_and_cuda_graph():
+    logits, labels = chunk_case(16, 1000, torch.bfloat16)
+    row_scale = torch.rand(16, device="cuda")
+    op = torch.ops.custom_kernels.cross_entropy_chunk.default
+    torch.library.opcheck(op, (logits.clone(), labels, -100, 0.1, 30.0, row_scale, True))
+    source, _ = chunk_case(16, 1000, torch.bfloat16)
+    work = source.clone()
+    ce.chunk_loss_and_grad(work, labels)  # compile and load before capturing
+    graph = torch.cuda.CUDAGraph()
+    work.copy_(source)
+    with torch.cuda.graph(graph):
+        losses = ce.chunk_loss_and_grad(work, labels)
+    work.copy_(source)
+    graph.replay()
+    loss_ref, grad_ref = chunk_reference(source, labels)
+    assert_step(work, labels, losses, loss_ref, grad_ref, torch.bfloat16)
+
+
+# ---- linear_cross_entropy through the kernel ---------------------------------------------------
+
+def test_float32_model_through_the_kernel_matches_float32():
+    h, w, labels = case(700, 128, 50257, torch.float32)
+    ours = cutlass_ops.linear_cross_entropy(h, w, labels, label_smoothing=0.1, chunk_rows=256)
+    hf, wf = h.detach().requires_grad_(), w.detach().requires_grad_()
+    theirs = reference(hf, wf, labels, label_smoothing=0.1)
+    assert abs(ours.item() - theirs.item()) <= 1e-4 * abs(theirs.item())
+    ours.backward()
+    theirs.backward()
+    assert relative_error(h.grad, hf.grad) < 1e-3 and relative_error(w.grad, wf.grad) < 1e-3
+
+
+def test_reduction_none_with_bias_through_the_kernel():
+    h, w, labels = case(333, 128, 32000, torch.bfloat16)
+    b = (torch.randn(32000, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
+    ours = cutlass_ops.linear_cross_entropy(h, w, labels, bias=b, reduction="none",
+                                            logit_softcap=30.0, chunk_rows=100)
+    hf, wf, bf = (t.detach().float().requires_grad_() for t in (h, w, b))
+    logits = 30.0 * torch.tanh((hf @ wf.t() + bf) / 30.0)
+    theirs = F.cross_entropy(logits, labels, reduction="none")
+    assert relative_error(ours, theirs) < 1e-2
+    weights = torch.rand(333, device="cuda")
+    (ours * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    for mine, ref in ((h.grad, hf.grad), (w.grad, wf.grad), (b.grad, bf.grad)):
+        assert mine.dtype == torch.bfloat16 and relative_error(mine, ref) < 2e-2
+
+
+def test_peak_memory_has_no_float32_chunk_nor_float32_weight_gradient():
+    """Beyond the inputs: one bf16 chunk of logits (the kernel works in place), grad_weight in
+    bf16 (accumulated in place), grad_hidden, and the bounded float32 block of the final
+    scaling; the float32 [V, H] accumulator and the float32 chunk copy are gone."""
+    from cutlass_ops.cross_entropy import SCALE_BLOCK
+
+    rows, hidden, vocab, chunk = 4096, 1024, 128256, 512
+    h, w, labels = case(rows, hidden, vocab, torch.bfloat16)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    cutlass_ops.linear_cross_entropy(h, w, labels, chunk_rows=chunk).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    expected = (chunk * vocab * 2 + vocab * hidden * 2 + rows * hidden * 2 + SCALE_BLOCK * 4
+                + vocab * hidden * 2)  # + the .grad the backward returns into
+    assert extra < expected * 1.1 + (32 << 20), (extra, expected)
