@@ -162,7 +162,7 @@ _chunk_step = kernel.torch_chunk_step
 def _torch_chunk(hidden_chunk, weight, bias, labels, ignore_index, smoothing, softcap,
                  row_scale, want_grads):
     """The chunk off CUDA: torch's step on float32 logits; the gradient (times ``row_scale``)
-    in hidden's dtype, and its float32 column sums when ``bias`` has a gradient to take."""
+    in hidden's dtype, and its float32 column sums with a ``bias``."""
     logits, capped = _logits(hidden_chunk, weight, bias, softcap)
     losses, grad = _chunk_step(logits, capped, labels, ignore_index, smoothing)
     del logits, capped
@@ -170,7 +170,7 @@ def _torch_chunk(hidden_chunk, weight, bias, labels, ignore_index, smoothing, so
         return losses, None, None
     if row_scale is not None:
         grad *= row_scale[:, None]
-    return losses, grad.to(hidden_chunk.dtype), grad.sum(0)
+    return losses, grad.to(hidden_chunk.dtype), grad.sum(0) if bias is not None else None
 
 
 def _fused_chunk(hidden_chunk, weight, bias, labels, ignore_index, smoothing, softcap,
