@@ -50,3 +50,13 @@ def test_cross_entropy_family_compiles(cache_root, dtype, vec):
                            (1000, False)):
         path = cross_entropy.compile_cross_entropy(dtype, vocab, vec, softcap)
         assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_swiglu_family_compiles(cache_root, dtype, backward):
+    from custom_kernels import swiglu
+
+    for vec in (True, False):  # 16-byte accesses; one element an access
+        path = swiglu.compile_swiglu(dtype, vec, backward=backward)
+        assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
