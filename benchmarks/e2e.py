@@ -132,7 +132,8 @@ def tune(model, args) -> None:
     from tuning.search import tune as run_tune
     from tuning.shapes import model_problems
 
-    chunk = default_chunk_rows(args.tokens, model.config.vocab_size, torch.device("cuda"))
+    chunk = default_chunk_rows(args.tokens, model.config.vocab_size, torch.device("cuda"),
+                               torch.bfloat16)
     problems = model_problems(model, args.tokens, backward=True, loss_chunk_rows=chunk)
     for batch in (1, 16):
         problems += model_problems(model, batch)

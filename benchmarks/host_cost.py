@@ -1,7 +1,10 @@
 """Host cost of a warm eager call of the public entry points against the torch calls they
 replace, at shapes where the host bounds the rate: calls per second over back-to-back calls.
 
-Rows: ``cutlass_ops.matmul`` at 16x256x256 on a CUTLASS kernel (built on first use in a private,
+Rows: ``cutlass_ops.nn.Linear`` and the ``cutlass_ops::linear`` custom op at 16x4096x4096
+against torch.nn.Linear / F.linear; Hugging Face's LlamaRMSNorm and a whole LlamaDecoderLayer at a
+decode step (batch 16, one token each) against what ``convert`` makes of them (our RMSNorm, the
+fused block); ``cutlass_ops.matmul`` at 16x256x256 on a CUTLASS kernel (built on first use in a private,
 empty cache: online mode "compile", about a minute) against torch.matmul; the fused norms at
 16x4096 bf16, the functions (``custom_kernels.norms.rms_norm`` / ``layer_norm``, with and
 without a residual) and the modules (``cutlass_ops.nn.RMSNorm`` / ``LayerNorm``, inference and
@@ -103,13 +106,65 @@ def norm_rows(batches: int, calls: int) -> list[dict]:
     return rows
 
 
+def linear_rows(batches: int, calls: int) -> list[dict]:
+    """Our Linear (module and custom op) against torch's at a decode shape, 16x4096 -> 4096."""
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    x = torch.randn(16, 4096, **kw)
+    theirs = torch.nn.Linear(4096, 4096, bias=False, **kw)
+    ours = cutlass_ops.nn.Linear.from_linear(theirs)
+    rows = [row("linear custom op bf16 16x4096x4096",
+                lambda: torch.ops.cutlass_ops.linear(x, theirs.weight),
+                lambda: F.linear(x, theirs.weight), "F.linear", batches, calls)]
+    for grad in (False, True):
+        rows.append(row(f"Linear module bf16 16x4096x4096{' grad enabled' if grad else ''}",
+                        lambda: ours(x), lambda: theirs(x), "torch.nn.Linear", batches, calls,
+                        grad=grad))
+    return rows
+
+
+def hugging_face_rows(batches: int, calls: int) -> list[dict]:
+    """What convert() replaces in a Hugging Face Llama: its RMSNorm module (eight torch ops) and
+    a whole decoder layer at a decode step (one token per sequence, batch 16, no cache)."""
+    import copy
+
+    import transformers
+
+    from cutlass_ops import decoder_blocks, norm_probe
+
+    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336,
+                                      num_attention_heads=32, num_key_value_heads=8,
+                                      num_hidden_layers=1, vocab_size=1024)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    theirs_layer = model.model.layers[0]
+    ours_layer = copy.deepcopy(theirs_layer)
+    cutlass_ops.convert(ours_layer, fuse_blocks=False)
+    assert decoder_blocks.fuse(ours_layer) is None
+    norm = theirs_layer.input_layernorm
+    ours_norm = norm_probe.drop_in(norm)
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    x = torch.randn(16, 1, 4096, **kw)
+    positions = torch.zeros(16, 1, dtype=torch.long, device="cuda")
+    cos, sin = model.model.rotary_emb(x, positions)
+    args = dict(attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+    rows = []
+    for grad in (False, True):
+        suffix = " grad enabled" if grad else ""
+        rows.append(row(f"HF LlamaRMSNorm module bf16 16x4096{suffix}", lambda: ours_norm(x),
+                        lambda: norm(x), "LlamaRMSNorm", batches, calls, grad=grad))
+        rows.append(row(f"HF LlamaDecoderLayer decode step bf16 batch 16{suffix}",
+                        lambda: ours_layer(x, **args), lambda: theirs_layer(x, **args),
+                        "LlamaDecoderLayer", batches, max(calls // 10, 10), grad=grad))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=9, help="alternating batches per row")
     parser.add_argument("--calls", type=int, default=1000, help="back-to-back calls per batch")
     args = parser.parse_args()
     require_gpu()
-    rows = norm_rows(args.batches, args.calls) + matmul_rows(args.batches, args.calls)
+    rows = (norm_rows(args.batches, args.calls) + linear_rows(args.batches, args.calls)
+            + hugging_face_rows(args.batches, args.calls) + matmul_rows(args.batches, args.calls))
     print_table(["case", "ours us", "torch us", "ratio (calls/s)", "correct"],
                 [[r["case"], r["detail"]["ours_us"], r["detail"]["reference_us"], r["ratio"],
                   r["correct"]] for r in rows])
