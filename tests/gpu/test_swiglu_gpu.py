@@ -70,8 +70,10 @@ def test_forward_bits_equal_hf(dtype, inter, layout):
     y = swiglu.swiglu(gate_up)
     assert y.shape == (77, inter)
     assert_same_bits(y, hf_swiglu(gate_up))
-    # Independently of torch's kernels: within two roundings of fp32 math rounded once.
-    assert_within_ulps(y, swiglu.swiglu_reference(gate_up), 0 if dtype == torch.float32 else 2)
+    # Independently of torch's kernels: near fp32 math rounded once. The SiLU's own rounding
+    # (2^-11 in fp16) and the product's add up to 3 ulp of the output where the product lands
+    # just below a power of two (measured on an H100: worst 3 of 315392 fp16 elements).
+    assert_within_ulps(y, swiglu.swiglu_reference(gate_up), 0 if dtype == torch.float32 else 3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
