@@ -77,11 +77,18 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
 
 
 def _grads(q, k, v, mask, scale, causal, grad_bshd):
-    """(dq, dk, dv) by recomputing the forward, the gradient laid out as SDPA's output. Through
-    torch.func.vjp: inside a custom op the autograd keys are excluded, so torch.autograd would
-    record nothing."""
-    _, vjp = torch.func.vjp(lambda a, b, c: _sdpa(a, b, c, mask, scale, causal), q, k, v)
-    return vjp(grad_bshd.transpose(1, 2).contiguous())
+    """(dq, dk, dv) by recomputing the forward, the gradient laid out as SDPA's output. Inside
+    a custom op the autograd dispatch keys are excluded (torch.autograd would record nothing)
+    and torch.func.vjp would decompose SDPA into its math form: the keys come back for this
+    recomputation only."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = _sdpa(*inputs, mask, scale, causal)
+        return torch.autograd.grad(out, inputs, grad_bshd.transpose(1, 2).contiguous())
 
 
 # ---- custom ops (torch.compile) ----------------------------------------------------------------
