@@ -8,8 +8,7 @@ A fused layer computes, per token row (``h`` the residual stream)::
     q, k, v = x @ [Wq; Wk; Wv]^T                    # one GEMM (cutlass_ops.fused_linear)
     q, k = q_norm(q), k_norm(k)                     # Qwen3 only
     q, k = rotary(q, k, cos, sin)                   # one kernel (custom_kernels.rotary)
-    a = attention(q, k, v)                          # SDPA as HF calls it (cutlass_ops.attention),
-                                                    # or the model's own attention function
+    a = attention(q, k, v)                          # the model's own attention function
     h = a @ Wo^T + h                                # the residual add in the GEMM's epilogue
     x = post_attention_layernorm(h)
     h = swiglu(x @ [Wgate; Wup]^T) @ Wdown^T + h    # one GEMM, one kernel, one GEMM + epilogue
@@ -17,9 +16,7 @@ A fused layer computes, per token row (``h`` the residual stream)::
 where Hugging Face's forward launches three projections, about ten elementwise kernels for the
 rotary embedding, two more for SiLU and the product, and two residual adds. The attention itself
 (SDPA, flash or eager, the KV cache, sliding windows) is the model's: the fused attention calls
-the same ``ALL_ATTENTION_FUNCTIONS`` interface with the same arguments, except for SDPA, which
-runs through ``cutlass_ops.attention`` (Hugging Face's SDPA call, with the causal mask recognised
-under torch.compile and the gradient laid out as cuDNN wants it).
+the same ``ALL_ATTENTION_FUNCTIONS`` interface with the same arguments.
 
 Nothing the user sees changes: the layer keeps its submodules, parameters and ``state_dict`` (Q,
 K and V stay three Parameters; ``fused_linear.pack`` only lays them out end to end in one storage
@@ -42,7 +39,6 @@ import sys
 import torch
 from torch import nn
 
-from cutlass_ops import attention as sdpa_attention
 from cutlass_ops import fused_linear
 from custom_kernels.core.tolerances import relative_error
 
@@ -83,17 +79,13 @@ class FusedAttention:
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        dropout = 0.0 if not self.training else self.attention_dropout
-        if sdpa_attention.supports(self, q, dropout, kwargs):
-            out = sdpa_attention.attention(q, k, v, attention_mask, self.scaling,
-                                           getattr(self, "is_causal", True))
-            return out.reshape(*input_shape, -1), None
         namespace = sys.modules[self._hf_class.__module__]
         interface = namespace.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, namespace.eager_attention_forward)
         out, weights = interface(
-            self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling,
-            sliding_window=_sliding_window(self), **kwargs)
+            self, q, k, v, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, sliding_window=_sliding_window(self), **kwargs)
         return out.reshape(*input_shape, -1), weights
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
