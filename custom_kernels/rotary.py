@@ -39,6 +39,7 @@ import torch
 
 from custom_kernels import jit
 from custom_kernels.core import fallback
+from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.launch import launch
 
@@ -246,27 +247,11 @@ def _rotary(q, k, cos, sin):
     Eagerly, the same kernel without torch's Python custom-op dispatch (about 15 us a call,
     more than the launch): directly when no gradient is needed, else through an
     autograd.Function whose backward launches the backward kernel."""
-    if torch.compiler.is_compiling() or not _plain_eager(q, k, cos, sin):
+    if torch.compiler.is_compiling() or not plain_eager(q, k, cos, sin):
         return torch.ops.custom_kernels.rotary_fwd(q, k, cos, sin)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return _EagerRotary.apply(q, k, cos, sin)
     return _fwd_impl(q, k, cos, sin)
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-try:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-except ImportError:  # a torch without it: every call takes the custom op
-    _get_current_dispatch_mode = None
-
-
-def _plain_eager(*tensors) -> bool:
-    """Whether the direct path is exact: plain tensors (not fake, functional or other subclass
-    tensors) and no torch dispatch mode active. Anything else goes through the custom op,
-    which the dispatcher handles. (The norms' rule, custom_kernels/norms/ops.py.)"""
-    if _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None:
-        return False
-    return all(type(t) in _PLAIN for t in tensors)
 
 
 class _EagerRotary(torch.autograd.Function):

@@ -40,6 +40,7 @@ import torch
 
 from custom_kernels import jit
 from custom_kernels.core import fallback
+from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.launch import launch
 
@@ -205,27 +206,11 @@ def _swiglu(gate_up):
     Eagerly, the same kernel without torch's Python custom-op dispatch (about 15 us a call,
     more than the launch): directly when no gradient is needed, else through an
     autograd.Function whose backward launches the backward kernel."""
-    if torch.compiler.is_compiling() or not _plain_eager(gate_up):
+    if torch.compiler.is_compiling() or not plain_eager(gate_up):
         return torch.ops.custom_kernels.swiglu_fwd(gate_up)
     if torch.is_grad_enabled() and gate_up.requires_grad:
         return _EagerSwiGLU.apply(gate_up)
     return _fwd_impl(gate_up)
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-try:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-except ImportError:  # a torch without it: every call takes the custom op
-    _get_current_dispatch_mode = None
-
-
-def _plain_eager(*tensors) -> bool:
-    """Whether the direct path is exact: plain tensors (not fake, functional or other subclass
-    tensors) and no torch dispatch mode active. Anything else goes through the custom op,
-    which the dispatcher handles. (The norms' rule, custom_kernels/norms/ops.py.)"""
-    if _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None:
-        return False
-    return all(type(t) in _PLAIN for t in tensors)
 
 
 class _EagerSwiGLU(torch.autograd.Function):

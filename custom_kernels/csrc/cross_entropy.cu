@@ -34,8 +34,7 @@
 // stride and element-aligned pointer is vectorised: V = 50257 too); VEC 0: every element one by
 // one. BLOCK: threads per block; SOFTCAP 0/1. Scalar parameters are 64-bit (long long, double), as
 // cuda.core packs Python numbers.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "norm_common.cuh"
 
 #ifndef DTYPE
 #define DTYPE 2
@@ -52,13 +51,7 @@
 
 namespace xent {
 
-#if DTYPE == 0
-using T = float;
-#elif DTYPE == 1
-using T = __half;
-#else
-using T = __nv_bfloat16;
-#endif
+using T = typename ck::DType<DTYPE>::type;
 
 constexpr int kWarps = BLOCK / 32;
 constexpr int VPT = VEC ? 16 / static_cast<int>(sizeof(T)) : 1;  // elements per pack
@@ -73,15 +66,8 @@ struct alignas(VPT * sizeof(T)) Pack {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <class U> __device__ __forceinline__ U from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using ck::from_float;
+using ck::to_float;
 
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -174,7 +160,7 @@ template <int N>
 __device__ __forceinline__ void accumulate(const T* v, const Params& p, Stats& st) {
   float x[N];
 #pragma unroll
-  for (int e = 0; e < N; ++e) x[e] = capped(to_f(v[e]), p);
+  for (int e = 0; e < N; ++e) x[e] = capped(to_float(v[e]), p);
   float pm = x[0];
 #pragma unroll
   for (int e = 1; e < N; ++e) pm = fmaxf(pm, x[e]);
@@ -251,7 +237,7 @@ template <int N>
 __device__ __forceinline__ void gradient(T* v, int col, const Params& p, const Grad& g) {
 #pragma unroll
   for (int e = 0; e < N; ++e) {
-    const float raw = to_f(v[e]);
+    const float raw = to_float(v[e]);
 #if SOFTCAP
     const float t = tanh_(raw * p.inv_cap);
     const float x = p.cap * t;
@@ -263,7 +249,7 @@ __device__ __forceinline__ void gradient(T* v, int col, const Params& p, const G
 #if SOFTCAP
     d *= 1.0f - t * t;
 #endif
-    v[e] = from_f<T>(d * g.scale);
+    v[e] = from_float<T>(d * g.scale);
   }
 }
 
@@ -314,7 +300,7 @@ __device__ void pass2(T* row, const Layout& L, const Params& p, const Grad& g) {
 __device__ void zero_row(T* row, const Layout& L) {
   Pack z;
 #pragma unroll
-  for (int e = 0; e < VPT; ++e) z.v[e] = from_f<T>(0.0f);
+  for (int e = 0; e < VPT; ++e) z.v[e] = from_float<T>(0.0f);
   for (int k = threadIdx.x; k < L.packs; k += BLOCK) store(row + L.head + k * VPT, z);
   if (static_cast<int>(threadIdx.x) < L.extras) __stcs(row + L.extra_col(threadIdx.x), z.v[0]);
 }
@@ -349,7 +335,7 @@ cross_entropy_chunk(T* logits, const long long* labels, const float* row_scale, 
       continue;
     }
     // Read before the barriers, hence before pass 2 overwrites it.
-    const float x_label = threadIdx.x == 0 ? capped(to_f(__ldg(row + label)), p) : 0.0f;
+    const float x_label = threadIdx.x == 0 ? capped(to_float(__ldg(row + label)), p) : 0.0f;
     Stats st{neg_inf(), neg_inf(), 0.0f, 0.0f};
     pass1(row, L, p, st);
     float lse, sum_x;

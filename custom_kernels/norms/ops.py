@@ -41,6 +41,7 @@ from custom_kernels.norms.tuned import tuned_config_name
 from custom_kernels.launch import (allow_large_clusters, launch, max_active_blocks_per_sm,
                                    max_active_clusters, set_max_dynamic_shared, sm_count)
 from custom_kernels.core import fallback
+from custom_kernels.core.eager import PLAIN, plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
 
 _log = logging.getLogger(__name__)
@@ -467,7 +468,7 @@ def _norm(kind, x, weight, bias, residual, eps, out_dtype, config):
     impls. Eagerly, the same kernels without torch's Python custom-op dispatch (it costs about
     15 us a call, more than the launch): directly when no gradient is needed, else through an
     autograd.Function whose backward is the custom ops' backward."""
-    if torch.compiler.is_compiling() or not _plain_eager(x, weight, bias, residual):
+    if torch.compiler.is_compiling() or not plain_eager(x, weight, bias, residual):
         if kind == "rms":
             y, res_out, _ = torch.ops.custom_kernels.rms_norm_fwd(
                 x, weight, residual, eps, out_dtype, config)
@@ -481,22 +482,6 @@ def _norm(kind, x, weight, bias, residual, eps, out_dtype, config):
     y, res_out, _, _ = _fwd_impl(kind, x, weight, bias, residual, eps, out_dtype, config,
                                  stats=False)
     return (y, res_out) if residual is not None else y
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-try:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-except ImportError:  # a torch without it: every call takes the custom ops
-    _get_current_dispatch_mode = None
-
-
-def _plain_eager(*tensors) -> bool:
-    """Whether the direct path is exact: plain tensors (not fake, functional or other subclass
-    tensors) and no torch dispatch mode active (fake tensor mode, profiling modes). Anything
-    else goes through the custom ops, which the dispatcher handles."""
-    if _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None:
-        return False
-    return all(t is None or type(t) in _PLAIN for t in tensors)
 
 
 class _EagerNorm(torch.autograd.Function):
@@ -561,7 +546,7 @@ def _usual_call(kind, x, weight, bias, residual, out_dtype) -> bool:
     accepts and refuses nothing: anything else goes through the memo."""
     if residual is not None or (out_dtype is not None and out_dtype != x.dtype):
         return False
-    if type(x) not in _PLAIN or type(weight) not in _PLAIN or not x.is_cuda:
+    if type(x) not in PLAIN or type(weight) not in PLAIN or not x.is_cuda:
         return False
     dtype, shape = x.dtype, x.shape
     if not shape or dtype not in _DTYPES or weight.dtype != dtype or x.stride(-1) != 1:
@@ -572,7 +557,7 @@ def _usual_call(kind, x, weight, bias, residual, out_dtype) -> bool:
     if weight.device != x.device:
         return False
     if kind == "ln":
-        return (type(bias) in _PLAIN and bias.dtype == dtype and bias.shape == (hidden,)
+        return (type(bias) in PLAIN and bias.dtype == dtype and bias.shape == (hidden,)
                 and bias.stride(0) == 1 and bias.device == x.device)
     return True
 
