@@ -17,7 +17,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from cutlass_ops import decoder_blocks, lm_loss, norm_probe, ops
+from cutlass_ops import causal_mask, decoder_blocks, lm_loss, norm_probe, ops
 from cutlass_ops.gemms.config import Activation
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
@@ -124,8 +124,9 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
     not returned; ``cutlass_ops.lm_loss``), after a probe of its loss. With ``fuse_blocks``, a
     decoder layer built like Llama's (Mistral, Qwen2, Qwen3...) runs as a fused block (merged
     QKV and gate+up GEMMs, rotary and SwiGLU kernels, residual adds in GEMM epilogues;
-    ``cutlass_ops.decoder_blocks``), after a probe of the layer. Returns what was done and why,
-    per layer."""
+    ``cutlass_ops.decoder_blocks``), after a probe of the layer; a model on SDPA attention then
+    also skips the materialized causal mask of unpadded batches under torch.compile
+    (``cutlass_ops.causal_mask``). Returns what was done and why, per layer."""
     decisions = []
     for name, module in list(model.named_modules()):
         if norms and type(module) in (nn.RMSNorm, nn.LayerNorm):
@@ -164,6 +165,13 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
         decisions.append(Decision(name, kind, True, reason))
     if fuse_blocks:
         decisions += _fuse_decoder_layers(model, include, exclude)
+        if any(d.converted and decoder_blocks.is_fused(model.get_submodule(d.name))
+               for d in decisions) and causal_mask.structure_refusal(model) is None:
+            causal_mask.route(model)
+            decisions.append(Decision("attention mask", type(model).__name__, True,
+                                      "SDPA: an unpadded batch's causal mask is left to "
+                                      "is_causal under torch.compile too "
+                                      "(cutlass_ops.causal_mask)"))
     if fused_loss and lm_loss.structure_refusal(model) is None:
         why = lm_loss.route(model)
         decisions.append(Decision("lm_head+loss", type(model).__name__, why is None,
