@@ -8,7 +8,8 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
 - ``prefill``: the inference forward on the same tokens, under no_grad;
 - ``decode batch 1`` / ``decode batch 16``: ``generate()`` of ``--new-tokens`` greedy tokens after a
   128-token prompt, with its KV cache (eager and ours; compiled decoding is not timed here); each
-  repetition is a whole generate() of many steps, so a third of ``--reps`` of them;
+  repetition is a whole generate() of many steps, so half of ``--reps`` of them, eager's and
+  ours interleaved (the host's speed drifts);
 - ``train ours vs ours without fused loss``: the converted model against itself converted with
   ``fused_loss=False`` (the head and loss as Hugging Face computes them);
 - ``peak memory train ours vs eager`` (and vs compile, vs ours without fused loss): unit 1/GB, so
@@ -107,19 +108,29 @@ def measure_prefill(variants, ids, reps):
 
 
 def measure_decode(variants, batch, new_tokens, reps):
+    """generate() of each variant, interleaved repetition by repetition (tuning.timing's
+    do_bench_interleaved): decoding is host-bound, and the host's speed drifts over a run by more
+    than the differences measured, so sequential timing would credit whoever ran on a quiet
+    stretch."""
+    from tuning.timing import do_bench_interleaved
+
     prompt = torch.randint(0, 128256, (batch, PROMPT), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(batch))
     out = {}
     with torch.no_grad():
+        generators = {}
         for name, model in variants.items():
             model.eval()
 
-            def generate():
+            def generate(model=model):
                 return model.generate(prompt, attention_mask=torch.ones_like(prompt),
                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                       do_sample=False, pad_token_id=0)
-            tokens = generate()
-            out[name] = {"ms": median_ms(generate, reps, warmup=1), "tokens": tokens}
+            generators[name] = generate
+            out[name] = {"tokens": generate()}
+        times = do_bench_interleaved(generators, warmup=1, reps=reps, flush_l2=False)
+    for name in variants:
+        out[name]["ms"] = times[name].median_ms
     return out
 
 
@@ -236,7 +247,7 @@ def main() -> None:
     save()
     decode_variants = {k: v for k, v in variants.items() if k in ("eager", "ours")}
     for batch in (1, 16):
-        decode = measure_decode(decode_variants, batch, args.new_tokens, max(3, args.reps // 3))
+        decode = measure_decode(decode_variants, batch, args.new_tokens, max(5, args.reps // 2))
         # Random weights leave near-ties among the logits, so greedy paths may part after a
         # rounding difference: the check is the prefill logits'; the agreement is reported.
         same = (decode["ours"]["tokens"] == decode["eager"]["tokens"]).float().mean().item()
