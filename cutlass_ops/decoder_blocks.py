@@ -67,7 +67,8 @@ class FusedAttention:
 
         projections = (self.q_proj, self.k_proj, self.v_proj)
         qkv = fused_linear.merged_linear(hidden_states, [p.weight for p in projections],
-                                         fused_linear.merged_bias(projections))
+                                         fused_linear.merged_bias(projections),
+                                         _merged_view(self))
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q, k, v = (t.view(hidden_shape) for t in
@@ -108,7 +109,8 @@ class FusedMLP:
 
         pair = (self.gate_proj, self.up_proj)
         return swiglu(fused_linear.merged_linear(x, [p.weight for p in pair],
-                                                 fused_linear.merged_bias(pair)))
+                                                 fused_linear.merged_bias(pair),
+                                                 _merged_view(self)))
 
     def forward(self, x):
         return self.down_proj(self.activated(x))
@@ -136,6 +138,14 @@ class FusedDecoderLayer:
         x = self.post_attention_layernorm(h)
         down = mlp.down_proj
         return fused_linear.linear_residual(mlp.activated(x), down.weight, down.bias, h)
+
+
+def _merged_view(module) -> fused_linear.MergedView:
+    """The module's kept view of its packed weights (``fuse`` makes it)."""
+    view = module.__dict__.get("_cutlass_ops_merged_view")
+    if view is None:
+        view = module.__dict__["_cutlass_ops_merged_view"] = fused_linear.MergedView()
+    return view
 
 
 def _sliding_window(attention):
@@ -245,6 +255,8 @@ def fuse(layer: nn.Module, *, require_gpu: bool = True) -> str | None:
     originals = (layer.__class__, attention.__class__, mlp.__class__)
     fused_linear.pack([attention.q_proj, attention.k_proj, attention.v_proj])
     fused_linear.pack([mlp.gate_proj, mlp.up_proj])
+    for module in (attention, mlp):  # made here, not on first use inside a traced forward
+        _merged_view(module)
     layer.__class__ = _fused_class(FusedDecoderLayer, originals[0])
     attention.__class__ = _fused_class(FusedAttention, originals[1])
     mlp.__class__ = _fused_class(FusedMLP, originals[2])

@@ -77,6 +77,24 @@ def pack(layers: Sequence[torch.nn.Linear]) -> None:
                 start += p.shape[0]
 
 
+class MergedView:
+    """``merged_view`` of the same tensors, kept between calls while their addresses stay
+    (a module holds one per group: finding the view costs tens of microseconds of storage
+    queries, a decode step's host budget). The kept view holds its storage, so an address seen
+    again is the same storage; tensors moved or replaced have new addresses and are looked at
+    afresh."""
+
+    def __init__(self):
+        self._key: tuple = ()
+        self._view: Optional[Tensor] = None
+
+    def __call__(self, tensors: Sequence[Tensor]) -> Optional[Tensor]:
+        key = tuple((t.data_ptr(), t.shape, t.dtype) for t in tensors)
+        if key != self._key:
+            self._view, self._key = merged_view(tensors), key
+        return self._view
+
+
 def is_packed(layers: Sequence[torch.nn.Linear]) -> bool:
     return merged_view([layer.weight for layer in layers]) is not None
 
@@ -202,21 +220,25 @@ linear_residual_op.register_autograd(_residual_backward, setup_context=_residual
 # ---------------------------------------------------------------------------------------------
 
 class _EagerMerged(torch.autograd.Function):
+    """``merged``: the weights concatenated (a view when packed; detached, no gradient)."""
+
     @staticmethod
-    def forward(ctx, x, bias, *weights):
-        ctx.save_for_backward(x, *weights)
+    def forward(ctx, x, bias, merged, *weights):
+        ctx.save_for_backward(x, merged)
+        ctx.rows = [w.shape[0] for w in weights]
         ctx.has_bias = bias is not None
-        return _forward(x, concatenated(weights), bias)
+        return _forward(x, merged, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        x, *weights = ctx.saved_tensors
+        x, merged = ctx.saved_tensors
         need_x, need_b, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
-            any(ctx.needs_input_grad[2:])
+            any(ctx.needs_input_grad[3:])
         with torch.no_grad():
-            grad_x, grad_w = _backward(grad, x, concatenated(weights), need_x, need_w)
+            grad_x, grad_w = _backward(grad, x, merged, need_x, need_w)
             grad_b = _rows(grad).sum(0) if ctx.has_bias and need_b else None
-        return (grad_x, grad_b, *_split(grad_w, weights))
+        grads = list(grad_w.split(ctx.rows)) if grad_w is not None else [None] * len(ctx.rows)
+        return (grad_x, grad_b, None, *grads)
 
 
 class _EagerResidual(torch.autograd.Function):
@@ -257,16 +279,20 @@ def merged_bias(layers: Sequence[torch.nn.Linear]) -> Optional[Tensor]:
                       for b, layer in zip(biases, layers)])
 
 
-def merged_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = None) -> Tensor:
+def merged_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = None,
+                  view: Optional[MergedView] = None) -> Tensor:
     """``x @ cat(weights).T + bias`` as one GEMM, with autograd to ``x``, each weight and the
     bias (of the merged width). Split the result with ``.split([w.shape[0] for w in weights],
-    -1)``."""
+    -1)``. ``view``: the caller's ``MergedView`` of these weights (eager calls reuse it)."""
     weights = list(weights)
     if torch.compiler.is_compiling():
         return merged_linear_op(x, weights, bias)
+    merged = view(weights) if view is not None else merged_view(weights)
+    if merged is None:
+        merged = torch.cat([w.detach() for w in weights])
     if _needs_grad(x, bias, *weights):
-        return _EagerMerged.apply(x, bias, *weights)
-    return _forward(x, concatenated(weights), bias)
+        return _EagerMerged.apply(x, bias, merged, *weights)
+    return _forward(x, merged, bias)
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor
@@ -280,4 +306,4 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
 
 
 __all__ = ["merged_linear", "linear_residual", "pack", "is_packed", "merged_view",
-           "merged_bias"]
+           "merged_bias", "MergedView"]
