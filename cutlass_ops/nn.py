@@ -214,12 +214,13 @@ def _convert_probed_norm(model, name, module, include, exclude) -> Decision:
                         "CUDA device first")
     if not name:
         return Decision(name, kind, False, "the model itself is a norm: wrap it")
-    why = norm_probe.probe(module)
+    offset, why = norm_probe.match(module)
     if why is not None:
         return Decision(name, kind, False, why)
     parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, norm_probe.drop_in(module))
-    return Decision(name, kind, True, "RMSNorm by structure and by a numeric probe: fused norm "
+    setattr(model.get_submodule(parent_name), child, norm_probe.drop_in(module, offset))
+    what = "Gemma's RMSNorm (1 + weight)" if offset else "RMSNorm"
+    return Decision(name, kind, True, f"{what} by structure and by a numeric probe: fused norm "
                     "kernel (torch where the input does not fit)")
 
 

@@ -6,8 +6,9 @@ The structure: one parameter, a 1-D ``weight``; no buffers or submodules; an eps
 (``variance_epsilon``, as Hugging Face names it, or ``eps``). The probe runs a copy of the module
 and ours, with the same random weight (never ones, which would hide a module that ignores it), on
 the same random input, and accepts when they agree within the norms' tolerance for the dtype
-(``custom_kernels.core.tolerances``). A module that computes something else stays, and the report
-says what: another formula, or Gemma's ``x * rstd * (1 + weight)``.
+(``custom_kernels.core.tolerances``). Gemma's ``x * rstd * (1 + weight)`` (its RMSNorm, weights
+stored as offsets from one) is recognised the same way and gets ``OffsetRMSNorm``. A module that
+computes something else stays, and the report says what.
 
 Numerics: Hugging Face computes the statistics in float32 (as our kernels do), rounds the
 normalized row to the input dtype, then multiplies by the weight; our kernels multiply in float32
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from custom_kernels.core.tolerances import relative_error, relative_tolerance
-from custom_kernels.norms.modules import RMSNorm
+from custom_kernels.norms.modules import OffsetRMSNorm, RMSNorm
 
 EPSILON_NAMES = ("variance_epsilon", "eps")
 PROBE_ROWS = 8
@@ -55,19 +56,31 @@ def looks_like_rms_norm(module: nn.Module) -> bool:
         structure_refusal(module) is None
 
 
-def drop_in(module: nn.Module) -> RMSNorm:
-    """Our RMSNorm sharing ``module``'s weight (same state_dict key and value; optimizer state
-    stays valid)."""
+def drop_in(module: nn.Module, offset: bool = False) -> RMSNorm:
+    """Our RMSNorm (``OffsetRMSNorm`` with ``offset``: Gemma's) sharing ``module``'s weight
+    (same state_dict key and value; optimizer state stays valid)."""
     weight = module.weight
-    ours = RMSNorm(weight.shape[0], eps=epsilon(module), device="meta")
+    ours = (OffsetRMSNorm if offset else RMSNorm)(weight.shape[0], eps=epsilon(module),
+                                                  device="meta")
     ours.weight = weight
     ours.train(module.training)
     return ours
 
 
 def probe(module: nn.Module) -> str | None:
-    """None when our RMSNorm computes what ``module`` computes, else what differs. Runs a copy
-    of the module, so the model's weight is never touched."""
+    """None when our RMSNorm computes what ``module`` computes, else what differs (see
+    ``match``, which also accepts Gemma's variant)."""
+    offset, why = match(module)
+    if why is None and offset:
+        return ("it computes x * rstd * (1 + weight) (Gemma's RMSNorm): OffsetRMSNorm's, not "
+                "RMSNorm's")
+    return why
+
+
+def match(module: nn.Module) -> tuple[bool, str | None]:
+    """(offset, None) when ``RMSNorm`` (offset False) or ``OffsetRMSNorm`` (offset True)
+    computes what ``module`` computes, else (False, what differs). Runs a copy of the module, so
+    the model's weight is never touched."""
     theirs = copy.deepcopy(module)
     weight = theirs.weight
     generator = torch.Generator(device=weight.device).manual_seed(0)
@@ -78,20 +91,15 @@ def probe(module: nn.Module) -> str | None:
                                      device=weight.device)).to(weight.dtype)
         expected = theirs(x)
         if not isinstance(expected, torch.Tensor) or expected.shape != x.shape:
-            return "its forward does not return one tensor of the input's shape"
-        ours = drop_in(theirs)(x)
+            return False, "its forward does not return one tensor of the input's shape"
         tolerance = relative_tolerance(weight.dtype, "norms")
-        error = relative_error(ours, expected)
-        if expected.dtype == ours.dtype and error <= tolerance:
-            return None
-        gemma = _rms(x, epsilon(theirs)) * (1.0 + weight.float())
-        if relative_error(gemma.to(expected.dtype), expected) <= tolerance:
-            return ("it computes x * rstd * (1 + weight) (Gemma's RMSNorm), which our module "
-                    "does not: left to torch")
-    return (f"its output differs from an RMSNorm's by {error:.3g} (relative; the tolerance is "
-            f"{tolerance:g}) or in dtype ({expected.dtype} against {ours.dtype}): left to torch")
-
-
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        errors = {}
+        for offset in (False, True):
+            ours = drop_in(theirs, offset)(x)
+            errors[offset] = relative_error(ours, expected)
+            if expected.dtype == ours.dtype and errors[offset] <= tolerance:
+                return offset, None
+    return False, (f"its output differs from an RMSNorm's by {errors[False]:.3g} and from "
+                   f"Gemma's (1 + weight) by {errors[True]:.3g} (relative; the tolerance is "
+                   f"{tolerance:g}) or in dtype ({expected.dtype} against {ours.dtype}): left "
+                   "to torch")

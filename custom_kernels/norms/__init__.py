@@ -8,7 +8,7 @@ winners. Public names load on first use, so that importing ``config`` loads no t
 _PUBLIC = {
     "rms_norm": "ops", "layer_norm": "ops", "rms_norm_reference": "ops",
     "layer_norm_reference": "ops", "why_unsupported": "ops", "precompile": "ops",
-    "RMSNorm": "modules", "LayerNorm": "modules",
+    "RMSNorm": "modules", "OffsetRMSNorm": "modules", "LayerNorm": "modules",
 }
 
 

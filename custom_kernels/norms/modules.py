@@ -52,6 +52,25 @@ class RMSNorm(torch.nn.RMSNorm):
         return _fallback(super().forward, x, residual, self.out_dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x * rstd * (1 + weight)``, the statistics and the product in float32
+    and one rounding (what Gemma computes), on the same kernel: the effective weight
+    ``1 + weight`` is formed in float32 on each call (one small launch) and the kernel takes a
+    float32 weight. The parameter is Gemma's ``weight`` (initialised to zeros), so its
+    ``state_dict`` is Gemma's."""
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        weight = self.weight.float() + 1.0
+        why = _refusal(self, "rms", x, weight, None, residual)
+        if why is None:
+            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+            return norms._norm("rms", x, weight, None, residual, float(eps),
+                               self.out_dtype or x.dtype, None)
+        log_once("cutlass_ops.nn.OffsetRMSNorm uses torch", why)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return norms.rms_norm_reference(x, weight, eps, residual, self.out_dtype or x.dtype)
+
+
 class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` with the fused kernel. ``out_dtype``: dtype of ``y``."""
 

@@ -70,7 +70,6 @@ def test_probe_accepts_hugging_face_numerics(dtype):
 
 
 @pytest.mark.parametrize("cls, words", [(MeanSubtracting, "differs from an RMSNorm"),
-                                        (GemmaStyle, "Gemma"),
                                         (IgnoresWeight, "differs from an RMSNorm")])
 def test_probe_refuses_look_alikes_and_says_what_differs(cls, words):
     why = norm_probe.probe(cls(4096))
@@ -110,8 +109,29 @@ def test_hugging_face_norm_classes_are_recognised_and_agree(family):
     assert norm_probe.probe(module) is None
 
 
-def test_gemma_norm_class_is_recognised_and_refused():
+def test_gemma_style_is_matched_as_the_offset_variant():
+    offset, why = norm_probe.match(GemmaStyle(4096))
+    assert offset and why is None
+    assert "OffsetRMSNorm" in norm_probe.probe(GemmaStyle(4096))  # not the plain RMSNorm
+    assert norm_probe.match(HfStyleRMSNorm(256)) == (False, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemma_norm_class_gets_offset_rms_norm_with_its_numerics_and_gradients(dtype):
     modeling = pytest.importorskip("transformers.models.gemma.modeling_gemma")
-    module = modeling.GemmaRMSNorm(256, eps=1e-6).to(torch.bfloat16)
+    module = modeling.GemmaRMSNorm(256, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        module.weight.normal_(0, 0.5)
     assert norm_probe.looks_like_rms_norm(module)
-    assert "Gemma" in norm_probe.probe(module)
+    offset, why = norm_probe.match(module)
+    assert offset and why is None
+    ours = norm_probe.drop_in(module, offset)
+    assert ours.weight is module.weight and list(ours.state_dict()) == ["weight"]
+    x = torch.randn(8, 256, dtype=dtype, requires_grad=True)
+    y_ours, y_theirs = ours(x), module(x)
+    torch.testing.assert_close(y_ours, y_theirs)
+    grad = torch.randn_like(y_ours)
+    mine = torch.autograd.grad(y_ours, (x, module.weight), grad)
+    theirs = torch.autograd.grad(y_theirs, (x, module.weight), grad)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -82,3 +82,25 @@ def test_a_look_alike_with_other_numerics_stays():
     report = cutlass_ops.convert(model)
     assert "differs from an RMSNorm" in report.skipped["0"]
     assert type(model[0]) is MeanSubtracting
+
+
+def test_gemma_norms_convert_to_the_offset_variant_and_keep_the_numbers():
+    config = transformers.GemmaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():  # Gemma's norm weights start at zero (an offset from one)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    ours = copy.deepcopy(model)
+    report = cutlass_ops.convert(ours)
+    norms = [d for d in report.decisions if d.kind == "GemmaRMSNorm"]
+    assert norms and all(d.converted and "Gemma" in d.reason for d in norms), str(report)
+    layers = [d for d in report.decisions if d.kind == "GemmaDecoderLayer"]
+    assert layers and all(not d.converted and "not SiLU" in d.reason for d in layers)
+    assert type(ours.model.norm).__name__ == "OffsetRMSNorm"
+    ids = torch.randint(0, 1024, (2, 32), device="cuda")
+    with torch.no_grad():
+        assert relative_error(ours(ids).logits, model(ids).logits) < 2e-2
