@@ -4,7 +4,6 @@ that name a kernel raise UnsupportedInputError naming the device, and tensors on
 devices raise everywhere."""
 
 import copy
-import logging
 import math
 
 import pytest
@@ -15,18 +14,8 @@ from torch import nn
 import cutlass_ops
 import cutlass_ops.gemms.dispatch
 import custom_kernels
-from custom_kernels.core import fallback
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.norms import ops as norms
-
-
-@pytest.fixture
-def warnings(caplog):
-    """The warnings on the "cutlass_ops" logger, each reason logged afresh for this test."""
-    fallback.logged.clear()
-    cutlass_ops.gemms.dispatch.reset()  # routes memoized by other tests log nothing
-    with caplog.at_level(logging.WARNING, logger="cutlass_ops"):
-        yield lambda: [r.getMessage() for r in caplog.records if r.name == "cutlass_ops"]
 
 
 def bf16(*shape):

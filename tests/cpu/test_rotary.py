@@ -3,14 +3,12 @@ fallback against Hugging Face's apply_rotary_pos_emb (values, layouts, gradients
 zero-size and meta inputs, the fake impls' shapes (FakeTensorMode with CUDA tensors), and the
 vector width the launcher picks."""
 
-import logging
 
 import pytest
 import torch
 from torch._subclasses import FakeTensorMode
 
 from custom_kernels import rotary
-from custom_kernels.core import fallback
 from custom_kernels.core.errors import UnsupportedInputError
 
 hf = pytest.importorskip("transformers.models.llama.modeling_llama")
@@ -30,13 +28,6 @@ def cos_sin(batch, seq, d, dtype=torch.float32, device="cpu"):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     emb = (pos[..., None] * inv_freq).repeat(1, 1, 2)
     return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
-
-
-@pytest.fixture
-def warnings(caplog):
-    fallback.logged.clear()
-    with caplog.at_level(logging.WARNING, logger="cutlass_ops"):
-        yield lambda: [r.getMessage() for r in caplog.records if r.name == "cutlass_ops"]
 
 
 # --- input rules -------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ once, traced by torch.compile), zero-size and meta inputs, the fake impls' shape
 eager path, the custom op's autograd, torch.compile(fullgraph=True), opcheck, layouts reaching
 the launcher), the backward formula of the .cu file, and the launcher's grid and access width."""
 
-import logging
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ import torch.nn.functional as F
 from torch._subclasses import FakeTensorMode
 
 from custom_kernels import swiglu
-from custom_kernels.core import fallback
 from custom_kernels.core.errors import UnsupportedInputError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -23,13 +21,6 @@ def hf_swiglu(gate_up):
     """HF's LlamaMLP activation on the halves of a merged gate+up output."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-@pytest.fixture
-def warnings(caplog):
-    fallback.logged.clear()
-    with caplog.at_level(logging.WARNING, logger="cutlass_ops"):
-        yield lambda: [r.getMessage() for r in caplog.records if r.name == "cutlass_ops"]
 
 
 # --- input rules -------------------------------------------------------------------------------
