@@ -244,3 +244,20 @@ def torch_chunk_loss_and_grad(logits, labels, ignore_index, smoothing, softcap, 
             grad *= row_scale[:, None]
         logits.copy_(grad)
     return loss
+
+
+def chunk_reference(logits, labels, ignore_index=-100, smoothing=0.0, softcap=None,
+                    row_scale=None):
+    """The tests' ground truth, independent of the torch step: per-row losses of
+    ``F.cross_entropy`` on the float32 (soft-capped) logits, and the gradient of
+    ``sum(row_scale * loss)`` with respect to the raw logits, by autograd."""
+    import torch.nn.functional as F
+
+    raw = logits.detach().float().requires_grad_()
+    with torch.enable_grad():
+        x = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
+        loss = F.cross_entropy(x, labels, ignore_index=ignore_index, label_smoothing=smoothing,
+                               reduction="none")
+        weights = row_scale if row_scale is not None else torch.ones_like(loss)
+        (grad,) = torch.autograd.grad((loss * weights).sum(), [raw])
+    return loss.detach(), grad

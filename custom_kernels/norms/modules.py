@@ -42,13 +42,21 @@ class RMSNorm(torch.nn.RMSNorm):
         return new
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        weight = self.weight  # a module attribute lookup costs about as much as the check
+        weight = self._kernel_weight()
         why = _refusal(self, "rms", x, weight, None, residual)
         if why is None:
             eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
             return norms._norm("rms", x, weight, None, residual, float(eps),
                                self.out_dtype or x.dtype, None)
-        log_once("cutlass_ops.nn.RMSNorm uses torch.nn.RMSNorm", why)
+        log_once(self._fallback_message, why)
+        return self._torch_forward(x, residual, weight)
+
+    _fallback_message = "cutlass_ops.nn.RMSNorm uses torch.nn.RMSNorm"
+
+    def _kernel_weight(self):
+        return self.weight  # a module attribute lookup costs about as much as the check
+
+    def _torch_forward(self, x, residual, weight):
         return _fallback(super().forward, x, residual, self.out_dtype)
 
 
@@ -59,14 +67,12 @@ class OffsetRMSNorm(RMSNorm):
     float32 weight. The parameter is Gemma's ``weight`` (initialised to zeros), so its
     ``state_dict`` is Gemma's."""
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        weight = self.weight.float() + 1.0
-        why = _refusal(self, "rms", x, weight, None, residual)
-        if why is None:
-            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-            return norms._norm("rms", x, weight, None, residual, float(eps),
-                               self.out_dtype or x.dtype, None)
-        log_once("cutlass_ops.nn.OffsetRMSNorm uses torch", why)
+    _fallback_message = "cutlass_ops.nn.OffsetRMSNorm uses torch"
+
+    def _kernel_weight(self):
+        return self.weight.float() + 1.0
+
+    def _torch_forward(self, x, residual, weight):
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return norms.rms_norm_reference(x, weight, eps, residual, self.out_dtype or x.dtype)
 

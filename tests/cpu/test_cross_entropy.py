@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import cutlass_ops
 from custom_kernels.core.errors import UnsupportedInputError
+from custom_kernels.cross_entropy import chunk_reference
 
 
 def reference(hidden, weight, labels, bias=None, softcap=None, **kw):
@@ -190,17 +191,7 @@ def test_any_shape_and_chunking_matches_the_full_logits(rows, vocab, chunk, redu
 # ---- the fused chunk step (custom_kernels.cross_entropy) on the CPU: its custom op runs the torch
 # step there; the GPU tests hold the kernel to the same reference ----------------------------------
 
-def chunk_reference(logits, labels, ignore_index=-100, smoothing=0.0, softcap=None,
-                    row_scale=None):
-    """Per-row losses of F.cross_entropy on the float32 logits, and the gradient of
-    sum(row_scale * loss) with respect to the raw logits, by autograd."""
-    raw = logits.detach().float().requires_grad_()
-    x = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
-    loss = F.cross_entropy(x, labels, ignore_index=ignore_index, label_smoothing=smoothing,
-                           reduction="none")
-    weights = row_scale if row_scale is not None else torch.ones_like(loss)
-    (grad,) = torch.autograd.grad((loss * weights).sum(), [raw])
-    return loss.detach(), grad
+
 
 
 def chunk_inputs(rows=19, vocab=300, dtype=torch.float32, seed=0):

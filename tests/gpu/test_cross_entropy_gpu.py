@@ -101,15 +101,7 @@ def chunk_case(rows, vocab, dtype, seed=0, scale=4.0):
     return logits, labels
 
 
-def chunk_reference(logits, labels, ignore_index=-100, smoothing=0.0, softcap=None,
-                    row_scale=None):
-    raw = logits.detach().float().requires_grad_()
-    x = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
-    loss = F.cross_entropy(x, labels, ignore_index=ignore_index, label_smoothing=smoothing,
-                           reduction="none")
-    weights = row_scale if row_scale is not None else torch.ones_like(loss)
-    (grad,) = torch.autograd.grad((loss * weights).sum(), [raw])
-    return loss.detach(), grad
+chunk_reference = ce.chunk_reference
 
 
 def tolerances(dtype, softcap):
