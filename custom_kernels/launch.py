@@ -73,12 +73,16 @@ def _cluster_grid(grid, cluster: int):
     return (x // cluster, *grid[1:])
 
 
-def _current_stream(index: int) -> int:
-    """torch's current stream as a raw handle; the private call avoids building a Stream."""
+def current_stream_handle(index: int) -> int:
+    """torch's current stream on device ``index`` as a raw handle; the private call avoids
+    building a Stream object (about 1.5 us)."""
     try:
         return torch._C._cuda_getCurrentRawStream(index)
     except AttributeError:
         return torch.cuda.current_stream(index).cuda_stream
+
+
+_current_stream = current_stream_handle
 
 
 class _Handle:

@@ -6,11 +6,14 @@ cat(-x2, x1)``) fused with the transpose that follows the projections: ``q`` ``[
 and ``k`` ``[B, S, Hk, D]`` are the views ``proj(x).view(B, S, -1, D)`` (any strides with a unit
 last stride: column slices of one merged QKV output are read in place), ``cos`` / ``sin``
 ``[B, S, D]`` or ``[1, S, D]`` (what HF's rotary module returns, ``q``'s dtype, unit last
-stride). It returns ``q_out`` ``[B, Hq, S, D]`` and ``k_out`` ``[B, Hk, S, D]``, contiguous: the
-layout scaled_dot_product_attention and HF's KV cache take (HF's own results keep the
-projection's [B, S, H, D] memory order). Both are one launch that reads q, k, cos and sin once
-and writes each output once; eager HF runs five elementwise kernels for each of q and k (neg,
-cat, two products, the sum), each reading and writing the whole tensor.
+stride). It returns ``q_out`` ``[B, Hq, S, D]`` and ``k_out`` ``[B, Hk, S, D]`` (the shapes
+scaled_dot_product_attention and HF's KV cache take) in the projections' memory order:
+``q_out.transpose(1, 2)`` is contiguous. scaled_dot_product_attention writes its output in its
+query's memory order (cuDNN and flash alike), so the attention output then needs no copy on its
+way back to ``[B, S, H * D]`` for o_proj, and its gradient arrives in the layout of the output
+(cuDNN's backward copies one that does not). Both are one launch that reads q, k, cos and sin
+once and writes each output once; eager HF runs five elementwise kernels for each of q and k
+(neg, cat, two products, the sum), each reading and writing the whole tensor.
 
 Values: fp32, fp16 or bf16, ``D`` even (any size; models use 64 to 256). In bf16 and fp16 the
 result is HF's bit for bit: the kernel rounds each product and the sum as eager torch does (see
@@ -139,10 +142,14 @@ def _unit_last(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.contiguous()
 
 
+def head_major(x: torch.Tensor) -> torch.Tensor:
+    """A new tensor for the rotary output of ``x`` [B, S, H, D]: shaped [B, H, S, D], laid out
+    as [B, S, H, D] (the module docstring says why)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).transpose(1, 2)
+
+
 def _fwd_impl(q, k, cos, sin):
-    batch, seq, heads_q, d = q.shape
-    q_out = torch.empty((batch, heads_q, seq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((batch, k.shape[2], seq, d), dtype=k.dtype, device=k.device)
+    q_out, k_out = head_major(q), head_major(k)
     # The outputs as [B, S, H, D] views, the layout the kernel walks; an empty pair is skipped.
     (a, ya), (b, yb) = (_live(x, y.transpose(1, 2)) for x, y in ((q, q_out), (k, k_out)))
     if a is not None or b is not None:
@@ -173,14 +180,13 @@ def _live(x, y):
 @torch.library.custom_op("custom_kernels::rotary_fwd", mutates_args=())
 def rotary_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (q_out [B, Hq, S, D], k_out [B, Hk, S, D]), contiguous."""
+    """Returns (q_out [B, Hq, S, D], k_out [B, Hk, S, D]), laid out as [B, S, H, D]."""
     return _fwd_impl(q, k, cos, sin)
 
 
 @rotary_fwd.register_fake
 def _(q, k, cos, sin):
-    batch, seq, heads_q, d = q.shape
-    return q.new_empty((batch, heads_q, seq, d)), k.new_empty((batch, k.shape[2], seq, d))
+    return head_major(q), head_major(k)
 
 
 @torch.library.custom_op("custom_kernels::rotary_bwd", mutates_args=())
@@ -229,7 +235,8 @@ torch.library.register_autograd("custom_kernels::rotary_fwd", _backward, setup_c
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_out, k_out)``, HF's ``apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2),
-    cos, sin)`` as contiguous [B, H, S, D] tensors; see the module docstring. Tensors off a CUDA
+    cos, sin)`` as [B, H, S, D] tensors laid out as [B, S, H, D]; see the module docstring.
+    Tensors off a CUDA
     device, and cos / sin that require a gradient, run ``rotary_reference`` (logged once)."""
     _check(q, k, cos, sin)
     if fallback.off_cuda({"q": q, "k": k, "cos": cos, "sin": sin}, "apply_rotary",
@@ -318,9 +325,10 @@ def _check_shapes(q, k, cos, sin) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def _torch_rotary(q, k, cos, sin):
-    """``apply_rotary`` in torch, for tensors off a CUDA device: the reference, contiguous."""
-    q_out, k_out = rotary_reference(q, k, cos, sin)
-    return q_out.contiguous(), k_out.contiguous()
+    """``apply_rotary`` in torch, for tensors off a CUDA device: the reference, in the kernel's
+    layout."""
+    return tuple(y.transpose(1, 2).contiguous().transpose(1, 2)
+                 for y in rotary_reference(q, k, cos, sin))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -9,12 +9,16 @@ A fused layer computes, per token row (``h`` the residual stream)::
     q, k = q_norm(q), k_norm(k)                     # Qwen3 only
     q, k = rotary(q, k, cos, sin)                   # one kernel (custom_kernels.rotary)
     a = attention(q, k, v)                          # the model's own attention function
-    h = a @ Wo^T + h                                # the residual add in the GEMM's epilogue
-    x = post_attention_layernorm(h)
+    x, h = post_attention_layernorm(a @ Wo^T, h)    # the residual add inside the norm's pass
     h = swiglu(x @ [Wgate; Wup]^T) @ Wdown^T + h    # one GEMM, one kernel, one GEMM + epilogue
 
 where Hugging Face's forward launches three projections, about ten elementwise kernels for the
-rotary embedding, two more for SiLU and the product, and two residual adds. The attention itself
+rotary embedding, two more for SiLU and the product, and two residual adds. The first residual
+add runs in the post-attention norm's kernel, which writes the new residual stream beside the
+normalized rows (when the layer's norm is ours, as ``convert`` makes it; else in o_proj's
+epilogue), the second in down_proj's epilogue. The rotary kernel leaves q in the projection's
+memory order, so the attention's output comes back in it and reaches o_proj without a copy.
+The attention itself
 (SDPA, flash or eager, the KV cache, sliding windows) is the model's: the fused attention calls
 the same ``ALL_ATTENTION_FUNCTIONS`` interface with the same arguments.
 
@@ -39,8 +43,9 @@ import sys
 import torch
 from torch import nn
 
-from cutlass_ops import fused_linear
+from cutlass_ops import fused_linear, step_graphs
 from custom_kernels.core.tolerances import relative_error
+from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
 LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -51,6 +56,7 @@ ATTENTION_ATTRIBUTES = ("head_dim", "layer_idx", "scaling", "config", "attention
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 PROBE_TOKENS = 16
 PROBE_TOLERANCE = 2e-2  # relative, on the layer's output: GEMMs of other shapes round otherwise
+RESIDUAL_NORMS = (RMSNorm, LayerNorm)  # ours: forward(x, residual) -> (norm(x + residual), sum)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,25 +65,29 @@ PROBE_TOLERANCE = 2e-2  # relative, on the layer's output: GEMMs of other shapes
 
 class FusedAttention:
     """The attention's forward with Q, K and V as one GEMM and the rotary embedding as one
-    kernel. ``attend`` stops before ``o_proj``, so the fused layer can add the residual in
-    o_proj's epilogue."""
+    kernel. ``project`` computes q, k and v, ``attend_projected`` the cache update and the
+    attention; both stop before ``o_proj``, so the fused layer can handle the residual."""
 
-    def attend(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):
+    def project(self, hidden_states, position_embeddings):
+        """(q, k, v) as [B, H, S, D] (q and k rotated) from the normalized hidden states."""
         from custom_kernels.rotary import apply_rotary
 
         projections = (self.q_proj, self.k_proj, self.v_proj)
         qkv = fused_linear.merged_linear(hidden_states, [p.weight for p in projections],
                                          fused_linear.merged_bias(projections),
                                          _merged_view(self))
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = (t.view(hidden_shape) for t in
                    qkv.split([p.out_features for p in projections], dim=-1))
         if getattr(self, "q_norm", None) is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, k, cos, sin)
-        v = v.transpose(1, 2)
+        return q, k, v.transpose(1, 2)
+
+    def attend_projected(self, q, k, v, input_shape, attention_mask, cache, **kwargs):
+        """The KV cache's update and the model's own attention function on (q, k, v); returns
+        ([*input_shape, heads * head_dim], the attention weights or None)."""
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         namespace = sys.modules[self._hf_class.__module__]
@@ -88,6 +98,11 @@ class FusedAttention:
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling, sliding_window=_sliding_window(self), **kwargs)
         return out.reshape(*input_shape, -1), weights
+
+    def attend(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):
+        q, k, v = self.project(hidden_states, position_embeddings)
+        return self.attend_projected(q, k, v, hidden_states.shape[:-1], attention_mask, cache,
+                                     **kwargs)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cache=None, **kwargs):
@@ -122,22 +137,120 @@ class FusedMLP:
 
 
 class FusedDecoderLayer:
-    """The pre-norm decoder layer with both residual adds in GEMM epilogues. Takes the cache as
-    ``cache`` (transformers >= 5.2x) or ``past_key_values`` (earlier 5.x)."""
+    """The pre-norm decoder layer with both residual adds fused. Takes the cache as ``cache``
+    (transformers >= 5.2x) or ``past_key_values`` (earlier 5.x). At decode steps the stretches
+    before and after the attention replay CUDA graphs (``cutlass_ops.step_graphs``)."""
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None,
                 past_key_values=None, use_cache=False, position_embeddings=None, cache=None,
                 **kwargs):
-        attention, mlp = self.self_attn, self.mlp
-        x = self.input_layernorm(hidden_states)
-        a, _ = attention.attend(x, position_embeddings, attention_mask,
-                                cache if cache is not None else past_key_values,
-                                position_ids=position_ids, use_cache=use_cache, **kwargs)
-        o = attention.o_proj
-        h = fused_linear.linear_residual(a, o.weight, o.bias, hidden_states)
-        x = self.post_attention_layernorm(h)
+        cache = cache if cache is not None else past_key_values
+        graphs = _step_graphs(self, hidden_states, position_embeddings, cache)
+        if graphs is not None:
+            q, k, v = graphs.before(hidden_states, position_embeddings)
+        else:
+            q, k, v = self.before_attention(hidden_states, position_embeddings)
+        a, _ = self.self_attn.attend_projected(q, k, v, hidden_states.shape[:-1],
+                                               attention_mask, cache, position_ids=position_ids,
+                                               use_cache=use_cache, **kwargs)
+        if graphs is not None:
+            return graphs.after(a)
+        return self.after_attention(a, hidden_states)
+
+    def before_attention(self, hidden_states, position_embeddings):
+        """(q, k, v) of the layer input: the input norm, the QKV GEMM, the rotary kernel."""
+        return self.self_attn.project(self.input_layernorm(hidden_states), position_embeddings)
+
+    def after_attention(self, a, hidden_states):
+        """The layer output from the attention output ``a`` and the layer input."""
+        mlp, o, norm = self.mlp, self.self_attn.o_proj, self.post_attention_layernorm
+        if isinstance(norm, RESIDUAL_NORMS):  # h = o_proj(a) + hidden_states, then x = norm(h)
+            x, h = norm(o(a), hidden_states)
+        else:
+            h = fused_linear.linear_residual(a, o.weight, o.bias, hidden_states)
+            x = norm(h)
         down = mlp.down_proj
         return fused_linear.linear_residual(mlp.activated(x), down.weight, down.bias, h)
+
+
+class _LayerGraphs:
+    """A fused layer's two captured stretches for one input signature: ``before`` reads the
+    layer input and the step's cos / sin, ``after`` the attention output and the layer input
+    (``before``'s buffer, which still holds it)."""
+
+    def __init__(self, layer, hidden_states, cos, sin):
+        self.hidden = hidden_states.clone()
+        self.rotary = (cos, sin)  # the step's shared buffers (step_graphs.shared)
+        self.attention = hidden_states.new_empty(
+            (*hidden_states.shape[:-1], layer.self_attn.o_proj.in_features))
+        self.before_segment = step_graphs.Segment(
+            lambda: layer.before_attention(self.hidden, self.rotary), [self.hidden])
+        self.after_segment = step_graphs.Segment(
+            lambda: layer.after_attention(self.attention, self.hidden), [self.attention])
+
+    def before(self, hidden_states, position_embeddings):
+        step_graphs.shared.get("rotary", position_embeddings)  # fills self.rotary's buffers
+        return self.before_segment(hidden_states)
+
+    def after(self, a):
+        # The output leaves the layer (the next layer's input, hidden states a caller may keep):
+        # a copy, since the next replay overwrites the graph's buffer.
+        return self.after_segment(a).clone()
+
+
+def _step_graphs(layer, hidden_states, position_embeddings, cache) -> _LayerGraphs | None:
+    """The layer's graphs for this call (captured on the second call of a signature), or None:
+    run eagerly. Only for caches of Hugging Face's own classes, which copy the k and v they are
+    given (the graph's buffers) into their own storage."""
+    if position_embeddings is None or (cache is not None and not _copying_cache(cache)):
+        return None
+    cos, sin = position_embeddings
+    if not step_graphs.eligible(hidden_states, cos, sin) or _hooked(layer):
+        return None
+    holder = layer.__dict__.get("_cutlass_ops_step_graphs")
+    if holder is None:
+        holder = layer.__dict__["_cutlass_ops_step_graphs"] = step_graphs.Holder()
+    key = step_graphs.signature(hidden_states, cos, sin)
+    graphs = holder.lookup(key, _weight_pointers(layer))
+    if graphs is None and holder.should_capture(key):
+        rotary = step_graphs.shared.get("rotary", position_embeddings)
+        graphs = holder.capture(key, lambda: _LayerGraphs(layer, hidden_states, *rotary))
+    return None if graphs is step_graphs.EAGER else graphs
+
+
+def _copying_cache(cache) -> bool:
+    return type(cache).__module__.startswith("transformers.")
+
+
+def _graphed_modules(layer):
+    attention = layer.self_attn
+    return (layer.input_layernorm, layer.post_attention_layernorm, attention.o_proj,
+            getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))
+
+
+def _hooked(layer) -> bool:
+    """Hooks on a module a graph calls would run at capture only: such a layer runs eagerly."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m is not None and (m._forward_hooks or m._forward_pre_hooks)
+               for m in _graphed_modules(layer))
+
+
+def _weight_pointers(layer) -> tuple:
+    """The addresses of every parameter the graphs read (a graph keeps addresses, not tensors:
+    parameters moved or replaced invalidate it). A walk of the modules' own dicts: a quarter of
+    ``parameters()``'s cost, paid on every call."""
+    def walk(module, out):
+        for p in module._parameters.values():
+            if p is not None:
+                out.append(p.data_ptr())
+        for child in module._modules.values():
+            if child is not None:
+                walk(child, out)
+        return out
+    return tuple(walk(layer, []))
 
 
 def _merged_view(module) -> fused_linear.MergedView:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from cutlass_ops.gemms import dispatch
+from custom_kernels.core.eager import fast_autograd
 
 # ---------------------------------------------------------------------------------------------
 # Packing
@@ -177,7 +178,6 @@ def _merged_backward(ctx, grad):
     return (grad_x if need_x else None, _split(grad_w if need_w else None, weights), grad_b)
 
 
-merged_linear_op.register_autograd(_merged_backward, setup_context=_merged_setup)
 
 
 @torch.library.custom_op("cutlass_ops::linear_residual", mutates_args=())
@@ -212,7 +212,6 @@ def _residual_backward(ctx, grad):
     return grad_x, grad_w, grad_b, grad if ctx.needs_input_grad[3] else None
 
 
-linear_residual_op.register_autograd(_residual_backward, setup_context=_residual_setup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,6 +303,13 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
         return _EagerResidual.apply(x, weight, bias, residual)
     return _forward(x, weight, bias, residual)
 
+
+# The ops' autograd, with a direct path for plain tensors (custom_kernels.core.eager): the
+# registered formulas serve tracing, the public functions every other call.
+fast_autograd("cutlass_ops::merged_linear", eager=merged_linear, backward=_merged_backward,
+              setup_context=_merged_setup)
+fast_autograd("cutlass_ops::linear_residual", eager=linear_residual,
+              backward=_residual_backward, setup_context=_residual_setup)
 
 __all__ = ["merged_linear", "linear_residual", "pack", "is_packed", "merged_view",
            "merged_bias", "MergedView"]

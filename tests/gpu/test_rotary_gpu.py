@@ -43,7 +43,9 @@ def hf_rotary(q, k, cos, sin):
 
 
 def assert_same_bits(got, want):
-    assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+    """``got``, a rotary output: HF's values bit for bit, laid out in the projection's order."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.transpose(1, 2).is_contiguous()
     bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
     same = got.view(bits) == want.contiguous().view(bits)
     assert same.all(), f"{int((~same).sum())} of {got.numel()} elements differ"
@@ -162,7 +164,7 @@ def test_cos_sin_that_require_grad_run_the_reference():
     q, k = merged_qkv(2, 9, 4, 2, 64, torch.float32)
     cos, sin = (t.requires_grad_() for t in hf_cos_sin(2, 9, 64, torch.float32, 2))
     q_out, k_out = rotary.apply_rotary(q, k, cos, sin)
-    assert q_out.is_contiguous()
+    assert q_out.transpose(1, 2).is_contiguous()
     (q_out.sum() + k_out.sum()).backward()
     assert cos.grad is not None and sin.grad is not None and cos.grad.abs().sum() > 0
 
@@ -246,3 +248,23 @@ def test_cuda_graph_replay():
         want_q, want_k = hf_rotary(q, k, cos, sin)
         assert_same_bits(q_out, want_q)
         assert_same_bits(k_out, want_k)
+
+
+@pytest.mark.parametrize("backend", ["CUDNN_ATTENTION", "FLASH_ATTENTION", None])
+def test_attention_output_comes_back_in_projection_order(backend):
+    """What the output layout is for: scaled_dot_product_attention writes its output in its
+    query's memory order, so that HF's ``out.transpose(1, 2).contiguous()`` before o_proj is
+    free, and the gradient arrives in the output's layout."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k = merged_qkv(2, 256, 32, 8, 128, torch.bfloat16)
+    cos, sin = hf_cos_sin(2, 256, 128, torch.bfloat16, 1)
+    q_out, k_out = rotary.apply_rotary(q, k, cos, sin)
+    v = torch.randn_like(k_out)
+    context = sdpa_kernel([getattr(SDPBackend, backend)]) if backend else nullcontext()
+    with context:
+        out = torch.nn.functional.scaled_dot_product_attention(q_out, k_out, v, is_causal=True,
+                                                                enable_gqa=True)
+    assert out.transpose(1, 2).is_contiguous()
