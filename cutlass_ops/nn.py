@@ -17,7 +17,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from cutlass_ops import causal_mask, decoder_blocks, lm_loss, norm_probe, ops
+from cutlass_ops import causal_mask, decoder_blocks, lm_loss, norm_probe, ops, step_graphs
 from cutlass_ops.gemms.config import Activation
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
@@ -127,6 +127,13 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
     ``cutlass_ops.decoder_blocks``), after a probe of the layer; a model on SDPA attention then
     also skips the materialized causal mask of unpadded batches under torch.compile
     (``cutlass_ops.causal_mask``). Returns what was done and why, per layer."""
+    with step_graphs.paused():  # the probes' calls leave no CUDA graphs behind
+        return _convert(model, include, exclude, fuse_activations, norms, fused_loss,
+                        fuse_blocks)
+
+
+def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_blocks
+             ) -> ConversionReport:
     decisions = []
     for name, module in list(model.named_modules()):
         if norms and type(module) in (nn.RMSNorm, nn.LayerNorm):

@@ -27,6 +27,7 @@ captured after it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 from typing import Callable, Optional, Sequence
 
@@ -41,8 +42,23 @@ MAX_ROWS = 256  # tokens in all; past this the GPU's work hides the launches
 MAX_GRAPHS = 8  # per holder (a layer): decode batch sizes seen in one process
 
 
+_paused = 0
+
+
 def enabled() -> bool:
-    return os.environ.get("CUTLASS_OPS_STEP_GRAPHS", "1") != "0"
+    return not _paused and os.environ.get("CUTLASS_OPS_STEP_GRAPHS", "1") != "0"
+
+
+@contextlib.contextmanager
+def paused():
+    """No graphs are captured or replayed inside (``convert``'s probes: calls of shapes a model
+    will not see again)."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1
 
 
 def eligible(hidden_states: Tensor, *others: Optional[Tensor]) -> bool:
@@ -107,8 +123,10 @@ class SharedInputs:
         if entry is None:
             entry = self._buffers[full] = [tuple(t.clone() for t in tensors), None]
         buffers, seen = entry
-        now = tuple((t, t._version) for t in tensors)
-        if seen is None or any(a is not b or va != vb for (a, va), (b, vb) in zip(now, seen)):
+        # Inference tensors keep no version counter: they are copied every time.
+        now = tuple((t, -1 if t.is_inference() else t._version) for t in tensors)
+        if seen is None or any(a is not b or va != vb or va < 0
+                               for (a, va), (b, vb) in zip(now, seen)):
             for buffer, t in zip(buffers, tensors):
                 buffer.copy_(t)
             entry[1] = now  # holds the tensors: an id seen here cannot be reused meanwhile

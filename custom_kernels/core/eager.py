@@ -74,20 +74,21 @@ _libraries: dict = {}
 
 def fast_autograd(qualname: str, *, eager, backward, setup_context) -> None:
     """Registers the autograd of the custom op ``qualname`` ("namespace::name", made with
-    ``torch.library.custom_op``) in place of ``register_autograd``, with a direct path: called
-    with plain tensors (``plain_eager``), the op's Autograd kernel runs ``eager(*args)``, the
-    family's own eager function (which handles gradients itself); otherwise (fake, functional or
-    subclass tensors, dispatch modes: torch.compile's and export's tracing) an
-    autograd.Function from ``backward`` and ``setup_context`` (``register_autograd``'s
-    arguments) whose forward runs the op below autograd, as torch's own wrapper does.
+    ``torch.library.custom_op``): ``register_autograd(backward, setup_context)``, and for CPU
+    and CUDA tensors (the AutogradCPU / AutogradCUDA keys, which take precedence over the
+    Autograd alias that ``register_autograd`` fills) a kernel with a direct path: called with
+    plain tensors (``plain_eager``) it runs ``eager(*args)``, the family's own eager function
+    (which handles gradients itself); otherwise (fake, functional or subclass tensors, dispatch
+    modes: torch.compile's and export's tracing) an autograd.Function from the same
+    ``backward`` and ``setup_context`` whose forward runs the op below autograd, as torch's own
+    wrapper does.
 
     torch's wrapper costs a pytree walk, a redispatch and a second Python kernel a call: an
     eager call through ``torch.ops`` took 7.1 us against 2.4 us with this kernel on a CPU host
     for an op whose own work took 0.9 us (docs/measurements.md, "Host cost of a call"). Compiled
     graphs call the ops through the dispatcher too, so they gain as much a call."""
-    import warnings
-
     namespace, name = qualname.split("::")
+    torch.library.register_autograd(qualname, backward, setup_context=setup_context)
     overload = getattr(getattr(torch.ops, namespace), name).default
 
     class Traced(torch.autograd.Function):
@@ -129,6 +130,5 @@ def fast_autograd(qualname: str, *, eager, backward, setup_context) -> None:
     library = _libraries.get(namespace)
     if library is None:
         library = _libraries[namespace] = torch.library.Library(namespace, "IMPL")
-    with warnings.catch_warnings():  # custom_op registered a placeholder Autograd kernel
-        warnings.simplefilter("ignore")
-        library.impl(name, kernel, "Autograd")
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        library.impl(name, kernel, key)

@@ -109,3 +109,24 @@ def test_a_fused_layer_on_the_cpu_never_captures(grad):
         model(ids)
         model(ids)
     assert all("_cutlass_ops_step_graphs" not in vars(layer) for layer in model.model.layers)
+
+
+def test_paused_turns_graphs_off_inside(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x = torch.randn(2, 1, 8, device="meta")
+    with torch.no_grad():
+        with step_graphs.paused():
+            with step_graphs.paused():
+                assert not step_graphs.eligible(x)
+            assert not step_graphs.eligible(x)
+        assert step_graphs.eligible(x)
+
+
+def test_inference_tensors_are_copied_every_time():
+    shared = step_graphs.SharedInputs()
+    with torch.inference_mode():
+        cos = torch.randn(1, 1, 4)
+        buffers = shared.get("rotary", (cos,))
+        buffers[0].zero_()
+        assert torch.equal(shared.get("rotary", (cos,))[0], cos)
