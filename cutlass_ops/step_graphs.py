@@ -70,7 +70,10 @@ def eligible(hidden_states: Tensor, *others: Optional[Tensor]) -> bool:
         return False
     if torch.compiler.is_compiling() or not plain_eager(hidden_states, *others):
         return False
-    return enabled() and not torch.cuda.is_current_stream_capturing()
+    # Graphs are captured and replayed on the current device's streams: tensors elsewhere run
+    # eagerly.
+    return enabled() and hidden_states.device.index == torch.cuda.current_device() and \
+        not torch.cuda.is_current_stream_capturing()
 
 
 def signature(*tensors: Tensor) -> tuple:
@@ -148,6 +151,12 @@ class Holder:
         self.graphs: collections.OrderedDict = collections.OrderedDict()
         self.seen: set = set()
         self.weights: tuple = ()
+
+    def __deepcopy__(self, memo):
+        return Holder()  # a copied module starts without graphs (they read this one's memory)
+
+    def __reduce__(self):
+        return Holder, ()
 
     def lookup(self, key, weights: tuple):
         """The graphs kept under ``key``, or None: then ``should_capture`` says what to do."""

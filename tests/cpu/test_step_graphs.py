@@ -16,6 +16,7 @@ def test_only_gradient_free_small_cuda_calls_are_eligible(monkeypatch):
     x = torch.randn(2, 1, 8, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # meta's index
     assert not step_graphs.eligible(x)  # gradients enabled
     with torch.no_grad():
         assert step_graphs.eligible(x)
@@ -53,6 +54,16 @@ def test_holder_runs_eagerly_first_then_captures_and_keeps_a_bounded_set():
         holder.store(key, f"graphs of {key}")
     assert holder.lookup("a", (1,)) is None  # the oldest went
     assert len(holder.graphs) == step_graphs.MAX_GRAPHS
+
+
+def test_copies_of_a_holder_start_empty():
+    import copy
+    import pickle
+
+    holder = step_graphs.Holder()
+    holder.store("a", "graphs")
+    assert not copy.deepcopy(holder).graphs
+    assert not pickle.loads(pickle.dumps(holder)).graphs
 
 
 def test_new_weights_drop_every_graph():
@@ -112,6 +123,7 @@ def test_a_fused_layer_on_the_cpu_never_captures(grad):
 
 
 def test_paused_turns_graphs_off_inside(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     x = torch.randn(2, 1, 8, device="meta")

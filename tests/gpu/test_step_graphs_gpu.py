@@ -147,3 +147,17 @@ def test_gradients_enabled_never_capture():
     for i in range(3):
         layer_call(ours.model.layers[0], ours, x, i)
     assert graph_count(ours) == 0
+
+
+def test_a_copy_of_a_model_with_graphs_decodes_on_its_own_weights():
+    _, ours = tiny_llama()
+    prompt = torch.randint(0, VOCAB, (2, 12), device="cuda")
+    first = generate(ours, prompt).sequences
+    assert graph_count(ours) == 2
+    twin = copy.deepcopy(ours)
+    assert graph_count(twin) == 0
+    assert torch.equal(generate(twin, prompt).sequences, first)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    assert torch.equal(generate(ours, prompt).sequences, first)  # ours read its own weights
