@@ -26,14 +26,6 @@ def plain_eager(*tensors) -> bool:
     return all(t is None or type(t) in PLAIN for t in tensors)
 
 
-def _tensor_arguments(args):
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            yield from (t for t in a if isinstance(t, torch.Tensor))
-        elif isinstance(a, torch.Tensor):
-            yield a
-
-
 def _flatten(args) -> tuple[tuple, list]:
     """(sizes, flat): list arguments laid out in ``flat`` (size = their length), the others as
     themselves (size -1): autograd.Function sees tensors only at the top level."""
@@ -118,11 +110,26 @@ def fast_autograd(qualname: str, *, eager, backward, setup_context) -> None:
     # The dispatcher passes the arguments given; the formulas expect all of them.
     schema = overload._schema.arguments
     defaults = tuple(a.default_value if a.has_default_value() else None for a in schema)
+    count = len(defaults)
+    # Where the schema takes tensors, and tensor lists: the per-call check looks there only.
+    singles = tuple(i for i, a in enumerate(schema) if "Tensor" in str(a.type)
+                    and "[]" not in str(a.type))
+    lists = tuple(i for i, a in enumerate(schema) if str(a.type).startswith("List[Tensor"))
+
+    def plain(args) -> bool:
+        """``plain_eager`` of the arguments, unrolled over the schema's tensor positions."""
+        if _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None:
+            return False
+        for i in singles:
+            t = args[i]
+            if t is not None and type(t) not in PLAIN:
+                return False
+        return all(type(t) in PLAIN for i in lists for t in args[i])
 
     def kernel(*args):
-        if len(args) < len(defaults):
+        if len(args) < count:
             args = args + defaults[len(args):]
-        if plain_eager(*_tensor_arguments(args)):
+        if plain(args):
             return eager(*args)
         sizes, flat = _flatten(args)
         return Traced.apply(sizes, *flat)
