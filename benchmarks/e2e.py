@@ -24,6 +24,11 @@ written after each section, so an interrupted run keeps what it measured.
 Writes benchmarks/results/e2e.json (e2e_quick.json with --quick: 2 layers, 1024 tokens).
 
     python benchmarks/e2e.py [--quick] [--tune quick] [--layers 8] [--tokens 4096]
+        [--sections train prefill decode]
+
+A whole run with the compiled variants takes more than seven minutes (torch.compile's warm-ups
+of two 8-layer models, for training and for inference); ``--sections`` splits it across runs of
+the same code, each adding its rows to the file.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from tuning.timing import do_bench  # noqa: E402
 
 PROMPT = 128
 SEQUENCES = 2
+SECTIONS = ("train", "prefill", "decode")
 
 
 def llama(layers: int):
@@ -97,14 +103,40 @@ def measure_train(variants, ids, reps):
 
 
 def measure_prefill(variants, ids, reps):
+    """Each variant's prefill time (none with ``reps`` 0) and its last logits."""
     out = {}
     with torch.no_grad():
         for name, model in variants.items():
             model.eval()
             logits = model(input_ids=ids).logits
-            out[name] = {"ms": median_ms(lambda: model(input_ids=ids), reps),
+            out[name] = {"ms": median_ms(lambda: model(input_ids=ids), reps) if reps else None,
                          "logits": logits[:, -16:].float()}
     return out
+
+
+def section_of(case: str) -> str:
+    """The section that measured a row: "peak memory train ..." rows are the train section's."""
+    first = case.split()[0]
+    return "train" if first == "peak" else first
+
+
+def kept_rows(name: str, meta: dict, sections: set) -> list:
+    """The rows of sections not measured now, from the result file, when it was written by the
+    same code (project version) for the same model; none otherwise. Each row keeps the reference
+    measured beside it in its own run."""
+    import json
+
+    from benchmarks.common import RESULTS, versions
+
+    if sections >= set(SECTIONS):
+        return []
+    try:
+        old = json.loads((RESULTS / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return []
+    same = old.get("versions", {}).get("project") == versions()["project"] and all(
+        old.get(k) == v for k, v in meta.items())
+    return [r for r in old.get("rows", []) if same and section_of(r["case"]) not in sections]
 
 
 def measure_decode(variants, batch, new_tokens, reps):
@@ -189,6 +221,9 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
     parser.add_argument("--no-loss-baseline", action="store_true",
                         help="skip the converted model without the fused loss (train rows)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="what to measure (default all); the rows of the others are kept "
+                             "from the result file when it holds the same code and model")
     parser.add_argument("--tune", choices=["quick", "default", "exhaustive"],
                         help="first tune the model's GEMMs (train, prefill and decode rows, and "
                              "the chunked loss head) with this strategy")
@@ -219,25 +254,31 @@ def main() -> None:
     meta = {"layers": args.layers, "tokens": args.tokens, "new_tokens": args.new_tokens,
             "converted": len(report.converted), "skipped": len(report.skipped),
             "conversion": str(report).splitlines()[0]}
+    kept = kept_rows(name, meta, set(args.sections))
     rows = []
 
     def save():
-        write_result(name, rows, model="Llama-3-8B-shaped", **meta)
+        write_result(name, kept + rows, model="Llama-3-8B-shaped", **meta)
 
-    train = measure_train(variants, ids, args.reps)
-    for a, b in pairs(train):
-        loss_ok = abs(train[a]["loss"] - train[b]["loss"]) <= 1e-2 * abs(train[b]["loss"])
-        rows.append(rate_row(f"train {a} vs {b}", args.tokens, train[a], train[b], b, loss_ok,
-                             loss_ours=train[a]["loss"], loss_reference=train[b]["loss"]))
-    for reference in ("eager", "compile", "ours without fused loss"):
-        if reference in train:
-            rows.append(memory_row(train["ours"], train[reference], reference))
-    save()
+    if "train" in args.sections:
+        train = measure_train(variants, ids, args.reps)
+        for a, b in pairs(train):
+            loss_ok = abs(train[a]["loss"] - train[b]["loss"]) <= 1e-2 * abs(train[b]["loss"])
+            rows.append(rate_row(f"train {a} vs {b}", args.tokens, train[a], train[b], b,
+                                 loss_ok, loss_ours=train[a]["loss"],
+                                 loss_reference=train[b]["loss"]))
+        for reference in ("eager", "compile", "ours without fused loss"):
+            if reference in train:
+                rows.append(memory_row(train["ours"], train[reference], reference))
+        save()
     inference = {k: v for k, v in variants.items() if k != "ours without fused loss"}
-    prefill = measure_prefill(inference, ids, args.reps)
+    if "prefill" in args.sections:
+        prefill = measure_prefill(inference, ids, args.reps)
+    else:  # the decode rows' check: the logits of one forward each
+        prefill = measure_prefill({k: inference[k] for k in ("eager", "ours")}, ids, 0)
     errors = {k: relative_error(v["logits"], prefill["eager"]["logits"]) for k, v in
               prefill.items()}
-    for a, b in pairs(prefill):
+    for a, b in pairs(prefill) if "prefill" in args.sections else ():
         # bf16 rounding over the layers moves the logits: a variant passes within 2e-2 of
         # eager's, or no further from them than its reference (torch.compile's own reordering).
         ok = errors[a] < 2e-2 or errors[a] <= 1.5 * errors[b]
@@ -246,7 +287,7 @@ def main() -> None:
                              reference_logits_error_vs_eager=round(errors[b], 5)))
     save()
     decode_variants = {k: v for k, v in variants.items() if k in ("eager", "ours")}
-    for batch in (1, 16):
+    for batch in (1, 16) if "decode" in args.sections else ():
         decode = measure_decode(decode_variants, batch, args.new_tokens, max(5, args.reps // 2))
         # Random weights leave near-ties among the logits, so greedy paths may part after a
         # rounding difference: the check is the prefill logits'; the agreement is reported.

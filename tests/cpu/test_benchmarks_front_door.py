@@ -29,7 +29,8 @@ def run_benchmark(script, *args):
                                           ("host_cost.py", []), ("e2e.py", ["--quick"]),
                                           ("cross_entropy.py", ["--quick"]),
                                           ("sweeps/gemm_configs.py", ["--preset", "small-m"]),
-                                          ("sweeps/norm_configs.py", [])])
+                                          ("sweeps/norm_configs.py", []),
+                                          ("profile_model.py", [])])
 def test_without_a_gpu_a_benchmark_stops_at_once_with_one_line(script, args):
     result = run_benchmark(script, *args)
     assert result.returncode == 2, result.stderr
@@ -47,3 +48,25 @@ def test_print_shapes_needs_no_gpu(args, count):
     shapes = result.stdout.split()
     assert len(shapes) == count
     assert all(re.fullmatch(r"\d+x\d+x\d+", shape) for shape in shapes)
+
+
+def test_e2e_sections_keep_the_other_sections_rows_of_the_same_code(tmp_path, monkeypatch):
+    import json
+
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks import common, e2e
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(common, "versions", lambda: {"project": "0.1.0+abc"})
+    meta = {"layers": 8, "tokens": 4096}
+    rows = [{"case": c} for c in ("train ours vs eager", "peak memory train ours vs eager",
+                                  "prefill ours vs eager", "decode batch 1 ours vs eager")]
+    (tmp_path / "e2e.json").write_text(json.dumps(
+        {"versions": {"project": "0.1.0+abc"}, **meta, "rows": rows}))
+    kept = e2e.kept_rows("e2e", meta, {"prefill", "decode"})
+    assert [r["case"] for r in kept] == ["train ours vs eager", "peak memory train ours vs eager"]
+    assert e2e.kept_rows("e2e", meta, set(e2e.SECTIONS)) == []
+    assert e2e.kept_rows("e2e", {**meta, "layers": 2}, {"train"}) == []  # another model
+    monkeypatch.setattr(common, "versions", lambda: {"project": "0.1.0+def"})
+    assert e2e.kept_rows("e2e", meta, {"train"}) == []  # other code
+    assert e2e.kept_rows("missing", meta, {"train"}) == []
