@@ -7,11 +7,12 @@ and ``k`` ``[B, S, Hk, D]`` are the views ``proj(x).view(B, S, -1, D)`` (any str
 last stride: column slices of one merged QKV output are read in place), ``cos`` / ``sin``
 ``[B, S, D]`` or ``[1, S, D]`` (what HF's rotary module returns, ``q``'s dtype, unit last
 stride). It returns ``q_out`` ``[B, Hq, S, D]`` and ``k_out`` ``[B, Hk, S, D]`` (the shapes
-scaled_dot_product_attention and HF's KV cache take) in the projections' memory order:
-``q_out.transpose(1, 2)`` is contiguous. scaled_dot_product_attention writes its output in its
-query's memory order (cuDNN and flash alike), so the attention output then needs no copy on its
-way back to ``[B, S, H * D]`` for o_proj, and its gradient arrives in the layout of the output
-(cuDNN's backward copies one that does not). Both are one launch that reads q, k, cos and sin
+scaled_dot_product_attention and HF's KV cache take). Eagerly they are laid out in the
+projections' memory order (``q_out.transpose(1, 2)`` is contiguous): scaled_dot_product_attention
+writes its output in its query's memory order (cuDNN and flash alike), so the attention output
+then needs no copy on its way back to ``[B, S, H * D]`` for o_proj. The custom op (what
+torch.compile traces) returns them contiguous, the layout its graphs were measured with; a
+compiled graph plans its own copies. Both are one launch that reads q, k, cos and sin
 once and writes each output once; eager HF runs five elementwise kernels for each of q and k
 (neg, cat, two products, the sum), each reading and writing the whole tensor.
 
@@ -142,14 +143,18 @@ def _unit_last(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.contiguous()
 
 
-def head_major(x: torch.Tensor) -> torch.Tensor:
+def head_major(x: torch.Tensor, projection_order: bool = True) -> torch.Tensor:
     """A new tensor for the rotary output of ``x`` [B, S, H, D]: shaped [B, H, S, D], laid out
-    as [B, S, H, D] (the module docstring says why)."""
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device).transpose(1, 2)
+    as [B, S, H, D] (``projection_order``, the eager layout: the module docstring says why) or
+    contiguous (the custom op's)."""
+    batch, seq, heads, d = x.shape
+    if projection_order:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device).transpose(1, 2)
+    return torch.empty((batch, heads, seq, d), dtype=x.dtype, device=x.device)
 
 
-def _fwd_impl(q, k, cos, sin):
-    q_out, k_out = head_major(q), head_major(k)
+def _fwd_impl(q, k, cos, sin, projection_order: bool = True):
+    q_out, k_out = head_major(q, projection_order), head_major(k, projection_order)
     # The outputs as [B, S, H, D] views, the layout the kernel walks; an empty pair is skipped.
     (a, ya), (b, yb) = (_live(x, y.transpose(1, 2)) for x, y in ((q, q_out), (k, k_out)))
     if a is not None or b is not None:
@@ -180,13 +185,13 @@ def _live(x, y):
 @torch.library.custom_op("custom_kernels::rotary_fwd", mutates_args=())
 def rotary_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (q_out [B, Hq, S, D], k_out [B, Hk, S, D]), laid out as [B, S, H, D]."""
-    return _fwd_impl(q, k, cos, sin)
+    """Returns (q_out [B, Hq, S, D], k_out [B, Hk, S, D]), contiguous."""
+    return _fwd_impl(q, k, cos, sin, projection_order=False)
 
 
 @rotary_fwd.register_fake
 def _(q, k, cos, sin):
-    return head_major(q), head_major(k)
+    return head_major(q, False), head_major(k, False)
 
 
 @torch.library.custom_op("custom_kernels::rotary_bwd", mutates_args=())
@@ -235,8 +240,8 @@ torch.library.register_autograd("custom_kernels::rotary_fwd", _backward, setup_c
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_out, k_out)``, HF's ``apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2),
-    cos, sin)`` as [B, H, S, D] tensors laid out as [B, S, H, D]; see the module docstring.
-    Tensors off a CUDA
+    cos, sin)`` as [B, H, S, D] tensors, laid out as [B, S, H, D] eagerly and contiguous under
+    torch.compile; see the module docstring. Tensors off a CUDA
     device, and cos / sin that require a gradient, run ``rotary_reference`` (logged once)."""
     _check(q, k, cos, sin)
     if fallback.off_cuda({"q": q, "k": k, "cos": cos, "sin": sin}, "apply_rotary",
