@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import require_gpu  # noqa: E402
 from benchmarks.e2e import PROMPT, llama  # noqa: E402
+from benchmarks.host_cost import us_per_call  # noqa: E402
 
 
 def generate_fn(model, batch: int, new_tokens: int):
@@ -69,17 +70,6 @@ def profile(name, fn, out: Path | None, top: int) -> None:
         start = next(i for i, line in enumerate(lines) if "ncalls" in line)
         print(f"--- {name}: by {key}")
         print("\n".join(lines[start - 2:start + top + 1]))
-
-
-def us_per_call(fn, calls: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def layer_pieces(model, batch: int) -> list[tuple[str, float]]:
@@ -125,7 +115,9 @@ def layer_pieces(model, batch: int) -> list[tuple[str, float]]:
             x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin)),
     }
     with torch.no_grad():
-        return [(name, us_per_call(fn)) for name, fn in pieces.items()]
+        for fn in pieces.values():  # warm: kernels, routes, graphs
+            us_per_call(fn, 20)
+        return [(name, us_per_call(fn, 200)) for name, fn in pieces.items()]
 
 
 def kernel_table(name, fn, top: int, trace: Path | None = None) -> None:
