@@ -34,7 +34,7 @@ def launch(kernel, *args, grid, block, shared_mem: int = 0, cluster=None, stream
     if device is None:
         device = current
     if stream is None:
-        handle = _current_stream(device)
+        handle = current_stream_handle(device)
     elif isinstance(stream, int):
         handle = stream
     elif isinstance(stream, torch.cuda.Stream):
@@ -81,8 +81,6 @@ def current_stream_handle(index: int) -> int:
     except AttributeError:
         return torch.cuda.current_stream(index).cuda_stream
 
-
-_current_stream = current_stream_handle
 
 
 class _Handle:
@@ -139,7 +137,7 @@ def max_active_clusters(kernel, block: int, cluster: int, shared_mem: int, devic
 
     config = LaunchConfig(grid=1, block=block, shmem_size=shared_mem, cluster=cluster)
     with torch.cuda.device(device):
-        stream = _stream(_current_stream(device))
+        stream = _stream(current_stream_handle(device))
         return kernel.occupancy.max_active_clusters(config, stream=stream)
 
 

@@ -132,9 +132,6 @@ def launch_persistent(kernel, *args, tasks: int, block: int, shared_mem: int = 0
 
 
 def _current_stream(device: int) -> int:
-    import torch
+    from custom_kernels.launch import current_stream_handle  # imports torch: not at import
 
-    try:
-        return torch._C._cuda_getCurrentRawStream(device)
-    except AttributeError:
-        return torch.cuda.current_stream(device).cuda_stream
+    return current_stream_handle(device)

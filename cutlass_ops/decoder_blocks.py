@@ -16,8 +16,9 @@ where Hugging Face's forward launches three projections, about ten elementwise k
 rotary embedding, two more for SiLU and the product, and two residual adds. The first residual
 add runs in the post-attention norm's kernel, which writes the new residual stream beside the
 normalized rows (when the layer's norm is ours, as ``convert`` makes it; else in o_proj's
-epilogue), the second in down_proj's epilogue. The rotary kernel leaves q in the projection's
-memory order, so the attention's output comes back in it and reaches o_proj without a copy.
+epilogue), the second in down_proj's epilogue. Eagerly the rotary kernel leaves q in the
+projection's memory order, so the attention's output comes back in it and reaches o_proj
+without a copy.
 The attention itself
 (SDPA, flash or eager, the KV cache, sliding windows) is the model's: the fused attention calls
 the same ``ALL_ATTENTION_FUNCTIONS`` interface with the same arguments.

@@ -178,8 +178,6 @@ def _merged_backward(ctx, grad):
     return (grad_x if need_x else None, _split(grad_w if need_w else None, weights), grad_b)
 
 
-
-
 @torch.library.custom_op("cutlass_ops::linear_residual", mutates_args=())
 def linear_residual_op(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                        residual: Tensor) -> Tensor:
@@ -210,8 +208,6 @@ def _residual_backward(ctx, grad):
     grad_w = ops.mm(rows.t(), _rows(x)) if ctx.needs_input_grad[1] else None
     grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return grad_x, grad_w, grad_b, grad if ctx.needs_input_grad[3] else None
-
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,8 +62,6 @@ def _mm_backward(ctx, grad: Tensor):
     return grad_a, grad_b
 
 
-
-
 # ---- bmm ----------------------------------------------------------------------------------
 
 @torch.library.custom_op("cutlass_ops::bmm", mutates_args=())
@@ -85,8 +83,6 @@ def _bmm_backward(ctx, grad: Tensor):
     grad_a = bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
     grad_b = bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
     return grad_a, grad_b
-
-
 
 
 # ---- linear -------------------------------------------------------------------------------
@@ -146,8 +142,6 @@ def _linear_backward(ctx, grad: Tensor):
     return (*_linear_grads(ctx, grad, x, weight, mm), None)
 
 
-
-
 # ---- eager fast path ------------------------------------------------------------------------
 
 def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -204,43 +198,14 @@ def linear_fast(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
         return _EagerLinear.apply(x, weight, bias, activation)
     return _linear_forward(x, weight, bias, activation)
 
-def _mm_eager(a, b):
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return _EagerMatmul.apply(a, b)
-    return _matmul(a, b, 2, "mm")
-
-
-def _bmm_eager(a, b):
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return _EagerMatmul.apply(a, b)
-    return _matmul(a, b, 3, "bmm")
-
-
-class _EagerMatmul(torch.autograd.Function):
-    """a @ b with its two GEMM gradients through the dispatch, for plain tensors (mm, bmm)."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return _matmul(a, b, a.dim(), "mm" if a.dim() == 2 else "bmm")
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        with torch.no_grad():
-            grad_a = dispatch.matmul(grad, b.transpose(-1, -2)) if ctx.needs_input_grad[0] \
-                else None
-            grad_b = dispatch.matmul(a.transpose(-1, -2), grad) if ctx.needs_input_grad[1] \
-                else None
-        return grad_a, grad_b
-
 
 # The ops' autograd, with a direct path for plain tensors (custom_kernels.core.eager): the
 # registered formulas serve tracing, the eager functions every other call.
-fast_autograd("cutlass_ops::mm", eager=_mm_eager, backward=_mm_backward,
-              setup_context=_mm_setup)
-fast_autograd("cutlass_ops::bmm", eager=_bmm_eager, backward=_bmm_backward,
-              setup_context=_mm_setup)
+# mm and bmm have no eager autograd of their own: with gradients, their registered formulas.
+fast_autograd("cutlass_ops::mm", eager=lambda a, b: _matmul(a, b, 2, "mm"),
+              backward=_mm_backward, setup_context=_mm_setup, eager_grads=False)
+fast_autograd("cutlass_ops::bmm", eager=lambda a, b: _matmul(a, b, 3, "bmm"),
+              backward=_bmm_backward, setup_context=_mm_setup, eager_grads=False)
 fast_autograd("cutlass_ops::linear", eager=linear_fast, backward=_linear_backward,
               setup_context=_linear_setup)
 
