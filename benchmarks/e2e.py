@@ -15,8 +15,9 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
 - ``peak memory train ours vs eager`` (and vs compile, vs ours without fused loss): unit 1/GB, so
   that ``ratio`` = the reference's GB over ours; each variant's peak without the other variants'
   weights (they share the GPU).
-Times are CUDA-event medians after warm-up. Each variant's loss and logits are checked against
-eager's on the same inputs (bf16 tolerance). The GEMMs run what dispatch has: ``--tune quick``
+Times are CUDA-event medians after warm-up, the variants interleaved repetition by repetition
+(the host's speed drifts over a run). Each variant's loss and logits are checked against eager's
+on the same inputs (bf16 tolerance). The GEMMs run what dispatch has: ``--tune quick``
 first tunes every GEMM the converted model runs (its Linears forward and backward, the decode
 batches, the chunked loss head). "ours" is ``convert``'s model: fused norms, our Linear, and the
 loss through the chunked head when labels are passed. Results are
@@ -44,7 +45,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
-from tuning.timing import do_bench  # noqa: E402
+from tuning.timing import do_bench_interleaved  # noqa: E402
 
 PROMPT = 128
 SEQUENCES = 2
@@ -63,12 +64,6 @@ def llama(layers: int):
         return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def median_ms(fn, reps: int, warmup: int = 2) -> float:
-    """The project's one clock (tuning.timing.do_bench): CUDA events, median. No L2 flush: a
-    model step's working set is far larger than the L2."""
-    return do_bench(fn, warmup=warmup, reps=reps, flush_l2=False).median_ms
-
-
 def train_step(model, ids):
     def step():
         model.zero_grad(set_to_none=True)
@@ -83,34 +78,48 @@ def parameter_bytes(model) -> int:
 
 
 def measure_train(variants, ids, reps):
-    """Time and peak memory of each variant's train step. The variants share the GPU, so a
-    variant's peak is the allocator's peak less what the other variants' weights hold: the
-    figure the model alone would show (its weights, gradients, activations and temporaries)."""
-    out = {}
+    """Time and peak memory of each variant's train step. The times are interleaved repetition
+    by repetition (tuning.timing's do_bench_interleaved), as decoding's: at small sizes a step
+    is partly host-bound and the host's speed drifts, and sequential timing credits whoever ran
+    on a quiet stretch or a cool GPU. The variants share the GPU, so a variant's peak (one step
+    of its own, before the timing) is the allocator's peak less what the other variants'
+    weights and gradients hold: the figure the model alone would show (its weights, gradients,
+    activations and temporaries)."""
+    out, steps = {}, {}
     for name, model in variants.items():
         model.train()
-        step = train_step(model, ids)
+        step = steps[name] = train_step(model, ids)
         loss = step().detach().float().item()
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         others = torch.cuda.memory_allocated() - parameter_bytes(model)
         torch.cuda.reset_peak_memory_stats()
-        ms = median_ms(step, reps)
+        step()
+        torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - others
-        out[name] = {"ms": ms, "loss": loss, "peak_gb": peak / 1e9}
+        model.zero_grad(set_to_none=True)
+        out[name] = {"loss": loss, "peak_gb": peak / 1e9}
+    times = do_bench_interleaved(steps, warmup=1, reps=reps, flush_l2=False)
+    for name, model in variants.items():
+        out[name]["ms"] = times[name].median_ms
         model.zero_grad(set_to_none=True)
     return out
 
 
 def measure_prefill(variants, ids, reps):
-    """Each variant's prefill time (none with ``reps`` 0) and its last logits."""
-    out = {}
+    """Each variant's prefill time (none with ``reps`` 0), interleaved as the train steps'
+    (a small model's forward is host-bound), and its last logits."""
+    out, calls = {}, {}
     with torch.no_grad():
         for name, model in variants.items():
             model.eval()
             logits = model(input_ids=ids).logits
-            out[name] = {"ms": median_ms(lambda: model(input_ids=ids), reps) if reps else None,
-                         "logits": logits[:, -16:].float()}
+            out[name] = {"ms": None, "logits": logits[:, -16:].float()}
+            calls[name] = lambda model=model: model(input_ids=ids)
+        if reps:
+            times = do_bench_interleaved(calls, warmup=2, reps=reps, flush_l2=False)
+            for name in variants:
+                out[name]["ms"] = times[name].median_ms
     return out
 
 
@@ -144,8 +153,6 @@ def measure_decode(variants, batch, new_tokens, reps):
     do_bench_interleaved): decoding is host-bound, and the host's speed drifts over a run by more
     than the differences measured, so sequential timing would credit whoever ran on a quiet
     stretch."""
-    from tuning.timing import do_bench_interleaved
-
     prompt = torch.randint(0, 128256, (batch, PROMPT), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(batch))
     out = {}
