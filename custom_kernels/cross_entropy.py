@@ -40,6 +40,10 @@ from custom_kernels.core.errors import UnsupportedInputError
 
 SOURCE = "cross_entropy.cu"
 KERNEL = "cross_entropy_chunk"
+SCALE_KERNEL = "scale_by_device_scalar"
+SCALE_THREADS = 256
+# scale_ off the kernel: float32 copies of at most this many elements at a time (a bounded temp).
+SCALE_TORCH_BLOCK = 1 << 24
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 DTYPE_NAMES = {"float32": 0, "float16": 1, "bfloat16": 2}
 # Rows in flight (grid x row bytes) are kept under this share of L2, so that pass 2's re-read of
@@ -101,6 +105,17 @@ def _launch(logits, labels, row_scale, losses, ignore_index: int, smoothing: flo
            grid=grid, block=block, device=device)
 
 
+def _launch_scale(t, scale) -> None:
+    from custom_kernels.launch import launch, sm_count
+
+    device = t.device.index
+    kernel = jit.get_kernel(SOURCE, SCALE_KERNEL, device=device,
+                            defines=_defines(DTYPE_CODES[t.dtype], True, SCALE_THREADS, False))
+    packs = -(-t.numel() * t.element_size() // 16)
+    grid = max(1, min(sm_count(device) * 8, -(-packs // SCALE_THREADS)))
+    launch(kernel, t, scale, t.numel(), grid=grid, block=SCALE_THREADS, device=device)
+
+
 # ---------------------------------------------------------------------------------------------
 # Compile (tensor-free, no GPU)
 # ---------------------------------------------------------------------------------------------
@@ -114,6 +129,13 @@ def compile_cross_entropy(dtype: str = "bfloat16", vocab: int = 128256, vec: boo
     return jit.compile_cubin(SOURCE, defines=_defines(code, vec, block_size(vocab, size, vec),
                                                       softcap),
                              name_expressions=(KERNEL,), arch=arch)
+
+
+def compile_scale(dtype: str = "bfloat16", arch: str = jit.DEFAULT_ARCH) -> Path:
+    """The cubin of ``scale_``'s kernel for tensors of ``dtype`` (float16 or bfloat16)."""
+    return jit.compile_cubin(SOURCE, defines=_defines(DTYPE_NAMES[dtype], True, SCALE_THREADS,
+                                                      False),
+                             name_expressions=(SCALE_KERNEL,), arch=arch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +222,26 @@ def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, *, ignore_in
     return torch.ops.custom_kernels.cross_entropy_chunk(
         logits, labels, int(ignore_index), float(smoothing),
         float(softcap) if softcap is not None else None, row_scale, bool(write_grad))
+
+
+def scale_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``t *= scale`` in place, in float32 math with one rounding to ``t``'s dtype; ``scale`` is a
+    0-d float32 tensor on ``t``'s device (a device value: nothing syncs). A contiguous float16 /
+    bfloat16 CUDA tensor takes one pass of the kernel (``scale_by_device_scalar``); float32 is
+    torch's ``mul_``; anything else (off CUDA, strided, under torch.compile, where Inductor fuses
+    the same expression) goes through float32 copies of bounded blocks."""
+    if t.dtype == torch.float32:
+        return t.mul_(scale)
+    if (t.is_cuda and t.dtype in DTYPE_CODES and t.is_contiguous() and scale.is_cuda
+            and scale.device == t.device and scale.dtype == torch.float32
+            and scale.numel() == 1 and not torch.compiler.is_compiling()):
+        if t.numel():
+            _launch_scale(t, scale.reshape(()).contiguous())
+        return t
+    rows = max(1, SCALE_TORCH_BLOCK // max(1, t[0].numel())) if t.dim() else 1
+    for block in (t.split(rows) if t.dim() else (t,)):
+        block.copy_(block.float() * scale)
+    return t
 
 
 # ---------------------------------------------------------------------------------------------

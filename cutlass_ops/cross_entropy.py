@@ -40,8 +40,6 @@ REDUCTIONS = ("mean", "sum", "none")
 # most this much memory unless the caller sets chunk_rows.
 CHUNK_BYTES_CAP = 1 << 30
 CHUNK_SHARE_OF_FREE = 1 / 8
-# In-place scaling of a gradient in float32 goes this many elements at a time (a bounded temp).
-SCALE_BLOCK = 1 << 24
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -234,15 +232,10 @@ def _loss_and_grads(hidden, weight, bias, labels, ignore_index, smoothing, softc
     return losses, grad_hidden, grad_weight, grad_bias
 
 
-def _scale_(t, scale):
-    """``t *= scale`` in place, computed in float32 (``scale``: a 0-d float32 tensor; a bf16
-    tensor times it on a GPU would round the scale to bf16 first), a bounded block at a time."""
-    if t is None or t.dtype == torch.float32:
-        return t.mul_(scale) if t is not None else None
-    rows = max(1, SCALE_BLOCK // max(1, t[0].numel())) if t.dim() else 1
-    for block in (t.split(rows) if t.dim() else (t,)):
-        block.copy_(block.float() * scale)
-    return t
+def _scale(t, scale):
+    """``t *= scale`` in place in float32 math (``custom_kernels.cross_entropy.scale_``: one
+    pass of a kernel on a GPU; ``scale`` stays a device value)."""
+    return kernel.scale_(t, scale) if t is not None else None
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -278,7 +271,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden, grad_weight, grad_bias = ctx.grads
             ctx.grads = None
             scale = grad_output.float() / ctx.count
-            grad_hidden, grad_weight = _scale_(grad_hidden, scale), _scale_(grad_weight, scale)
+            grad_hidden, grad_weight = _scale(grad_hidden, scale), _scale(grad_weight, scale)
             grad_bias = grad_bias * scale if grad_bias is not None else None
         return (grad_hidden, grad_weight,
                 grad_bias.to(ctx.weight_dtype) if grad_bias is not None else None,

@@ -356,3 +356,37 @@ cross_entropy_chunk(T* logits, const long long* labels, const float* row_scale, 
     }
   }
 }
+
+// In place, data[i] = data[i] * scale[0] for n elements, the fp32 scale read on the device and the
+// product rounded once to T. The chunked loss computes its gradients in the forward pass and
+// scales them in the backward by the incoming gradient over the row count, both device values
+// (reading them on the host would sync); torch's bf16 x fp32-scalar-tensor multiply rounds the
+// scale to bf16 first, and an fp32 round trip through torch ops moves five times the bytes. A
+// grid-stride loop over 16-byte packs (VEC), the elements before the first 16-byte boundary and
+// after the last whole pack taken one by one by the first threads.
+extern "C" __global__ void __launch_bounds__(BLOCK)
+scale_by_device_scalar(T* data, const float* scale, long long n) {
+  const float s = *scale;
+  const long long first = static_cast<long long>(blockIdx.x) * BLOCK + threadIdx.x;
+  const long long stride = static_cast<long long>(gridDim.x) * BLOCK;
+#if VEC
+  const unsigned long long misaligned = reinterpret_cast<unsigned long long>(data) & 15ull;
+  long long head = static_cast<long long>(((16ull - misaligned) & 15ull) / sizeof(T));
+  head = head < n ? head : n;
+  const long long packs = (n - head) / VPT;
+  const long long extras = n - packs * VPT;  // head + tail, fewer than 2 * VPT
+  if (first < extras) {
+    const long long i = first < head ? first : head + packs * VPT + (first - head);
+    data[i] = from_float<T>(to_float(data[i]) * s);
+  }
+  for (long long k = first; k < packs; k += stride) {
+    T* p = data + head + k * VPT;
+    Pack q = load_last(p);
+#pragma unroll
+    for (int e = 0; e < VPT; ++e) q.v[e] = from_float<T>(to_float(q.v[e]) * s);
+    store(p, q);
+  }
+#else
+  for (long long i = first; i < n; i += stride) data[i] = from_float<T>(to_float(data[i]) * s);
+#endif
+}

@@ -50,6 +50,8 @@ def test_cross_entropy_family_compiles(cache_root, dtype, vec):
                            (1000, False)):
         path = cross_entropy.compile_cross_entropy(dtype, vocab, vec, softcap)
         assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
+    if dtype != "float32" and vec:  # scale_'s kernel (float32 runs torch's mul_)
+        assert cross_entropy.compile_scale(dtype).stat().st_size > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

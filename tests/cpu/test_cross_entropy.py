@@ -368,3 +368,20 @@ def test_chunk_kernel_grid_keeps_the_rows_in_flight_within_l2():
     assert grid_size(5, 32000 * 2, 4, 132, 50 << 20) == 5
     assert (block_size(128256, 2), block_size(32000, 2), block_size(1000, 2)) == (1024, 512, 256)
     assert block_size(50257, 2, vec=False) == 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scale_off_cuda_is_float32_math_rounded_once(dtype, monkeypatch):
+    """The torch path of ``scale_`` (off CUDA, strided, compiled): in place, the float32 product
+    rounded once, in bounded blocks."""
+    from custom_kernels import cross_entropy as ce
+
+    monkeypatch.setattr(ce, "SCALE_TORCH_BLOCK", 1000)  # several blocks
+    t = torch.randn(300, 70).to(dtype)
+    scale = torch.tensor(1 / 3000)
+    expected = (t.float() * scale).to(dtype)
+    assert ce.scale_(t, scale) is t
+    assert torch.equal(t, expected)
+    strided = torch.randn(40, 10).to(dtype)[:, ::3]
+    expected = (strided.float() * scale).to(dtype)
+    assert torch.equal(ce.scale_(strided, scale), expected)

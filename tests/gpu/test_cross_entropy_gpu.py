@@ -273,10 +273,8 @@ def test_reduction_none_with_bias_through_the_kernel():
 
 def test_peak_memory_has_no_float32_chunk_nor_float32_weight_gradient():
     """Beyond the inputs: one bf16 chunk of logits (the kernel works in place), grad_weight in
-    bf16 (accumulated in place), grad_hidden, and the bounded float32 block of the final
-    scaling; the float32 [V, H] accumulator and the float32 chunk copy are gone."""
-    from cutlass_ops.cross_entropy import SCALE_BLOCK
-
+    bf16 (accumulated in place) and grad_hidden; the final scaling is in place (no float32
+    block); the float32 [V, H] accumulator and the float32 chunk copy are gone."""
     rows, hidden, vocab, chunk = 4096, 1024, 128256, 512
     h, w, labels = case(rows, hidden, vocab, torch.bfloat16)
     torch.cuda.synchronize()
@@ -285,6 +283,36 @@ def test_peak_memory_has_no_float32_chunk_nor_float32_weight_gradient():
     cutlass_ops.linear_cross_entropy(h, w, labels, chunk_rows=chunk).backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    expected = (chunk * vocab * 2 + vocab * hidden * 2 + rows * hidden * 2 + SCALE_BLOCK * 4
+    expected = (chunk * vocab * 2 + vocab * hidden * 2 + rows * hidden * 2
                 + vocab * hidden * 2)  # + the .grad the backward returns into
     assert extra < expected * 1.1 + (32 << 20), (extra, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset, numel", [(0, 1 << 20), (1, 4099), (3, 7), (0, 0)])
+def test_scale_kernel_is_float32_math_rounded_once(dtype, offset, numel):
+    """One pass in place, against the float32 product rounded to the dtype: exact, for any
+    start alignment and length (the head and tail elements taken one by one)."""
+    base = torch.randn(offset + numel, device="cuda", dtype=dtype)
+    t = base[offset:]
+    scale = torch.tensor(1 / 3000, device="cuda")  # not a bf16 value: a bf16 scale would show
+    expected = (t.float() * scale).to(dtype)
+    before = base[:offset].clone()
+    assert ce.scale_(t, scale) is t
+    assert torch.equal(t, expected) and torch.equal(base[:offset], before)
+
+
+def test_scale_kernel_replays_in_a_cuda_graph_and_strided_input_takes_torch():
+    t = torch.randn(4096, 130, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor(0.5, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    ce.scale_(t.clone(), scale)  # load before the capture
+    with torch.cuda.graph(graph):
+        ce.scale_(t, scale)
+    original = t.clone()
+    scale.fill_(0.1)
+    graph.replay()
+    assert torch.equal(t, (original.float() * 0.1).to(torch.bfloat16))
+    strided = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)[:, ::2]
+    expected = (strided.float() * scale).to(torch.bfloat16)
+    assert torch.equal(ce.scale_(strided, scale), expected)
