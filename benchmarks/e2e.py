@@ -22,7 +22,9 @@ first tunes every GEMM the converted model runs (its Linears forward and backwar
 batches, the chunked loss head). "ours" is ``convert``'s model: fused norms, our Linear, and the
 loss through the chunked head when labels are passed. Results are
 written after each section, so an interrupted run keeps what it measured.
-Writes benchmarks/results/e2e.json (e2e_quick.json with --quick: 2 layers, 1024 tokens).
+Writes benchmarks/results/e2e.json (e2e_quick.json with --quick: 2 layers, 1024 tokens); a full
+run copies the rows of an e2e_quick.json written by the same code into its ``detail``
+(``two_layers``), so run ``--quick`` first.
 
     python benchmarks/e2e.py [--quick] [--tune quick] [--layers 8] [--tokens 4096]
         [--sections train prefill decode]
@@ -148,6 +150,26 @@ def kept_rows(name: str, meta: dict, sections: set) -> list:
     return [r for r in old.get("rows", []) if same and section_of(r["case"]) not in sections]
 
 
+def two_layer_run() -> dict | None:
+    """The 2-layer run (``--quick``, e2e_quick.json) of the same code, for the full run's
+    ``detail``: its model, sizes and rows (ratios with both figures), or None when there is
+    none for this code."""
+    import json
+
+    from benchmarks.common import RESULTS, versions
+
+    try:
+        quick = json.loads((RESULTS / "e2e_quick.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if quick.get("versions", {}).get("project") != versions()["project"]:
+        return None
+    return {"layers": quick.get("layers"), "tokens": quick.get("tokens"),
+            "new_tokens": quick.get("new_tokens"),
+            "rows": [{k: r[k] for k in ("case", "ours", "reference", "ratio", "correct")}
+                     for r in quick.get("rows", [])]}
+
+
 def measure_decode(variants, batch, new_tokens, reps):
     """generate() of each variant, interleaved repetition by repetition (tuning.timing's
     do_bench_interleaved): decoding is host-bound, and the host's speed drifts over a run by more
@@ -264,8 +286,12 @@ def main() -> None:
     kept = kept_rows(name, meta, set(args.sections))
     rows = []
 
+    # The full run carries the 2-layer run of the same code (run --quick first) in its detail.
+    two_layers = None if args.quick else two_layer_run()
+
     def save():
-        write_result(name, kept + rows, model="Llama-3-8B-shaped", **meta)
+        extra = {"detail": {"two_layers": two_layers}} if two_layers else {}
+        write_result(name, kept + rows, model="Llama-3-8B-shaped", **meta, **extra)
 
     if "train" in args.sections:
         train = measure_train(variants, ids, args.reps)

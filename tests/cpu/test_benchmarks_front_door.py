@@ -70,3 +70,24 @@ def test_e2e_sections_keep_the_other_sections_rows_of_the_same_code(tmp_path, mo
     monkeypatch.setattr(common, "versions", lambda: {"project": "0.1.0+def"})
     assert e2e.kept_rows("e2e", meta, {"train"}) == []  # other code
     assert e2e.kept_rows("missing", meta, {"train"}) == []
+
+
+def test_e2e_full_run_carries_the_two_layer_run_of_the_same_code(tmp_path, monkeypatch):
+    import json
+
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks import common, e2e
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(common, "versions", lambda: {"project": "0.1.0+abc"})
+    assert e2e.two_layer_run() is None  # no quick run yet
+    row = {"case": "train ours vs eager", "ours": 2.0, "reference": 1.0, "ratio": 2.0,
+           "correct": True, "detail": {"ours_ms": 1.0}}
+    (tmp_path / "e2e_quick.json").write_text(json.dumps(
+        {"versions": {"project": "0.1.0+abc"}, "layers": 2, "tokens": 1024, "new_tokens": 32,
+         "rows": [row]}))
+    carried = e2e.two_layer_run()
+    assert carried["layers"] == 2 and carried["rows"] == [
+        {k: row[k] for k in ("case", "ours", "reference", "ratio", "correct")}]
+    monkeypatch.setattr(common, "versions", lambda: {"project": "0.1.0+def"})
+    assert e2e.two_layer_run() is None  # another code's run
