@@ -1,0 +1,193 @@
+"""The second CUTLASS path: Hopper GEMM kernels written in the CuTe DSL (CUTLASS's Python
+interface, ``nvidia-cutlass-dsl``), QuACK's (``quack-kernels``), as candidates beside the C++
+kernels. An optional extra, ``pip install "cutlass-ops[dsl]"``: without it ``unavailable()``
+says why and nothing here imports either package (nor does anything else in cutlass_ops).
+
+A ``DslConfig`` names one kernel: the CTA tile (M x N; K is the kernel's choice), the thread
+block cluster, the schedule (pingpong: two consumer warp groups on alternate tiles; cooperative:
+both on one tile) and swap-A/B (the kernel computes D^T = B^T A^T, so a small M sits on the
+tile's N side). Every config is persistent with a static tile scheduler: no semaphore or
+workspace per call, so a launch can be captured in a CUDA graph. The list is QuACK's own sm90
+autotuning list (11 tiles, 2 clusters, swapped or not: 44 kernels).
+
+QuACK compiles one kernel per config and operand types / majors, with M, N, K and the strides
+symbolic (one kernel serves every shape), in 1-2 s, and keeps it as an object file in its disk
+cache, which is put under our cache root (``<cache>/<version>/dsl/quack``, unless the user set
+``QUACK_CACHE_DIR``) before QuACK is first imported: another process loads it in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+from typing import Callable, Optional
+
+import torch
+
+from custom_kernels.core.errors import UnsupportedInputError
+
+PINGPONG_TILES = ((128, 128), (128, 160), (128, 192), (128, 208), (192, 128))
+COOPERATIVE_TILES = ((256, 128), (256, 160), (256, 192), (256, 208), (128, 224), (128, 256))
+CLUSTERS = ((2, 1), (1, 2))
+DTYPES = (torch.bfloat16, torch.float16)
+SMS_H100 = 132  # the wave model's SM count when no GPU says otherwise
+CACHE_ENV = "QUACK_CACHE_DIR"
+_NAME = re.compile(r"dsl-sm90-(pingpong|cooperative)-t(\d+)x(\d+)-c(\d)x(\d)(-swap)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class DslConfig:
+    tile_m: int
+    tile_n: int
+    cluster_m: int = 2
+    cluster_n: int = 1
+    pingpong: bool = True
+    swap_ab: bool = False
+
+    @property
+    def name(self) -> str:
+        schedule = "pingpong" if self.pingpong else "cooperative"
+        return (f"dsl-sm90-{schedule}-t{self.tile_m}x{self.tile_n}-c{self.cluster_m}x"
+                f"{self.cluster_n}" + ("-swap" if self.swap_ab else ""))
+
+    @classmethod
+    def from_name(cls, name: str) -> DslConfig:
+        match = _NAME.fullmatch(name)
+        if match is None:
+            raise ValueError(f"not a DSL GEMM config name: {name!r} (expected e.g. "
+                             f"{SM90_CONFIGS[0].name!r})")
+        schedule, tm, tn, cm, cn, swap = match.groups()
+        config = cls(int(tm), int(tn), int(cm), int(cn), schedule == "pingpong", bool(swap))
+        why = config.why_invalid()
+        if why:
+            raise ValueError(f"{name}: {why}")
+        return config
+
+    def why_invalid(self) -> Optional[str]:
+        tiles = PINGPONG_TILES if self.pingpong else COOPERATIVE_TILES
+        if (self.tile_m, self.tile_n) not in tiles:
+            schedule = "pingpong" if self.pingpong else "cooperative"
+            return f"the {schedule} tiles are {', '.join(f'{m}x{n}' for m, n in tiles)}"
+        if (self.cluster_m, self.cluster_n) not in CLUSTERS:
+            return f"the clusters are {', '.join(f'{m}x{n}' for m, n in CLUSTERS)}"
+        return None
+
+    def to_quack(self):
+        from quack.gemm_config import GemmConfig
+
+        return GemmConfig(tile_m=self.tile_m, tile_n=self.tile_n, pingpong=self.pingpong,
+                          is_dynamic_persistent=False, cluster_m=self.cluster_m,
+                          cluster_n=self.cluster_n, swap_ab=self.swap_ab, device_capacity=9)
+
+
+SM90_CONFIGS = tuple(
+    DslConfig(tm, tn, cm, cn, pingpong, swap)
+    for pingpong, tiles in ((True, PINGPONG_TILES), (False, COOPERATIVE_TILES))
+    for tm, tn in tiles for cm, cn in CLUSTERS for swap in (False, True))
+
+
+def unavailable() -> Optional[str]:
+    """Why the DSL path cannot run here, or None. Looks for the packages without importing
+    them (their import loads the DSL's compiler)."""
+    for module, package in (("quack", "quack-kernels"), ("cutlass", "nvidia-cutlass-dsl")):
+        if importlib.util.find_spec(module) is None:
+            return (f"the CuTe DSL GEMM path needs {package} "
+                    "(pip install \"cutlass-ops[dsl]\")")
+    return None
+
+
+def candidates(m: int, n: int, k: int, sms: int = SMS_H100) -> list[DslConfig]:
+    """Every sm90 config, the best guess first: by how much of the tiles' work is the problem's
+    (edge tiles padded) times how full the last wave of tiles is, on ``sms`` SMs."""
+    def fill(config: DslConfig) -> float:
+        rows, cols = (n, m) if config.swap_ab else (m, n)
+        tiles_m, tiles_n = math.ceil(rows / config.tile_m), math.ceil(cols / config.tile_n)
+        useful = rows * cols / (tiles_m * config.tile_m * tiles_n * config.tile_n)
+        tiles = tiles_m * tiles_n
+        return useful * tiles / (math.ceil(tiles / sms) * sms)
+
+    return sorted(SM90_CONFIGS, key=lambda c: (-fill(c), c.name))
+
+
+def check(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+          bias: Optional[torch.Tensor] = None) -> None:
+    """What the kernels take, with the problem named: CUDA tensors on one device; a (M, K) or
+    (L, M, K), b (K, N) or (L, K, N), out (M, N) or (L, M, N); bf16 or fp16 operands of one
+    dtype (out of theirs or float32); each operand with one unit-stride dimension of its last two
+    and the other strides multiples of 16 bytes, from a 16-byte aligned address; bias (N,)."""
+    tensors = {"a": a, "b": b, "out": out, **({"bias": bias} if bias is not None else {})}
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise UnsupportedInputError(f"the DSL GEMM needs CUDA tensors on one device, got "
+                                    f"{sorted(map(str, devices))}")
+    if a.dtype not in DTYPES or b.dtype != a.dtype:
+        raise UnsupportedInputError(f"the DSL GEMM takes bf16 or fp16 operands of one dtype, "
+                                    f"got {a.dtype} and {b.dtype}")
+    if out.dtype not in (a.dtype, torch.float32):
+        raise UnsupportedInputError(f"out must be {a.dtype} or float32, got {out.dtype}")
+    if not (a.dim() == b.dim() == out.dim() and a.dim() in (2, 3)):
+        raise UnsupportedInputError(f"a, b and out must all be 2-D or all 3-D, got "
+                                    f"{a.dim()}, {b.dim()} and {out.dim()} dimensions")
+    m, k = a.shape[-2:]
+    if b.shape[-2] != k or tuple(out.shape[-2:]) != (m, b.shape[-1]) or (
+            a.dim() == 3 and not a.shape[0] == b.shape[0] == out.shape[0]):
+        raise UnsupportedInputError(f"shapes do not make a GEMM: a {tuple(a.shape)}, b "
+                                    f"{tuple(b.shape)}, out {tuple(out.shape)}")
+    if bias is not None and (tuple(bias.shape) != (b.shape[-1],) or bias.dtype != out.dtype):
+        raise UnsupportedInputError(f"bias must be ({b.shape[-1]},) of {out.dtype}, got "
+                                    f"{tuple(bias.shape)} of {bias.dtype}")
+    for name, t in tensors.items():
+        if name == "bias":
+            continue
+        unit = [d for d in (-1, -2) if t.stride(d) == 1 or t.shape[d] == 1]
+        if not unit:
+            raise UnsupportedInputError(f"{name}: one of the last two dimensions needs a unit "
+                                        f"stride, got strides {t.stride()}")
+        step = 16 // t.element_size()
+        others = [t.stride(d) for d in range(t.dim()) if d != t.dim() + unit[0]
+                  and t.shape[d] > 1]
+        if any(s % step for s in others) or t.data_ptr() % 16:
+            raise UnsupportedInputError(f"{name}: strides {t.stride()} and address need 16-byte "
+                                        "alignment (leading dimension a multiple of "
+                                        f"{step} elements)")
+
+
+def plan(config: DslConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
+         bias: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
+    """``launch()``, running ``out = a @ b (+ bias)`` with ``config``'s kernel on torch's current
+    stream and returning ``out``. The first launch compiles the kernel (or loads it from the
+    disk cache); capture a launch in a CUDA graph only after one has run."""
+    why = unavailable()
+    if why:
+        raise UnsupportedInputError(why)
+    check(a, b, out, bias)
+    run = _interface().gemm_tuned.fn
+    quack_config = config.to_quack()
+
+    def launch() -> torch.Tensor:
+        run(a, b, out, None, bias, config=quack_config)
+        return out
+
+    return launch
+
+
+_prepared = None
+
+
+def _interface():
+    """quack.gemm_interface, its disk cache placed under ours first."""
+    global _prepared
+    if _prepared is None:
+        from custom_kernels.core.cache_dir import versioned_dir
+
+        os.environ.setdefault(CACHE_ENV, str(versioned_dir("dsl", "quack")))
+        from quack import gemm_interface
+
+        _prepared = gemm_interface
+    return _prepared
+
+
+__all__ = ["DslConfig", "SM90_CONFIGS", "unavailable", "candidates", "check", "plan"]

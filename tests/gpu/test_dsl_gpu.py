@@ -1,0 +1,80 @@
+"""The CuTe DSL GEMM path on the GPU (skipped without ``cutlass-ops[dsl]``): configs of both
+schedules, swapped or not, against a float32 product on random data, for the layouts and dtypes
+the path takes, batched, at edge sizes, inside a CUDA graph; misaligned input refused by name."""
+
+import math
+
+import pytest
+import torch
+
+from cutlass_ops.gemms import dsl
+from custom_kernels.core.errors import UnsupportedInputError
+from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(dsl.unavailable() is not None, reason="no cutlass-ops[dsl]")]
+
+CONFIGS = [dsl.DslConfig.from_name(n) for n in (
+    "dsl-sm90-pingpong-t128x192-c2x1", "dsl-sm90-cooperative-t256x128-c1x2",
+    "dsl-sm90-pingpong-t128x208-c2x1-swap", "dsl-sm90-cooperative-t128x256-c2x1-swap")]
+
+
+def random(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+def check(out, a, b, dtype):
+    reference = a.float() @ b.float()
+    assert relative_error(out, reference) <= relative_tolerance(dtype, GEMM)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, n, k", [(1000, 4104, 520), (16, 4096, 4096), (4096, 1024, 8)])
+def test_nn_linear_layout_against_float32(config, dtype, m, n, k):
+    x, w = random(m, k, dtype=dtype, scale=1 / math.sqrt(k)), random(n, k, dtype=dtype)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    assert dsl.plan(config, x, w.t(), out)() is out
+    check(out, x, w.t(), dtype)
+
+
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: c.name)
+def test_other_majors_batched_float32_out_and_bias(config):
+    a = random(3, 256, 512, scale=1 / 16).transpose(-1, -2)  # (L, M, K), M-major
+    b = random(3, 256, 384)  # (L, K, N), N-major
+    out = torch.empty(3, 512, 384, device="cuda", dtype=torch.float32)
+    dsl.plan(config, a, b, out)()
+    check(out, a, b, torch.float32)
+    x, w, bias = random(300, 256, scale=1 / 16), random(512, 256), random(512)
+    y = torch.empty(300, 512, device="cuda", dtype=torch.bfloat16)
+    dsl.plan(config, x, w.t(), y, bias=bias)()
+    assert relative_error(y, x.float() @ w.float().t() + bias.float()) <= \
+        relative_tolerance(torch.bfloat16, GEMM)
+
+
+def test_a_launch_replays_in_a_cuda_graph_on_new_data():
+    x, w = random(512, 1024, scale=1 / 32), random(2048, 1024)
+    out = torch.empty(512, 2048, device="cuda", dtype=torch.bfloat16)
+    launch = dsl.plan(CONFIGS[0], x, w.t(), out)
+    launch()  # compile / load before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    x.copy_(random(512, 1024, scale=1 / 32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, x, w.t(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda x, w, o: (random(64, 129)[:, :128], w.t(), o), "16-byte"),
+    (lambda x, w, o: (x, w.t().float(), o), "one dtype"),
+    (lambda x, w, o: (x, w[:, :64].t(), o), "do not make a GEMM"),
+    (lambda x, w, o: (x, w.t(), o.half()), "out must be"),
+])
+def test_bad_input_is_refused_by_name(change, words):
+    x, w = random(64, 128), random(256, 128)
+    out = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedInputError, match=words):
+        dsl.plan(CONFIGS[0], *change(x, w, out))
