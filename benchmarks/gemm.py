@@ -94,7 +94,7 @@ def bench_tuned_shape(m, n, k):
     from cutlass_ops.gemms.build import compiles_in_process
     from tuning.backend import GpuSession
     from custom_kernels.core.tuned_store import TuningCache
-    from cutlass_ops.gemms.choice import Choice
+    from cutlass_ops.gemms.choice import candidate_from_dict
     from custom_kernels.core.device import current_scope
     from custom_kernels.core.tolerances import relative_error
 
@@ -105,7 +105,7 @@ def bench_tuned_shape(m, n, k):
         return {"case": case, "unit": "TFLOP/s", "ours": 0.0, "reference": 0.0,
                 "reference_name": "torch.matmul", "ratio": 0.0, "correct": False,
                 "detail": {"error": "not tuned: run cutlass-tune tune first"}}
-    choice = Choice.from_dict(entry["winner"])
+    choice = candidate_from_dict(entry["winner"])
     session = GpuSession(problem, torch.cuda.current_device())
     x, w_t = session.a, session.b  # x (M x K) row-major, w_t = W^T (K x N) column-major
     decision = cutlass_ops.explain(x, w_t)
@@ -123,7 +123,14 @@ def bench_tuned_shape(m, n, k):
         "reference": round(ref_tf, 1), "reference_name": "torch.matmul",
         "ratio": round(round(ours_tf, 1) / round(ref_tf, 1), 4),
         "correct": error is None and call_err < session.tolerance,
-        "detail": {"config": choice.name, "swap_ab": choice.swap_ab,
+        "detail": {"config": choice.name, "path": choice.backend,
+                   "swap_ab": choice.swap_ab if choice.backend == "cutlass" else
+                   choice.name.endswith("-swap"),
+                   # The best kernel of the other CUTLASS path in the same tune (its time
+                   # there, beside torch when it was a finalist).
+                   "other_path_best": entry.get("other_backend_best"),
+                   "tune_seconds": entry.get("tune_seconds"),
+                   "build_seconds_total": entry.get("build_seconds_total"),
                    "ours_ms": round(ours_ms, 5), "torch_ms": round(torch_ms, 5),
                    "dispatch": {"source": decision.source, "runs": decision.choice.name
                                 if decision.choice else "torch.matmul",

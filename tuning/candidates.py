@@ -33,6 +33,12 @@ class Strategy(str, enum.Enum):
         return {Strategy.QUICK: 4, Strategy.DEFAULT: 20, Strategy.EXHAUSTIVE: None}[self]
 
     @property
+    def dsl_kernels(self) -> int | None:
+        """CuTe DSL kernels (``cutlass_ops.gemms.dsl``, with the extra) per problem, beside the
+        C++ ones: each compiles in about 2 s for every shape of its operand types."""
+        return {Strategy.QUICK: 8, Strategy.DEFAULT: 16, Strategy.EXHAUSTIVE: None}[self]
+
+    @property
     def varied_kernels(self) -> int:
         """How many of the first round's best kernels get their run-time variants timed (the
         search's round 2)."""

@@ -108,6 +108,10 @@ def _entry_row(scope, name: str, entry: dict) -> dict:
     return {
         "gpu": scope.gpu, "shape": _shape_label(problem), "operands": problem.operands.name,
         "winner": entry.get("winner_name"), "winner_ms": winner, "torch_ms": torch_ms,
+        # Which CUTLASS path won: C++ ("cutlass") or the CuTe DSL ("dsl"); entries from before
+        # the DSL path hold C++ winners.
+        "backend": entry.get("backend") or ("cutlass" if entry.get("winner") else None),
+        "other_backend_best": entry.get("other_backend_best"),
         "winner_tflops": entry.get("winner_tflops"), "torch_tflops": entry.get("torch_tflops"),
         "speedup": round(torch_ms / winner, 3) if winner and torch_ms else None,
         "prefer": entry.get("prefer"), "complete": entry.get("complete", True),
@@ -206,7 +210,7 @@ def _fmt(ms: float | None) -> str:
 
 def cmd_bench(args) -> int:
     """Times tuned winners against torch.matmul now (fresh inputs)."""
-    from cutlass_ops.gemms.choice import Choice
+    from cutlass_ops.gemms.choice import candidate_from_dict
 
     backend = make_backend(args)
     scope = backend.scope()
@@ -219,7 +223,7 @@ def cmd_bench(args) -> int:
         if wanted is not None and name not in wanted or not entry.get("winner"):
             continue
         problem = GemmProblem.from_dict(entry["problem"])
-        choice = Choice.from_dict(entry["winner"])
+        choice = candidate_from_dict(entry["winner"])
         session = backend.session(problem)
         try:
             error = session.verify(choice)
@@ -231,7 +235,8 @@ def cmd_bench(args) -> int:
         finally:
             session.close()
         rows.append({"shape": _shape_label(problem), "operands": problem.operands.name,
-                     "winner": entry["winner_name"], "ours_ms": ours, "torch_ms": ref,
+                     "winner": entry["winner_name"], "backend": choice.backend,
+                     "ours_ms": ours, "torch_ms": ref,
                      "ours_tflops": round(problem.flops / ours / 1e9, 1) if ours else None,
                      "torch_tflops": round(problem.flops / ref / 1e9, 1),
                      "ratio": round(ref / ours, 3) if ours else None, "error": error})
@@ -244,9 +249,9 @@ def cmd_bench(args) -> int:
 
 def cmd_list(args) -> int:
     rows = [_entry_row(cache.scope, name, entry) for cache, name, entry in _cache_rows(args)]
-    _emit(args, rows, (["gpu", "shape", "operands", "speedup", "uses", "winner"],
+    _emit(args, rows, (["gpu", "shape", "operands", "speedup", "uses", "winner", "path"],
                        [[r["gpu"], r["shape"], r["operands"], r["speedup"] or "-", r["prefer"],
-                         r["winner"] or "-"] for r in rows]))
+                         r["winner"] or "-", r["backend"] or "-"] for r in rows]))
     return EXIT_OK
 
 
@@ -268,11 +273,17 @@ def cmd_show(args) -> int:
         _emit(args, matches)
         return EXIT_OK
     for e in matches:
-        print(f"{e['key']} on {e['gpu']}: winner {e.get('winner_name')} "
+        backend = e.get("backend") or ("cutlass" if e.get("winner") else "-")
+        print(f"{e['key']} on {e['gpu']}: winner {e.get('winner_name')} ({backend} path) "
               f"{_fmt(e.get('winner_ms'))} ms, torch.matmul {_fmt(e.get('torch_ms'))} ms, "
               f"uses {e.get('prefer')} ({e.get('strategy')}, {e.get('tuned_at')})")
-        _print_table(["runner-up", "ms"], [[r["choice"], _fmt(r["ms"])]
-                                           for r in e.get("runners_up", [])])
+        other = e.get("other_backend_best")
+        if other:
+            print(f"  best of the {other['backend']} path: {other['choice']} "
+                  f"{_fmt(other['ms'])} ms")
+        _print_table(["runner-up", "path", "ms"],
+                     [[r["choice"], r.get("backend", "cutlass"), _fmt(r["ms"])]
+                      for r in e.get("runners_up", [])])
         if e.get("failures"):
             _print_table(["failed", "stage", "error"],
                          [[f["choice"], f["stage"], f["error"][:80]] for f in e["failures"]])
@@ -503,7 +514,8 @@ def _kernels_to_compile(args, spec) -> dict[tuple, list[str]]:
         from cutlass_ops.gemms.choice import Choice
 
         for cache, name, entry in _cache_rows(args):
-            if entry.get("winner") and spec.name.lower() in cache.scope.gpu.lower():
+            if entry.get("winner") and spec.name.lower() in cache.scope.gpu.lower() and \
+                    entry["winner"].get("backend") != "dsl":  # DSL kernels build in process
                 problem = GemmProblem.from_dict(entry["problem"])
                 choice = Choice.from_dict(entry["winner"])
                 key = (choice.operands_for(problem.operands), choice.config)

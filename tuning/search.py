@@ -19,6 +19,7 @@ import datetime
 import math
 import time
 
+from cutlass_ops.gemms import dsl
 from cutlass_ops.gemms.choice import Choice
 from cutlass_ops.gemms.config import GemmProblem
 from custom_kernels.core.tuned_store import TuningCache
@@ -80,9 +81,15 @@ class GemmFamily:
         self.build_end = self.start
         self.compiled = self.reused = 0
 
-    def candidates(self, problem: GemmProblem) -> list[Choice]:
-        return candidates.select(problem, self.device, self.strategy,
-                                 use_heuristics=self.use_heuristics)
+    def candidates(self, problem: GemmProblem) -> list:
+        """The C++ kernels (``candidates.select``), then, with the DSL extra on an sm90 GPU, the
+        CuTe DSL kernels that take the problem: one pool, ranked by measurement."""
+        plan: list = candidates.select(problem, self.device, self.strategy,
+                                       use_heuristics=self.use_heuristics)
+        if self.device.arch == "sm90a" and dsl.refusal(problem) is None:
+            plan += dsl.candidates(problem.m, problem.n, problem.k,
+                                   self.device.sm_count)[:self.strategy.dsl_kernels]
+        return plan
 
     def build(self, plans: dict[GemmProblem, list[Choice]]) -> dict:
         """Builds in chunks (with a budget) in the order of ``_build_order``."""
@@ -114,9 +121,12 @@ class GemmFamily:
         out = {}
         for problem, plan in plans.items():
             keys = {choice: (choice.operands_for(problem.operands), choice.config)
-                    for choice in plan}
+                    for choice in plan if isinstance(choice, Choice)}
             out[problem] = {choice: _build_error(built[key]) for choice, key in keys.items()
                             if key in built}
+            # DSL kernels compile in process on their first launch (in the session's verify
+            # step: about 2 s each, once per operand types); a failure is recorded there.
+            out[problem].update((c, None) for c in plan if isinstance(c, dsl.DslConfig))
         return out
 
     def session(self, problem: GemmProblem):
@@ -124,7 +134,8 @@ class GemmFamily:
 
     def derived(self, problem: GemmProblem, ranked: list[Choice]) -> list[Choice]:
         """The run-time variants of the best few kernels (no new build)."""
-        return [variant for choice in ranked[:self.strategy.varied_kernels]
+        kernels = [c for c in ranked if isinstance(c, Choice)][:self.strategy.varied_kernels]
+        return [variant for choice in kernels
                 for variant in candidates.variants(problem, choice, self.device)[1:]]
 
     def baseline(self, problem: GemmProblem, plan: list[Choice]) -> None:
@@ -139,17 +150,26 @@ class GemmFamily:
         times, winner = measured.times, measured.winner
         winner_ms = times[winner] if winner else None
         torch_ms = measured.torch_ms
+        ranked = measured.ranked()
+        other = next((c for c in ranked if winner is not None and c.backend != winner.backend),
+                     None)
         return {
             "winner": winner.to_dict() if winner else None,
             "winner_name": winner.name if winner else None,
+            "backend": winner.backend if winner else None,
+            # The best of the other CUTLASS path, measured beside torch when it was a finalist.
+            "other_backend_best": {"choice": other.name, "backend": other.backend,
+                                   "ms": times[other],
+                                   "torch_ms": measured.torch_beside.get(other)}
+            if other is not None else None,
             "winner_ms": winner_ms,
             "winner_tflops": round(problem.flops / winner_ms / 1e9, 2) if winner else None,
             "torch_ms": torch_ms,
             "torch_tflops": round(problem.flops / torch_ms / 1e9, 2),
             "prefer": "cutlass" if winner_ms is not None and winner_ms <= torch_ms else "torch",
-            "runners_up": [{"choice": c.name, "ms": times[c],
+            "runners_up": [{"choice": c.name, "backend": c.backend, "ms": times[c],
                             "torch_ms": measured.torch_beside.get(c)}
-                           for c in measured.ranked()[1:1 + self.rounds.runners_up]],
+                           for c in ranked[1:1 + self.rounds.runners_up]],
             "failures": [{"choice": f.candidate, "stage": f.stage, "error": f.error[:400]}
                          for f in measured.failures],
             "compiled_candidates": measured.runnable,
@@ -170,7 +190,7 @@ def _build_order(plans: dict[GemmProblem, list[Choice]]) -> list[tuple]:
     depth = max((len(p) for p in plans.values()), default=0)
     for i in range(depth):
         for problem, plan in plans.items():
-            if i < len(plan):
+            if i < len(plan) and isinstance(plan[i], Choice):  # DSL kernels build in process
                 order.append((plan[i].operands_for(problem.operands), plan[i].config))
     return list(dict.fromkeys(order))
 

@@ -43,6 +43,12 @@ class Choice:
     def name(self) -> str:
         return ("swap:" if self.swap_ab else "") + self.config.name
 
+    @property
+    def backend(self) -> str:
+        """Which CUTLASS path builds it: "cutlass" (C++ through nvcc) here, "dsl" for a
+        ``cutlass_ops.gemms.dsl.DslConfig``."""
+        return "cutlass"
+
     def operands_for(self, operands: GemmOperands) -> GemmOperands:
         """The operands the kernel is compiled for."""
         return swapped_operands(operands) if self.swap_ab else operands
@@ -82,6 +88,16 @@ class Choice:
     def from_name(cls, name: str) -> Choice:
         swap = name.startswith("swap:")
         return cls(GemmConfig.from_name(name.removeprefix("swap:")), swap)
+
+
+def candidate_from_dict(data: dict[str, Any]):
+    """A tuning entry's winner as the tuner stored it: a C++ kernel's ``Choice`` or a DSL
+    kernel's ``DslConfig`` (``"backend": "dsl"``)."""
+    if data.get("backend") == "dsl":
+        from cutlass_ops.gemms.dsl import DslConfig
+
+        return DslConfig.from_dict(data)
+    return Choice.from_dict(data)
 
 
 def plan_choice(choice: Choice, a, b, c=None, *, alpha: float = 1.0, beta: float = 0.0,

@@ -36,7 +36,7 @@ import torch
 
 from cutlass_ops.gemms import epilogues, inputs, ranking
 from cutlass_ops.gemms.config import Arch, GemmConfig, GemmOperands, GemmProblem
-from cutlass_ops.gemms.choice import Choice
+from cutlass_ops.gemms.choice import Choice, candidate_from_dict
 from custom_kernels.core import fallback
 from custom_kernels.core.device import DeviceSpec
 from custom_kernels.core.errors import UnsupportedInputError
@@ -58,7 +58,7 @@ class Decision:
 class Route:
     decision: Decision
     run: Callable[..., Any]
-    kind: str = ""  # "cutlass" or "torch", set from the decision
+    kind: str = ""  # "cutlass", "dsl" or "torch", set from the decision
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -146,7 +146,7 @@ def decide(problem: GemmProblem, entries: dict[str, dict], device: DeviceSpec,
     if entry is not None:
         if not entry.get("winner") or entry.get("prefer", "cutlass") != "cutlass":
             return Decision("exact", None, "tuned for this shape: torch.matmul was faster")
-        choice = Choice.from_dict(entry["winner"])
+        choice = candidate_from_dict(entry["winner"])
         if is_built(choice) or online != "off":
             return Decision("exact", choice, "tuned for this shape")
         # The winner's artifact is not here (a cache imported from another machine): fall
@@ -164,7 +164,7 @@ def decide(problem: GemmProblem, entries: dict[str, dict], device: DeviceSpec,
     for _, _, tuned, other in sorted(family, key=lambda item: item[:2]):
         if not other.get("winner"):
             continue
-        choice = Choice.from_dict(other["winner"])
+        choice = candidate_from_dict(other["winner"])
         if other.get("prefer", "cutlass") != "cutlass":
             return Decision("nearest", None, f"nearest tuned shape {tuned.m}x{tuned.n}x{tuned.k}"
                             " found torch.matmul faster")
@@ -322,6 +322,45 @@ def _cutlass_route(decision: Decision, checked: inputs.CheckedGemm, key,
     return Route(decision, run)
 
 
+def _dsl_route(decision: Decision, checked: inputs.CheckedGemm, key,
+               activation="identity") -> Route:
+    """Runs a CuTe DSL winner (``cutlass_ops.gemms.dsl``) into a new output, the epilogue (the
+    tuner gives DSL kernels plain problems) in torch. The first call checks the operands and
+    compiles or loads the kernel; later calls of the signature launch it directly. Should the
+    first call fail, the signature goes to torch for good, with the reason logged."""
+    from cutlass_ops.gemms import dsl
+
+    config = decision.choice
+    out_dtype = checked.out_dtype
+    runner: list[Callable] = []
+
+    def run(a, b, bias=None, residual=None, alpha=1.0, beta=1.0):
+        out = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=out_dtype, device=a.device)
+        if runner:
+            runner[0](a, b, out)
+        else:
+            try:
+                dsl.check(a, b, out)
+                launch = dsl.runner(config)
+                launch(a, b, out)
+            except Exception as exc:  # noqa: BLE001 - the DSL's compiler: torch runs instead
+                reason = f"the DSL kernel {config.name} failed: {type(exc).__name__}: {exc}"
+                _log_once(reason[:300])
+                torch_route = _torch_route(Decision("torch", None, reason[:300]), out_dtype,
+                                           activation)
+                if key is not None:
+                    with _lock:
+                        _routes[key] = torch_route
+                return torch_route.run(a, b, bias, residual, alpha, beta)
+            runner.append(launch)
+        if bias is None and residual is None and activation == "identity" and alpha == 1.0:
+            return out
+        return epilogues.apply(out, alpha=alpha, bias=bias, activation=activation, c=residual,
+                               beta=beta)
+
+    return Route(decision, run, kind="dsl")
+
+
 def _fast_launch(kernel, template, workspace_bytes: int, swap_ab: bool, has_c: bool, out_dtype):
     """A launch of checked arguments with one call's pointers and scalars swapped in."""
     from cutlass_ops.gemms.runtime import GemmArgs
@@ -422,7 +461,7 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
     device = current_spec(index)
     decision = decide(
         problem, _entries(current_scope(index)), device,
-        is_built=lambda c: _safe(lambda: is_built(c.operands_for(problem.operands), c.config)),
+        is_built=lambda c: _ready(c, problem, is_built),
         built_choices=lambda: built_choices(problem.operands, device.arch),
         online=online_mode(), tuner=online_tuner() if online_mode() != "off" else None)
     if decision.source == "online" and online_mode() == "tune":
@@ -439,7 +478,20 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
         if decision.source == "torch":
             _log_once(decision.reason)
         return _torch_route(decision, out_dtype, activation)
+    if decision.choice.backend == "dsl":
+        return _dsl_route(decision, checked, key, activation)
     return _cutlass_route(decision, checked, key, activation)
+
+
+def _ready(choice, problem: GemmProblem, is_built) -> bool:
+    """Whether ``choice`` can run now without an nvcc build: a C++ kernel whose artifact is in
+    the cache, or a DSL kernel with the extra installed (it compiles in about 2 s, or loads
+    from the DSL cache, on the signature's first call)."""
+    if choice.backend == "dsl":
+        from cutlass_ops.gemms import dsl
+
+        return dsl.refusal(problem) is None
+    return _safe(lambda: is_built(choice.operands_for(problem.operands), choice.config))
 
 
 def _safe(fn) -> bool:

@@ -75,6 +75,19 @@ class DslConfig:
             return f"the clusters are {', '.join(f'{m}x{n}' for m, n in CLUSTERS)}"
         return None
 
+    @property
+    def backend(self) -> str:
+        return "dsl"
+
+    def to_dict(self) -> dict:
+        """What a tuning entry stores (``cutlass_ops.gemms.choice.candidate_from_dict`` reads
+        it back)."""
+        return {"backend": "dsl", "name": self.name}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DslConfig:
+        return cls.from_name(data["name"])
+
     def to_quack(self):
         from quack.gemm_config import GemmConfig
 
@@ -96,6 +109,27 @@ def unavailable() -> Optional[str]:
         if importlib.util.find_spec(module) is None:
             return (f"the CuTe DSL GEMM path needs {package} "
                     "(pip install \"cutlass-ops[dsl]\")")
+    return None
+
+
+def refusal(problem) -> Optional[str]:
+    """Why the DSL kernels cannot take a ``GemmProblem`` (the tuner's question), or None: the
+    extra is missing, the operands are not one 16-bit type with a 16-bit or float32 output, a
+    fused epilogue (the DSL candidates run plain GEMMs), or operands not 16-byte aligned."""
+    from cutlass_ops.gemms.config import DType
+
+    why = unavailable()
+    if why:
+        return why
+    ops = problem.operands
+    if ops.element_a not in (DType.BF16, DType.F16) or ops.element_b != ops.element_a:
+        return f"{ops.element_a.value} x {ops.element_b.value} operands (bf16 or f16 only)"
+    if ops.element_d not in (ops.element_a, DType.F32):
+        return f"a {ops.element_d.value} output"
+    if not ops.epilogue.is_default:
+        return "a fused epilogue"
+    if min(ops.alignment_a, ops.alignment_b, ops.alignment_c) * ops.element_a.bytes < 16:
+        return "operands not 16-byte aligned"
     return None
 
 
@@ -164,14 +198,28 @@ def plan(config: DslConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     if why:
         raise UnsupportedInputError(why)
     check(a, b, out, bias)
-    run = _interface().gemm_tuned.fn
-    quack_config = config.to_quack()
+    run = runner(config)
 
     def launch() -> torch.Tensor:
-        run(a, b, out, None, bias, config=quack_config)
+        run(a, b, out, bias)
         return out
 
     return launch
+
+
+def runner(config: DslConfig) -> Callable[..., None]:
+    """``run(a, b, out, bias=None)``: ``config``'s kernel without ``check`` (dispatch's per-call
+    path, whose route signature keeps check's answer for every call it serves)."""
+    why = unavailable()
+    if why:
+        raise UnsupportedInputError(why)
+    gemm = _interface().gemm_tuned.fn
+    quack_config = config.to_quack()
+
+    def run(a, b, out, bias=None) -> None:
+        gemm(a, b, out, None, bias, config=quack_config)
+
+    return run
 
 
 _prepared = None
@@ -190,4 +238,5 @@ def _interface():
     return _prepared
 
 
-__all__ = ["DslConfig", "SM90_CONFIGS", "unavailable", "candidates", "check", "plan"]
+__all__ = ["DslConfig", "SM90_CONFIGS", "unavailable", "refusal", "candidates", "check", "plan",
+           "runner"]

@@ -227,3 +227,18 @@ def test_epilogue_arguments_on_torch_match_the_formula(activation):
     torch.testing.assert_close(cutlass_ops.matmul(a, b, residual=nan, beta=0.0), a @ b)
     with pytest.raises(ValueError):
         cutlass_ops.matmul(a, b, activation="tanh")
+
+
+def test_a_dsl_winner_is_decided_and_needs_the_extra_to_be_ready(monkeypatch):
+    from cutlass_ops.gemms import dsl
+
+    config = dsl.DslConfig.from_name("dsl-sm90-pingpong-t128x192-c2x1")
+    p = GemmProblem(OPS, 4096, 4096, 4096)
+    d = decide(p, entries_for((p, config)))
+    assert d.source == "exact" and d.choice == config and d.choice.backend == "dsl"
+    near = GemmProblem(OPS, 4000, 4096, 4096)  # any shape: the DSL kernel takes every size
+    assert decide(near, entries_for((p, config))).choice == config
+    # Ready only with the extra installed (nothing to find in an artifact cache).
+    assert not dispatch._ready(config, p, is_built=lambda *a: True)
+    monkeypatch.setattr(dsl, "unavailable", lambda: None)
+    assert dispatch._ready(config, p, is_built=lambda *a: False)

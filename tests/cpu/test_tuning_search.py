@@ -173,3 +173,53 @@ def test_finalists_are_timed_each_beside_torch_and_the_best_ratio_wins(tmp_path)
     assert entry["winner_name"] in finalists
     assert all(r["torch_ms"] is not None for r in entry["runners_up"][:3])
     assert entry["timed_variants"] > entry["compiled_candidates"]  # round 2: run-time variants
+
+
+def _with_the_dsl_extra(monkeypatch):
+    """The DSL path as if ``cutlass-ops[dsl]`` were installed (the fake backend times it)."""
+    from cutlass_ops.gemms import dsl
+
+    monkeypatch.setattr(dsl, "unavailable", lambda: None)
+
+
+@pytest.mark.parametrize("strategy, count", [("quick", 8), ("default", 16)])
+def test_dsl_kernels_join_the_pool_and_a_dsl_winner_records_its_path(tmp_path, monkeypatch,
+                                                                     strategy, count):
+    from cutlass_ops.gemms.choice import candidate_from_dict
+    from cutlass_ops.gemms.dsl import DslConfig
+
+    _with_the_dsl_extra(monkeypatch)
+    backend = FakeBackend()
+    backend.dsl_factor = 0.5  # faster than torch and than any C++ kernel here
+    cache = TuningCache(SCOPE, tmp_path)
+    tune(problems(), backend=backend, strategy=strategy, cache=cache, use_heuristics=False)
+    for problem in problems():
+        entry = cache.get(problem)
+        winner = candidate_from_dict(entry["winner"])
+        assert isinstance(winner, DslConfig) and entry["backend"] == "dsl"
+        assert entry["winner_name"] == winner.name and entry["prefer"] == "cutlass"
+        assert entry["other_backend_best"]["backend"] == "cutlass"
+        assert {r["backend"] for r in entry["runners_up"]} <= {"dsl", "cutlass"}
+    from cutlass_ops.gemms import dsl
+
+    # Each problem's best ``count`` by the DSL ranking, each verified before it was timed.
+    expected = {c for p in problems() for c in dsl.candidates(p.m, p.n, p.k, 132)[:count]}
+    assert {c for c in backend.verified if c.backend == "dsl"} == expected
+    # DSL kernels are never handed to the nvcc build.
+    assert all(config.__class__.__name__ == "GemmConfig" for _, config in backend.built)
+
+
+def test_a_cpp_winner_names_the_best_dsl_kernel_and_the_extra_absent_offers_none(
+        tmp_path, monkeypatch):
+    _with_the_dsl_extra(monkeypatch)
+    backend = FakeBackend()  # DSL kernels at 1.2x torch's time: the C++ path wins
+    cache = TuningCache(SCOPE, tmp_path)
+    tune(problems()[1:], backend=backend, strategy="quick", cache=cache, use_heuristics=False)
+    entry = cache.get(problems()[1])
+    assert entry["backend"] == "cutlass" and entry["other_backend_best"]["backend"] == "dsl"
+    monkeypatch.undo()
+    backend = FakeBackend()
+    tune(problems()[1:], backend=backend, strategy="quick", cache=TuningCache(SCOPE, tmp_path),
+         use_heuristics=False, force=True)
+    assert all(c.backend == "cutlass" for c in backend.verified)
+    assert TuningCache(SCOPE, tmp_path).get(problems()[1])["other_backend_best"] is None

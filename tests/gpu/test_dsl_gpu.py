@@ -78,3 +78,36 @@ def test_bad_input_is_refused_by_name(change, words):
     out = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(UnsupportedInputError, match=words):
         dsl.plan(CONFIGS[0], *change(x, w, out))
+
+
+def test_dispatch_runs_a_tuned_dsl_winner_and_falls_back_when_it_cannot(tmp_path, monkeypatch):
+    """A tuning entry whose winner is a DSL kernel: cutlass_ops.matmul runs it (the dsl route),
+    for the tuned shape and a nearby one, and inside a CUDA graph."""
+    import cutlass_ops
+    from cutlass_ops.gemms import dispatch, inputs
+    from custom_kernels.core.device import current_scope
+    from custom_kernels.core.tuned_store import TuningCache
+
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dispatch, "_routes", {})
+    monkeypatch.setattr(dispatch, "_entries_by_scope", {})
+    x, w = random(512, 1024, scale=1 / 32), random(2048, 1024)
+    problem = inputs.check_product(x, w.t()).problem
+    winner = CONFIGS[0]
+    TuningCache(current_scope()).put(problem, {
+        "winner": winner.to_dict(), "winner_name": winner.name, "backend": "dsl",
+        "winner_ms": 0.01, "torch_ms": 0.011, "prefer": "cutlass", "problem": problem.to_dict()})
+    before = dispatch.calls["dsl"]
+    y = cutlass_ops.matmul(x, w.t())
+    assert cutlass_ops.explain(x, w.t()).choice == winner and dispatch.calls["dsl"] == before + 1
+    check(y, x, w.t(), torch.bfloat16)
+    x2 = random(500, 1024, scale=1 / 32)  # untuned M: the nearest tuned shape's kernel
+    check(cutlass_ops.matmul(x2, w.t()), x2, w.t(), torch.bfloat16)
+    assert dispatch.calls["dsl"] == before + 2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cutlass_ops.matmul(x, w.t())
+    x.copy_(random(512, 1024, scale=1 / 32))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(captured, x, w.t(), torch.bfloat16)
