@@ -123,10 +123,12 @@ class GpuSession:
     def _launcher(self, choice) -> Callable:
         launch = self._launchers.get(choice)
         if launch is None:
-            if choice.backend == "dsl":  # the search offers DSL kernels plain problems only
+            if choice.backend == "dsl":  # epilogues dsl.refusal allows (the search checks)
                 from cutlass_ops.gemms import dsl
 
-                launch = dsl.plan(choice, self.a, self.b, self.out)
+                launch = dsl.plan(choice, self.a, self.b, self.out, bias=self.bias, c=self.c,
+                                  alpha=self.alpha, beta=self.beta,
+                                  activation=self.activation.value)
             else:
                 from cutlass_ops.gemms.choice import plan_choice
 

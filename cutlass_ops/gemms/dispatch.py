@@ -324,10 +324,10 @@ def _cutlass_route(decision: Decision, checked: inputs.CheckedGemm, key,
 
 def _dsl_route(decision: Decision, checked: inputs.CheckedGemm, key,
                activation="identity") -> Route:
-    """Runs a CuTe DSL winner (``cutlass_ops.gemms.dsl``) into a new output, the epilogue (the
-    tuner gives DSL kernels plain problems) in torch. The first call checks the operands and
-    compiles or loads the kernel; later calls of the signature launch it directly. Should the
-    first call fail, the signature goes to torch for good, with the reason logged."""
+    """Runs a CuTe DSL winner (``cutlass_ops.gemms.dsl``) into a new output, with the epilogue
+    it was tuned for fused. The first call checks the operands and compiles or loads the
+    kernel; later calls of the signature launch it directly. Should the first call fail, the
+    signature goes to torch for good, with the reason logged."""
     from cutlass_ops.gemms import dsl
 
     config = decision.choice
@@ -337,26 +337,22 @@ def _dsl_route(decision: Decision, checked: inputs.CheckedGemm, key,
     def run(a, b, bias=None, residual=None, alpha=1.0, beta=1.0):
         out = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=out_dtype, device=a.device)
         if runner:
-            runner[0](a, b, out)
-        else:
-            try:
-                dsl.check(a, b, out)
-                launch = dsl.runner(config)
-                launch(a, b, out)
-            except Exception as exc:  # noqa: BLE001 - the DSL's compiler: torch runs instead
-                reason = f"the DSL kernel {config.name} failed: {type(exc).__name__}: {exc}"
-                _log_once(reason[:300])
-                torch_route = _torch_route(Decision("torch", None, reason[:300]), out_dtype,
-                                           activation)
-                if key is not None:
-                    with _lock:
-                        _routes[key] = torch_route
-                return torch_route.run(a, b, bias, residual, alpha, beta)
-            runner.append(launch)
-        if bias is None and residual is None and activation == "identity" and alpha == 1.0:
+            runner[0](a, b, out, bias, residual, alpha, beta)
             return out
-        return epilogues.apply(out, alpha=alpha, bias=bias, activation=activation, c=residual,
-                               beta=beta)
+        try:
+            dsl.check(a, b, out, bias, residual)
+            launch = dsl.runner(config, activation, residual=residual is not None)
+            launch(a, b, out, bias, residual, alpha, beta)
+        except Exception as exc:  # noqa: BLE001 - the DSL's compiler: torch runs it instead
+            reason = f"the DSL kernel {config.name} failed: {type(exc).__name__}: {exc}"[:300]
+            _log_once(reason)
+            torch_route = _torch_route(Decision("torch", None, reason), out_dtype, activation)
+            if key is not None:
+                with _lock:
+                    _routes[key] = torch_route
+            return torch_route.run(a, b, bias, residual, alpha, beta)
+        runner.append(launch)
+        return out
 
     return Route(decision, run, kind="dsl")
 

@@ -114,8 +114,9 @@ def unavailable() -> Optional[str]:
 
 def refusal(problem) -> Optional[str]:
     """Why the DSL kernels cannot take a ``GemmProblem`` (the tuner's question), or None: the
-    extra is missing, the operands are not one 16-bit type with a 16-bit or float32 output, a
-    fused epilogue (the DSL candidates run plain GEMMs), or operands not 16-byte aligned."""
+    extra is missing, the operands are not one 16-bit type with a 16-bit or float32 output, an
+    epilogue QuACK's kernels do not compute as ours (``epilogue_refusal``), or operands not
+    16-byte aligned."""
     from cutlass_ops.gemms.config import DType
 
     why = unavailable()
@@ -126,10 +127,31 @@ def refusal(problem) -> Optional[str]:
         return f"{ops.element_a.value} x {ops.element_b.value} operands (bf16 or f16 only)"
     if ops.element_d not in (ops.element_a, DType.F32):
         return f"a {ops.element_d.value} output"
-    if not ops.epilogue.is_default:
-        return "a fused epilogue"
+    why = epilogue_refusal(ops.epilogue)
+    if why:
+        return why
     if min(ops.alignment_a, ops.alignment_b, ops.alignment_c) * ops.element_a.bytes < 16:
         return "operands not 16-byte aligned"
+    return None
+
+
+# Our epilogue activations in QuACK's names (gemm_act); the erf GELU has no QuACK form.
+ACTIVATIONS = {"relu": "relu", "silu": "silu", "gelu_tanh": "gelu_tanh_approx"}
+
+
+def epilogue_refusal(epilogue) -> Optional[str]:
+    """Why QuACK's epilogues cannot compute ``epilogue`` (ours: D = activation(alpha * AB +
+    bias) + beta * C), or None. QuACK adds C before its activation, so an activation with a
+    residual is refused; a bias must run along N (one value per output column)."""
+    activation = getattr(epilogue.activation, "value", epilogue.activation)
+    bias = getattr(epilogue.bias, "value", epilogue.bias)
+    if bias == "m":
+        return "a bias along M"
+    if activation != "identity":
+        if activation not in ACTIVATIONS:
+            return f"the {activation} activation"
+        if epilogue.residual:
+            return "an activation with a residual (QuACK adds C before the activation)"
     return None
 
 
@@ -147,12 +169,14 @@ def candidates(m: int, n: int, k: int, sms: int = SMS_H100) -> list[DslConfig]:
 
 
 def check(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-          bias: Optional[torch.Tensor] = None) -> None:
+          bias: Optional[torch.Tensor] = None, c: Optional[torch.Tensor] = None) -> None:
     """What the kernels take, with the problem named: CUDA tensors on one device; a (M, K) or
-    (L, M, K), b (K, N) or (L, K, N), out (M, N) or (L, M, N); bf16 or fp16 operands of one
-    dtype (out of theirs or float32); each operand with one unit-stride dimension of its last two
-    and the other strides multiples of 16 bytes, from a 16-byte aligned address; bias (N,)."""
-    tensors = {"a": a, "b": b, "out": out, **({"bias": bias} if bias is not None else {})}
+    (L, M, K), b (K, N) or (L, K, N), out and the residual c (M, N) or (L, M, N); bf16 or fp16
+    operands of one dtype (out and c of theirs or float32); each operand with one unit-stride
+    dimension of its last two and the other strides multiples of 16 bytes, from a 16-byte
+    aligned address; bias (N,) of out's dtype."""
+    tensors = {"a": a, "b": b, "out": out, **({"bias": bias} if bias is not None else {}),
+               **({"c": c} if c is not None else {})}
     devices = {t.device for t in tensors.values()}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         raise UnsupportedInputError(f"the DSL GEMM needs CUDA tensors on one device, got "
@@ -170,6 +194,9 @@ def check(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
             a.dim() == 3 and not a.shape[0] == b.shape[0] == out.shape[0]):
         raise UnsupportedInputError(f"shapes do not make a GEMM: a {tuple(a.shape)}, b "
                                     f"{tuple(b.shape)}, out {tuple(out.shape)}")
+    if c is not None and (c.shape != out.shape or c.dtype != out.dtype):
+        raise UnsupportedInputError(f"the residual c must have out's shape {tuple(out.shape)} "
+                                    f"and dtype {out.dtype}, got {tuple(c.shape)} {c.dtype}")
     if bias is not None and (tuple(bias.shape) != (b.shape[-1],) or bias.dtype != out.dtype):
         raise UnsupportedInputError(f"bias must be ({b.shape[-1]},) of {out.dtype}, got "
                                     f"{tuple(bias.shape)} of {bias.dtype}")
@@ -190,34 +217,53 @@ def check(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
 
 
 def plan(config: DslConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
-         bias: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
-    """``launch()``, running ``out = a @ b (+ bias)`` with ``config``'s kernel on torch's current
-    stream and returning ``out``. The first launch compiles the kernel (or loads it from the
-    disk cache); capture a launch in a CUDA graph only after one has run."""
+         bias: Optional[torch.Tensor] = None, c: Optional[torch.Tensor] = None,
+         alpha: float = 1.0, beta: float = 1.0,
+         activation: str = "identity") -> Callable[[], torch.Tensor]:
+    """``launch()``, running ``out = activation(alpha * (a @ b) + bias) + beta * c`` (our
+    epilogue's order; ``epilogue_refusal`` says which it takes) with ``config``'s kernel on
+    torch's current stream and returning ``out``. The first launch compiles the kernel (or loads
+    it from the disk cache); capture a launch in a CUDA graph only after one has run."""
     why = unavailable()
     if why:
         raise UnsupportedInputError(why)
-    check(a, b, out, bias)
-    run = runner(config)
+    check(a, b, out, bias, c)
+    run = runner(config, activation, residual=c is not None)
 
     def launch() -> torch.Tensor:
-        run(a, b, out, bias)
+        run(a, b, out, bias, c, alpha, beta)
         return out
 
     return launch
 
 
-def runner(config: DslConfig) -> Callable[..., None]:
-    """``run(a, b, out, bias=None)``: ``config``'s kernel without ``check`` (dispatch's per-call
-    path, whose route signature keeps check's answer for every call it serves)."""
-    why = unavailable()
+def runner(config: DslConfig, activation: str = "identity",
+           residual: bool = False) -> Callable[..., None]:
+    """``run(a, b, out, bias=None, c=None, alpha=1.0, beta=1.0)``: ``config``'s kernel without
+    ``check`` (dispatch's per-call path, whose route signature keeps check's answer for every
+    call it serves). An activation runs through QuACK's ``gemm_act`` (post-activation output
+    only), anything else through ``gemm_tuned``."""
+    from types import SimpleNamespace
+
+    why = unavailable() or epilogue_refusal(SimpleNamespace(
+        activation=activation, bias="n", residual=residual))
     if why:
         raise UnsupportedInputError(why)
-    gemm = _interface().gemm_tuned.fn
+    interface = _interface()
     quack_config = config.to_quack()
+    if activation != "identity":
+        gemm_act, name = interface.gemm_act, ACTIVATIONS[activation]
 
-    def run(a, b, out, bias=None) -> None:
-        gemm(a, b, out, None, bias, config=quack_config)
+        def run_act(a, b, out, bias=None, c=None, alpha=1.0, beta=1.0) -> None:
+            gemm_act(a, b, None, bias, name, alpha, postact_out=out, store_preact=False,
+                     tuned=False, config=quack_config)
+
+        return run_act
+    gemm = interface.gemm_tuned.fn
+
+    def run(a, b, out, bias=None, c=None, alpha=1.0, beta=1.0) -> None:
+        # beta 1.0 without C: QuACK compiles the term out.
+        gemm(a, b, out, c, bias, alpha, beta if c is not None else 1.0, config=quack_config)
 
     return run
 
@@ -238,5 +284,5 @@ def _interface():
     return _prepared
 
 
-__all__ = ["DslConfig", "SM90_CONFIGS", "unavailable", "refusal", "candidates", "check", "plan",
-           "runner"]
+__all__ = ["DslConfig", "SM90_CONFIGS", "ACTIVATIONS", "unavailable", "refusal",
+           "epilogue_refusal", "candidates", "check", "plan", "runner"]

@@ -70,3 +70,26 @@ def test_importing_the_library_imports_neither_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("epilogue, refused", [
+    (dict(), None),
+    (dict(bias="n"), None),
+    (dict(bias="n", activation="gelu_tanh"), None),
+    (dict(activation="silu"), None),
+    (dict(bias="n", residual=True), None),
+    (dict(bias="m"), "along M"),
+    (dict(activation="gelu"), "gelu activation"),
+    (dict(activation="relu", residual=True), "adds C before"),
+])
+def test_epilogues_in_our_order_or_refused(monkeypatch, epilogue, refused):
+    """D = activation(alpha * AB + bias) + beta * C: QuACK computes it except where it adds C
+    before the activation, has no erf GELU, or the bias runs along M."""
+    from cutlass_ops.gemms.config import Epilogue, GemmOperands, GemmProblem
+
+    monkeypatch.setattr(dsl, "unavailable", lambda: None)
+    problem = GemmProblem(GemmOperands.make("bf16", epilogue=Epilogue(**epilogue)), 64, 64, 64)
+    why = dsl.refusal(problem)
+    assert (why is None) if refused is None else (refused in why)
+    with_f32 = GemmProblem(GemmOperands.make("f32"), 64, 64, 64)
+    assert "bf16 or f16" in dsl.refusal(with_f32)

@@ -111,3 +111,24 @@ def test_dispatch_runs_a_tuned_dsl_winner_and_falls_back_when_it_cannot(tmp_path
     graph.replay()
     torch.cuda.synchronize()
     check(captured, x, w.t(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=lambda c: c.name)
+@pytest.mark.parametrize("epilogue", [
+    dict(bias="n", activation="relu"), dict(activation="silu"),
+    dict(bias="n", activation="gelu_tanh"), dict(bias="n", residual=True), dict(residual=True)])
+def test_fused_epilogues_verify_in_the_tuners_session(config, epilogue):
+    """The tuner's own session (random operands, alpha 0.75, beta 0.5, the float32 reference in
+    our epilogue's order) accepts the DSL kernel for every epilogue dsl.refusal lets through."""
+    from cutlass_ops.gemms.config import Epilogue, GemmOperands, GemmProblem
+    from tuning.backend import GpuSession
+
+    operands = GemmOperands.make("bf16", epilogue=Epilogue(**epilogue))  # x W^T
+    problem = GemmProblem(operands, 300, 1024, 512)
+    assert dsl.refusal(problem) is None
+    session = GpuSession(problem, torch.cuda.current_device())
+    try:
+        assert session.verify(config) is None
+        assert session.time_ms(config, 5) > 0  # captured in a CUDA graph
+    finally:
+        session.close()
