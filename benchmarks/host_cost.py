@@ -4,9 +4,9 @@ replace, at shapes where the host bounds the rate: calls per second over back-to
 Rows: ``cutlass_ops.nn.Linear`` and the ``cutlass_ops::linear`` custom op at 16x4096x4096
 against torch.nn.Linear / F.linear; Hugging Face's LlamaRMSNorm and a whole LlamaDecoderLayer at a
 decode step (batch 16, one token each) against what ``convert`` makes of them (our RMSNorm, the
-fused block); ``cutlass_ops.matmul`` at 16x256x256 on a CUTLASS kernel (built on first use in a private,
-empty cache: online mode "compile", about a minute) against torch.matmul; the fused norms at
-16x4096 bf16, the functions (``custom_kernels.norms.rms_norm`` / ``layer_norm``, with and
+fused block); ``cutlass_ops.matmul`` at 16x256x256 on a CUTLASS kernel (built on first use in
+a private, empty cache: online mode "compile", about a minute) against torch.matmul, and the
+same call on a CuTe DSL winner (with ``cutlass-ops[dsl]``); the fused norms at 16x4096 bf16, the functions (``custom_kernels.norms.rms_norm`` / ``layer_norm``, with and
 without a residual) and the modules (``cutlass_ops.nn.RMSNorm`` / ``LayerNorm``, inference and
 with grad enabled) against torch's functional calls and modules. Ours and torch alternate in
 batches of back-to-back calls; each figure is the median batch. Every row checks ours against
@@ -76,6 +76,34 @@ def matmul_rows(batches: int, calls: int) -> list[dict]:
                     lambda: torch.matmul(x, wt), "torch.matmul", batches, calls,
                     dispatch=decision.source,
                     kernel=decision.choice.name if decision.choice else "torch.matmul")]
+
+
+def dsl_matmul_rows(batches: int, calls: int) -> list[dict]:
+    """``cutlass_ops.matmul`` dispatching a CuTe DSL winner (``cutlass_ops.gemms.dsl``, with the
+    extra installed; none without it): the tuned entry is written to a private cache, as a tune
+    would leave it."""
+    from cutlass_ops.gemms import dispatch, dsl, inputs
+    from custom_kernels.core.device import current_scope
+    from custom_kernels.core.tuned_store import TuningCache
+
+    if dsl.unavailable():
+        return []
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    wt = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16).t()
+    problem = inputs.check_product(x, wt).problem
+    winner = dsl.DslConfig.from_name("dsl-sm90-pingpong-t128x128-c2x1-swap")
+    with private_cache_with_online_compile(), torch.no_grad():
+        TuningCache(current_scope()).put(problem, {
+            "winner": winner.to_dict(), "winner_name": winner.name, "backend": "dsl",
+            "winner_ms": 0.01, "torch_ms": 0.01, "prefer": "cutlass",
+            "problem": problem.to_dict()})
+        dispatch._entries_by_scope.clear()
+        dispatch._routes.clear()
+        decision = cutlass_ops.explain(x, wt)
+        return [row("matmul bf16 16x256x256 DSL kernel", lambda: cutlass_ops.matmul(x, wt),
+                    lambda: torch.matmul(x, wt), "torch.matmul", batches, calls,
+                    dispatch=decision.source, kernel=decision.choice.name
+                    if decision.choice else "torch.matmul")]
 
 
 def norm_rows(batches: int, calls: int) -> list[dict]:
@@ -164,7 +192,8 @@ def main() -> None:
     args = parser.parse_args()
     require_gpu()
     rows = (norm_rows(args.batches, args.calls) + linear_rows(args.batches, args.calls)
-            + hugging_face_rows(args.batches, args.calls) + matmul_rows(args.batches, args.calls))
+            + hugging_face_rows(args.batches, args.calls) + matmul_rows(args.batches, args.calls)
+            + dsl_matmul_rows(args.batches, args.calls))
     print_table(["case", "ours us", "torch us", "ratio (calls/s)", "correct"],
                 [[r["case"], r["detail"]["ours_us"], r["detail"]["reference_us"], r["ratio"],
                   r["correct"]] for r in rows])

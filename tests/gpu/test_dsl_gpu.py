@@ -132,3 +132,42 @@ def test_fused_epilogues_verify_in_the_tuners_session(config, epilogue):
         assert session.time_ms(config, 5) > 0  # captured in a CUDA graph
     finally:
         session.close()
+
+
+def test_a_second_process_runs_a_compiled_kernel_without_compiling():
+    """The kernel objects persist under our cache root: another process loads the kernel this
+    one compiled (no new object file) and gets the right result."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    x, w = random(256, 512, scale=1 / 16), random(1024, 512)
+    out = torch.empty(256, 1024, device="cuda", dtype=torch.bfloat16)
+    dsl.plan(CONFIGS[1], x, w.t(), out)()
+    root = Path(os.environ[dsl.CACHE_ENV])
+    before = sorted(str(p) for p in root.rglob("*.o"))
+    assert before, f"no compiled kernel under {root}"
+    code = (
+        "import json, time, torch\n"
+        "from cutlass_ops.gemms import dsl\n"
+        "x = torch.randn(256, 512, device='cuda').bfloat16() / 16\n"
+        "w = torch.randn(1024, 512, device='cuda').bfloat16()\n"
+        "out = torch.empty(256, 1024, device='cuda', dtype=torch.bfloat16)\n"
+        f"launch = dsl.plan(dsl.DslConfig.from_name({CONFIGS[1].name!r}), x, w.t(), out)\n"
+        "start = time.perf_counter(); launch(); torch.cuda.synchronize()\n"
+        "first = time.perf_counter() - start\n"
+        "error = ((out.float() - x.float() @ w.float().t()).norm()\n"
+        "         / (x.float() @ w.float().t()).norm()).item()\n"
+        "print(json.dumps({'first_launch_s': first, 'error': error}))\n")
+    root_dir = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(root_dir), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=root_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["error"] < 1e-2
+    assert sorted(str(p) for p in root.rglob("*.o")) == before  # loaded, not compiled
+    assert report["first_launch_s"] < 1.0, report  # a compile takes about 2 s
