@@ -127,8 +127,7 @@ class GpuSession:
                 from cutlass_ops.gemms import dsl
 
                 launch = dsl.plan(choice, self.a, self.b, self.out, bias=self.bias, c=self.c,
-                                  alpha=self.alpha, beta=self.beta,
-                                  activation=self.activation.value)
+                                  alpha=self.alpha, beta=self.beta)
             else:
                 from cutlass_ops.gemms.choice import plan_choice
 

@@ -341,7 +341,7 @@ def _dsl_route(decision: Decision, checked: inputs.CheckedGemm, key,
             return out
         try:
             dsl.check(a, b, out, bias, residual)
-            launch = dsl.runner(config, activation, residual=residual is not None)
+            launch = dsl.runner(config)
             launch(a, b, out, bias, residual, alpha, beta)
         except Exception as exc:  # noqa: BLE001 - the DSL's compiler: torch runs it instead
             reason = f"the DSL kernel {config.name} failed: {type(exc).__name__}: {exc}"[:300]

@@ -135,23 +135,20 @@ def refusal(problem) -> Optional[str]:
     return None
 
 
-# Our epilogue activations in QuACK's names (gemm_act); the erf GELU has no QuACK form.
-ACTIVATIONS = {"relu": "relu", "silu": "silu", "gelu_tanh": "gelu_tanh_approx"}
-
-
 def epilogue_refusal(epilogue) -> Optional[str]:
-    """Why QuACK's epilogues cannot compute ``epilogue`` (ours: D = activation(alpha * AB +
-    bias) + beta * C), or None. QuACK adds C before its activation, so an activation with a
-    residual is refused; a bias must run along N (one value per output column)."""
+    """Why the DSL path cannot compute ``epilogue`` (ours: D = activation(alpha * AB + bias) +
+    beta * C), or None. QuACK's ``gemm_tuned`` computes alpha * AB + beta * C + bias: a bias
+    along N and a residual are ours. Activations go through its ``gemm_act``, which with a
+    pinned config failed to compile on an H100 (quack-kernels 0.6.5, nvidia-cutlass-dsl 4.8.1:
+    "TypeError: epilogue fn depends on <ContextVar name='_LOC_TRANSFORMS'>"), and which adds C
+    before the activation: they stay with the C++ kernels. A bias along M is refused too."""
     activation = getattr(epilogue.activation, "value", epilogue.activation)
     bias = getattr(epilogue.bias, "value", epilogue.bias)
     if bias == "m":
         return "a bias along M"
     if activation != "identity":
-        if activation not in ACTIVATIONS:
-            return f"the {activation} activation"
-        if epilogue.residual:
-            return "an activation with a residual (QuACK adds C before the activation)"
+        return f"a fused {activation} activation (QuACK's gemm_act does not compile with a " \
+            "pinned config)"
     return None
 
 
@@ -218,17 +215,15 @@ def check(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
 
 def plan(config: DslConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
          bias: Optional[torch.Tensor] = None, c: Optional[torch.Tensor] = None,
-         alpha: float = 1.0, beta: float = 1.0,
-         activation: str = "identity") -> Callable[[], torch.Tensor]:
-    """``launch()``, running ``out = activation(alpha * (a @ b) + bias) + beta * c`` (our
-    epilogue's order; ``epilogue_refusal`` says which it takes) with ``config``'s kernel on
-    torch's current stream and returning ``out``. The first launch compiles the kernel (or loads
-    it from the disk cache); capture a launch in a CUDA graph only after one has run."""
+         alpha: float = 1.0, beta: float = 1.0) -> Callable[[], torch.Tensor]:
+    """``launch()``, running ``out = alpha * (a @ b) + bias + beta * c`` with ``config``'s
+    kernel on torch's current stream and returning ``out``. The first launch compiles the kernel
+    (or loads it from the disk cache); capture a launch in a CUDA graph only after one has run."""
     why = unavailable()
     if why:
         raise UnsupportedInputError(why)
     check(a, b, out, bias, c)
-    run = runner(config, activation, residual=c is not None)
+    run = runner(config)
 
     def launch() -> torch.Tensor:
         run(a, b, out, bias, c, alpha, beta)
@@ -237,29 +232,15 @@ def plan(config: DslConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     return launch
 
 
-def runner(config: DslConfig, activation: str = "identity",
-           residual: bool = False) -> Callable[..., None]:
+def runner(config: DslConfig) -> Callable[..., None]:
     """``run(a, b, out, bias=None, c=None, alpha=1.0, beta=1.0)``: ``config``'s kernel without
     ``check`` (dispatch's per-call path, whose route signature keeps check's answer for every
-    call it serves). An activation runs through QuACK's ``gemm_act`` (post-activation output
-    only), anything else through ``gemm_tuned``."""
-    from types import SimpleNamespace
-
-    why = unavailable() or epilogue_refusal(SimpleNamespace(
-        activation=activation, bias="n", residual=residual))
+    call it serves), through QuACK's ``gemm_tuned`` with the config pinned."""
+    why = unavailable()
     if why:
         raise UnsupportedInputError(why)
-    interface = _interface()
+    gemm = _interface().gemm_tuned.fn
     quack_config = config.to_quack()
-    if activation != "identity":
-        gemm_act, name = interface.gemm_act, ACTIVATIONS[activation]
-
-        def run_act(a, b, out, bias=None, c=None, alpha=1.0, beta=1.0) -> None:
-            gemm_act(a, b, None, bias, name, alpha, postact_out=out, store_preact=False,
-                     tuned=False, config=quack_config)
-
-        return run_act
-    gemm = interface.gemm_tuned.fn
 
     def run(a, b, out, bias=None, c=None, alpha=1.0, beta=1.0) -> None:
         # beta 1.0 without C: QuACK compiles the term out.
@@ -284,5 +265,5 @@ def _interface():
     return _prepared
 
 
-__all__ = ["DslConfig", "SM90_CONFIGS", "ACTIVATIONS", "unavailable", "refusal",
+__all__ = ["DslConfig", "SM90_CONFIGS", "unavailable", "refusal",
            "epilogue_refusal", "candidates", "check", "plan", "runner"]

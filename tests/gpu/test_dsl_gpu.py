@@ -114,9 +114,8 @@ def test_dispatch_runs_a_tuned_dsl_winner_and_falls_back_when_it_cannot(tmp_path
 
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=lambda c: c.name)
-@pytest.mark.parametrize("epilogue", [
-    dict(bias="n", activation="relu"), dict(activation="silu"),
-    dict(bias="n", activation="gelu_tanh"), dict(bias="n", residual=True), dict(residual=True)])
+@pytest.mark.parametrize("epilogue", [dict(bias="n"), dict(bias="n", residual=True),
+                                      dict(residual=True)])
 def test_fused_epilogues_verify_in_the_tuners_session(config, epilogue):
     """The tuner's own session (random operands, alpha 0.75, beta 0.5, the float32 reference in
     our epilogue's order) accepts the DSL kernel for every epilogue dsl.refusal lets through."""
