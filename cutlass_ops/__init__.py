@@ -66,6 +66,14 @@ def linear_cross_entropy(hidden, weight, labels, **options):
     return _loss(hidden, weight, labels, **options)
 
 
+def grouped_mm(a, b, offs=None, *, out_dtype=None):
+    """One GEMM per group (mixture-of-experts experts) with torch._grouped_mm's semantics, with
+    autograd (see cutlass_ops.grouped for the forms and the offsets)."""
+    from cutlass_ops.grouped import grouped_mm as _grouped_mm
+
+    return _grouped_mm(a, b, offs, out_dtype=out_dtype)
+
+
 def convert(model, **options):
     """Swaps a model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place where our
     kernels apply, fusing activations that follow them in an nn.Sequential; returns a report of
@@ -86,6 +94,7 @@ def __getattr__(name):
 
 __all__ = [
     "__version__", "gemm", "plan", "matmul", "explain", "convert", "linear_cross_entropy",
+    "grouped_mm",
     "Activation", "Arch",
     "BiasMode", "DType", "Epilogue",
     "EpilogueSchedule", "GemmConfig",

@@ -1,0 +1,223 @@
+"""``grouped_mm``: one GEMM per group (a mixture-of-experts layer's experts) in one call, with
+``torch._grouped_mm``'s semantics for the forms MoE needs, autograd, a fake implementation and
+the custom op ``cutlass_ops::grouped_mm`` (so ``torch.compile(fullgraph=True)`` traces it).
+
+The form follows the operands' dimensions; ``offs`` (int32, [G], on the operands' device) holds
+the cumulative ends of the groups along the grouped extent: group g spans
+``[offs[g-1], offs[g])`` (``offs[-1]`` ends the last group; a repeated value is an empty group):
+
+- ``2d3d``: a [M, K] (the routed tokens, grouped by expert), b [G, K, N] (one weight each),
+  offs over M -> [M, N]. The forward pass and dX. Rows past ``offs[-1]`` belong to no group and
+  are left unspecified, as torch leaves them.
+- ``2d2d``: a [M, K], b [K, N], offs over K -> [G, M, N]: the weight gradient
+  (``x^T @ dY`` per expert, the tokens being K). A group with no K is zeros.
+- ``3d2d``: a [G, M, K], b [K, N], offs over N -> [M, N]: what the ``2d2d`` form's backward
+  needs.
+- ``3d3d``: a [G, M, K], b [G, K, N], no offs -> [G, M, N]: a batched GEMM.
+
+Operands are bf16 or fp16 (float32 accumulation; the output in their dtype) or float32; each is
+row- or column-major (a transposed view is fine) with 16-byte aligned strides on CUDA (K and N
+multiples of 8 bf16 elements), where a misaligned operand is refused by name. Every backward
+GEMM is one of the four forms: for ``y = grouped_mm(x, w, offs)`` (``2d3d``),
+``dx = grouped_mm(dy, w^T, offs)`` and ``dw = grouped_mm(x^T, dy, offs)`` (``2d2d``).
+
+On CUDA the GEMMs run ``torch._grouped_mm`` (CUTLASS's two fixed sm90 configs), with the
+offsets never read on the host (no sync; CUDA-graph safe); nothing checks their values there (a
+sync), so they must be non-decreasing and within the grouped extent. Off CUDA, ``reference``
+runs a float32 loop over the groups and checks the offsets (the CPU rule,
+``custom_kernels.core.fallback``). int64 offsets are converted (on the device, no sync).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from custom_kernels.core import fallback
+from custom_kernels.core.errors import UnsupportedInputError
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FORMS = ("2d3d", "2d2d", "3d2d", "3d3d")
+
+
+def form_of(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> str:
+    """The form of a call (see the module docstring), or UnsupportedInputError naming why the
+    operands make none."""
+    for name, t in (("a", a), ("b", b), ("offs", offs)):
+        if t is not None and not isinstance(t, Tensor):
+            raise UnsupportedInputError(f"grouped_mm: {name} must be a tensor, got "
+                                        f"{type(t).__name__}")
+    form = f"{a.dim()}d{b.dim()}d"
+    if form not in FORMS:
+        raise UnsupportedInputError(f"grouped_mm takes 2-D or 3-D operands in the forms "
+                                    f"{', '.join(FORMS)}; got {a.dim()}-D x {b.dim()}-D")
+    if (form == "3d3d") != (offs is None):
+        raise UnsupportedInputError("grouped_mm: offs is required for the 2d3d, 2d2d and 3d2d "
+                                    "forms and not taken by 3d3d" if form != "3d3d" else
+                                    "grouped_mm: 3-D x 3-D is a batched GEMM, without offs")
+    if a.shape[-1] != b.shape[-2]:
+        raise UnsupportedInputError(f"grouped_mm: a {tuple(a.shape)} and b {tuple(b.shape)} do "
+                                    "not multiply (a's last extent must be b's second to last)")
+    groups = offs.shape[0] if offs is not None and offs.dim() == 1 else None
+    if offs is not None and (offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64)):
+        raise UnsupportedInputError(f"grouped_mm: offs must be a 1-D int32 tensor, got "
+                                    f"{offs.dtype} of shape {tuple(offs.shape)}")
+    counts = {"2d3d": b.shape[0], "3d2d": a.shape[0], "3d3d": a.shape[0]}
+    if form == "3d3d" and a.shape[0] != b.shape[0]:
+        raise UnsupportedInputError(f"grouped_mm: a has {a.shape[0]} groups and b "
+                                    f"{b.shape[0]}")
+    if form in ("2d3d", "3d2d") and groups != counts[form]:
+        raise UnsupportedInputError(f"grouped_mm: offs has {groups} groups and the 3-D operand "
+                                    f"{counts[form]}")
+    return form
+
+
+def output_shape(form: str, a: Tensor, b: Tensor, offs: Optional[Tensor]) -> tuple:
+    if form == "2d3d":
+        return (a.shape[0], b.shape[-1])
+    if form == "2d2d":
+        return (offs.shape[0], a.shape[0], b.shape[-1])
+    if form == "3d2d":
+        return (a.shape[1], b.shape[-1])
+    return (a.shape[0], a.shape[1], b.shape[-1])
+
+
+def check(a: Tensor, b: Tensor, offs: Optional[Tensor], out_dtype) -> str:
+    """Every rule but the offsets' values: the form, the dtypes, the devices and, on CUDA, the
+    16-byte strides. Returns the form."""
+    form = form_of(a, b, offs)
+    if a.dtype not in DTYPES or b.dtype != a.dtype:
+        raise UnsupportedInputError(f"grouped_mm takes bf16, fp16 or float32 operands of one "
+                                    f"dtype, got {a.dtype} and {b.dtype}")
+    if out_dtype is not None and out_dtype != a.dtype:
+        raise UnsupportedInputError(f"grouped_mm writes its output in the operands' dtype "
+                                    f"({a.dtype}), not {out_dtype}")
+    devices = {t.device for t in (a, b, offs) if t is not None}
+    if len(devices) > 1:
+        raise UnsupportedInputError(f"grouped_mm: tensors on different devices: "
+                                    f"{sorted(map(str, devices))}")
+    if a.is_cuda:
+        for name, t in (("a", a), ("b", b)):
+            _check_cuda_layout(name, t)
+    return form
+
+
+def _check_cuda_layout(name: str, t: Tensor) -> None:
+    """torch._grouped_mm's (and CUTLASS's) rule: one of the last two dimensions contiguous, the
+    other strides multiples of 16 bytes, a 16-byte aligned address."""
+    step = 16 // t.element_size()
+    inner = [d for d in (-1, -2) if t.stride(d) == 1]
+    others = [t.stride(d) for d in range(t.dim()) if not inner or d != t.dim() + inner[0]]
+    if not inner or any(s % step for s in others) or t.data_ptr() % 16:
+        raise UnsupportedInputError(
+            f"grouped_mm: {name} {tuple(t.shape)} with strides {t.stride()} is not row- or "
+            f"column-major with 16-byte aligned strides (its extents along the strided "
+            f"dimension must be multiples of {step}); pad it, or make it contiguous")
+
+
+# ---- the custom op --------------------------------------------------------------------------
+
+@torch.library.custom_op("cutlass_ops::grouped_mm", mutates_args=())
+def grouped_mm_op(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> Tensor:
+    """See the module docstring; ``grouped_mm`` checks the inputs first."""
+    form = form_of(a, b, offs)
+    if fallback.off_cuda({"a": a, "b": b, "offs": offs}, "cutlass_ops.grouped_mm",
+                         "cutlass_ops.grouped.reference"):
+        return reference(a, b, offs)
+    if offs is not None and offs.dtype != torch.int32:
+        offs = offs.to(torch.int32)
+    if 0 in output_shape(form, a, b, offs):
+        return a.new_empty(output_shape(form, a, b, offs))
+    if a.shape[-1] == 0:  # no K: every product is zero
+        return a.new_zeros(output_shape(form, a, b, offs))
+    return torch._grouped_mm(a, b, offs)
+
+
+@grouped_mm_op.register_fake
+def _(a, b, offs):
+    form = form_of(a, b, offs)
+    return a.new_empty(output_shape(form, a, b, offs))
+
+
+def _setup(ctx, inputs, output) -> None:
+    a, b, offs = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _backward(ctx, grad: Tensor):
+    """Every form's two gradients are grouped GEMMs of the same offsets:
+    ``da = grouped_mm(grad, b^T)`` and ``db = grouped_mm(a^T, grad)``. For 2d3d they are 2d3d
+    and 2d2d; for 2d2d, 3d2d and 2d3d; for 3d2d, 2d2d and 3d2d; 3d3d stays batched. A gradient
+    whose grouped extent runs past ``offs[-1]`` (entries no group reads) has that part zeroed,
+    on the device: the grouped GEMM leaves it unspecified."""
+    a, b, offs = ctx.saved_tensors
+    form = form_of(a, b, offs)
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = grouped_mm_op(grad, b.transpose(-1, -2), offs)
+        if form in ("2d3d", "2d2d"):  # a's rows (2d3d) or columns (2d2d) are grouped
+            grad_a = _zero_past(grad_a, offs, 0 if form == "2d3d" else 1)
+    if ctx.needs_input_grad[1]:
+        grad_b = grouped_mm_op(a.transpose(-1, -2), grad, offs)
+        if form in ("2d2d", "3d2d"):  # b's rows (2d2d) or columns (3d2d) are grouped
+            grad_b = _zero_past(grad_b, offs, 0 if form == "2d2d" else 1)
+    return grad_a, grad_b, None
+
+
+def _zero_past(t: Tensor, offs: Tensor, dim: int) -> Tensor:
+    """``t`` with the entries at or past ``offs[-1]`` along ``dim`` zeroed (no host sync)."""
+    if offs.shape[0] == 0:
+        return torch.zeros_like(t)
+    index = torch.arange(t.shape[dim], device=t.device)
+    keep = (index < offs[-1]).to(t.dtype)
+    return t * (keep[:, None] if dim == 0 else keep)
+
+
+torch.library.register_autograd("cutlass_ops::grouped_mm", _backward, setup_context=_setup)
+
+
+# ---- the public function and the reference --------------------------------------------------
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Optional[Tensor] = None, *,
+               out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """One GEMM per group (see the module docstring for the forms, ``offs`` and the layouts).
+    ``out_dtype``: None or the operands' dtype (the accumulation is float32 either way)."""
+    check(a, b, offs, out_dtype)
+    return grouped_mm_op(a, b, offs)
+
+
+def bounds(offs: Tensor, extent: int) -> list[tuple[int, int]]:
+    """The groups' [start, end) on the host (a sync on CUDA: the reference's and the tests'),
+    checked: non-decreasing, non-negative, ending within ``extent``."""
+    ends = [int(v) for v in offs.tolist()]
+    starts = [0] + ends[:-1]
+    if any(e < s for s, e in zip(starts, ends)) or (ends and (ends[0] < 0 or
+                                                             ends[-1] > extent)):
+        raise UnsupportedInputError(f"grouped_mm: offs {ends} must be non-decreasing, from 0, "
+                                    f"and end within the grouped extent {extent}")
+    return list(zip(starts, ends))
+
+
+def reference(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> Tensor:
+    """The groups one at a time in float32, rounded once to the operands' dtype: the path off
+    CUDA and the tests' ground truth. Rows past ``offs[-1]`` (2d3d) are zeros here."""
+    form = form_of(a, b, offs)
+    out = torch.zeros(output_shape(form, a, b, offs), dtype=torch.float32, device=a.device)
+    af, bf = a.float(), b.float()
+    if form == "3d3d":
+        out = torch.bmm(af, bf)
+    elif form == "2d3d":
+        for g, (s, e) in enumerate(bounds(offs, a.shape[0])):
+            out[s:e] = af[s:e] @ bf[g]
+    elif form == "2d2d":
+        for g, (s, e) in enumerate(bounds(offs, a.shape[1])):
+            out[g] = af[:, s:e] @ bf[s:e]
+    else:
+        for g, (s, e) in enumerate(bounds(offs, b.shape[1])):
+            out[:, s:e] = af[g] @ bf[:, s:e]
+    return out.to(a.dtype)
+
+
+__all__ = ["grouped_mm", "grouped_mm_op", "reference", "check", "form_of", "bounds", "FORMS"]
