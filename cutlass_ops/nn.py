@@ -17,7 +17,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from cutlass_ops import causal_mask, decoder_blocks, lm_loss, norm_probe, ops, step_graphs
+from cutlass_ops import causal_mask, decoder_blocks, lm_loss, moe, norm_probe, ops, step_graphs
 from cutlass_ops.gemms.config import Activation
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
@@ -109,8 +109,8 @@ def _why_not(layer: nn.Linear) -> str | None:
 
 
 def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: bool = True,
-            norms: bool = True, fused_loss: bool = True, fuse_blocks: bool = True
-            ) -> ConversionReport:
+            norms: bool = True, fused_loss: bool = True, fuse_blocks: bool = True,
+            experts: bool = True) -> ConversionReport:
     """Swaps the model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place (sharing
     parameters), leaving unsupported ones alone. ``include``: names to consider (default all);
     ``exclude``: names to leave alone. With ``fuse_activations``, a ReLU / GELU / SiLU module
@@ -126,16 +126,23 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
     QKV and gate+up GEMMs, rotary and SwiGLU kernels, residual adds in GEMM epilogues;
     ``cutlass_ops.decoder_blocks``), after a probe of the layer; a model on SDPA attention then
     also skips the materialized causal mask of unpadded batches under torch.compile
-    (``cutlass_ops.causal_mask``). Returns what was done and why, per layer."""
+    (``cutlass_ops.causal_mask``). With ``experts``, a mixture-of-experts experts module built
+    like Hugging Face's (Mixtral, Qwen3-MoE: 3-D ``gate_up_proj`` / ``down_proj``, SiLU) runs as
+    two grouped GEMMs and a SwiGLU kernel without its per-expert loop, after a probe
+    (``cutlass_ops.moe``). Returns what was done and why, per layer."""
     with step_graphs.paused():  # the probes' calls leave no CUDA graphs behind
         return _convert(model, include, exclude, fuse_activations, norms, fused_loss,
-                        fuse_blocks)
+                        fuse_blocks, experts)
 
 
-def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_blocks
-             ) -> ConversionReport:
+def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_blocks,
+             experts) -> ConversionReport:
     decisions = []
     for name, module in list(model.named_modules()):
+        if experts and moe.looks_like_experts(module) and \
+                not isinstance(module, moe.GroupedExperts):
+            decisions.append(_convert_experts(model, name, module, include, exclude))
+            continue
         if norms and type(module) in (nn.RMSNorm, nn.LayerNorm):
             decisions.append(_convert_norm(model, name, module, include, exclude))
             continue
@@ -229,6 +236,35 @@ def _convert_probed_norm(model, name, module, include, exclude) -> Decision:
     what = "Gemma's RMSNorm (1 + weight)" if offset else "RMSNorm"
     return Decision(name, kind, True, f"{what} by structure and by a numeric probe: fused norm "
                     "kernel (torch where the input does not fit)")
+
+
+def _convert_experts(model, name, module, include, exclude) -> Decision:
+    """A mixture-of-experts experts module made two grouped GEMMs (cutlass_ops.moe), when its
+    weights suit the kernels and the probe agrees."""
+    kind = type(module).__name__
+    if include is not None and name not in include or name in exclude:
+        return Decision(name, kind, False, "excluded by the caller")
+    weight = module.gate_up_proj
+    if weight.device.type != "cuda":
+        return Decision(name, kind, False, f"weights on {weight.device}: move the model to a "
+                        "CUDA device first")
+    if weight.dtype not in _SUPPORTED_DTYPES:
+        return Decision(name, kind, False, f"{weight.dtype} weights: the grouped GEMMs are "
+                        "bf16/fp16")
+    hidden, inter = weight.shape[-1], weight.shape[1] // 2
+    if hidden % 8 or inter % 8:
+        return Decision(name, kind, False, f"hidden {hidden} and intermediate {inter}: both "
+                        "must be multiples of 8 for 16-byte aligned rows")
+    if not name:
+        return Decision(name, kind, False, "the model itself is an experts module: use "
+                        "cutlass_ops.moe.GroupedExperts")
+    why = moe.probe(module)
+    if why is not None:
+        return Decision(name, kind, False, why)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, moe.GroupedExperts(module))
+    return Decision(name, kind, True, f"{weight.shape[0]} experts as two grouped GEMMs and a "
+                    "SwiGLU kernel, no per-expert loop (cutlass_ops.moe)")
 
 
 def _fuse_decoder_layers(model, include, exclude) -> list[Decision]:

@@ -1,0 +1,126 @@
+"""Mixture-of-experts experts as two grouped GEMMs: Hugging Face's experts modules
+(``MixtralExperts``, ``Qwen3MoeExperts`` and the modules built like them: ``gate_up_proj``
+[E, 2I, H], ``down_proj`` [E, H, I], SiLU) run without their per-expert loop.
+
+Hugging Face's sparse MoE block calls its router, then ``experts(hidden, top_k_index,
+top_k_weights)``, which loops over the experts that received tokens (a host sync per expert
+and two GEMMs each). ``GroupedExperts`` keeps the router and the parameters (same module path,
+same ``state_dict`` keys) and computes the same sum with no host sync:
+
+1. the (token, slot) pairs sorted by expert (a stable sort), and the cumulative expert counts
+   as the grouped GEMMs' offsets (a scatter-add on the device);
+2. the tokens gathered in that order, one grouped GEMM with every expert's ``gate_up_proj``,
+   SiLU(gate) * up in one kernel (``custom_kernels.swiglu``, Hugging Face's bits), one grouped
+   GEMM with ``down_proj`` (``cutlass_ops.grouped_mm``);
+3. the results put back in pair order and summed over each token's slots with their routing
+   weights, in float32, rounded once (Hugging Face rounds each expert's share to the model's
+   dtype before adding it: the two agree within that dtype's tolerance).
+
+``convert`` swaps an experts module only after a numeric probe: on a small random input, its
+own forward and ours agree within the dtype's tolerance (``probe``); otherwise it stays, and the
+report says why. Autograd, ``torch.compile`` and CUDA graphs work (nothing reads the routing on
+the host).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from cutlass_ops.grouped import grouped_mm
+from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
+from custom_kernels.swiglu import swiglu
+
+PROBE_TOKENS = 64
+PROBE_TOP_K = 2
+
+
+def looks_like_experts(module: nn.Module) -> bool:
+    """Built like Hugging Face's experts modules: 3-D ``gate_up_proj`` [E, 2I, H] and
+    ``down_proj`` [E, H, I] parameters and a SiLU activation."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)):
+        return False
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return False
+    experts, double_inter, hidden = gate_up.shape
+    return (tuple(down.shape) == (experts, hidden, double_inter // 2) and double_inter % 2 == 0
+            and _is_silu(getattr(module, "act_fn", None)))
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
+def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                    down_proj: torch.Tensor) -> torch.Tensor:
+    """``sum_j w[t, j] * down[e] @ silu_and_mul(gate_up[e] @ x[t])`` over each token's slots
+    ``j`` (expert ``e = top_k_index[t, j]``): hidden [T, H], top_k_index / top_k_weights
+    [T, k]. Returns [T, H] in hidden's dtype."""
+    tokens, top_k = top_k_index.shape
+    experts = gate_up_proj.shape[0]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # the pairs, grouped by expert
+    counts = torch.zeros(experts, dtype=torch.int32, device=hidden.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    routed = hidden[order // top_k]  # [T * k, H], each pair's token
+    gate_up = grouped_mm(routed, gate_up_proj.transpose(1, 2), offs)
+    out = grouped_mm(swiglu(gate_up), down_proj.transpose(1, 2), offs)
+    pairs = out.new_zeros(out.shape).index_copy(0, order, out)  # back in (token, slot) order
+    weighted = pairs.view(tokens, top_k, -1).float() * top_k_weights.float().unsqueeze(-1)
+    return weighted.sum(1).to(hidden.dtype)
+
+
+class GroupedExperts(nn.Module):
+    """A Hugging Face experts module on grouped GEMMs, with its parameters (no copy: the same
+    ``state_dict`` keys, optimizers keep working)."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+        self.num_experts = self.gate_up_proj.shape[0]
+        self.replaced = type(experts).__name__
+        self.train(experts.training)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                               self.down_proj)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_experts} experts, replaces {self.replaced}"
+
+
+def probe(experts: nn.Module, seed: int = 0) -> Optional[str]:
+    """None when ``experts``' own forward and ours agree on a small random routing within the
+    dtype's tolerance, else why not."""
+    weight = experts.gate_up_proj
+    hidden = weight.shape[-1]
+    device, dtype = weight.device, weight.dtype
+    generator = torch.Generator(device).manual_seed(seed)
+    top_k = min(PROBE_TOP_K, weight.shape[0])
+    x = torch.randn(PROBE_TOKENS, hidden, device=device, generator=generator).to(dtype)
+    scores = torch.rand(PROBE_TOKENS, weight.shape[0], device=device, generator=generator)
+    weights, index = scores.topk(top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+    try:
+        with torch.no_grad():
+            theirs = experts(x, index, weights)
+            ours = experts_forward(x, index, weights, experts.gate_up_proj, experts.down_proj)
+    except Exception as exc:  # noqa: BLE001 - a module that is not what its structure says
+        return f"the probe failed: {type(exc).__name__}: {exc}"[:300]
+    error = relative_error(ours, theirs)
+    bound = relative_tolerance(dtype, GEMM)
+    if not error <= bound:
+        return (f"its forward differs from the grouped experts' on a random routing "
+                f"(relative error {error:.3g} > {bound:g})")
+    return None
+
+
+__all__ = ["GroupedExperts", "experts_forward", "looks_like_experts", "probe"]
