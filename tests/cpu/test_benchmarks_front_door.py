@@ -30,6 +30,8 @@ def run_benchmark(script, *args):
                                           ("cross_entropy.py", ["--quick"]),
                                           ("sweeps/gemm_configs.py", ["--preset", "small-m"]),
                                           ("sweeps/norm_configs.py", []),
+                                          ("sweeps/dsl_gemm.py", ["--quick"]),
+                                          ("moe.py", ["--quick"]),
                                           ("profile_model.py", [])])
 def test_without_a_gpu_a_benchmark_stops_at_once_with_one_line(script, args):
     result = run_benchmark(script, *args)
@@ -91,3 +93,14 @@ def test_e2e_full_run_carries_the_two_layer_run_of_the_same_code(tmp_path, monke
         {k: row[k] for k in ("case", "ours", "reference", "ratio", "correct")}]
     monkeypatch.setattr(common, "versions", lambda: {"project": "0.1.0+def"})
     assert e2e.two_layer_run() is None  # another code's run
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf"])
+def test_moe_routing_counts_sum_to_the_rows_and_zipf_is_skewed(routing):
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks import moe
+
+    counts = moe.expert_counts(16384 * 8, 256, routing)
+    assert sum(counts) == 16384 * 8 and len(counts) == 256
+    spread = max(counts) / (sum(counts) / len(counts))
+    assert spread < 1.01 if routing == "uniform" else spread > 20

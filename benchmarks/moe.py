@@ -1,0 +1,209 @@
+"""Mixture-of-experts: grouped GEMMs (``cutlass_ops.grouped_mm``) against ``torch._grouped_mm``,
+and a converted Hugging Face MoE block against the eager one.
+
+Grouped rows: the expert GEMMs of Mixtral-8x7B (8 experts, 4096 -> 14336 -> 4096, top-2),
+Qwen3-30B-A3B (128 experts, 2048 -> 768 -> 2048, top-8) and DeepSeek-V3 (256 experts,
+7168 -> 2048 -> 7168, top-8), up (tokens x H -> I) and down (I -> H), at 4096 and 16384 tokens,
+routed uniformly or skewed (expert e takes a share proportional to 1 / (e + 1), Zipf with
+exponent 1, experts in a fixed random order): 24 rows, ``case`` ``grouped <model> <up|down>
+<N>x<K> <tokens> tokens <routing>``, bf16, y = x W^T per expert (W as Hugging Face stores it).
+Times are CUDA-graph replays after an L2 flush, ours and torch's interleaved; ``detail`` has a
+per-expert loop of torch.matmul and one dense torch.matmul of the same FLOPs. Each row is
+checked against the float32 per-expert reference.
+
+Block rows: Hugging Face's Mixtral and Qwen3-MoE sparse blocks (their real sizes, 4096 tokens,
+random bf16 weights), forward + backward, converted (``cutlass_ops.convert``'s experts: grouped
+GEMMs) against eager (``experts_implementation="eager"``, the per-expert loop); Hugging Face's
+own ``grouped_mm`` experts in ``detail``. Writes ``benchmarks/results/moe.json``
+(``moe_quick.json`` with ``--quick``: Qwen3 only, 4096 tokens).
+
+    python benchmarks/moe.py [--quick] [--reps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from custom_kernels.core.tolerances import relative_error  # noqa: E402
+
+MODELS = {  # experts, hidden, intermediate, top-k
+    "Mixtral-8x7B": (8, 4096, 14336, 2),
+    "Qwen3-30B-A3B": (128, 2048, 768, 8),
+    "DeepSeek-V3": (256, 7168, 2048, 8),
+}
+TOKENS = (4096, 16384)
+ROUTINGS = ("uniform", "zipf")
+
+
+def expert_counts(rows: int, experts: int, routing: str, seed: int = 0) -> list[int]:
+    """Rows per expert, summing to ``rows``: equal shares, or Zipf shares (1 / rank) with the
+    ranks in a fixed random order."""
+    if routing == "uniform":
+        shares = [1.0] * experts
+    else:
+        ranks = torch.randperm(experts, generator=torch.Generator().manual_seed(seed)).tolist()
+        shares = [1.0 / (rank + 1) for rank in ranks]
+    total = sum(shares)
+    counts = [int(rows * s / total) for s in shares]
+    for i in range(rows - sum(counts)):  # the remainder, one row each
+        counts[i % experts] += 1
+    return counts
+
+
+def grouped_row(model, direction, tokens, routing, reps) -> dict:
+    import cutlass_ops
+    from tuning.timing import do_bench, do_bench_interleaved
+
+    experts, hidden, inter, top_k = MODELS[model]
+    k, n = (hidden, inter) if direction == "up" else (inter, hidden)
+    rows = tokens * top_k
+    counts = expert_counts(rows, experts, routing)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    x = (torch.randn(rows, k, device="cuda") / math.sqrt(k)).bfloat16()
+    w = torch.randn(experts, n, k, device="cuda").bfloat16()  # Hugging Face's [E, N, K]
+    wt = w.transpose(1, 2)  # [E, K, N] views
+    ours = cutlass_ops.grouped_mm(x, wt, offs)
+    starts = [0] + torch.tensor(counts).cumsum(0).tolist()[:-1]
+    # Checked on up to 8 experts (the largest and a spread), against float32.
+    picked = sorted(range(experts), key=lambda e: -counts[e])[:4] + list(range(0, experts,
+                                                                             max(1, experts // 4)))
+    errors = []
+    for e in dict.fromkeys(picked):
+        s, c = starts[e], counts[e]
+        if c:
+            errors.append(relative_error(ours[s:s + c], x[s:s + c].float() @ wt[e].float()))
+    timings = do_bench_interleaved({"ours": lambda: cutlass_ops.grouped_mm(x, wt, offs),
+                                    "torch": lambda: torch._grouped_mm(x, wt, offs)},
+                                   reps=reps, graph=True)
+    ours_ms, torch_ms = timings["ours"].median_ms, timings["torch"].median_ms
+    bounds = [(s, c) for s, c in zip(starts, counts) if c]
+
+    def loop():
+        for e, (s, c) in enumerate(bounds):
+            torch.matmul(x[s:s + c], wt[e])
+
+    loop_ms = do_bench(loop, reps=max(5, reps // 3)).median_ms
+    dense_ms = do_bench(lambda: torch.matmul(x, wt[0]), reps=reps, graph=True).median_ms
+    flops = 2 * rows * n * k
+    return {
+        "case": f"grouped {model} {direction} {n}x{k} {tokens} tokens {routing}",
+        "unit": "TFLOP/s", "ours": round(flops / ours_ms / 1e9, 1),
+        "reference": round(flops / torch_ms / 1e9, 1), "reference_name": "torch._grouped_mm",
+        "ratio": round(torch_ms / ours_ms, 4), "correct": max(errors, default=0.0) < 2e-2,
+        "detail": {"ours_ms": ours_ms, "reference_ms": torch_ms,
+                   "per_expert_loop_ms": loop_ms, "dense_same_flops_ms": dense_ms,
+                   "max_relative_error": max(errors, default=0.0),
+                   "largest_expert_rows": max(counts), "empty_experts": counts.count(0)},
+    }
+
+
+def hf_block(model: str):
+    import transformers
+
+    experts, hidden, inter, top_k = MODELS[model]
+    if model.startswith("Mixtral"):
+        config = transformers.MixtralConfig(hidden_size=hidden, intermediate_size=inter,
+                                            num_local_experts=experts,
+                                            num_experts_per_tok=top_k, num_hidden_layers=1)
+        cls = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
+    else:
+        config = transformers.Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter,
+                                             num_experts=experts, num_experts_per_tok=top_k,
+                                             norm_topk_prob=True, num_hidden_layers=1)
+        cls = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        block = cls(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return block.bfloat16(), config
+
+
+def block_row(model, tokens, reps) -> dict:
+    import cutlass_ops
+    from tuning.timing import do_bench_interleaved
+
+    eager, config = hf_block(model)
+    ours = copy.deepcopy(eager)
+    report = cutlass_ops.convert(ours)
+    converted = [d.name for d in report.decisions if d.converted]
+    hf_grouped = copy.deepcopy(eager)
+    hf_grouped.experts.config = copy.copy(config)
+    hf_grouped.experts.config._experts_implementation = "grouped_mm"
+    x = torch.randn(1, tokens, MODELS[model][1], device="cuda").bfloat16()
+    grad = torch.randn_like(x)
+
+    def step(block):
+        def run():
+            block.zero_grad(set_to_none=True)
+            inp = x.detach().requires_grad_()
+            out = block(inp)
+            out.backward(grad)
+            return out, inp.grad
+        return run
+
+    (y_eager, dx_eager), (y_ours, dx_ours) = step(eager)(), step(ours)()
+    error = max(relative_error(y_ours, y_eager), relative_error(dx_ours, dx_eager))
+    steps = {"ours": step(ours), "eager": step(eager)}
+    try:
+        step(hf_grouped)()
+        steps["hf grouped_mm"] = step(hf_grouped)
+    except Exception as exc:  # noqa: BLE001 - an optional extra reference
+        hf_error = f"{type(exc).__name__}: {exc}"[:200]
+    else:
+        hf_error = None
+    timings = do_bench_interleaved(steps, warmup=2, reps=reps, flush_l2=False)
+    ours_ms, eager_ms = timings["ours"].median_ms, timings["eager"].median_ms
+    return {
+        "case": f"block {model} forward+backward {tokens} tokens ours vs eager",
+        "unit": "tokens/s", "ours": round(tokens / ours_ms * 1e3, 1),
+        "reference": round(tokens / eager_ms * 1e3, 1), "reference_name": "eager",
+        "ratio": round(eager_ms / ours_ms, 4), "correct": error < 2e-2 and bool(converted),
+        "detail": {"ours_ms": ours_ms, "reference_ms": eager_ms, "relative_error": error,
+                   "converted": converted,
+                   "hf_grouped_mm_ms": timings["hf grouped_mm"].median_ms
+                   if "hf grouped_mm" in timings else hf_error},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="Qwen3-30B-A3B, 4096 tokens")
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    require_gpu()
+    models = ["Qwen3-30B-A3B"] if args.quick else list(MODELS)
+    tokens = TOKENS[:1] if args.quick else TOKENS
+    rows = []
+    name = "moe_quick" if args.quick else "moe"
+    for model in models:
+        for direction in ("up", "down"):
+            for count in tokens:
+                for routing in ROUTINGS:
+                    rows.append(grouped_row(model, direction, count, routing, args.reps))
+                    print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
+        write_result(name, rows)
+    for model in models[:2]:
+        rows.append(block_row(model, 4096, max(5, args.reps // 3)))
+        print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
+        write_result(name, rows)
+    grouped = [r["ratio"] for r in rows if "grouped" in r["case"]]
+    geomean = math.exp(sum(map(math.log, grouped)) / len(grouped))
+    print_table(["case", "ours", "reference", "ratio", "correct"],
+                [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])
+    print(f"grouped geomean {geomean:.4f}, min {min(grouped):.4f}")
+    write_result(name, rows, grouped_geomean=round(geomean, 4))
+
+
+if __name__ == "__main__":
+    main()
