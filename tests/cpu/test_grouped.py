@@ -115,3 +115,18 @@ def test_out_dtype_is_the_operands_and_int64_offsets_are_taken():
         cutlass_ops.grouped_mm(a.bfloat16(), b.bfloat16(), offsets([4, 4]), out_dtype=torch.float32)
     torch.testing.assert_close(cutlass_ops.grouped_mm(a, b, offsets([4, 4]).long()),
                                grouped.reference(a, b, offsets([4, 4])))
+
+
+def test_grouped_kernel_configs_name_round_trip_and_refuse_by_name():
+    from cutlass_ops.gemms.grouped_build import GroupedConfig
+
+    config = GroupedConfig()
+    assert config.name == "grouped-bf16-tn-cooperative-t128x256x64-c2x1"
+    assert GroupedConfig.from_name(config.name) == config
+    assert "GROUPED_LAYOUT_B=1" in config.defines()
+    with pytest.raises(ValueError, match="pingpong tiles"):
+        GroupedConfig(pingpong=True, tile=(256, 128, 64))
+    with pytest.raises(ValueError, match="clusters"):
+        GroupedConfig(cluster=(4, 1))
+    with pytest.raises(ValueError, match="not a grouped"):
+        GroupedConfig.from_name("sm90a-cooperative-t128x256x64")

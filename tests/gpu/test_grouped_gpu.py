@@ -89,3 +89,36 @@ def test_compiles_with_fullgraph():
     x, w, offs = rand(512, 256, scale=1 / 16), rand(4, 256, 256), offsets([100, 0, 300, 112])
     compiled = torch.compile(cutlass_ops.grouped_mm, fullgraph=True)
     close(compiled(x, w, offs), grouped.reference(x, w, offs))
+
+
+@pytest.mark.parametrize("form", ["2d3d", "2d2d", "3d2d", "3d3d"])
+def test_the_cutlass_grouped_kernel_computes_every_form(form):
+    """The CUTLASS sm90 grouped kernel (csrc/grouped_launcher.cu, built on first use) on each
+    form, with the layouts the backward passes produce, against the per-group reference."""
+    from cutlass_ops.gemms import grouped_runtime
+
+    sizes = [64, 0, 200, 248]
+    offs = None if form == "3d3d" else offsets(sizes)
+    if form == "2d3d":  # tokens x experts' nn.Linear weights ([E, N, K] seen as [E, K, N])
+        a, b = rand(512, 256, scale=1 / 16), rand(4, 384, 256).transpose(1, 2)
+    elif form == "2d2d":  # the weight gradient: x^T (column-major) x dy
+        a, b = rand(512, 256, scale=1 / 16).t(), rand(512, 384)
+    elif form == "3d2d":
+        a, b = rand(4, 128, 256, scale=1 / 16), rand(256, 512)
+    else:
+        a, b = rand(4, 128, 256, scale=1 / 16), rand(4, 256, 384)
+    expected = grouped.reference(a, b, offs)
+    out = torch.full(expected.shape, float("nan"), device="cuda", dtype=BF16)
+    config = grouped_runtime.config_for(a, b)
+    grouped_runtime.run(config, form, a, b, offs, out)
+    torch.cuda.synchronize()
+    if form == "2d2d":  # the group with no K must be zeros, not left unwritten
+        assert torch.count_nonzero(out[1]) == 0
+    close(out, expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_runtime.run(config, form, a, b, offs, out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    close(out, expected)

@@ -1,0 +1,135 @@
+"""Configs and nvcc builds of the CUTLASS sm90 grouped (ptr-array) GEMM kernels
+(``csrc/grouped_launcher.cu``), kept in the build cache like the dense kernels.
+
+A ``GroupedConfig`` names one kernel: the element type (bf16 or fp16), A's and B's layouts
+(``t``: row-major, ``n``: column-major, for A (M x K) and B (K x N); a Hugging Face expert weight
+[N, K] used as B is column-major), the CTA tile, the cluster and the schedule. One kernel serves
+every form of ``cutlass_ops.grouped`` with its operand layouts and every group count: the
+problem sizes are read on the device. A build needs nvcc, not a GPU (about 35 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from custom_kernels.core import build_cache
+from cutlass_ops.gemms.build import (BUILD_TIMEOUT_S, cutlass_include_dirs, nvcc_flags,
+                                     nvcc_path, nvcc_version)
+from cutlass_ops.gemms.config import Arch
+
+LAUNCHER = Path(__file__).resolve().parent / "csrc" / "grouped_launcher.cu"
+LIBRARY = "grouped.so"
+ELEMENTS = {"bf16": 0, "f16": 1}
+_NAME = re.compile(r"grouped-(bf16|f16)-([tn])([tn])-(cooperative|pingpong)-t(\d+)x(\d+)x(\d+)"
+                   r"-c(\d)x(\d)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig:
+    element: str = "bf16"
+    layout_a: str = "t"
+    layout_b: str = "n"
+    pingpong: bool = False
+    tile: tuple[int, int, int] = (128, 256, 64)
+    cluster: tuple[int, int] = (2, 1)
+
+    def __post_init__(self) -> None:
+        why = self.why_invalid()
+        if why:
+            raise ValueError(f"grouped GEMM config {self.name}: {why}")
+
+    @property
+    def name(self) -> str:
+        schedule = "pingpong" if self.pingpong else "cooperative"
+        tm, tn, tk = self.tile
+        return (f"grouped-{self.element}-{self.layout_a}{self.layout_b}-{schedule}-t{tm}x{tn}x{tk}"
+                f"-c{self.cluster[0]}x{self.cluster[1]}")
+
+    @classmethod
+    def from_name(cls, name: str) -> GroupedConfig:
+        match = _NAME.fullmatch(name)
+        if match is None:
+            raise ValueError(f"not a grouped GEMM config name: {name!r}")
+        element, la, lb, schedule, tm, tn, tk, cm, cn = match.groups()
+        return cls(element, la, lb, schedule == "pingpong", (int(tm), int(tn), int(tk)),
+                   (int(cm), int(cn)))
+
+    def why_invalid(self) -> str | None:
+        tm, tn, tk = self.tile
+        if self.element not in ELEMENTS:
+            return f"element {self.element} (bf16 or f16)"
+        if self.layout_a not in "tn" or self.layout_b not in "tn" or \
+                len(self.layout_a) != 1 or len(self.layout_b) != 1:
+            return "layouts are t (row-major) or n (column-major)"
+        rows = (64, 128) if self.pingpong else (128, 256)
+        if tm not in rows:
+            return f"{'pingpong' if self.pingpong else 'cooperative'} tiles have M in {rows}"
+        if tn % 16 or not 16 <= tn <= 256 or tk not in (64, 128):
+            return "tile N a multiple of 16 up to 256, tile K 64 or 128"
+        if self.cluster not in ((1, 1), (2, 1), (1, 2), (2, 2)):
+            return "clusters 1x1, 2x1, 1x2 or 2x2"
+        return None
+
+    def defines(self) -> tuple[str, ...]:
+        tm, tn, tk = self.tile
+        return (f"GROUPED_ELEMENT={ELEMENTS[self.element]}",
+                f"GROUPED_LAYOUT_A={0 if self.layout_a == 't' else 1}",
+                f"GROUPED_LAYOUT_B={0 if self.layout_b == 't' else 1}",
+                f"GROUPED_TILE_M={tm}", f"GROUPED_TILE_N={tn}", f"GROUPED_TILE_K={tk}",
+                f"GROUPED_CLUSTER_M={self.cluster[0]}", f"GROUPED_CLUSTER_N={self.cluster[1]}",
+                f"GROUPED_PINGPONG={int(self.pingpong)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedBuild:
+    config: GroupedConfig
+    arch: Arch = Arch.SM90A
+
+    @functools.cached_property
+    def key(self) -> str:
+        return build_cache.key({
+            "launcher": build_cache.digest(LAUNCHER.read_bytes()), "nvcc": nvcc_version(),
+            "flags": nvcc_flags(self.arch), "arch": self.arch.value,
+            "defines": list(self.config.defines())})
+
+    @property
+    def directory(self) -> Path:
+        return build_cache.entry_path("grouped", self.arch.value, self.config.name, self.key)
+
+    @property
+    def entry(self) -> build_cache.Entry:
+        return build_cache.directory_entry(self.directory, self.config.name, LIBRARY,
+                                           "built.json")
+
+
+def _compile(spec: GroupedBuild, library: Path) -> build_cache.Built:
+    command = [nvcc_path(), *nvcc_flags(spec.arch), *(f"-D{d}" for d in spec.config.defines()),
+               *(f"-I{d}" for d in cutlass_include_dirs()), "-o", str(library), str(LAUNCHER)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        output, ok = proc.stdout + proc.stderr, proc.returncode == 0
+    except subprocess.TimeoutExpired as exc:
+        output, ok = f"nvcc timed out after {BUILD_TIMEOUT_S} s\n{exc.stderr or ''}", False
+    log = " ".join(command) + "\n\n" + output
+    if not ok:
+        raise build_cache.BuildFailed(log)
+    return build_cache.Built({"seconds": time.perf_counter() - start,
+                              "name": spec.config.name}, log)
+
+
+def build(config: GroupedConfig, arch: Arch = Arch.SM90A, *,
+          retry_failed: bool = False) -> Path:
+    """The kernel library of ``config``: from the build cache, or compiled now (raises
+    BuildError with nvcc's log kept)."""
+    spec = GroupedBuild(config, arch)
+    return build_cache.get_or_build(spec.entry, lambda library: _compile(spec, library),
+                                    retry=retry_failed).path
+
+
+__all__ = ["GroupedConfig", "GroupedBuild", "build", "LAUNCHER"]

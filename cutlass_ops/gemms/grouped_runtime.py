@@ -1,0 +1,113 @@
+"""Running a built grouped GEMM kernel (``grouped_build``) on torch tensors: the C ABI of
+``csrc/grouped_launcher.cu`` through ctypes, on torch's current stream, with the workspace from
+torch's allocator and the offsets never read on the host.
+
+``run(config, a, b, offs)`` takes the operands of ``cutlass_ops.grouped``'s forms (checked
+there) whose layouts are the config's and returns the new output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from custom_kernels.core.errors import KernelLaunchError, UnsupportedInputError
+from cutlass_ops.gemms.grouped_build import GroupedConfig, build
+
+ABI_VERSION = 1
+FORMS = {"2d3d": 0, "2d2d": 1, "3d2d": 2, "3d3d": 3}
+_ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+class _Args(ctypes.Structure):
+    """CutlassOpsGroupedArgs of the launcher (strides in elements)."""
+
+    _fields_ = [("form", ctypes.c_int32), ("groups", ctypes.c_int32),
+                ("m", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("offs", ctypes.c_void_p), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p),
+                ("d", ctypes.c_void_p),
+                *((name, ctypes.c_int64) for name in (
+                    "a_stride_m", "a_stride_k", "a_stride_group", "b_stride_k", "b_stride_n",
+                    "b_stride_group", "d_stride_m", "d_stride_n", "d_stride_group")),
+                ("alpha", ctypes.c_float), ("sm_count", ctypes.c_int32),
+                ("device", ctypes.c_int32)]
+
+
+@functools.lru_cache(maxsize=None)
+def _library(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    library.cutlass_ops_grouped_last_error.restype = ctypes.c_char_p
+    library.cutlass_ops_grouped_run.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p,
+                                                ctypes.c_size_t, ctypes.c_void_p]
+    library.cutlass_ops_grouped_workspace_size.argtypes = [ctypes.POINTER(_Args),
+                                                          ctypes.POINTER(ctypes.c_size_t)]
+    version = library.cutlass_ops_grouped_abi_version()
+    if version != ABI_VERSION:
+        raise KernelLaunchError(f"{path}: launcher ABI {version}, expected {ABI_VERSION}; "
+                                "rebuild it")
+    return library
+
+
+def layout(t: torch.Tensor) -> str:
+    """``t`` (row-major) or ``n`` (column-major) of a tensor's last two dimensions."""
+    return "t" if t.stride(-1) == 1 else "n"
+
+
+def config_for(a: torch.Tensor, b: torch.Tensor, **options) -> GroupedConfig:
+    """The default kernel config for these operands' dtype and layouts."""
+    if a.dtype not in _ELEMENTS:
+        raise UnsupportedInputError(f"grouped GEMM kernels take bf16 or fp16, not {a.dtype}")
+    return GroupedConfig(_ELEMENTS[a.dtype], layout(a), layout(b), **options)
+
+
+def _extents(form: str, a, b, offs) -> tuple[int, int, int, int]:
+    """(groups, m, n, k): the grouped extent as its total."""
+    if form == "2d3d":
+        return b.shape[0], a.shape[0], b.shape[-1], a.shape[1]
+    if form == "2d2d":
+        return offs.shape[0], a.shape[0], b.shape[1], a.shape[1]
+    if form == "3d2d":
+        return a.shape[0], a.shape[1], b.shape[1], a.shape[2]
+    return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
+
+
+def run(config: GroupedConfig, form: str, a: torch.Tensor, b: torch.Tensor,
+        offs: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``out`` (row-major, the form's shape) = the grouped product, with ``config``'s kernel
+    (built now if it is not in the cache). Raises KernelLaunchError with the launcher's text."""
+    library = _library(build(config))
+    groups, m, n, k = _extents(form, a, b, offs)
+    device = a.device.index
+    args = _Args(form=FORMS[form], groups=groups, m=m, n=n, k=k,
+                 offs=offs.data_ptr() if offs is not None else None,
+                 a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
+                 a_stride_m=a.stride(-2), a_stride_k=a.stride(-1),
+                 a_stride_group=a.stride(0) if a.dim() == 3 else 0,
+                 b_stride_k=b.stride(-2), b_stride_n=b.stride(-1),
+                 b_stride_group=b.stride(0) if b.dim() == 3 else 0,
+                 d_stride_m=out.stride(-2), d_stride_n=out.stride(-1),
+                 d_stride_group=out.stride(0) if out.dim() == 3 else 0,
+                 alpha=1.0, sm_count=_sm_count(device), device=device)
+    size = ctypes.c_size_t(0)
+    if library.cutlass_ops_grouped_workspace_size(ctypes.byref(args), ctypes.byref(size)):
+        raise KernelLaunchError(library.cutlass_ops_grouped_last_error().decode())
+    workspace = torch.empty(size.value, dtype=torch.uint8, device=a.device)
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    status = library.cutlass_ops_grouped_run(ctypes.byref(args), workspace.data_ptr(),
+                                             size.value, stream)
+    if status:
+        raise KernelLaunchError(f"{config.name}: "
+                                f"{library.cutlass_ops_grouped_last_error().decode()}")
+    return out
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+__all__ = ["run", "config_for", "layout", "FORMS"]
