@@ -21,8 +21,11 @@ multiples of 8 bf16 elements), where a misaligned operand is refused by name. Ev
 GEMM is one of the four forms: for ``y = grouped_mm(x, w, offs)`` (``2d3d``),
 ``dx = grouped_mm(dy, w^T, offs)`` and ``dw = grouped_mm(x^T, dy, offs)`` (``2d2d``).
 
-On CUDA the GEMMs run ``torch._grouped_mm`` (CUTLASS's two fixed sm90 configs), with the
-offsets never read on the host (no sync; CUDA-graph safe); nothing checks their values there (a
+On CUDA the GEMMs run our CUTLASS sm90 grouped kernel where ``cutlass-tune tune --grouped``
+stored a winner that beat ``torch._grouped_mm`` for the call's key
+(``cutlass_ops.gemms.grouped_build.GroupedProblem``), else ``torch._grouped_mm`` (CUTLASS's two
+fixed sm90 configs); either way the offsets are never read on the host (no sync; CUDA-graph
+safe); nothing checks their values there (a
 sync), so they must be non-decreasing and within the grouped extent. Off CUDA, ``reference``
 runs a float32 loop over the groups and checks the offsets (the CPU rule,
 ``custom_kernels.core.fallback``). int64 offsets are converted (on the device, no sync).
@@ -132,7 +135,35 @@ def grouped_mm_op(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> Tensor:
         return a.new_empty(output_shape(form, a, b, offs))
     if a.shape[-1] == 0:  # no K: every product is zero
         return a.new_zeros(output_shape(form, a, b, offs))
+    config = _tuned(form, a, b, offs)
+    if config is not None:
+        from cutlass_ops.gemms import grouped_runtime
+
+        out = a.new_empty(output_shape(form, a, b, offs))
+        return grouped_runtime.run(config, form, a, b, offs, out)
     return torch._grouped_mm(a, b, offs)
+
+
+_tuned_by_signature: dict = {}
+
+
+def _tuned(form: str, a: Tensor, b: Tensor, offs: Optional[Tensor]):
+    """The tuned CUTLASS kernel for this call (``tuning.grouped_search`` stored it, verified,
+    and it beat torch._grouped_mm), or None; remembered per shapes, strides and dtype."""
+    key = (form, a.device, a.dtype, a.shape, a.stride(), b.shape, b.stride(),
+           None if offs is None else offs.shape)
+    if key not in _tuned_by_signature:
+        from cutlass_ops.gemms import grouped_build
+        from cutlass_ops.gemms.grouped_runtime import layout
+
+        config = None
+        if a.dtype in (torch.bfloat16, torch.float16):
+            element = "bf16" if a.dtype == torch.bfloat16 else "f16"
+            problem = grouped_build.GroupedProblem.of(form, a, b, offs, element, layout(a),
+                                                      layout(b))
+            config = grouped_build.tuned_config(problem, a.device.index)
+        _tuned_by_signature[key] = config
+    return _tuned_by_signature[key]
 
 
 @grouped_mm_op.register_fake

@@ -171,6 +171,8 @@ def make_backend(args):
 def cmd_tune(args) -> int:
     from tuning.search import tune
 
+    if args.grouped:
+        return _tune_grouped(args)
     problems = _problems(args)
     if not problems:
         raise ValueError("no shapes: give MxNxK arguments, --file or --model")
@@ -201,6 +203,33 @@ def cmd_tune(args) -> int:
              r["speedup"] or "-", r["prefer"], r["failures"], r["cached"]] for r in rows]),
           f"compiled {report.built} kernels, reused {report.reused}, build "
           f"{report.build_seconds:.0f} s, measurement {report.measure_seconds:.0f} s")
+    return EXIT_OK
+
+
+def _tune_grouped(args) -> int:
+    """``tune --grouped E:N:K --tokens ROWS``: the grouped (MoE expert) GEMMs, forward and with
+    --backward dX and dW, over ROWS routed rows (tokens x top-k)."""
+    from tuning import grouped_search
+
+    shapes = [grouped_search.parse(spec) for spec in args.grouped]
+    if not args.tokens:
+        raise ValueError("--grouped needs --tokens: the routed rows (tokens x top-k)")
+    if args.dtype not in ("bf16", "f16"):
+        raise ValueError(f"grouped GEMMs are bf16 or f16, not {args.dtype}")
+    problems = [p for shape in shapes for p in grouped_search.moe_problems(
+        *shape, args.tokens, backward=args.backward, element=args.dtype)]
+    results = grouped_search.tune(problems, strategy=args.strategy, force=args.force,
+                                  progress=lambda message: print(message, file=sys.stderr))
+    rows = [{"problem": r.problem.name, "winner": r.entry.get("winner"),
+             "winner_ms": r.entry.get("winner_ms"), "torch_ms": r.entry.get("torch_ms"),
+             "speedup": round(r.entry["torch_ms"] / r.entry["winner_ms"], 3)
+             if r.entry.get("winner_ms") else None, "prefer": r.entry.get("prefer"),
+             "failures": len(r.entry.get("failures", [])), "cached": r.cached} for r in results]
+    _emit(args, {"results": rows},
+          (["problem", "winner", "ms", "torch._grouped_mm ms", "speedup", "uses", "failures",
+            "cached"],
+           [[r["problem"], r["winner"] or "-", _fmt(r["winner_ms"]), _fmt(r["torch_ms"]),
+             r["speedup"] or "-", r["prefer"], r["failures"], r["cached"]] for r in rows]))
     return EXIT_OK
 
 
@@ -681,6 +710,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="re-tune shapes already in the cache")
     p.add_argument("--no-heuristics", action="store_true",
                    help="rank with our model only, not nvidia-matmul-heuristics")
+    p.add_argument("--grouped", action="append", metavar="E:N:K",
+                   help="tune the grouped (mixture-of-experts) GEMM of E experts, K -> N each, "
+                   "over --tokens routed rows (tokens x top-k); with --backward its dX and dW "
+                   "too (cutlass_ops.grouped_mm runs the winners)")
     _add_build_args(p)
 
     p = command("bench", cmd_bench, "time tuned winners against torch.matmul (a table)")

@@ -36,7 +36,7 @@ class Keyed(Protocol):
     def name(self) -> str: ...
 
 # Kernel families and the subdirectory of the tuning directory that holds each one's files.
-FAMILIES = {"gemm": "", "norms": "norms"}
+FAMILIES = {"gemm": "", "norms": "norms", "grouped": "grouped"}
 GEMM = "gemm"
 
 

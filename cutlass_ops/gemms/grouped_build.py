@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import subprocess
 import time
@@ -85,6 +86,63 @@ class GroupedConfig:
                 f"GROUPED_PINGPONG={int(self.pingpong)}")
 
 
+def bucket(rows_per_group: float) -> int:
+    """The tuning key's rows per group: the next power of two, at least 16."""
+    return max(16, 1 << max(0, math.ceil(math.log2(max(1.0, rows_per_group)))))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedProblem:
+    """What a grouped GEMM is tuned for: the form (``cutlass_ops.grouped``), the group count,
+    the per-group extents (the grouped one as a bucket of its mean: ``bucket``), the element
+    type and A's and B's layouts. Routing skew is not in the key: the offsets live on the
+    device, and reading them would cost a sync per call."""
+
+    form: str
+    groups: int
+    m: int
+    n: int
+    k: int
+    element: str = "bf16"
+    layout_a: str = "t"
+    layout_b: str = "n"
+
+    @property
+    def name(self) -> str:
+        return (f"{self.form}-{self.element}-{self.layout_a}{self.layout_b}-g{self.groups}"
+                f"-m{self.m}-n{self.n}-k{self.k}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GroupedProblem:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.groups * self.m * self.n * self.k
+
+    @classmethod
+    def of(cls, form: str, a, b, offs, element: str, layout_a: str,
+           layout_b: str) -> GroupedProblem:
+        """The key of a call's operands (``cutlass_ops.grouped``'s forms)."""
+        if form == "2d3d":
+            groups = b.shape[0]
+            return cls(form, groups, bucket(a.shape[0] / max(1, groups)), b.shape[-1],
+                       a.shape[1], element, layout_a, layout_b)
+        if form == "2d2d":
+            groups = offs.shape[0]
+            return cls(form, groups, a.shape[0], b.shape[1],
+                       bucket(a.shape[1] / max(1, groups)), element, layout_a, layout_b)
+        if form == "3d2d":
+            groups = a.shape[0]
+            return cls(form, groups, a.shape[1], bucket(b.shape[1] / max(1, groups)),
+                       a.shape[2], element, layout_a, layout_b)
+        return cls(form, a.shape[0], a.shape[1], b.shape[2], a.shape[2], element, layout_a,
+                   layout_b)
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupedBuild:
     config: GroupedConfig
@@ -132,4 +190,46 @@ def build(config: GroupedConfig, arch: Arch = Arch.SM90A, *,
                                     retry=retry_failed).path
 
 
-__all__ = ["GroupedConfig", "GroupedBuild", "build", "LAUNCHER"]
+GROUPED = "grouped"  # the tuning cache family (custom_kernels.core.tuned_store.FAMILIES)
+
+
+def grouped_cache(device: int | None = None, root: Path | None = None):
+    """The tuned grouped kernels of this GPU and software scope (``tuning.grouped_search``)."""
+    from custom_kernels.core.device import current_scope
+    from custom_kernels.core.tuned_store import TuningCache
+
+    return TuningCache(current_scope(device), root, family=GROUPED)
+
+
+def tuned_config(problem: GroupedProblem, device: int | None = None) -> GroupedConfig | None:
+    """The stored winner of ``problem`` when it beat torch._grouped_mm, else None (nothing
+    tuned: no device query at all)."""
+    from custom_kernels.core.tuned_store import family_dir
+
+    if not family_dir(GROUPED).is_dir():
+        return None
+    entry = grouped_cache(device).get(problem)
+    if not entry or not entry.get("winner") or entry.get("prefer") != "cutlass":
+        return None
+    return GroupedConfig.from_name(entry["winner"])
+
+
+def candidates(problem: GroupedProblem, strategy: str = "default") -> list[GroupedConfig]:
+    """Kernels to try, the best guess first: pingpong 64-row tiles when a group has few rows
+    (decode-sized experts), cooperative 128 / 256-row tiles otherwise; quick 4, default 8,
+    exhaustive all 15."""
+    base = dict(element=problem.element, layout_a=problem.layout_a, layout_b=problem.layout_b)
+    small = problem.m <= 128
+    pingpong = [GroupedConfig(**base, pingpong=True, tile=tile, cluster=cluster)
+                for tile in ((64, 128, 64), (64, 256, 64), (128, 128, 64))
+                for cluster in ((1, 1), (2, 1))]
+    cooperative = [GroupedConfig(**base, tile=tile, cluster=cluster)
+                   for tile in ((128, 256, 64), (128, 128, 64), (256, 128, 64))
+                   for cluster in ((2, 1), (1, 1), (1, 2))]
+    ranked = pingpong + cooperative if small else cooperative + pingpong
+    limit = {"quick": 4, "default": 8, "exhaustive": None}[strategy]
+    return ranked[:limit]
+
+
+__all__ = ["GroupedConfig", "GroupedProblem", "GroupedBuild", "build", "bucket", "candidates",
+           "grouped_cache", "tuned_config", "GROUPED", "LAUNCHER"]

@@ -1,0 +1,114 @@
+"""The grouped GEMM tuner on the CPU with a fake backend: keys, candidates, the protocol's rounds
+(failures recorded, wrong results never win), stored entries and the CLI's refusals."""
+
+import pytest
+from tuning_fakes import SCOPE
+
+from custom_kernels.core.tuned_store import TuningCache
+from cutlass_ops.gemms.grouped_build import GroupedProblem, bucket, candidates
+from tuning import grouped_search
+
+
+class FakeSession:
+    def __init__(self, backend, problem):
+        self.backend, self.problem = backend, problem
+
+    def verify(self, config):
+        self.backend.verified.append(config)
+        return "wrong result: relative error 0.5 > 0.01" if config.cluster == (1, 2) else None
+
+    def time_ms(self, config, reps):
+        # Cooperative 128x256 fastest, pingpong slowest: a deterministic order.
+        return 1.0 + 0.1 * config.pingpong + 0.001 * sum(config.tile) + 0.01 * config.cluster[0]
+
+    def torch_ms(self, reps):
+        return 1.5
+
+    def compare_ms(self, configs, reps):
+        return {c: self.time_ms(c, reps) for c in configs}, self.torch_ms(reps)
+
+    def close(self):
+        pass
+
+
+class FakeBackend:
+    def __init__(self):
+        self.built, self.verified = [], []
+
+    def build(self, configs):
+        self.built += configs
+        return {c: "build: fake nvcc error" for c in configs if c.tile == (256, 128, 64)}
+
+    def session(self, problem):
+        return FakeSession(self, problem)
+
+
+def test_keys_bucket_the_grouped_extent_and_name_the_layouts():
+    assert [bucket(x) for x in (1, 16, 17, 100, 512, 513)] == [16, 16, 32, 128, 512, 1024]
+    forward, dx, dw = grouped_search.moe_problems(8, 14336, 4096, 8192, backward=True)
+    assert forward == GroupedProblem("2d3d", 8, 1024, 14336, 4096, "bf16", "t", "n")
+    assert dx.n == 4096 and dx.k == 14336 and (dx.layout_a, dx.layout_b) == ("t", "t")
+    assert dw.form == "2d2d" and (dw.m, dw.n, dw.k) == (4096, 14336, 1024)
+    assert GroupedProblem.from_dict(forward.to_dict()) == forward
+    assert forward.name == "2d3d-bf16-tn-g8-m1024-n14336-k4096"
+
+
+def test_candidates_follow_the_rows_per_group():
+    small = GroupedProblem("2d3d", 128, 64, 768, 2048)
+    large = GroupedProblem("2d3d", 8, 2048, 14336, 4096)
+    assert candidates(small, "quick")[0].pingpong and not candidates(large, "quick")[0].pingpong
+    assert len(candidates(large, "quick")) == 4 and len(candidates(large, "default")) == 8
+    assert len(candidates(large, "exhaustive")) == 15
+
+
+def test_a_tune_stores_verified_winners_and_records_failures(tmp_path):
+    backend = FakeBackend()
+    cache = TuningCache(SCOPE, tmp_path, family="grouped")
+    problems = grouped_search.moe_problems(8, 14336, 4096, 8192, backward=True)
+    results = grouped_search.tune(problems, strategy="exhaustive", backend=backend, cache=cache,
+                                  progress=lambda message: None)
+    assert [r.problem for r in results] == problems
+    # One kernel serves every problem of its layouts: each config built once.
+    assert len(backend.built) == len(set(backend.built))
+    for problem in problems:
+        entry = cache.get(problem)
+        assert entry["winner"] and entry["prefer"] == "cutlass"
+        assert "-c1x2" not in entry["winner"]  # wrong results never win
+        stages = {f["stage"] for f in entry["failures"]}
+        assert stages == {"build", "wrong result"}
+    again = grouped_search.tune(problems, backend=backend, cache=cache,
+                                progress=lambda message: None)
+    assert all(r.cached for r in again)
+
+
+def test_tuned_config_reads_a_winner_that_beat_torch(tmp_path, monkeypatch):
+    from cutlass_ops.gemms import grouped_build
+
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    problem = GroupedProblem("2d3d", 8, 1024, 14336, 4096)
+    assert grouped_build.tuned_config(problem) is None  # nothing tuned: no device query
+    cache = TuningCache(SCOPE, family="grouped")
+    monkeypatch.setattr(grouped_build, "grouped_cache", lambda device=None: cache)
+    cache.put(problem, {"winner": "grouped-bf16-tn-cooperative-t128x256x64-c2x1",
+                        "prefer": "cutlass"})
+    assert grouped_build.tuned_config(problem).tile == (128, 256, 64)
+    cache.put(problem, {"winner": "grouped-bf16-tn-cooperative-t128x256x64-c2x1",
+                        "prefer": "torch"})
+    assert grouped_build.tuned_config(problem) is None
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--grouped", "8:14336"], "E:N:K"),
+    (["--grouped", "8:0:4096", "--tokens", "64"], "positive"),
+    (["--grouped", "8:14336:4096"], "--tokens"),
+    (["--grouped", "8:14336:4096", "--tokens", "64", "--dtype", "f32"], "bf16 or f16"),
+    (["--grouped", "8:14336:4096", "--tokens", "64"], "needs a CUDA GPU"),  # before any build
+])
+def test_the_cli_refuses_bad_grouped_arguments_by_name(args, words, capsys, monkeypatch):
+    import torch
+
+    from tuning.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the no-GPU case anywhere
+    assert main(["tune", *args]) != 0
+    assert words in capsys.readouterr().err

@@ -1,0 +1,253 @@
+"""Tuning the grouped (mixture-of-experts) GEMM kernels (``cutlass_ops.gemms.grouped_build``):
+the grouped family's side of the tuner protocol (``tuning.protocol``).
+
+Per ``GroupedProblem`` (form, groups, per-group extents with the grouped one bucketed, element,
+layouts): the candidates built in parallel (nvcc, through the build cache; about 35 s each, once
+per config and layouts: the sizes are run-time values), each run on random operands with the
+rows spread evenly over the groups, checked against the per-group float32 reference
+(``cutlass_ops.grouped.reference``), timed as CUDA-graph replays after an L2 flush, the best
+few beside ``torch._grouped_mm`` interleaved; the best ratio wins. Entries live in the tuning
+cache of this GPU, family ``grouped``; ``cutlass_ops.grouped_mm`` runs a stored winner that beat
+torch and ``torch._grouped_mm`` otherwise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import time
+from typing import Callable, Iterable
+
+from cutlass_ops.gemms import grouped_build
+from cutlass_ops.gemms.grouped_build import GROUPED, GroupedConfig, GroupedProblem, grouped_cache
+from tuning import protocol
+
+STRATEGIES = ("quick", "default", "exhaustive")
+
+
+def moe_problems(experts: int, n: int, k: int, rows: int, *, backward: bool = False,
+                 element: str = "bf16") -> list[GroupedProblem]:
+    """An MoE layer's expert GEMM ``rows`` x K -> N over ``experts`` experts, its weights as
+    Hugging Face stores them ([E, N, K]): the forward (2d3d, B column-major), and with
+    ``backward`` dX (2d3d, B row-major) and dW (2d2d, A column-major)."""
+    per_group = grouped_build.bucket(rows / experts)
+    problems = [GroupedProblem("2d3d", experts, per_group, n, k, element, "t", "n")]
+    if backward:
+        problems += [GroupedProblem("2d3d", experts, per_group, k, n, element, "t", "t"),
+                     GroupedProblem("2d2d", experts, k, n, per_group, element, "n", "t")]
+    return problems
+
+
+def parse(spec: str) -> tuple[int, int, int]:
+    """``E:N:K`` (experts, output and input features of one expert GEMM) as integers."""
+    try:
+        experts, n, k = (int(part) for part in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--grouped takes E:N:K (experts:N:K, e.g. 8:14336:4096), got "
+                         f"{spec!r}") from None
+    if min(experts, n, k) < 1:
+        raise ValueError(f"--grouped {spec}: every extent must be positive")
+    return experts, n, k
+
+
+def tune(problems: Iterable[GroupedProblem], *, strategy: str = "default",
+         force: bool = False, backend: "Backend | None" = None, cache=None,
+         progress: Callable[[str], None] = print) -> list[protocol.Result]:
+    """Tunes each problem not yet in the cache (all with ``force``), storing each entry as soon
+    as its problem is done."""
+    family = GroupedFamily(strategy, backend or GpuGroupedBackend(), progress)
+    return protocol.run(list(problems), family, cache if cache is not None else grouped_cache(),
+                        force=force)
+
+
+class GroupedFamily:
+    rounds = protocol.Rounds()
+
+    def __init__(self, strategy: str, backend, progress: Callable[[str], None]):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+        self.strategy, self.backend, self.progress = strategy, backend, progress
+        self.build_seconds = 0.0
+
+    def candidates(self, problem: GroupedProblem) -> list[GroupedConfig]:
+        return grouped_build.candidates(problem, self.strategy)
+
+    def build(self, plans: dict) -> dict:
+        start = time.perf_counter()
+        configs = list(dict.fromkeys(c for plan in plans.values() for c in plan))
+        self.progress(f"building {len(configs)} grouped kernels")
+        errors = self.backend.build(configs)
+        self.build_seconds = time.perf_counter() - start
+        return {problem: {c: errors.get(c) for c in plan} for problem, plan in plans.items()}
+
+    def session(self, problem: GroupedProblem):
+        return self.backend.session(problem)
+
+    def derived(self, problem, ranked):
+        return []
+
+    def baseline(self, problem, plan):
+        return None  # torch._grouped_mm, timed beside each finalist
+
+    def deadline(self):
+        return None
+
+    def entry(self, problem: GroupedProblem, measured: protocol.Measured) -> dict:
+        times, winner = measured.times, measured.winner
+        winner_ms = times[winner] if winner else None
+        torch_ms = measured.torch_ms
+        return {
+            "problem": problem.to_dict(),
+            "winner": winner.name if winner else None,
+            "winner_ms": winner_ms, "torch_ms": torch_ms,
+            "winner_tflops": round(problem.flops / winner_ms / 1e9, 2) if winner else None,
+            "prefer": "cutlass" if winner_ms is not None and winner_ms <= torch_ms
+            else "torch",
+            "runners_up": [{"config": c.name, "ms": times[c],
+                            "torch_ms": measured.torch_beside.get(c)}
+                           for c in measured.ranked()[1:1 + self.rounds.runners_up]],
+            "failures": [{"config": f.candidate, "stage": f.stage, "error": f.error[:400]}
+                         for f in measured.failures],
+            "strategy": self.strategy, "complete": measured.complete,
+            "tune_seconds": round(measured.seconds, 2),
+            "build_seconds_total": round(self.build_seconds, 2),
+            "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"),
+        }
+
+
+class Backend:
+    """Where grouped candidates are built and measured (a fake one in the CPU tests)."""
+
+    def build(self, configs: list[GroupedConfig]) -> dict:
+        """{config: error text} of the configs that failed to build."""
+
+    def session(self, problem: GroupedProblem): ...
+
+
+class GpuGroupedBackend(Backend):
+    def __init__(self, jobs: int | None = None):
+        import torch
+
+        from cutlass_ops.gemms.build import default_jobs
+
+        if not torch.cuda.is_available():  # before any nvcc build, not after them
+            from custom_kernels.core.errors import UnsupportedInputError
+
+            raise UnsupportedInputError("tuning grouped GEMMs needs a CUDA GPU, and torch sees "
+                                        "none")
+        self.jobs = jobs or default_jobs()
+
+    def build(self, configs):
+        from custom_kernels.core.errors import BuildError
+
+        errors = {}
+        with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
+            futures = {pool.submit(grouped_build.build, c): c for c in configs}
+            for future, config in futures.items():
+                try:
+                    future.result()
+                except BuildError as exc:
+                    errors[config] = f"build: {exc}"[:400]
+        return errors
+
+    def session(self, problem):
+        return GroupedSession(problem)
+
+
+class GroupedSession:
+    """One problem's random operands (rows spread evenly over the groups), its reference and
+    torch's same call (``tuning.protocol.Session``)."""
+
+    def __init__(self, problem: GroupedProblem):
+        import torch
+
+        from cutlass_ops import grouped
+        from custom_kernels.core.tolerances import GEMM, relative_tolerance
+
+        self.problem = p = problem
+        dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[p.element]
+        g = torch.Generator("cuda").manual_seed(0)
+
+        def matrix(*shape, layout, scale=1.0):
+            rows, cols = shape[-2:]
+            stored = (*shape[:-2], rows, cols) if layout == "t" else (*shape[:-2], cols, rows)
+            t = (torch.randn(stored, device="cuda", generator=g) * scale).to(dtype)
+            return t if layout == "t" else t.transpose(-1, -2)
+
+        self.offs = None
+        if p.form == "2d3d":
+            self.a = matrix(p.groups * p.m, p.k, layout=p.layout_a, scale=p.k ** -0.5)
+            self.b = matrix(p.groups, p.k, p.n, layout=p.layout_b)
+            self.offs = self._offsets(p.m)
+        elif p.form == "2d2d":
+            self.a = matrix(p.m, p.groups * p.k, layout=p.layout_a, scale=p.k ** -0.5)
+            self.b = matrix(p.groups * p.k, p.n, layout=p.layout_b)
+            self.offs = self._offsets(p.k)
+        elif p.form == "3d2d":
+            self.a = matrix(p.groups, p.m, p.k, layout=p.layout_a, scale=p.k ** -0.5)
+            self.b = matrix(p.k, p.groups * p.n, layout=p.layout_b)
+            self.offs = self._offsets(p.n)
+        else:
+            self.a = matrix(p.groups, p.m, p.k, layout=p.layout_a, scale=p.k ** -0.5)
+            self.b = matrix(p.groups, p.k, p.n, layout=p.layout_b)
+        self.reference = grouped.reference(self.a, self.b, self.offs)
+        self.out = torch.empty_like(self.reference)
+        self.tolerance = relative_tolerance(p.element, GEMM)
+
+    def _offsets(self, per_group: int):
+        import torch
+
+        return torch.full((self.problem.groups,), per_group, device="cuda",
+                          dtype=torch.int32).cumsum(0).to(torch.int32)
+
+    def _launch(self, config):
+        from cutlass_ops.gemms import grouped_runtime
+
+        return lambda: grouped_runtime.run(config, self.problem.form, self.a, self.b, self.offs,
+                                           self.out)
+
+    def verify(self, config) -> str | None:
+        import torch
+
+        from custom_kernels.core.errors import CutlassOpsError
+
+        try:
+            self.out.fill_(float("nan"))
+            self._launch(config)()
+            torch.cuda.synchronize()
+        except CutlassOpsError as exc:
+            return f"launch: {exc}"
+        return protocol.check([self.out], [self.reference], self.tolerance)
+
+    def _torch(self):
+        import torch
+
+        a, b, offs = self.a, self.b, self.offs
+        return lambda: torch._grouped_mm(a, b, offs)
+
+    def time_ms(self, config, reps: int) -> float:
+        from tuning.timing import do_bench
+
+        return do_bench(self._launch(config), reps=reps, graph=True).median_ms
+
+    def torch_ms(self, reps: int) -> float:
+        from tuning.timing import do_bench
+
+        return do_bench(self._torch(), reps=reps, graph=True).median_ms
+
+    def compare_ms(self, configs, reps: int):
+        from tuning.timing import do_bench_interleaved
+
+        fns = {c: self._launch(c) for c in configs}
+        fns["torch"] = self._torch()
+        timings = do_bench_interleaved(fns, reps=reps, graph=True)
+        torch_ms = timings.pop("torch").median_ms
+        return {c: t.median_ms for c, t in timings.items()}, torch_ms
+
+    def close(self) -> None:
+        self.a = self.b = self.out = self.reference = self.offs = None
+
+
+__all__ = ["GROUPED", "GroupedFamily", "GpuGroupedBackend", "grouped_cache", "moe_problems",
+           "parse", "tune"]
