@@ -216,16 +216,23 @@ def _convert_norm(model, name, module, include, exclude) -> Decision:
     return Decision(name, kind, True, "fused norm kernel (torch where the input does not fit)")
 
 
+def _excluded_or_off_cuda(name, kind, weight, include, exclude) -> Decision | None:
+    """The refusals every probed conversion starts with: the caller's choice, CPU weights."""
+    if include is not None and name not in include or name in exclude:
+        return Decision(name, kind, False, "excluded by the caller")
+    if weight.device.type != "cuda":
+        return Decision(name, kind, False, f"weights on {weight.device}: move the model to a "
+                        "CUDA device first")
+    return None
+
+
 def _convert_probed_norm(model, name, module, include, exclude) -> Decision:
     """A module built like an RMSNorm that is not torch's (Hugging Face's LlamaRMSNorm and its
     copies): swapped only when the numeric probe agrees (cutlass_ops.norm_probe)."""
     kind = type(module).__name__
-    if include is not None and name not in include or name in exclude:
-        return Decision(name, kind, False, "excluded by the caller")
-    weight = module.weight
-    if weight.device.type != "cuda":
-        return Decision(name, kind, False, f"weights on {weight.device}: move the model to a "
-                        "CUDA device first")
+    refused = _excluded_or_off_cuda(name, kind, module.weight, include, exclude)
+    if refused is not None:
+        return refused
     if not name:
         return Decision(name, kind, False, "the model itself is a norm: wrap it")
     offset, why = norm_probe.match(module)
@@ -242,12 +249,10 @@ def _convert_experts(model, name, module, include, exclude) -> Decision:
     """A mixture-of-experts experts module made two grouped GEMMs (cutlass_ops.moe), when its
     weights suit the kernels and the probe agrees."""
     kind = type(module).__name__
-    if include is not None and name not in include or name in exclude:
-        return Decision(name, kind, False, "excluded by the caller")
     weight = module.gate_up_proj
-    if weight.device.type != "cuda":
-        return Decision(name, kind, False, f"weights on {weight.device}: move the model to a "
-                        "CUDA device first")
+    refused = _excluded_or_off_cuda(name, kind, weight, include, exclude)
+    if refused is not None:
+        return refused
     if weight.dtype not in _SUPPORTED_DTYPES:
         return Decision(name, kind, False, f"{weight.dtype} weights: the grouped GEMMs are "
                         "bf16/fp16")

@@ -11,16 +11,21 @@ from cutlass_ops import moe
 transformers = pytest.importorskip("transformers")
 
 
+def _block(cls, config, seed, dtype):
+    torch.manual_seed(seed)
+    block = cls(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    return block.to(dtype)
+
+
 def mixtral(dtype=torch.float32, experts=4):
     config = transformers.MixtralConfig(hidden_size=64, intermediate_size=96,
                                         num_local_experts=experts, num_experts_per_tok=2,
                                         num_hidden_layers=1, num_attention_heads=4,
                                         num_key_value_heads=2, vocab_size=128)
-    torch.manual_seed(0)
-    block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(config)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    return block.to(dtype)
+    return _block(transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock, config, 0,
+                  dtype)
 
 
 def qwen3_moe(dtype=torch.float32):
@@ -28,11 +33,8 @@ def qwen3_moe(dtype=torch.float32):
                                          num_experts_per_tok=3, norm_topk_prob=True,
                                          num_hidden_layers=1, num_attention_heads=4,
                                          num_key_value_heads=2, vocab_size=128)
-    torch.manual_seed(1)
-    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    return block.to(dtype)
+    return _block(transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock,
+                  config, 1, dtype)
 
 
 def grouped_copy(block):
