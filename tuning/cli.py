@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -176,10 +177,23 @@ def cmd_tune(args) -> int:
     problems = _problems(args)
     if not problems:
         raise ValueError("no shapes: give MxNxK arguments, --file or --model")
+    if args.gpus:
+        return _tune_on_gpus(args, problems)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    if distributed:  # under torchrun: this rank's share, on its local GPU
+        import torch
+
+        from custom_kernels.core.device import current_spec
+        from tuning import multi_gpu
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        problems = multi_gpu.rank_share(problems, current_spec())
     backend = make_backend(args)
     report = tune(problems, backend=backend, strategy=args.strategy, budget_s=args.budget,
                   force=args.force, use_heuristics=not args.no_heuristics,
                   progress=_progress(args))
+    if distributed:
+        _gather_ranks(backend)
     from cutlass_ops.gemms import dispatch
 
     dispatch.reset()
@@ -204,6 +218,47 @@ def cmd_tune(args) -> int:
           f"compiled {report.built} kernels, reused {report.reused}, build "
           f"{report.build_seconds:.0f} s, measurement {report.measure_seconds:.0f} s")
     return EXIT_OK
+
+
+def _tune_on_gpus(args, problems) -> int:
+    """``--gpus``: one worker process per GPU on its share of the problems, one cache."""
+    import torch
+
+    from custom_kernels.core.device import current_spec
+    from tuning import multi_gpu
+
+    devices = multi_gpu.parse_gpus(args.gpus, torch.cuda.device_count())
+    parts = multi_gpu.shard(problems, len(devices), current_spec(devices[0]))
+    options = ["--strategy", args.strategy, "--no-progress"]
+    options += ["--force"] * args.force + ["--no-heuristics"] * args.no_heuristics
+    if args.budget:
+        options += ["--budget", str(args.budget)]
+    if args.jobs:
+        options += ["--jobs", str(args.jobs)]
+    codes = multi_gpu.run_workers(multi_gpu.worker_commands(parts, devices, options))
+    _emit(args, {"gpus": devices, "problems_per_gpu": [len(p) for p in parts],
+                 "exit_codes": codes},
+          text=f"tuned {len(problems)} problems on GPUs {devices} "
+               f"({', '.join(str(len(p)) for p in parts)} each); worker exit codes {codes}")
+    from cutlass_ops.gemms import dispatch
+
+    dispatch.reset()
+    return EXIT_OK if all(code == 0 for code in codes) else EXIT_FAILED
+
+
+def _gather_ranks(backend) -> None:
+    """Under torchrun: rank 0's cache gets every rank's entries (torch.distributed, gloo)."""
+    import torch.distributed as dist
+
+    from custom_kernels.core.tuned_store import TuningCache
+    from tuning import multi_gpu
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    changed = multi_gpu.gather_entries(TuningCache(backend.scope()))
+    if dist.get_rank() == 0:
+        print(f"rank 0 merged {changed} entries of the other ranks", file=sys.stderr)
+    dist.barrier()
 
 
 def _tune_grouped(args) -> int:
@@ -710,6 +765,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="re-tune shapes already in the cache")
     p.add_argument("--no-heuristics", action="store_true",
                    help="rank with our model only, not nvidia-matmul-heuristics")
+    p.add_argument("--gpus", help="all, or device indices like 0,1: one worker per GPU on a "
+                   "balanced share of the shapes, the results in one cache (under torchrun "
+                   "without --gpus, each rank tunes its share and rank 0 gathers them)")
     p.add_argument("--grouped", action="append", metavar="E:N:K",
                    help="tune the grouped (mixture-of-experts) GEMM of E experts, K -> N each, "
                    "over --tokens routed rows (tokens x top-k); with --backward its dX and dW "

@@ -1,0 +1,137 @@
+"""Tuning on several GPUs: the shapes shared out, one worker per GPU, the results in one cache.
+
+``shard(problems, parts)`` splits the problems so that each part's estimated measuring time is
+close to the others' (longest first onto the least loaded part: the estimate is our ranking
+model's time of the problem on the GPU, times a fixed count of timed calls, plus a fixed cost
+per problem). Kernels are not split: one kernel serves every shape it fits, and the artifact
+cache's per-kernel locks let the workers' builds wait for each other instead of compiling twice.
+
+``cutlass-tune tune --gpus all|0,1,...``: the parent process runs one ``cutlass-tune tune``
+worker per GPU (``CUDA_VISIBLE_DEVICES`` naming that GPU) on its part; every worker writes the
+one tuning cache of this machine (its writes are locked and merged per entry), keyed per GPU
+model as always. Under torchrun (``RANK`` / ``WORLD_SIZE`` set), each rank tunes its part of the
+shapes on ``LOCAL_RANK``'s GPU, then ``gather_entries`` gives rank 0 every rank's entries
+through torch.distributed, merged into its cache (``custom_kernels.core.tuned_store``'s rule: a
+complete entry with a better winner replaces), so that a cluster of identical machines tunes
+once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+from cutlass_ops.gemms import ranking
+from cutlass_ops.gemms.choice import Choice
+from cutlass_ops.gemms.config import GemmConfig, GemmProblem
+from custom_kernels.core.device import DeviceSpec
+
+TIMED_CALLS = 600  # a problem's measured calls, about: candidates x repetitions
+PER_PROBLEM_S = 2.0  # set-up, verification and the final round's overhead
+
+
+def estimated_seconds(problem: GemmProblem, device: DeviceSpec) -> float:
+    """What measuring ``problem`` costs, roughly: a typical kernel's modelled time times the
+    calls a tune times, plus the fixed cost."""
+    typical = Choice(GemmConfig(kernel_schedule="cooperative", tile=(128, 256, 64),
+                                cluster=(2, 1, 1)))
+    return PER_PROBLEM_S + TIMED_CALLS * ranking.estimate_us(problem, typical, device) / 1e6
+
+
+def shard(problems: Sequence[GemmProblem], parts: int, device: DeviceSpec) -> list[list]:
+    """``parts`` lists covering ``problems`` once each, balanced by ``estimated_seconds``
+    (deterministic: ties by name). Each list keeps the problems' given order."""
+    if parts < 1:
+        raise ValueError(f"cannot share problems among {parts} GPUs")
+    order = sorted(range(len(problems)), key=lambda i: (
+        -estimated_seconds(problems[i], device), problems[i].name))
+    loads = [0.0] * parts
+    chosen: list[list[int]] = [[] for _ in range(parts)]
+    for i in order:
+        part = min(range(parts), key=lambda p: (loads[p], p))
+        loads[part] += estimated_seconds(problems[i], device)
+        chosen[part].append(i)
+    return [[problems[i] for i in sorted(indices)] for indices in chosen]
+
+
+def parse_gpus(spec: str, available: int) -> list[int]:
+    """``all`` or a comma list of device indices, each below ``available``."""
+    if spec == "all":
+        if available < 1:
+            raise ValueError("--gpus all: torch sees no CUDA GPU")
+        return list(range(available))
+    try:
+        devices = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--gpus takes 'all' or device indices like 0,1; got {spec!r}") from None
+    bad = [d for d in devices if not 0 <= d < available]
+    if bad or len(set(devices)) != len(devices):
+        raise ValueError(f"--gpus {spec}: each index once, below the {available} GPUs torch "
+                         "sees")
+    return devices
+
+
+def worker_commands(parts: list[list[GemmProblem]], devices: list[int],
+                    options: Sequence[str]) -> list[tuple[list[str], dict]]:
+    """(argv, environment) of one ``cutlass-tune tune`` worker per non-empty part: its shapes
+    (batch included) and operands, the parent's other options, its GPU alone visible."""
+    commands = []
+    for part, device in zip(parts, devices):
+        if not part:
+            continue
+        by_operands: dict = {}
+        for problem in part:
+            by_operands.setdefault(problem.operands, []).append(problem)
+        for operands, problems in by_operands.items():
+            shapes = [f"{p.m}x{p.n}x{p.k}" + (f"x{p.batch}" if p.batch > 1 else "")
+                      for p in problems]
+            argv = [sys.executable, "-m", "tuning.cli", "tune", *shapes,
+                    *_operand_options(operands), *options]
+            commands.append((argv, {**os.environ, "CUDA_VISIBLE_DEVICES": str(device)}))
+    return commands
+
+
+def _operand_options(operands) -> list[str]:
+    """The CLI options that give back ``operands`` (``tuning.cli``'s --dtype, --out-dtype,
+    --layout and --epilogue)."""
+    layout = "".join(x.letter for x in (operands.layout_a, operands.layout_b, operands.layout_c))
+    options = ["--dtype", operands.element_a.value, "--out-dtype", operands.element_d.value,
+               "--layout", layout]
+    if operands.epilogue.name:  # bias_n-gelu_tanh-res: the parts Epilogue.parse takes
+        options += ["--epilogue", operands.epilogue.name.replace("-", ",")]
+    return options
+
+
+def run_workers(commands: list[tuple[list[str], dict]]) -> list[int]:
+    """Starts every worker at once and waits for them all; their exit codes."""
+    processes = [subprocess.Popen(argv, env=env) for argv, env in commands]
+    return [p.wait() for p in processes]
+
+
+def rank_share(problems: Sequence[GemmProblem], device: DeviceSpec) -> list[GemmProblem]:
+    """Under torchrun: this rank's part of the problems (``RANK`` of ``WORLD_SIZE``)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return shard(problems, world, device)[rank]
+
+
+def gather_entries(cache) -> int:
+    """Every rank's entries of ``cache``'s scope and family merged into rank 0's cache
+    (torch.distributed, initialized by the caller; any backend). Returns what rank 0 added or
+    improved (0 on the other ranks)."""
+    import torch.distributed as dist
+
+    mine = cache.entries()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return 0
+    changed = 0
+    for entries in everyone[1:]:
+        changed += cache.merge(entries)
+    return changed
+
+
+__all__ = ["shard", "parse_gpus", "worker_commands", "run_workers", "rank_share",
+           "gather_entries", "estimated_seconds"]
