@@ -304,6 +304,54 @@ def clip_grad_norm_(parameters_or_grads, max_norm: float, norm_type: float = 2.0
     return norm
 
 
+def total_norm(parameters_or_grads, norm_type: float = 2.0,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The total norm that ``clip_grad_norm_`` would clip by, without scaling anything: the
+    two-kernel path's per-task partials and its total (no host sync), or torch's
+    ``get_total_norm`` where ``clip_grad_norm_`` falls back to torch. ``out_dtype``: the
+    result's dtype (default torch's, the promotion of the gradients' dtypes; float32 keeps the
+    kernels' float32 total unrounded). The distributed clip's local step
+    (``custom_kernels.clip_grad_distributed``)."""
+    grads = gradients(parameters_or_grads)
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    norm_code = NORM_CODES.get(norm_type)
+    device = grads[0].get_device()
+    plan = _plan(grads, device) if norm_code is not None and device >= 0 else None
+    if plan is None:
+        log_once("total_norm uses torch.nn.utils.get_total_norm",
+                 _torch_reason(grads, norm_code))
+        return _torch_total_norm(grads, norm_type, out_dtype)
+    norm = torch.empty((), dtype=out_dtype or plan.out_dtype, device=grads[0].device)
+    if plan.n_tasks == 0:
+        return norm.zero_()
+    partials = torch.empty(plan.n_tasks, dtype=torch.float32, device=norm.device)
+    args = (plan.table, plan.n_tensors, plan.total, plan.chunk, plan.n_tasks, partials,
+            work_queue.counters(device))
+    work_queue.launch_persistent(_kernel("clip_grad_partials", norm_code, device), *args,
+                                 tasks=plan.n_tasks, block=BLOCK, device=device)
+    launches["clip_grad_partials"] += 1
+    # The finish kernel's mode 0: one block stores the total and scales nothing.
+    launch(_kernel("clip_grad_finish", norm_code, device), *args, norm, DTYPE_CODES[norm.dtype],
+           math.inf, 0, grid=1, block=BLOCK, device=device)
+    launches["clip_grad_finish"] += 1
+    return norm
+
+
+def _torch_total_norm(grads, norm_type: float, out_dtype=None) -> torch.Tensor:
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if get_total_norm is not None and out_dtype is None:
+        return get_total_norm(grads, norm_type)
+    # An empty gradient adds nothing (its max |x| is 0, as in the kernels; torch refuses the
+    # inf norm of an empty tensor).
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=out_dtype) for g in grads if g.numel()]
+    if not norms:
+        return torch.zeros((), dtype=out_dtype or grads[0].dtype, device=grads[0].device)
+    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]),
+                                    norm_type)
+
+
 # ---------------------------------------------------------------------------------------------
 # Torch fallback and float64 reference
 # ---------------------------------------------------------------------------------------------

@@ -223,3 +223,47 @@ def test_cuda_graph_replays(cooperative):
         torch.testing.assert_close(norm.double(), ref_norm, rtol=1e-5, atol=0)
         assert_grads_close(grads, [r.to(f.dtype) for r, f in zip(ref_grads, fresh)])
     check(make_grads(1000, "mixed", seed=16), 0.3, 2.0)  # eager still fine afterwards
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_total_norm_scales_nothing_and_keeps_float32(norm_type):
+    """The distributed clip's local step: our kernels' total in float32, the gradients as
+    they were."""
+    from custom_kernels.clip_grad import reference_clip_grad_norm, total_norm
+
+    grads = [torch.randn(n, device="cuda").to(dtype) for n, dtype in
+             ((5000, torch.bfloat16), (123, torch.float32), (0, torch.float16),
+              (70000, torch.float16))]
+    before = [g.clone() for g in grads]
+    norm = total_norm(grads, norm_type, out_dtype=torch.float32)
+    assert norm.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(grads, before))
+    expected, _ = reference_clip_grad_norm(grads, 1.0, norm_type)
+    torch.testing.assert_close(norm.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_distributed_clip_on_one_gpu_with_nccl_matches_torch(tmp_path):
+    """World size 1 with NCCL: the local kernels, the all-reduce and the scaling agree with
+    torch.nn.utils.clip_grad_norm_."""
+    import os
+
+    import torch.distributed as dist
+
+    from custom_kernels import clip_grad_distributed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1,
+                            init_method=f"file://{tmp_path / 'store'}")
+    try:
+        params = [torch.nn.Parameter(torch.zeros(n, device="cuda")) for n in (3000, 17, 4096)]
+        for p in params:
+            p.grad = torch.randn_like(p) * 3
+        ours = [p.grad.clone() for p in params]
+        norm = clip_grad_distributed.clip_grad_norm_(ours, 1.0)
+        expected = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.testing.assert_close(norm, expected, rtol=1e-5, atol=1e-6)
+        for got, p in zip(ours, params):
+            torch.testing.assert_close(got, p.grad)
+    finally:
+        dist.destroy_process_group()

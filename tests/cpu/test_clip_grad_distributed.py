@@ -1,0 +1,91 @@
+"""The distributed clip's math on the CPU: gradients sharded across two gloo ranks (plain local
+tensors and DTensors with a Shard placement) clipped to what torch.nn.utils.clip_grad_norm_
+gives on the whole gradients in one process; the local norm without scaling; refusals."""
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+
+from custom_kernels import clip_grad, clip_grad_distributed
+from custom_kernels.core.errors import UnsupportedInputError
+
+
+def full_gradients(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(6, 4, generator=g) * 3, torch.randn(10, generator=g),
+            torch.randn(4, 2, generator=g), torch.zeros(0)]
+
+
+def _rank(rank, world, port, norm_type, use_dtensor, out):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    grads = [t.chunk(world)[rank].clone() if t.numel() else t.clone()
+             for t in full_gradients()]
+    if use_dtensor:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        grads = [DTensor.from_local(g, mesh, [Shard(0)]) for g in grads]
+    norm = clip_grad_distributed.clip_grad_norm_(grads, 1.0, norm_type)
+    local = [g.to_local() if use_dtensor else g for g in grads]
+    torch.save({"norm": norm, "grads": local}, f"{out}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("use_dtensor", [False, True])
+def test_two_ranks_clip_like_torch_on_the_whole_gradients(tmp_path, norm_type, use_dtensor):
+    out = str(tmp_path / "rank")
+    torch.multiprocessing.spawn(_rank, args=(2, _free_port(), norm_type, use_dtensor, out),
+                                nprocs=2, join=True)
+    params = []
+    for g in full_gradients():  # torch clips parameters' .grad (and refuses an empty one's inf norm)
+        if not g.numel():
+            continue
+        params.append(torch.nn.Parameter(torch.zeros_like(g)))
+        params[-1].grad = g
+    expected_norm = torch.nn.utils.clip_grad_norm_(params, 1.0, norm_type)
+    expected = [p.grad for p in params] + [torch.zeros(0)]
+    results = [torch.load(f"{out}.{r}") for r in range(2)]
+    for result in results:
+        torch.testing.assert_close(result["norm"], expected_norm.float(), rtol=1e-5, atol=1e-6)
+    for i, whole in enumerate(expected):
+        if whole.numel():
+            torch.testing.assert_close(torch.cat([r["grads"][i] for r in results]), whole)
+
+
+def test_the_local_norm_scales_nothing_and_keeps_float32():
+    grads = [g.bfloat16() for g in full_gradients()]
+    before = [g.clone() for g in grads]
+    norm = clip_grad.total_norm(grads, 2.0, out_dtype=torch.float32)
+    assert norm.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(grads, before))
+    expected = torch.cat([g.float().reshape(-1) for g in grads]).norm()
+    torch.testing.assert_close(norm, expected)
+    assert clip_grad.total_norm(grads, 2.0).dtype == torch.bfloat16  # torch's default
+
+
+def test_replicated_dtensors_and_other_norms_are_refused_by_name():
+    class Replicate:  # a placement named like torch's
+        pass
+
+    class FakeDTensor(torch.Tensor):
+        placements = (Replicate(),)
+
+    with pytest.raises(UnsupportedInputError, match="Replicate"):
+        clip_grad_distributed.local_parts([torch.zeros(2).as_subclass(FakeDTensor)])
+    with pytest.raises(UnsupportedInputError, match="norm types 1, 2 and inf"):
+        clip_grad_distributed.clip_grad_norm_([torch.ones(2)], 1.0, 3.0)
