@@ -7,8 +7,9 @@ decode step (batch 16, one token each) against what ``convert`` makes of them (o
 fused block); ``cutlass_ops.matmul`` at 16x256x256 on a CUTLASS kernel (built on first use in
 a private, empty cache: online mode "compile", about a minute) against torch.matmul, and the
 same call on a CuTe DSL winner (with ``cutlass-ops[dsl]``); the fused norms at 16x4096 bf16,
-the functions (``custom_kernels.norms.rms_norm`` / ``layer_norm``, with and without a residual) and the modules (``cutlass_ops.nn.RMSNorm`` / ``LayerNorm``, inference and
-with grad enabled) against torch's functional calls and modules. Ours and torch alternate in
+the functions (``custom_kernels.norms.rms_norm`` / ``layer_norm``, with and without a residual)
+and the modules (``cutlass_ops.nn.RMSNorm`` / ``LayerNorm``, inference and with grad enabled)
+against torch's functional calls and modules. Ours and torch alternate in
 batches of back-to-back calls; each figure is the median batch. Every row checks ours against
 torch on the same inputs. Writes benchmarks/results/host_cost.json.
 
