@@ -154,10 +154,10 @@ def _tuned(form: str, a: Tensor, b: Tensor, offs: Optional[Tensor]):
            None if offs is None else offs.shape)
     if key not in _tuned_by_signature:
         from cutlass_ops.gemms import grouped_build
-        from cutlass_ops.gemms.grouped_runtime import layout
+        from cutlass_ops.gemms.grouped_runtime import group_starts_aligned, layout
 
         config = None
-        if a.dtype in (torch.bfloat16, torch.float16):
+        if a.dtype in (torch.bfloat16, torch.float16) and group_starts_aligned(form, a, b):
             element = "bf16" if a.dtype == torch.bfloat16 else "f16"
             problem = grouped_build.GroupedProblem.of(form, a, b, offs, element, layout(a),
                                                       layout(b))

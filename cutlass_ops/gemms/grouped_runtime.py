@@ -64,6 +64,19 @@ def config_for(a: torch.Tensor, b: torch.Tensor, **options) -> GroupedConfig:
     return GroupedConfig(_ELEMENTS[a.dtype], layout(a), layout(b), **options)
 
 
+def group_starts_aligned(form: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether every group's A, B and D start 16 bytes apart whatever the offsets: the grouped
+    extent must not be a unit-stride dimension of any operand it cuts (TMA needs 16-byte aligned
+    addresses, and the offsets are not read on the host). D is row-major, so the 3d2d form
+    (groups along D's columns) never qualifies."""
+    step = 16 // a.element_size()
+    if form == "2d3d":  # A's and D's rows
+        return a.stride(0) % step == 0
+    if form == "2d2d":  # A's columns and B's rows
+        return a.stride(1) % step == 0 and b.stride(0) % step == 0
+    return form == "3d3d"
+
+
 def _extents(form: str, a, b, offs) -> tuple[int, int, int, int]:
     """(groups, m, n, k): the grouped extent as its total."""
     if form == "2d3d":
@@ -78,7 +91,10 @@ def _extents(form: str, a, b, offs) -> tuple[int, int, int, int]:
 def run(config: GroupedConfig, form: str, a: torch.Tensor, b: torch.Tensor,
         offs: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """``out`` (row-major, the form's shape) = the grouped product, with ``config``'s kernel
-    (built now if it is not in the cache). Raises KernelLaunchError with the launcher's text."""
+    (built now if it is not in the cache). Every group must start at a 16-byte aligned address
+    of each operand it cuts: ``group_starts_aligned`` (or offsets that are multiples of 8
+    elements, which only the caller can know). Raises KernelLaunchError with the launcher's
+    text."""
     library = _library(build(config))
     groups, m, n, k = _extents(form, a, b, offs)
     device = a.device.index
@@ -110,4 +126,4 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-__all__ = ["run", "config_for", "layout", "FORMS"]
+__all__ = ["run", "config_for", "layout", "group_starts_aligned", "FORMS"]

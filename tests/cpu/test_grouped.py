@@ -130,3 +130,18 @@ def test_grouped_kernel_configs_name_round_trip_and_refuse_by_name():
         GroupedConfig(cluster=(4, 1))
     with pytest.raises(ValueError, match="not a grouped"):
         GroupedConfig.from_name("sm90a-cooperative-t128x256x64")
+
+
+def test_our_kernel_is_used_only_where_every_group_starts_aligned():
+    """TMA needs 16-byte aligned group starts and the offsets stay on the device: the grouped
+    extent must not be a unit-stride dimension (then grouped_mm keeps torch._grouped_mm)."""
+    from cutlass_ops.gemms.grouped_runtime import group_starts_aligned
+
+    x, w = torch.randn(64, 32).bfloat16(), torch.randn(4, 48, 32).bfloat16()
+    assert group_starts_aligned("2d3d", x, w.transpose(1, 2))  # tokens row-major
+    assert not group_starts_aligned("2d3d", x.t().contiguous().t(), w.transpose(1, 2))
+    dy = torch.randn(64, 48).bfloat16()
+    assert group_starts_aligned("2d2d", x.t(), dy)  # the weight gradient x^T dy
+    assert not group_starts_aligned("2d2d", x.t().contiguous(), dy)
+    assert not group_starts_aligned("3d2d", torch.randn(4, 8, 32).bfloat16(), torch.randn(32, 64))
+    assert group_starts_aligned("3d3d", torch.randn(4, 8, 32), torch.randn(4, 32, 8))
