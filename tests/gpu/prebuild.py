@@ -1,5 +1,7 @@
-"""Builds, in parallel, every kernel the GPU tests and the GEMM benchmark use, so that the tests
-then run without compiling one kernel at a time. Run on the GPU machine before the GPU tests:
+"""Builds, in parallel, every kernel the GPU tests and the GEMM benchmark use (and the grouped
+kernels a default ``cutlass-tune tune --grouped ... --backward`` tries), so that the tests then
+run without compiling one kernel at a time. Run on the GPU machine before the GPU tests (or on a
+machine with nvcc, carrying the cache over):
 
     CUTLASS_OPS_CACHE_DIR=... python tests/gpu/prebuild.py
 """
@@ -32,6 +34,17 @@ WORK = [
 ]
 
 
+def grouped_work():
+    """The grouped kernels of the GPU tests (the default tile in each layout the forms use) and
+    of a default grouped tune of an MoE layer's forward, dX and dW."""
+    from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem, candidates
+
+    configs = [GroupedConfig(layout_a=la, layout_b=lb) for la, lb in ("tn", "nt", "tt")]
+    for la, lb, m in (("t", "n", 64), ("t", "n", 1024), ("t", "t", 1024), ("n", "t", 4096)):
+        configs += candidates(GroupedProblem("2d3d", 8, m, 4096, 4096, "bf16", la, lb))
+    return list(dict.fromkeys(configs))
+
+
 def main():
     import concurrent.futures
 
@@ -40,17 +53,30 @@ def main():
     for operands, config in WORK:
         by_operands.setdefault(operands, []).append(config)
     # Emission is one cutlass_cppgen process per operand set; run those side by side too.
-    with concurrent.futures.ThreadPoolExecutor(len(by_operands)) as pool:
-        futures = {pool.submit(prepare, operands, configs): operands
-                   for operands, configs in by_operands.items()}
-        failed = 0
-        for future in concurrent.futures.as_completed(futures):
-            for config, result in future.result().items():
-                if isinstance(result, Exception):
-                    failed += 1
-                    print(f"FAILED {futures[future].name} {config.build_name}: {result}")
-    print(f"prebuilt {len(WORK)} kernels in {time.time() - start:.0f} s, {failed} failed",
-          flush=True)
+    from cutlass_ops.gemms.build import default_jobs
+    from cutlass_ops.gemms.grouped_build import build as build_grouped
+    from custom_kernels.core.errors import BuildError
+
+    failed = 0
+    if "--grouped-only" not in sys.argv:
+        with concurrent.futures.ThreadPoolExecutor(len(by_operands)) as pool:
+            futures = {pool.submit(prepare, operands, configs): operands
+                       for operands, configs in by_operands.items()}
+            for future in concurrent.futures.as_completed(futures):
+                for config, result in future.result().items():
+                    if isinstance(result, Exception):
+                        failed += 1
+                        print(f"FAILED {futures[future].name} {config.build_name}: {result}")
+    grouped = grouped_work()
+    with concurrent.futures.ThreadPoolExecutor(default_jobs()) as pool:
+        for config, future in [(c, pool.submit(build_grouped, c)) for c in grouped]:
+            try:
+                future.result()
+            except BuildError as exc:
+                failed += 1
+                print(f"FAILED {config.name}: {exc}")
+    print(f"prebuilt {len(WORK)} GEMM and {len(grouped)} grouped kernels in "
+          f"{time.time() - start:.0f} s, {failed} failed", flush=True)
 
 
 if __name__ == "__main__":
