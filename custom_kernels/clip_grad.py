@@ -221,20 +221,32 @@ def _launch_two_kernels(plan: Plan, norm_code: int, max_norm: float, norm: torch
                         device: int, check_finite: bool) -> None:
     """The fallback: per-task partials, then the total and the scaling. With check_finite, the
     total is stored first (one block, no scaling) and checked on the host."""
-    partials = torch.empty(plan.n_tasks, dtype=torch.float32, device=norm.device)
-    counters = work_queue.counters(device)
-    args = (plan.table, plan.n_tensors, plan.total, plan.chunk, plan.n_tasks, partials, counters)
-    kernel = _kernel("clip_grad_partials", norm_code, device)
-    work_queue.launch_persistent(kernel, *args, tasks=plan.n_tasks, block=BLOCK, device=device)
-    launches["clip_grad_partials"] += 1
-    finish = _kernel("clip_grad_finish", norm_code, device)
-    tail = (norm, DTYPE_CODES[norm.dtype], max_norm)
+    args = _launch_partials(plan, norm_code, device)
     if check_finite:
-        launch(finish, *args, *tail, 0, grid=1, block=BLOCK, device=device)
-        launches["clip_grad_finish"] += 1
+        _store_total(args, norm_code, max_norm, norm, device)
         _raise_if_nonfinite(norm, norm_code)
-    work_queue.launch_persistent(finish, *args, *tail, 1, tasks=plan.n_tasks, block=BLOCK,
-                                 device=device)
+    finish = _kernel("clip_grad_finish", norm_code, device)
+    work_queue.launch_persistent(finish, *args, norm, DTYPE_CODES[norm.dtype], max_norm, 1,
+                                 tasks=plan.n_tasks, block=BLOCK, device=device)
+    launches["clip_grad_finish"] += 1
+
+
+def _launch_partials(plan: Plan, norm_code: int, device: int) -> tuple:
+    """The per-task partials kernel; returns the arguments both finish launches take first."""
+    partials = torch.empty(plan.n_tasks, dtype=torch.float32, device=plan.table.device)
+    args = (plan.table, plan.n_tensors, plan.total, plan.chunk, plan.n_tasks, partials,
+            work_queue.counters(device))
+    work_queue.launch_persistent(_kernel("clip_grad_partials", norm_code, device), *args,
+                                 tasks=plan.n_tasks, block=BLOCK, device=device)
+    launches["clip_grad_partials"] += 1
+    return args
+
+
+def _store_total(args: tuple, norm_code: int, max_norm: float, norm: torch.Tensor,
+                 device: int) -> None:
+    """The finish kernel's mode 0: one block stores the total in ``norm``, scaling nothing."""
+    launch(_kernel("clip_grad_finish", norm_code, device), *args, norm, DTYPE_CODES[norm.dtype],
+           max_norm, 0, grid=1, block=BLOCK, device=device)
     launches["clip_grad_finish"] += 1
 
 
@@ -285,9 +297,7 @@ def clip_grad_norm_(parameters_or_grads, max_norm: float, norm_type: float = 2.0
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not grads:
         return torch.tensor(0.0)
-    norm_code = NORM_CODES.get(norm_type)
-    device = grads[0].get_device()
-    plan = _plan(grads, device) if norm_code is not None and device >= 0 else None
+    norm_code, device, plan = _kernel_plan(grads, norm_type)
     if plan is None:
         log_once("clip_grad_norm_ uses torch.nn.utils.clip_grad_norm_",
                  _torch_reason(grads, norm_code))
@@ -316,9 +326,7 @@ def total_norm(parameters_or_grads, norm_type: float = 2.0,
     norm_type = float(norm_type)
     if not grads:
         return torch.tensor(0.0)
-    norm_code = NORM_CODES.get(norm_type)
-    device = grads[0].get_device()
-    plan = _plan(grads, device) if norm_code is not None and device >= 0 else None
+    norm_code, device, plan = _kernel_plan(grads, norm_type)
     if plan is None:
         log_once("total_norm uses torch.nn.utils.get_total_norm",
                  _torch_reason(grads, norm_code))
@@ -326,17 +334,16 @@ def total_norm(parameters_or_grads, norm_type: float = 2.0,
     norm = torch.empty((), dtype=out_dtype or plan.out_dtype, device=grads[0].device)
     if plan.n_tasks == 0:
         return norm.zero_()
-    partials = torch.empty(plan.n_tasks, dtype=torch.float32, device=norm.device)
-    args = (plan.table, plan.n_tensors, plan.total, plan.chunk, plan.n_tasks, partials,
-            work_queue.counters(device))
-    work_queue.launch_persistent(_kernel("clip_grad_partials", norm_code, device), *args,
-                                 tasks=plan.n_tasks, block=BLOCK, device=device)
-    launches["clip_grad_partials"] += 1
-    # The finish kernel's mode 0: one block stores the total and scales nothing.
-    launch(_kernel("clip_grad_finish", norm_code, device), *args, norm, DTYPE_CODES[norm.dtype],
-           math.inf, 0, grid=1, block=BLOCK, device=device)
-    launches["clip_grad_finish"] += 1
+    _store_total(_launch_partials(plan, norm_code, device), norm_code, math.inf, norm, device)
     return norm
+
+
+def _kernel_plan(grads, norm_type: float) -> tuple:
+    """(norm code, device index, plan); the plan is None where torch runs instead."""
+    norm_code = NORM_CODES.get(norm_type)
+    device = grads[0].get_device()
+    plan = _plan(grads, device) if norm_code is not None and device >= 0 else None
+    return norm_code, device, plan
 
 
 def _torch_total_norm(grads, norm_type: float, out_dtype=None) -> torch.Tensor:
