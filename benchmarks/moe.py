@@ -17,7 +17,11 @@ GEMMs) against eager (``experts_implementation="eager"``, the per-expert loop); 
 own ``grouped_mm`` experts in ``detail``. Writes ``benchmarks/results/moe.json``
 (``moe_quick.json`` with ``--quick``: Qwen3 only, 4096 tokens).
 
-    python benchmarks/moe.py [--quick] [--reps 30]
+    python benchmarks/moe.py [--quick] [--reps 30] [--tune default]
+
+With ``--tune``, the rows' grouped problems are tuned first (C++ and, with ``cutlass-ops[dsl]``,
+DSL candidates: ``cutlass-tune tune --grouped``); ``detail`` names the path that won and the
+other path's best.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ def grouped_row(model, direction, tokens, routing, reps) -> dict:
         s, c = starts[e], counts[e]
         if c:
             errors.append(relative_error(ours[s:s + c], x[s:s + c].float() @ wt[e].float()))
+    entry = tuned_entry(x, wt, offs)
     timings = do_bench_interleaved({"ours": lambda: cutlass_ops.grouped_mm(x, wt, offs),
                                     "torch": lambda: torch._grouped_mm(x, wt, offs)},
                                    reps=reps, graph=True)
@@ -102,8 +107,39 @@ def grouped_row(model, direction, tokens, routing, reps) -> dict:
         "detail": {"ours_ms": ours_ms, "reference_ms": torch_ms,
                    "per_expert_loop_ms": loop_ms, "dense_same_flops_ms": dense_ms,
                    "max_relative_error": max(errors, default=0.0),
-                   "largest_expert_rows": max(counts), "empty_experts": counts.count(0)},
+                   "largest_expert_rows": max(counts), "empty_experts": counts.count(0),
+                   "path": (entry.get("backend") or "cutlass") if entry.get("prefer") ==
+                   "cutlass" else "torch._grouped_mm (nothing tuned beat it)",
+                   "winner": entry.get("winner"),
+                   "other_path_best": entry.get("other_backend_best")},
     }
+
+
+def tuned_entry(x, wt, offs) -> dict:
+    """The tuning entry ``cutlass_ops.grouped_mm`` dispatches on for this call ({} if none)."""
+    from cutlass_ops.gemms import grouped_build
+    from cutlass_ops.gemms.grouped_runtime import layout
+
+    problem = grouped_build.GroupedProblem.of("2d3d", x, wt, offs, "bf16", layout(x), layout(wt))
+    return grouped_build.grouped_cache().get(problem) or {}
+
+
+def problems(models, tokens) -> list:
+    """The grouped problems the rows run: each expert GEMM's forward, and for the blocks
+    (Mixtral, Qwen3 at the first token count) the gate+up and down GEMMs' forward, dX and dW."""
+    from tuning.grouped_search import moe_problems
+
+    out = []
+    for model in models:
+        experts, hidden, inter, top_k = MODELS[model]
+        for count in tokens:
+            out += moe_problems(experts, inter, hidden, count * top_k)
+            out += moe_problems(experts, hidden, inter, count * top_k)
+    for model in models[:2]:
+        experts, hidden, inter, top_k = MODELS[model]
+        out += moe_problems(experts, 2 * inter, hidden, tokens[0] * top_k, backward=True)
+        out += moe_problems(experts, hidden, inter, tokens[0] * top_k, backward=True)
+    return list(dict.fromkeys(out))
 
 
 def hf_block(model: str):
@@ -180,10 +216,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="Qwen3-30B-A3B, 4096 tokens")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--tune", choices=("quick", "default", "exhaustive"),
+                        help="first tune the rows' grouped problems with this strategy (those "
+                        "already in the tuning cache are kept); the time goes in the JSON")
     args = parser.parse_args()
     require_gpu()
     models = ["Qwen3-30B-A3B"] if args.quick else list(MODELS)
     tokens = TOKENS[:1] if args.quick else TOKENS
+    tune = {}
+    if args.tune:
+        import time
+
+        from tuning import grouped_search
+
+        start = time.perf_counter()
+        results = grouped_search.tune(problems(models, tokens), strategy=args.tune)
+        tune = {"tune_strategy": args.tune, "tune_seconds": round(time.perf_counter() - start, 1),
+                "tuned_problems": len(results), "cached": sum(r.cached for r in results),
+                "winners_by_path": {path: sum(r.entry.get("backend") == path
+                                              and r.entry.get("prefer") == "cutlass"
+                                              for r in results) for path in ("cutlass", "dsl")}}
+        print(tune, flush=True)
     rows = []
     name = "moe_quick" if args.quick else "moe"
     for model in models:
@@ -192,17 +245,17 @@ def main() -> None:
                 for routing in ROUTINGS:
                     rows.append(grouped_row(model, direction, count, routing, args.reps))
                     print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
-        write_result(name, rows)
+        write_result(name, rows, **tune)
     for model in models[:2]:
         rows.append(block_row(model, 4096, max(5, args.reps // 3)))
         print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
-        write_result(name, rows)
+        write_result(name, rows, **tune)
     grouped = [r["ratio"] for r in rows if "grouped" in r["case"]]
     geomean = math.exp(sum(map(math.log, grouped)) / len(grouped))
     print_table(["case", "ours", "reference", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])
     print(f"grouped geomean {geomean:.4f}, min {min(grouped):.4f}")
-    write_result(name, rows, grouped_geomean=round(geomean, 4))
+    write_result(name, rows, grouped_geomean=round(geomean, 4), grouped_min=min(grouped), **tune)
 
 
 if __name__ == "__main__":

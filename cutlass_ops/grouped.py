@@ -107,13 +107,15 @@ def check(a: Tensor, b: Tensor, offs: Optional[Tensor], out_dtype) -> str:
     return form
 
 
-def _check_cuda_layout(name: str, t: Tensor) -> None:
+def _check_cuda_layout(name: str, t: Tensor, *, address: bool = False) -> None:
     """torch._grouped_mm's (and CUTLASS's) rule: one of the last two dimensions contiguous, the
-    other strides multiples of 16 bytes, a 16-byte aligned address."""
+    other strides multiples of 16 bytes, a 16-byte aligned address. The address is checked in
+    the op itself (``address=True``): under torch.compile ``grouped_mm`` runs on fake tensors,
+    which have none."""
     step = 16 // t.element_size()
     inner = [d for d in (-1, -2) if t.stride(d) == 1]
     others = [t.stride(d) for d in range(t.dim()) if not inner or d != t.dim() + inner[0]]
-    if not inner or any(s % step for s in others) or t.data_ptr() % 16:
+    if not inner or any(s % step for s in others) or (address and t.data_ptr() % 16):
         raise UnsupportedInputError(
             f"grouped_mm: {name} {tuple(t.shape)} with strides {t.stride()} is not row- or "
             f"column-major with 16-byte aligned strides (its extents along the strided "
@@ -129,6 +131,8 @@ def grouped_mm_op(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> Tensor:
     if fallback.off_cuda({"a": a, "b": b, "offs": offs}, "cutlass_ops.grouped_mm",
                          "cutlass_ops.grouped.reference"):
         return reference(a, b, offs)
+    for name, t in (("a", a), ("b", b)):
+        _check_cuda_layout(name, t, address=True)
     if offs is not None and offs.dtype != torch.int32:
         offs = offs.to(torch.int32)
     if 0 in output_shape(form, a, b, offs):
@@ -140,7 +144,7 @@ def grouped_mm_op(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> Tensor:
         from cutlass_ops.gemms import grouped_runtime
 
         out = a.new_empty(output_shape(form, a, b, offs))
-        return grouped_runtime.run(config, form, a, b, offs, out)
+        return grouped_runtime.launch(config, form, a, b, offs, out)
     return torch._grouped_mm(a, b, offs)
 
 

@@ -276,15 +276,19 @@ def _tune_grouped(args) -> int:
     results = grouped_search.tune(problems, strategy=args.strategy, force=args.force,
                                   progress=lambda message: print(message, file=sys.stderr))
     rows = [{"problem": r.problem.name, "winner": r.entry.get("winner"),
+             "path": r.entry.get("backend") or ("cutlass" if r.entry.get("winner") else None),
              "winner_ms": r.entry.get("winner_ms"), "torch_ms": r.entry.get("torch_ms"),
              "speedup": round(r.entry["torch_ms"] / r.entry["winner_ms"], 3)
              if r.entry.get("winner_ms") else None, "prefer": r.entry.get("prefer"),
+             "other_path_best": r.entry.get("other_backend_best"),
              "failures": len(r.entry.get("failures", [])), "cached": r.cached} for r in results]
     _emit(args, {"results": rows},
-          (["problem", "winner", "ms", "torch._grouped_mm ms", "speedup", "uses", "failures",
-            "cached"],
-           [[r["problem"], r["winner"] or "-", _fmt(r["winner_ms"]), _fmt(r["torch_ms"]),
-             r["speedup"] or "-", r["prefer"], r["failures"], r["cached"]] for r in rows]))
+          (["problem", "winner", "path", "ms", "torch._grouped_mm ms", "speedup", "uses",
+            "other path best ms", "failures", "cached"],
+           [[r["problem"], r["winner"] or "-", r["path"] or "-", _fmt(r["winner_ms"]),
+             _fmt(r["torch_ms"]), r["speedup"] or "-", r["prefer"],
+             _fmt((r["other_path_best"] or {}).get("ms")), r["failures"], r["cached"]]
+            for r in rows]))
     return EXIT_OK
 
 

@@ -1,5 +1,7 @@
 """Tuning the grouped (mixture-of-experts) GEMM kernels (``cutlass_ops.gemms.grouped_build``):
-the grouped family's side of the tuner protocol (``tuning.protocol``).
+the grouped family's side of the tuner protocol (``tuning.protocol``), with the CuTe DSL path's
+variable-length kernels (``cutlass_ops.gemms.dsl_grouped``, with the ``dsl`` extra on an sm90 GPU)
+in the same pool for the 2d3d and 2d2d forms.
 
 Per ``GroupedProblem`` (form, groups, per-group extents with the grouped one bucketed, element,
 layouts): the candidates built in parallel (nvcc, through the build cache; about 35 s each, once
@@ -18,7 +20,7 @@ import datetime
 import time
 from typing import Callable, Iterable
 
-from cutlass_ops.gemms import grouped_build
+from cutlass_ops.gemms import dsl, dsl_grouped, grouped_build
 from cutlass_ops.gemms.grouped_build import GROUPED, GroupedConfig, GroupedProblem, grouped_cache
 from tuning import protocol
 
@@ -69,12 +71,19 @@ class GroupedFamily:
         self.strategy, self.backend, self.progress = strategy, backend, progress
         self.build_seconds = 0.0
 
-    def candidates(self, problem: GroupedProblem) -> list[GroupedConfig]:
-        return grouped_build.candidates(problem, self.strategy)
+    def candidates(self, problem: GroupedProblem) -> list:
+        """The C++ kernels, then (``backend.dsl``: the extra on an sm90 GPU) the DSL ones."""
+        plan: list = grouped_build.candidates(problem, self.strategy)
+        if self.backend.dsl:
+            plan += dsl_grouped.candidates(problem, self.strategy)
+        return plan
 
     def build(self, plans: dict) -> dict:
+        """nvcc builds of the C++ kernels, in parallel; a DSL kernel compiles in process on its
+        first launch (the session's verify step, about 2 s), and a failure is recorded there."""
         start = time.perf_counter()
-        configs = list(dict.fromkeys(c for plan in plans.values() for c in plan))
+        configs = list(dict.fromkeys(c for plan in plans.values() for c in plan
+                                     if not dsl_grouped.is_dsl(c)))
         self.progress(f"building {len(configs)} grouped kernels")
         errors = self.backend.build(configs)
         self.build_seconds = time.perf_counter() - start
@@ -96,9 +105,13 @@ class GroupedFamily:
         times, winner = measured.times, measured.winner
         winner_ms = times[winner] if winner else None
         torch_ms = measured.torch_ms
+        other = [c for c in measured.ranked() if winner and _path(c) != _path(winner)]
         return {
             "problem": problem.to_dict(),
             "winner": winner.name if winner else None,
+            "backend": _path(winner) if winner else None,
+            "other_backend_best": {"backend": _path(other[0]), "config": other[0].name,
+                                   "ms": times[other[0]]} if other else None,
             "winner_ms": winner_ms, "torch_ms": torch_ms,
             "winner_tflops": round(problem.flops / winner_ms / 1e9, 2) if winner else None,
             "prefer": "cutlass" if winner_ms is not None and winner_ms <= torch_ms
@@ -116,8 +129,15 @@ class GroupedFamily:
         }
 
 
+def _path(config) -> str:
+    """Which CUTLASS path a candidate is on: ``cutlass`` (C++) or ``dsl``."""
+    return "dsl" if dsl_grouped.is_dsl(config) else "cutlass"
+
+
 class Backend:
     """Where grouped candidates are built and measured (a fake one in the CPU tests)."""
+
+    dsl = False  # whether DSL candidates can run here
 
     def build(self, configs: list[GroupedConfig]) -> dict:
         """{config: error text} of the configs that failed to build."""
@@ -137,6 +157,7 @@ class GpuGroupedBackend(Backend):
             raise UnsupportedInputError("tuning grouped GEMMs needs a CUDA GPU, and torch sees "
                                         "none")
         self.jobs = jobs or default_jobs()
+        self.dsl = torch.cuda.get_device_capability()[0] == 9 and dsl.unavailable() is None
 
     def build(self, configs):
         from custom_kernels.core.errors import BuildError
@@ -201,24 +222,40 @@ class GroupedSession:
         return torch.full((self.problem.groups,), per_group, device="cuda",
                           dtype=torch.int32).cumsum(0).to(torch.int32)
 
-    def _launch(self, config):
+    def _launch(self, config, offs=None):
         from cutlass_ops.gemms import grouped_runtime
 
-        return lambda: grouped_runtime.run(config, self.problem.form, self.a, self.b, self.offs,
-                                           self.out)
+        offs = self.offs if offs is None else offs
+        return lambda: grouped_runtime.launch(config, self.problem.form, self.a, self.b, offs,
+                                              self.out)
 
     def verify(self, config) -> str | None:
+        """Checked twice: on the even split that is timed, and with the first group empty and
+        the second taking its rows (routing leaves experts empty; their rows of D, or their
+        whole D in the 2d2d form, must come out right all the same)."""
         import torch
 
+        from cutlass_ops import grouped
         from custom_kernels.core.errors import CutlassOpsError
 
-        try:
-            self.out.fill_(float("nan"))
-            self._launch(config)()
-            torch.cuda.synchronize()
-        except CutlassOpsError as exc:
-            return f"launch: {exc}"
-        return protocol.check([self.out], [self.reference], self.tolerance)
+        uneven = None
+        if self.offs is not None and self.problem.groups > 1:
+            uneven = self.offs.clone()
+            uneven[0] = 0
+        for offs in (self.offs, uneven) if uneven is not None else (self.offs,):
+            reference = self.reference if offs is self.offs else \
+                grouped.reference(self.a, self.b, offs)
+            try:
+                self.out.fill_(float("nan"))
+                self._launch(config, offs)()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a DSL compile raises what it raises
+                kind = "launch" if isinstance(exc, CutlassOpsError) else type(exc).__name__
+                return f"{kind}: {exc}"[:400]
+            why = protocol.check([self.out], [reference], self.tolerance)
+            if why:
+                return why if offs is self.offs else f"with an empty group: {why}"
+        return None
 
     def _torch(self):
         import torch

@@ -31,7 +31,8 @@ from custom_kernels.core.errors import UnsupportedInputError
 
 PINGPONG_TILES = ((128, 128), (128, 160), (128, 192), (128, 208), (192, 128))
 COOPERATIVE_TILES = ((256, 128), (256, 160), (256, 192), (256, 208), (128, 224), (128, 256))
-CLUSTERS = ((2, 1), (1, 2))
+CLUSTERS = ((2, 1), (1, 2))  # the dense candidates' (QuACK's autotuning list)
+VALID_CLUSTERS = (*CLUSTERS, (1, 1))  # 1x1 too: grouped GEMMs with small groups want it
 DTYPES = (torch.bfloat16, torch.float16)
 SMS_H100 = 132  # the wave model's SM count when no GPU says otherwise
 CACHE_ENV = "QUACK_CACHE_DIR"
@@ -71,8 +72,8 @@ class DslConfig:
         if (self.tile_m, self.tile_n) not in tiles:
             schedule = "pingpong" if self.pingpong else "cooperative"
             return f"the {schedule} tiles are {', '.join(f'{m}x{n}' for m, n in tiles)}"
-        if (self.cluster_m, self.cluster_n) not in CLUSTERS:
-            return f"the clusters are {', '.join(f'{m}x{n}' for m, n in CLUSTERS)}"
+        if (self.cluster_m, self.cluster_n) not in VALID_CLUSTERS:
+            return f"the clusters are {', '.join(f'{m}x{n}' for m, n in VALID_CLUSTERS)}"
         return None
 
     @property

@@ -201,9 +201,10 @@ def grouped_cache(device: int | None = None, root: Path | None = None):
     return TuningCache(current_scope(device), root, family=GROUPED)
 
 
-def tuned_config(problem: GroupedProblem, device: int | None = None) -> GroupedConfig | None:
-    """The stored winner of ``problem`` when it beat torch._grouped_mm, else None (nothing
-    tuned: no device query at all)."""
+def tuned_config(problem: GroupedProblem, device: int | None = None):
+    """The stored winner of ``problem`` when it beat torch._grouped_mm: a ``GroupedConfig``,
+    or a ``dsl.DslConfig`` (``dsl_grouped``) where the DSL extra is installed; else None
+    (nothing tuned: no device query at all)."""
     from custom_kernels.core.tuned_store import family_dir
 
     if not family_dir(GROUPED).is_dir():
@@ -211,7 +212,17 @@ def tuned_config(problem: GroupedProblem, device: int | None = None) -> GroupedC
     entry = grouped_cache(device).get(problem)
     if not entry or not entry.get("winner") or entry.get("prefer") != "cutlass":
         return None
-    return GroupedConfig.from_name(entry["winner"])
+    return config_from_name(entry["winner"])
+
+
+def config_from_name(name: str):
+    """The grouped kernel a tuning entry names: ours (``grouped-...``) or the DSL path's
+    (``dsl-...``, None without the extra)."""
+    if name.startswith("dsl-"):
+        from cutlass_ops.gemms import dsl_grouped
+
+        return dsl_grouped.config_from_name(name)
+    return GroupedConfig.from_name(name)
 
 
 def candidates(problem: GroupedProblem, strategy: str = "default") -> list[GroupedConfig]:
@@ -232,4 +243,5 @@ def candidates(problem: GroupedProblem, strategy: str = "default") -> list[Group
 
 
 __all__ = ["GroupedConfig", "GroupedProblem", "GroupedBuild", "build", "bucket", "candidates",
+           "config_from_name",
            "grouped_cache", "tuned_config", "GROUPED", "LAUNCHER"]

@@ -121,9 +121,20 @@ def run(config: GroupedConfig, form: str, a: torch.Tensor, b: torch.Tensor,
     return out
 
 
+def launch(config, form: str, a: torch.Tensor, b: torch.Tensor,
+           offs: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``run`` for a C++ ``GroupedConfig``, ``dsl_grouped.run`` for a DSL config: a tuned
+    winner of either path (``grouped_build.tuned_config``)."""
+    from cutlass_ops.gemms import dsl_grouped
+
+    if dsl_grouped.is_dsl(config):
+        return dsl_grouped.run(config, form, a, b, offs, out)
+    return run(config, form, a, b, offs, out)
+
+
 @functools.cache
 def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-__all__ = ["run", "config_for", "layout", "group_starts_aligned", "FORMS"]
+__all__ = ["run", "launch", "config_for", "layout", "group_starts_aligned", "FORMS"]

@@ -32,6 +32,8 @@ class FakeSession:
 
 
 class FakeBackend:
+    dsl = False
+
     def __init__(self):
         self.built, self.verified = [], []
 
@@ -95,6 +97,66 @@ def test_tuned_config_reads_a_winner_that_beat_torch(tmp_path, monkeypatch):
     cache.put(problem, {"winner": "grouped-bf16-tn-cooperative-t128x256x64-c2x1",
                         "prefer": "torch"})
     assert grouped_build.tuned_config(problem) is None
+
+
+class FakeDslSession(FakeSession):
+    """The DSL kernels are faster than every C++ one here, but pingpong 128x208 is wrong."""
+
+    def verify(self, config):
+        self.backend.verified.append(config)
+        if getattr(config, "tile_n", None) == 208:
+            return "with an empty group: wrong result: relative error 0.5 > 0.01"
+        return None
+
+    def time_ms(self, config, reps):
+        if hasattr(config, "tile_n"):
+            return 0.5 + 0.001 * config.tile_n
+        return super().time_ms(config, reps)
+
+
+class FakeDslBackend(FakeBackend):
+    dsl = True
+
+    def session(self, problem):
+        return FakeDslSession(self, problem)
+
+
+def test_the_dsl_kernels_join_the_pool_and_the_winner_names_its_path(tmp_path, monkeypatch):
+    from cutlass_ops.gemms import dsl, dsl_grouped, grouped_build
+
+    monkeypatch.setattr(dsl, "unavailable", lambda: None)  # the extra, as if installed
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    backend = FakeDslBackend()
+    cache = TuningCache(SCOPE, family="grouped")
+    problems = grouped_search.moe_problems(8, 14336, 4096, 8192, backward=True)
+    grouped_search.tune(problems, strategy="default", backend=backend, cache=cache,
+                        progress=lambda message: None)
+    # Only the C++ kernels go to nvcc; the DSL ones are verified (their compile) and timed.
+    assert not any(dsl_grouped.is_dsl(c) for c in backend.built)
+    assert sum(dsl_grouped.is_dsl(c) for c in backend.verified) == 8 * 3
+    for problem in problems:
+        entry = cache.get(problem)
+        assert entry["backend"] == "dsl" and entry["winner"].startswith("dsl-sm90-")
+        assert "x208" not in entry["winner"]  # wrong with an empty group: never wins
+        assert entry["other_backend_best"]["backend"] == "cutlass"
+        monkeypatch.setattr(grouped_build, "grouped_cache", lambda device=None: cache)
+        assert grouped_build.tuned_config(problem).name == entry["winner"]
+    monkeypatch.setattr(dsl, "unavailable", lambda: "no extra")  # the winner, then uninstalled
+    assert grouped_build.tuned_config(problems[0]) is None  # torch._grouped_mm runs instead
+
+
+def test_the_dsl_path_takes_the_varlen_forms_only(monkeypatch):
+    from cutlass_ops.gemms import dsl, dsl_grouped
+
+    problem = GroupedProblem("2d3d", 8, 1024, 14336, 4096)
+    monkeypatch.setattr(dsl, "unavailable", lambda: "needs quack-kernels")
+    assert dsl_grouped.candidates(problem) == [] and "quack" in dsl_grouped.refusal(problem)
+    monkeypatch.setattr(dsl, "unavailable", lambda: None)
+    assert len(dsl_grouped.candidates(problem, "quick")) == 4
+    assert len(dsl_grouped.candidates(problem, "exhaustive")) == len(dsl_grouped.CONFIGS) == 22
+    assert not any(c.swap_ab for c in dsl_grouped.CONFIGS)
+    assert "3d3d" in dsl_grouped.refusal(GroupedProblem("3d3d", 8, 64, 64, 64))
+    assert dsl_grouped.refusal(GroupedProblem("2d2d", 8, 64, 64, 64)) is None
 
 
 @pytest.mark.parametrize("args, words", [

@@ -72,6 +72,14 @@ def test_misaligned_operands_are_refused_by_name():
         cutlass_ops.grouped_mm(x, rand(2, 250, 64), offsets([32, 32]))
 
 
+def test_a_misaligned_address_is_refused_eagerly_and_compiled():
+    x = rand(64 * 256 + 4)[4:].view(64, 256)  # bf16: 8 bytes past a 16-byte boundary
+    w, offs = rand(2, 256, 64), offsets([32, 32])
+    for call in (cutlass_ops.grouped_mm, torch.compile(cutlass_ops.grouped_mm, fullgraph=True)):
+        with pytest.raises(Exception, match="16-byte"):
+            call(x, w, offs)
+
+
 def test_replays_in_a_cuda_graph_with_new_routing():
     x, w = rand(512, 256, scale=1 / 16), rand(4, 256, 256)
     offs = offsets([128, 128, 128, 128])

@@ -1,0 +1,93 @@
+"""Grouped GEMMs on the CuTe DSL path: QuACK's variable-length kernels (``cutlass-ops[dsl]``)
+as candidates beside the CUTLASS C++ grouped kernels (``grouped_build``).
+
+QuACK's sm90 GEMM takes cumulative sequence bounds on the device: ``cu_seqlens_m`` splits A's
+rows and D's rows into groups, each multiplied by its own B (the 2d3d form: forward and dX of the
+experts), and ``cu_seqlens_k`` splits the reduction (the 2d2d form: dW). The bounds are
+``[0, offs...]``, made on the stream per call (no host sync; CUDA-graph safe). One kernel per
+config and operand types / majors serves every group count and size. Swap-A/B does not apply to
+variable lengths, so the configs are ``dsl.DslConfig`` tiles and clusters unswapped, with 1x1
+clusters too (measured best on some MoE shapes: docs/measurements.md).
+
+The kernels are ours to use only where ``grouped_runtime.group_starts_aligned`` holds (TMA
+needs every group's rows at 16-byte aligned addresses), as for the C++ kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from cutlass_ops.gemms import dsl
+from cutlass_ops.gemms.dsl import DslConfig
+
+FORMS = ("2d3d", "2d2d")  # varlen M, varlen K; 3d2d and 3d3d stay with the C++ kernels
+
+# The measured best first (moe.py's 24 cases on an H100: pingpong 128x192 / 128x208 and
+# cooperative 128x256 with 2x1 clusters won 40 of the 48 top-two places), then the rest.
+_FIRST = (DslConfig(128, 192, 2, 1, True), DslConfig(128, 208, 2, 1, True),
+          DslConfig(128, 256, 2, 1, False), DslConfig(128, 256, 1, 1, False),
+          DslConfig(256, 192, 2, 1, False), DslConfig(128, 192, 1, 1, True),
+          DslConfig(128, 128, 2, 1, True), DslConfig(256, 128, 2, 1, False))
+CONFIGS = tuple(dict.fromkeys((
+    *_FIRST,
+    *(DslConfig(tm, tn, cm, cn, pingpong)
+      for pingpong, tiles in ((True, dsl.PINGPONG_TILES), (False, dsl.COOPERATIVE_TILES))
+      for tm, tn in tiles for cm, cn in ((2, 1), (1, 1))))))
+_LIMITS = {"quick": 4, "default": 8, "exhaustive": None}
+
+
+def refusal(problem) -> Optional[str]:
+    """Why the DSL kernels cannot take a ``grouped_build.GroupedProblem``, or None."""
+    why = dsl.unavailable()
+    if why:
+        return why
+    if problem.form not in FORMS:
+        return f"the {problem.form} form (the DSL path takes {' and '.join(FORMS)})"
+    if problem.element not in ("bf16", "f16"):
+        return f"{problem.element} operands (bf16 or f16)"
+    return None
+
+
+def candidates(problem, strategy: str = "default") -> list[DslConfig]:
+    """The DSL kernels to try on ``problem`` (none when ``refusal`` says why): quick 4,
+    default 8, exhaustive all."""
+    if refusal(problem) is not None:
+        return []
+    return list(CONFIGS[:_LIMITS[strategy]])
+
+
+def is_dsl(config) -> bool:
+    return isinstance(config, DslConfig)
+
+
+def config_from_name(name: str) -> Optional[DslConfig]:
+    """The DSL config a tuning entry names, or None where the extra is missing (the caller
+    falls back to torch._grouped_mm)."""
+    return None if dsl.unavailable() else DslConfig.from_name(name)
+
+
+def _bounds(offs: torch.Tensor) -> torch.Tensor:
+    """``[0, offs...]`` as int32, on the stream (QuACK's cu_seqlens)."""
+    return torch.nn.functional.pad(offs.to(torch.int32), (1, 0))
+
+
+def run(config: DslConfig, form: str, a: torch.Tensor, b: torch.Tensor,
+        offs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = the grouped product of a 2d3d (rows of ``a`` and ``out`` grouped) or 2d2d
+    (``a``'s columns and ``b``'s rows grouped; ``out`` [groups, M, N]) call, with ``config``'s
+    kernel (compiled on first use, or loaded from the DSL's disk cache)."""
+    if form not in FORMS:
+        raise ValueError(f"the DSL grouped path takes the {FORMS} forms, not {form}")
+    gemm = dsl._interface().gemm_tuned.fn
+    bounds = _bounds(offs)
+    quack_config = config.to_quack()
+    if form == "2d3d":
+        gemm(a, b, out, None, None, 1.0, 1.0, cu_seqlens_m=bounds, config=quack_config)
+    else:
+        gemm(a, b, out, None, None, 1.0, 1.0, cu_seqlens_k=bounds, config=quack_config)
+    return out
+
+
+__all__ = ["CONFIGS", "FORMS", "refusal", "candidates", "is_dsl", "config_from_name", "run"]
