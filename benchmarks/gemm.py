@@ -15,6 +15,7 @@ work included. Writes benchmarks/results/gemm_tuned.json.
 
     cutlass-tune tune $(python benchmarks/gemm.py --print-shapes)
     python benchmarks/gemm.py --tuned
+    python benchmarks/gemm.py --tuned --tune default   # both, the tune's wall time recorded
 """
 
 from __future__ import annotations
@@ -142,6 +143,25 @@ def bench_tuned_shape(m, n, k):
     }
 
 
+def run_tune(shapes, strategy: str) -> dict:
+    """``cutlass-tune tune`` of ``shapes`` in a child process (as a user runs it), timed."""
+    import subprocess
+    import time
+
+    from custom_kernels.core.device import current_scope
+    from custom_kernels.core.tuned_store import TuningCache
+
+    cache = TuningCache(current_scope())
+    operands = GemmOperands.make("bf16")
+    cold = not any(cache.get(cutlass_ops.GemmProblem(operands, m, n, k)) for m, n, k in shapes)
+    command = [sys.executable, "-m", "tuning.cli", "tune",
+               *(f"{m}x{n}x{k}" for m, n, k in shapes), "--strategy", strategy]
+    start = time.perf_counter()
+    subprocess.run(command, check=True)
+    return {"tune": {"strategy": strategy, "seconds": round(time.perf_counter() - start, 1),
+                     "cold": cold, "command": "cutlass-tune " + " ".join(command[3:])}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -150,6 +170,10 @@ def main() -> None:
                         help="the tuned winners through cutlass_ops.matmul's dispatch")
     parser.add_argument("--print-shapes", action="store_true",
                         help="print the shape list as MxNxK arguments and exit")
+    parser.add_argument("--tune", choices=("quick", "default", "exhaustive"),
+                        help="with --tuned: first run `cutlass-tune tune` on the shapes with "
+                        "this strategy, in its own process, and record its wall time (cold when "
+                        "the cache held none of them)")
     args = parser.parse_args()
     shapes = LLM_SHAPES[::6] if args.quick else LLM_SHAPES
     if args.print_shapes:
@@ -157,6 +181,7 @@ def main() -> None:
         return
     require_gpu()
     if args.tuned:
+        tune = run_tune(shapes, args.tune) if args.tune else {}
         rows = [bench_tuned_shape(*shape) for shape in shapes]
         print_table(["case", "ours TFLOP/s", "torch TFLOP/s", "ratio", "correct", "dispatch",
                      "config"],
@@ -168,7 +193,8 @@ def main() -> None:
         print(f"geometric mean ratio {geomean:.4f}, min {min(ratios, default=0):.4f}")
         path = write_result("gemm_tuned_quick" if args.quick else "gemm_tuned", rows,
                             copy_bandwidth_gbs=round(copy_bandwidth_gbs(), 1),
-                            geomean_ratio=round(geomean, 4))
+                            geomean_ratio=round(geomean, 4), min_ratio=min(ratios, default=0),
+                            **tune)
         print(f"wrote {path}")
         return
     operands = GemmOperands.make("bf16")

@@ -33,10 +33,20 @@ class Strategy(str, enum.Enum):
         return {Strategy.QUICK: 4, Strategy.DEFAULT: 20, Strategy.EXHAUSTIVE: None}[self]
 
     @property
+    def compiled_beside_dsl(self) -> int | None:
+        """C++ kernels per problem when the DSL path's kernels are in the pool too. A C++
+        kernel costs about 60 s of nvcc, a DSL one 2 s for every shape at once; on the 16 LLM
+        shapes the DSL kernels won every shape from M = 1024 up, and the C++ ones the small-M
+        shapes with the model's first picks (swap-A/B pingpong; docs/measurements.md). So the
+        default spends its compile time on the DSL side: a cold default tune of those shapes
+        fits one wave of nvcc jobs instead of several."""
+        return {Strategy.QUICK: 4, Strategy.DEFAULT: 4, Strategy.EXHAUSTIVE: None}[self]
+
+    @property
     def dsl_kernels(self) -> int | None:
         """CuTe DSL kernels (``cutlass_ops.gemms.dsl``, with the extra) per problem, beside the
         C++ ones: each compiles in about 2 s for every shape of its operand types."""
-        return {Strategy.QUICK: 8, Strategy.DEFAULT: 16, Strategy.EXHAUSTIVE: None}[self]
+        return {Strategy.QUICK: 8, Strategy.DEFAULT: 24, Strategy.EXHAUSTIVE: None}[self]
 
     @property
     def varied_kernels(self) -> int:
@@ -113,13 +123,14 @@ def _family(choice: Choice) -> tuple:
 
 
 def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *,
-           use_heuristics: bool = True) -> list[Choice]:
-    """The configs to compile for a problem, best first."""
+           use_heuristics: bool = True, dsl_beside: bool = False) -> list[Choice]:
+    """The configs to compile for a problem, best first (``dsl_beside``: with the DSL path's
+    kernels in the pool, ``Strategy.compiled_beside_dsl`` of them)."""
     strategy = Strategy(strategy)
     choices = all_choices(problem, device.arch,
                           exhaustive=strategy is Strategy.EXHAUSTIVE)
     ranked = rank(problem, device, choices)
-    limit = strategy.compiled_per_problem
+    limit = strategy.compiled_beside_dsl if dsl_beside else strategy.compiled_per_problem
     if limit is None:
         # Everything, but the default strategy's diverse picks first: a budget that cuts an
         # exhaustive search short must leave it no worse than the default one.

@@ -6,7 +6,8 @@ in the same pool for the 2d3d and 2d2d forms.
 Per ``GroupedProblem`` (form, groups, per-group extents with the grouped one bucketed, element,
 layouts): the candidates built in parallel (nvcc, through the build cache; about 35 s each, once
 per config and layouts: the sizes are run-time values), each run on random operands with the
-rows spread evenly over the groups, checked against the per-group float32 reference
+rows spread evenly over the groups and Zipf-skewed (``GroupedSession``), checked against the
+per-group float32 reference
 (``cutlass_ops.grouped.reference``), timed as CUDA-graph replays after an L2 flush, the best
 few beside ``torch._grouped_mm`` interleaved; the best ratio wins. Entries live in the tuning
 cache of this GPU, family ``grouped``; ``cutlass_ops.grouped_mm`` runs a stored winner that beat
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import math
 import time
 from typing import Callable, Iterable
 
@@ -121,6 +123,7 @@ class GroupedFamily:
                            for c in measured.ranked()[1:1 + self.rounds.runners_up]],
             "failures": [{"config": f.candidate, "stage": f.stage, "error": f.error[:400]}
                          for f in measured.failures],
+            "timed_on": "geometric mean of an even and a Zipf-skewed routing",
             "strategy": self.strategy, "complete": measured.complete,
             "tune_seconds": round(measured.seconds, 2),
             "build_seconds_total": round(self.build_seconds, 2),
@@ -177,8 +180,15 @@ class GpuGroupedBackend(Backend):
 
 
 class GroupedSession:
-    """One problem's random operands (rows spread evenly over the groups), its reference and
-    torch's same call (``tuning.protocol.Session``)."""
+    """One problem's random operands, its reference and torch's same call
+    (``tuning.protocol.Session``).
+
+    The tuning key holds the mean rows per group, not the routing's skew (reading the offsets
+    would cost a host sync per call), so one winner must serve every routing of that mean. A
+    candidate's time is therefore the geometric mean over two routings of the same rows: an even
+    split, and a Zipf-skewed one (group g takes a share proportional to 1 / rank, ranks in a
+    fixed random order), as MoE routers skew in practice. torch._grouped_mm is timed the same
+    way."""
 
     def __init__(self, problem: GroupedProblem):
         import torch
@@ -200,20 +210,29 @@ class GroupedSession:
         if p.form == "2d3d":
             self.a = matrix(p.groups * p.m, p.k, layout=p.layout_a, scale=p.k ** -0.5)
             self.b = matrix(p.groups, p.k, p.n, layout=p.layout_b)
-            self.offs = self._offsets(p.m)
+            self.offs = self._offsets(per_group := p.m)
         elif p.form == "2d2d":
             self.a = matrix(p.m, p.groups * p.k, layout=p.layout_a, scale=p.k ** -0.5)
             self.b = matrix(p.groups * p.k, p.n, layout=p.layout_b)
-            self.offs = self._offsets(p.k)
+            self.offs = self._offsets(per_group := p.k)
         elif p.form == "3d2d":
             self.a = matrix(p.groups, p.m, p.k, layout=p.layout_a, scale=p.k ** -0.5)
             self.b = matrix(p.k, p.groups * p.n, layout=p.layout_b)
-            self.offs = self._offsets(p.n)
+            self.offs = self._offsets(per_group := p.n)
         else:
             self.a = matrix(p.groups, p.m, p.k, layout=p.layout_a, scale=p.k ** -0.5)
             self.b = matrix(p.groups, p.k, p.n, layout=p.layout_b)
-        self.reference = grouped.reference(self.a, self.b, self.offs)
-        self.out = torch.empty_like(self.reference)
+        # The routings timed, and those verified (timed ones plus the first group left empty).
+        self.routings = [self.offs]
+        if self.offs is not None and p.groups > 1:
+            self.routings.append(skewed_offsets(p.groups, per_group, self.offs.device))
+        checked = list(self.routings)
+        if self.offs is not None and p.groups > 1:
+            empty_first = self.offs.clone()
+            empty_first[0] = 0
+            checked.append(empty_first)
+        self.checked = [(offs, grouped.reference(self.a, self.b, offs)) for offs in checked]
+        self.out = torch.empty_like(self.checked[0][1])
         self.tolerance = relative_tolerance(p.element, GEMM)
 
     def _offsets(self, per_group: int):
@@ -222,29 +241,22 @@ class GroupedSession:
         return torch.full((self.problem.groups,), per_group, device="cuda",
                           dtype=torch.int32).cumsum(0).to(torch.int32)
 
-    def _launch(self, config, offs=None):
+    def _launch(self, config, offs):
         from cutlass_ops.gemms import grouped_runtime
 
-        offs = self.offs if offs is None else offs
         return lambda: grouped_runtime.launch(config, self.problem.form, self.a, self.b, offs,
                                               self.out)
 
     def verify(self, config) -> str | None:
-        """Checked twice: on the even split that is timed, and with the first group empty and
-        the second taking its rows (routing leaves experts empty; their rows of D, or their
-        whole D in the 2d2d form, must come out right all the same)."""
+        """Checked on each routing timed and with the first group empty (routing leaves
+        experts empty; their rows of D, or their whole D in the 2d2d form, must come out right
+        all the same)."""
         import torch
 
-        from cutlass_ops import grouped
         from custom_kernels.core.errors import CutlassOpsError
 
-        uneven = None
-        if self.offs is not None and self.problem.groups > 1:
-            uneven = self.offs.clone()
-            uneven[0] = 0
-        for offs in (self.offs, uneven) if uneven is not None else (self.offs,):
-            reference = self.reference if offs is self.offs else \
-                grouped.reference(self.a, self.b, offs)
+        names = ["an even split", "a skewed split", "an empty group"]
+        for i, (offs, reference) in enumerate(self.checked):
             try:
                 self.out.fill_(float("nan"))
                 self._launch(config, offs)()
@@ -254,37 +266,65 @@ class GroupedSession:
                 return f"{kind}: {exc}"[:400]
             why = protocol.check([self.out], [reference], self.tolerance)
             if why:
-                return why if offs is self.offs else f"with an empty group: {why}"
+                return why if i == 0 else f"with {names[i]}: {why}"
         return None
 
-    def _torch(self):
+    def _torch(self, offs):
         import torch
 
-        a, b, offs = self.a, self.b, self.offs
+        a, b = self.a, self.b
         return lambda: torch._grouped_mm(a, b, offs)
+
+    def _fns(self, configs) -> dict:
+        """{(candidate or "torch", routing index): fn}"""
+        fns = {}
+        for i, offs in enumerate(self.routings):
+            fns.update({(c, i): self._launch(c, offs) for c in configs})
+            fns[("torch", i)] = self._torch(offs)
+        return fns
+
+    def _combined(self, times: dict, who) -> float:
+        return math.prod(times[(who, i)] for i in range(len(self.routings))) \
+            ** (1 / len(self.routings))
 
     def time_ms(self, config, reps: int) -> float:
         from tuning.timing import do_bench
 
-        return do_bench(self._launch(config), reps=reps, graph=True).median_ms
+        return math.prod(do_bench(self._launch(config, offs), reps=reps, graph=True).median_ms
+                         for offs in self.routings) ** (1 / len(self.routings))
 
     def torch_ms(self, reps: int) -> float:
         from tuning.timing import do_bench
 
-        return do_bench(self._torch(), reps=reps, graph=True).median_ms
+        return math.prod(do_bench(self._torch(offs), reps=reps, graph=True).median_ms
+                         for offs in self.routings) ** (1 / len(self.routings))
 
     def compare_ms(self, configs, reps: int):
         from tuning.timing import do_bench_interleaved
 
-        fns = {c: self._launch(c) for c in configs}
-        fns["torch"] = self._torch()
-        timings = do_bench_interleaved(fns, reps=reps, graph=True)
-        torch_ms = timings.pop("torch").median_ms
-        return {c: t.median_ms for c, t in timings.items()}, torch_ms
+        timings = do_bench_interleaved(self._fns(configs), reps=reps, graph=True)
+        times = {key: t.median_ms for key, t in timings.items()}
+        return {c: self._combined(times, c) for c in configs}, self._combined(times, "torch")
 
     def close(self) -> None:
-        self.a = self.b = self.out = self.reference = self.offs = None
+        self.a = self.b = self.out = self.offs = None
+        self.routings = self.checked = []
+
+
+def skewed_offsets(groups: int, per_group: int, device=None):
+    """Cumulative ends of ``groups * per_group`` rows split Zipf-like (group g's share
+    proportional to 1 / rank, ranks in a fixed random order), each group a multiple of 8 rows
+    (16-byte aligned starts whatever the layouts), the remainder on the largest group."""
+    import torch
+
+    total = groups * per_group
+    ranks = torch.randperm(groups, generator=torch.Generator().manual_seed(0)).tolist()
+    shares = [1.0 / (rank + 1) for rank in ranks]
+    scale = total / sum(shares)
+    counts = [int(share * scale) // 8 * 8 for share in shares]
+    counts[ranks.index(0)] += total - sum(counts)
+    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
 
 
 __all__ = ["GROUPED", "GroupedFamily", "GpuGroupedBackend", "grouped_cache", "moe_problems",
-           "parse", "tune"]
+           "parse", "skewed_offsets", "tune"]

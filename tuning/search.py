@@ -84,9 +84,11 @@ class GemmFamily:
     def candidates(self, problem: GemmProblem) -> list:
         """The C++ kernels (``candidates.select``), then, with the DSL extra on an sm90 GPU, the
         CuTe DSL kernels that take the problem: one pool, ranked by measurement."""
+        dsl_beside = self.device.arch == "sm90a" and dsl.refusal(problem) is None
         plan: list = candidates.select(problem, self.device, self.strategy,
-                                       use_heuristics=self.use_heuristics)
-        if self.device.arch == "sm90a" and dsl.refusal(problem) is None:
+                                       use_heuristics=self.use_heuristics,
+                                       dsl_beside=dsl_beside)
+        if dsl_beside:
             plan += dsl.candidates(problem.m, problem.n, problem.k,
                                    self.device.sm_count)[:self.strategy.dsl_kernels]
         return plan

@@ -83,6 +83,15 @@ def test_a_tune_stores_verified_winners_and_records_failures(tmp_path):
     assert all(r.cached for r in again)
 
 
+@pytest.mark.parametrize("groups, per_group", [(8, 1024), (128, 256), (256, 16), (2, 8)])
+def test_the_skewed_routing_keeps_the_rows_and_aligned_groups(groups, per_group):
+    ends = grouped_search.skewed_offsets(groups, per_group)
+    counts = [int(ends[0])] + (ends[1:] - ends[:-1]).tolist()
+    assert int(ends[-1]) == groups * per_group and min(counts) >= 0
+    assert all(c % 8 == 0 for c in counts)
+    assert max(counts) >= 2 * per_group  # skewed: the top expert takes several times its share
+
+
 def test_tuned_config_reads_a_winner_that_beat_torch(tmp_path, monkeypatch):
     from cutlass_ops.gemms import grouped_build
 
