@@ -33,12 +33,13 @@ def moe_problems(experts: int, n: int, k: int, rows: int, *, backward: bool = Fa
                  element: str = "bf16") -> list[GroupedProblem]:
     """An MoE layer's expert GEMM ``rows`` x K -> N over ``experts`` experts, its weights as
     Hugging Face stores them ([E, N, K]): the forward (2d3d, B column-major), and with
-    ``backward`` dX (2d3d, B row-major) and dW (2d2d, A column-major)."""
+    ``backward`` dX (2d3d, B row-major) and dW, computed in the weights' layout as
+    dY^T X (2d2d, A column-major: ``cutlass_ops.grouped``'s backward)."""
     per_group = grouped_build.bucket(rows / experts)
     problems = [GroupedProblem("2d3d", experts, per_group, n, k, element, "t", "n")]
     if backward:
         problems += [GroupedProblem("2d3d", experts, per_group, k, n, element, "t", "t"),
-                     GroupedProblem("2d2d", experts, k, n, per_group, element, "n", "t")]
+                     GroupedProblem("2d2d", experts, n, k, per_group, element, "n", "t")]
     return problems
 
 

@@ -64,6 +64,23 @@ def test_every_form_and_its_gradients_against_the_groups_one_by_one(form, dtype)
     torch.testing.assert_close(b.grad.double(), b64.grad, rtol=tol, atol=tol * 8)
 
 
+@pytest.mark.parametrize("form", ["2d3d", "3d3d"])
+def test_transposed_expert_weights_get_their_gradient_in_their_own_layout(form):
+    """Hugging Face's [E, N, K] weights used as [E, K, N] views: the weight gradient comes out
+    contiguous in [E, N, K], so AccumulateGrad adds it without a transposing copy."""
+    a_shape, b_shape, sizes = CASES[form]
+    a = torch.randn(a_shape, requires_grad=True)
+    w = torch.randn(b_shape[0], b_shape[2], b_shape[1], requires_grad=True)  # [E, N, K]
+    offs = offsets(sizes) if sizes else None
+    out = cutlass_ops.grouped_mm(a, w.transpose(1, 2), offs)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    w64 = w.detach().double().requires_grad_()
+    per_group(form, a.detach().double(), w64.transpose(1, 2), sizes).backward(grad.double())
+    assert w.grad.is_contiguous()
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-4)
+
+
 def test_rows_past_the_last_group_get_no_gradient_and_zero_tokens_work():
     a = torch.randn(10, 16, requires_grad=True)
     b = torch.randn(2, 16, 8, requires_grad=True)

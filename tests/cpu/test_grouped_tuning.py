@@ -50,7 +50,7 @@ def test_keys_bucket_the_grouped_extent_and_name_the_layouts():
     forward, dx, dw = grouped_search.moe_problems(8, 14336, 4096, 8192, backward=True)
     assert forward == GroupedProblem("2d3d", 8, 1024, 14336, 4096, "bf16", "t", "n")
     assert dx.n == 4096 and dx.k == 14336 and (dx.layout_a, dx.layout_b) == ("t", "t")
-    assert dw.form == "2d2d" and (dw.m, dw.n, dw.k) == (4096, 14336, 1024)
+    assert dw.form == "2d2d" and (dw.m, dw.n, dw.k) == (14336, 4096, 1024)  # dY^T X: [E, N, K]
     assert GroupedProblem.from_dict(forward.to_dict()) == forward
     assert forward.name == "2d3d-bf16-tn-g8-m1024-n14336-k4096"
 
