@@ -73,6 +73,7 @@ class GroupedFamily:
             raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
         self.strategy, self.backend, self.progress = strategy, backend, progress
         self.build_seconds = 0.0
+        self._sessions: dict = {}
 
     def candidates(self, problem: GroupedProblem) -> list:
         """The C++ kernels, then (``backend.dsl``: the extra on an sm90 GPU) the DSL ones."""
@@ -93,7 +94,9 @@ class GroupedFamily:
         return {problem: {c: errors.get(c) for c in plan} for problem, plan in plans.items()}
 
     def session(self, problem: GroupedProblem):
-        return self.backend.session(problem)
+        session = self.backend.session(problem)
+        self._sessions[problem] = session  # its per-routing ratios, for ``entry``
+        return session
 
     def derived(self, problem, ranked):
         return []
@@ -105,10 +108,18 @@ class GroupedFamily:
         return None
 
     def entry(self, problem: GroupedProblem, measured: protocol.Measured) -> dict:
-        times, winner = measured.times, measured.winner
+        """The winner is the best finalist (geometric mean over the routings) that beat
+        torch._grouped_mm on every routing timed: one that wins on skewed routing but loses
+        on an even one would be a surprise on a load-balanced model. With none, torch runs."""
+        times, ranked = measured.times, measured.ranked()
+        ratios = getattr(self._sessions.pop(problem, None), "ratios", {})
+        safe = [c for c in ranked if c in measured.torch_beside
+                and max(ratios.get(c, [times[c] / measured.torch_beside[c]])) <= 1.0]
+        winner = safe[0] if safe else measured.winner
         winner_ms = times[winner] if winner else None
-        torch_ms = measured.torch_ms
-        other = [c for c in measured.ranked() if winner and _path(c) != _path(winner)]
+        torch_ms = measured.torch_beside.get(winner, measured.torch_ms) if winner else \
+            measured.torch_ms
+        other = [c for c in ranked if winner and _path(c) != _path(winner)]
         return {
             "problem": problem.to_dict(),
             "winner": winner.name if winner else None,
@@ -117,11 +128,13 @@ class GroupedFamily:
                                    "ms": times[other[0]]} if other else None,
             "winner_ms": winner_ms, "torch_ms": torch_ms,
             "winner_tflops": round(problem.flops / winner_ms / 1e9, 2) if winner else None,
-            "prefer": "cutlass" if winner_ms is not None and winner_ms <= torch_ms
-            else "torch",
+            "prefer": "cutlass" if safe else "torch",
+            # torch's time / the winner's on each routing (even, skewed), when measured.
+            "routing_speedups": [round(1 / r, 4) for r in ratios[winner]]
+            if winner in ratios else None,
             "runners_up": [{"config": c.name, "ms": times[c],
                             "torch_ms": measured.torch_beside.get(c)}
-                           for c in measured.ranked()[1:1 + self.rounds.runners_up]],
+                           for c in ranked if c != winner][:self.rounds.runners_up],
             "failures": [{"config": f.candidate, "stage": f.stage, "error": f.error[:400]}
                          for f in measured.failures],
             "timed_on": "geometric mean of an even and a Zipf-skewed routing",
@@ -235,6 +248,7 @@ class GroupedSession:
         self.checked = [(offs, grouped.reference(self.a, self.b, offs)) for offs in checked]
         self.out = torch.empty_like(self.checked[0][1])
         self.tolerance = relative_tolerance(p.element, GEMM)
+        self.ratios: dict = {}
 
     def _offsets(self, per_group: int):
         import torch
@@ -305,6 +319,9 @@ class GroupedSession:
 
         timings = do_bench_interleaved(self._fns(configs), reps=reps, graph=True)
         times = {key: t.median_ms for key, t in timings.items()}
+        for c in configs:  # each routing's time over torch's beside it (GroupedFamily.entry)
+            self.ratios[c] = [times[(c, i)] / times[("torch", i)]
+                              for i in range(len(self.routings))]
         return {c: self._combined(times, c) for c in configs}, self._combined(times, "torch")
 
     def close(self) -> None:

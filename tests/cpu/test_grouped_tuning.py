@@ -108,6 +108,51 @@ def test_tuned_config_reads_a_winner_that_beat_torch(tmp_path, monkeypatch):
     assert grouped_build.tuned_config(problem) is None
 
 
+FASTEST = "grouped-bf16-tn-cooperative-t128x128x64-c1x1"
+
+
+class FakeRoutingSession(FakeSession):
+    """Per-routing ratios to torch (even, skewed): the fastest kernel overall (cooperative
+    128x128, cluster 1x1) loses to torch on the even routing."""
+
+    def __init__(self, backend, problem):
+        super().__init__(backend, problem)
+        self.ratios = {}
+
+    def compare_ms(self, configs, reps):
+        times, torch_ms = super().compare_ms(configs, reps)
+        for c in configs:
+            ratio = times[c] / torch_ms
+            fastest = c.name == FASTEST
+            self.ratios[c] = [1.02, ratio * ratio / 1.02] if fastest or self.backend.all_lose \
+                else [ratio, ratio]
+        return times, torch_ms
+
+
+class FakeRoutingBackend(FakeBackend):
+    all_lose = False
+
+    def session(self, problem):
+        return FakeRoutingSession(self, problem)
+
+
+@pytest.mark.parametrize("all_lose", [False, True])
+def test_the_winner_beats_torch_on_every_routing_or_torch_runs(tmp_path, all_lose):
+    backend = FakeRoutingBackend()
+    backend.all_lose = all_lose
+    cache = TuningCache(SCOPE, tmp_path, family="grouped")
+    problem = grouped_search.moe_problems(8, 14336, 4096, 8192)[0]
+    grouped_search.tune([problem], strategy="exhaustive", backend=backend, cache=cache,
+                        progress=lambda message: None)
+    entry = cache.get(problem)
+    if all_lose:
+        assert entry["prefer"] == "torch"
+    else:
+        assert entry["prefer"] == "cutlass" and entry["winner"] != FASTEST
+        assert entry["runners_up"][0]["config"] == FASTEST  # ranked first, yet not the winner
+        assert min(entry["routing_speedups"]) >= 1.0
+
+
 class FakeDslSession(FakeSession):
     """The DSL kernels are faster than every C++ one here, but pingpong 128x208 is wrong."""
 
