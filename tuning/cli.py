@@ -79,7 +79,7 @@ def _problems(args) -> list[GemmProblem]:
         if not args.tokens:
             raise ValueError("--model needs --tokens (rows of activations per call, e.g. batch "
                              "x sequence length)")
-        model = shapes.load_model(args.model)
+        model = _load_model(args.model)
         problems += shapes.model_problems(model, args.tokens, dtype=args.dtype,
                                           out_dtype=args.out_dtype, backward=args.backward)
     return list(dict.fromkeys(problems))
@@ -175,8 +175,11 @@ def cmd_tune(args) -> int:
     if args.grouped:
         return _tune_grouped(args)
     problems = _problems(args)
-    if not problems:
+    grouped = _model_grouped_problems(args)
+    if not problems and not grouped:
         raise ValueError("no shapes: give MxNxK arguments, --file or --model")
+    if not problems:
+        return _tune_grouped(args, grouped)
     if args.gpus:
         return _tune_on_gpus(args, problems)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
@@ -217,7 +220,31 @@ def cmd_tune(args) -> int:
              r["speedup"] or "-", r["prefer"], r["failures"], r["cached"]] for r in rows]),
           f"compiled {report.built} kernels, reused {report.reused}, build "
           f"{report.build_seconds:.0f} s, measurement {report.measure_seconds:.0f} s")
+    if grouped:  # the model's mixture-of-experts GEMMs, after its dense ones
+        return _tune_grouped(args, grouped)
     return EXIT_OK
+
+
+def _model_grouped_problems(args) -> list:
+    """--model's mixture-of-experts GEMMs (``tuning.shapes.model_grouped_problems``), if any."""
+    if not getattr(args, "model", None):
+        return []
+    from tuning import shapes
+
+    return shapes.model_grouped_problems(_load_model(args.model), args.tokens,
+                                         dtype=args.dtype, backward=args.backward)
+
+
+_models: dict = {}
+
+
+def _load_model(spec: str):
+    """--model's module, built once per process (its dense and its grouped GEMMs both read it)."""
+    from tuning import shapes
+
+    if spec not in _models:
+        _models[spec] = shapes.load_model(spec)
+    return _models[spec]
 
 
 def _tune_on_gpus(args, problems) -> int:
@@ -261,18 +288,19 @@ def _gather_ranks(backend) -> None:
     dist.barrier()
 
 
-def _tune_grouped(args) -> int:
+def _tune_grouped(args, problems: list | None = None) -> int:
     """``tune --grouped E:N:K --tokens ROWS``: the grouped (MoE expert) GEMMs, forward and with
-    --backward dX and dW, over ROWS routed rows (tokens x top-k)."""
+    --backward dX and dW, over ROWS routed rows (tokens x top-k); or ``problems`` (--model's)."""
     from tuning import grouped_search
 
-    shapes = [grouped_search.parse(spec) for spec in args.grouped]
-    if not args.tokens:
-        raise ValueError("--grouped needs --tokens: the routed rows (tokens x top-k)")
     if args.dtype not in ("bf16", "f16"):
         raise ValueError(f"grouped GEMMs are bf16 or f16, not {args.dtype}")
-    problems = [p for shape in shapes for p in grouped_search.moe_problems(
-        *shape, args.tokens, backward=args.backward, element=args.dtype)]
+    if problems is None:
+        shapes = [grouped_search.parse(spec) for spec in args.grouped]
+        if not args.tokens:
+            raise ValueError("--grouped needs --tokens: the routed rows (tokens x top-k)")
+        problems = [p for shape in shapes for p in grouped_search.moe_problems(
+            *shape, args.tokens, backward=args.backward, element=args.dtype)]
     results = grouped_search.tune(problems, strategy=args.strategy, force=args.force,
                                   progress=lambda message: print(message, file=sys.stderr))
     rows = [{"problem": r.problem.name, "winner": r.entry.get("winner"),
@@ -721,7 +749,8 @@ def _add_problem_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--file", action="append", help="a file of shapes, one per line")
     if model:
         p.add_argument("--model", help="package.module:factory returning an nn.Module; its "
-                       "Linear layers give the shapes (built on the meta device)")
+                       "Linear layers give the shapes (built on the meta device), and its "
+                       "mixture-of-experts layers grouped GEMMs (tune only)")
         p.add_argument("--tokens", type=int, help="rows per call for --model (batch x seq)")
         p.add_argument("--backward", action="store_true",
                        help="with --model, add the two backward GEMMs of each Linear (dX = dY W "

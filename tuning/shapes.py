@@ -167,6 +167,33 @@ def model_problems(model: Any, tokens: int, *, dtype: str = "bf16", out_dtype: s
     return list(dict.fromkeys(problems))
 
 
+def model_grouped_problems(model: Any, tokens: int, *, dtype: str = "bf16",
+                           backward: bool = False) -> list:
+    """The grouped GEMM problems (``tuning.grouped_search``) of the model's mixture-of-experts
+    layers, as ``convert`` runs them (``cutlass_ops.moe``): each experts module's gate+up and
+    down GEMMs over ``tokens`` x top-k routed rows, with their dX and dW when ``backward``.
+    Top-k comes from the model's config (``num_experts_per_tok``) or a router's ``top_k``."""
+    from cutlass_ops.moe import looks_like_experts
+    from tuning.grouped_search import moe_problems
+
+    experts = [m for m in model.modules() if looks_like_experts(m)]
+    if not experts:
+        return []
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None) or next(
+        (m.top_k for m in model.modules() if isinstance(getattr(m, "top_k", None), int)), None)
+    if not top_k:
+        raise ValueError("the model has mixture-of-experts layers but neither its config's "
+                         "num_experts_per_tok nor a router's top_k says how many experts a "
+                         "token takes; tune them with --grouped E:N:K --tokens ROWS")
+    problems = []
+    for module in experts:
+        count, double_inter, hidden = module.gate_up_proj.shape
+        for n, k in ((double_inter, hidden), (hidden, double_inter // 2)):
+            problems += moe_problems(count, n, k, tokens * top_k, backward=backward,
+                                     element=dtype)
+    return list(dict.fromkeys(problems))
+
+
 def _split_model_spec(spec: str) -> tuple[str, str]:
     module_name, separator, attribute = spec.partition(":")
     module_name, attribute = module_name.strip(), attribute.strip()

@@ -225,3 +225,37 @@ def test_model_problems_cover_the_linears_and_the_chunked_head():
     assert {(32, 1000, 64, "row", "col", True), (32, 64, 1000, "row", "row", True),
             (1000, 64, 32, "col", "row", True)} <= found  # the head on a chunk of 32 rows
     assert len(problems) == len(set(problems))
+
+
+def test_a_model_s_experts_give_grouped_problems_with_its_top_k():
+    """A Hugging Face Qwen3-MoE (tiny, meta device): its experts' gate+up and down GEMMs over
+    tokens x num_experts_per_tok routed rows, forward and backward."""
+    transformers = pytest.importorskip("transformers")
+    from tuning.grouped_search import moe_problems
+    from tuning.shapes import model_grouped_problems
+
+    config = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32,
+                                         num_experts=8, num_experts_per_tok=2,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=128)
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    problems = model_grouped_problems(model, 512, backward=True)
+    expected = moe_problems(8, 64, 64, 1024, backward=True) + \
+        moe_problems(8, 64, 32, 1024, backward=True)
+    assert problems == list(dict.fromkeys(expected))  # both layers share their problems
+    assert model_grouped_problems(torch.nn.Linear(4, 4), 512) == []
+
+
+def test_experts_without_a_top_k_are_refused_by_name():
+    from tuning.shapes import model_grouped_problems
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.empty(4, 16, 8))
+            self.down_proj = torch.nn.Parameter(torch.empty(4, 8, 8))
+            self.act_fn = torch.nn.SiLU()
+
+    with pytest.raises(ValueError, match="top_k"):
+        model_grouped_problems(torch.nn.Sequential(Experts()), 64)
