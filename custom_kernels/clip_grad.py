@@ -25,6 +25,9 @@ function, the torch fallback and the float64 reference.
   1, 2 and inf, gradients on the CPU (the CPU rule, ``custom_kernels.core.fallback``) or on
   several GPUs, other dtypes, sparse or non-contiguous gradients. Gradients on a GPU and off one
   together raise UnsupportedInputError.
+- DTensor gradients (FSDP2's ``fully_shard``) take torch's clip here, with the reason logged:
+  ``custom_kernels.clip_grad_distributed.clip_grad_norm_`` is the one for them (our local norm
+  and one all-reduce).
 - Devices without cooperative launch take the two-kernel path (``cooperative=False`` forces it).
 - CUDA graphs: call once eagerly before capturing (the queue counters and the task table are
   allocated on first use); the captured launch replays with the counters reset on the device.
@@ -371,6 +374,9 @@ def _torch_reason(grads, norm_code) -> str:
     if on_gpu == {True, False}:
         raise UnsupportedInputError(f"clip_grad_norm_: gradients on {', '.join(devices)}: on "
                                     "CUDA devices and off them in one call")
+    if any(hasattr(g, "device_mesh") for g in grads):
+        return ("DTensor gradients (FSDP2): custom_kernels.clip_grad_distributed.clip_grad_norm_ "
+                "clips them with our kernels and one all-reduce")
     if on_gpu == {False}:
         return f"the gradients are on {', '.join(devices)}, not a CUDA device"
     if len(devices) > 1:

@@ -42,16 +42,42 @@ def local_parts(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def clip_grad_norm_(parameters_or_grads, max_norm: float, norm_type: float = 2.0, *,
                     group: Optional[object] = None) -> torch.Tensor:
-    """The total norm of the sharded gradients (a 0-d float32 tensor on the local gradients'
-    device, equal on every rank), after scaling them in place. ``group``: the process group
-    (torch.distributed's default one when None)."""
-    import torch.distributed as dist
-
+    """The total norm of the sharded gradients, equal on every rank, after scaling them in
+    place: a 0-d float32 tensor on the local gradients' device, or for DTensor gradients (one
+    1-D mesh, FSDP2's case) a DTensor replicated on their mesh, as torch returns it.
+    ``group``: the process group (for DTensors their mesh's; else torch.distributed's default
+    one when None)."""
     norm_type = float(norm_type)
     if norm_type not in (1.0, 2.0, math.inf):
         raise UnsupportedInputError(f"clip_grad_norm_ (distributed): norm types 1, 2 and inf, "
                                     f"not {norm_type}")
-    local = local_parts(gradients(parameters_or_grads))
+    grads = gradients(parameters_or_grads)
+    mesh = _one_mesh(grads)
+    if mesh is not None:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        norm = _clip_local(local_parts(grads), max_norm, norm_type,
+                           group if group is not None else mesh.get_group())
+        return DTensor.from_local(norm, mesh, [Replicate()], run_check=False)
+    return _clip_local(local_parts(grads), max_norm, norm_type, group)
+
+
+def _one_mesh(grads: list):
+    """The device mesh of DTensor gradients (None for plain tensors); refuses a mix, several
+    meshes or a multi-dimensional one (HSDP, tensor parallel: not ours to reduce)."""
+    meshes = {getattr(g, "device_mesh", None) for g in grads}
+    if meshes <= {None}:
+        return None
+    if None in meshes or len(meshes) > 1 or next(iter(meshes)).ndim != 1:
+        raise UnsupportedInputError(
+            "clip_grad_norm_ (distributed): DTensor gradients must all be sharded over one 1-D "
+            "device mesh (FSDP2's fully_shard); use torch.nn.utils.clip_grad_norm_ for others")
+    return next(iter(meshes))
+
+
+def _clip_local(local: list, max_norm: float, norm_type: float, group) -> torch.Tensor:
+    import torch.distributed as dist
+
     device = local[0].device if local else torch.device(
         "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     norm = total_norm(local, norm_type, out_dtype=torch.float32).to(device)

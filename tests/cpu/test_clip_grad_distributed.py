@@ -33,6 +33,9 @@ def _rank(rank, world, port, norm_type, use_dtensor, out):
         mesh = init_device_mesh("cpu", (world,))
         grads = [DTensor.from_local(g, mesh, [Shard(0)]) for g in grads]
     norm = clip_grad_distributed.clip_grad_norm_(grads, 1.0, norm_type)
+    if use_dtensor:  # replicated on the gradients' mesh, as torch returns it
+        assert [type(p).__name__ for p in norm.placements] == ["Replicate"]
+        norm = norm.to_local()
     local = [g.to_local() if use_dtensor else g for g in grads]
     torch.save({"norm": norm, "grads": local}, f"{out}.{rank}")
     dist.barrier()
