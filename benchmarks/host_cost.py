@@ -186,19 +186,25 @@ def hugging_face_rows(batches: int, calls: int) -> list[dict]:
     return rows
 
 
+SECTIONS = {"norms": norm_rows, "linear": linear_rows, "hf": hugging_face_rows,
+            "matmul": matmul_rows, "dsl": dsl_matmul_rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=9, help="alternating batches per row")
     parser.add_argument("--calls", type=int, default=1000, help="back-to-back calls per batch")
+    parser.add_argument("--only", nargs="+", choices=list(SECTIONS),
+                        help="these rows only, written to host_cost_<names>.json")
     args = parser.parse_args()
     require_gpu()
-    rows = (norm_rows(args.batches, args.calls) + linear_rows(args.batches, args.calls)
-            + hugging_face_rows(args.batches, args.calls) + matmul_rows(args.batches, args.calls)
-            + dsl_matmul_rows(args.batches, args.calls))
+    chosen = args.only or list(SECTIONS)
+    rows = [r for name in chosen for r in SECTIONS[name](args.batches, args.calls)]
     print_table(["case", "ours us", "torch us", "ratio (calls/s)", "correct"],
                 [[r["case"], r["detail"]["ours_us"], r["detail"]["reference_us"], r["ratio"],
                   r["correct"]] for r in rows])
-    print(f"wrote {write_result('host_cost', rows)}")
+    name = "host_cost" if not args.only else "host_cost_" + "_".join(args.only)
+    print(f"wrote {write_result(name, rows)}")
 
 
 if __name__ == "__main__":

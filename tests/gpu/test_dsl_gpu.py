@@ -113,6 +113,51 @@ def test_dispatch_runs_a_tuned_dsl_winner_and_falls_back_when_it_cannot(tmp_path
     check(captured, x, w.t(), torch.bfloat16)
 
 
+def test_a_dsl_winner_runs_under_compile_fullgraph_forward_and_backward(tmp_path, monkeypatch):
+    """cutlass_ops::linear (the op nn.Linear's replacement calls) compiled with fullgraph, its
+    forward dispatching a tuned DSL winner; the second compiled call replays QuACK's plan."""
+    import cutlass_ops
+    from cutlass_ops.gemms import dispatch, inputs
+    from custom_kernels.core.device import current_scope
+    from custom_kernels.core.tuned_store import TuningCache
+
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dispatch, "_routes", {})
+    monkeypatch.setattr(dispatch, "_entries_by_scope", {})
+    x, w = random(512, 1024, scale=1 / 32), random(2048, 1024)
+    problem = inputs.check_product(x, w.t()).problem
+    winner = CONFIGS[0]
+    TuningCache(current_scope()).put(problem, {
+        "winner": winner.to_dict(), "winner_name": winner.name, "backend": "dsl",
+        "winner_ms": 0.01, "torch_ms": 0.011, "prefer": "cutlass", "problem": problem.to_dict()})
+    before = dispatch.calls["dsl"]
+    compiled = torch.compile(lambda x, w: torch.ops.cutlass_ops.linear(x, w), fullgraph=True)
+    for _ in range(2):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = compiled(xg, wg)
+        check(y, x, w.t(), torch.bfloat16)
+        y.float().sum().backward()
+        ones = torch.ones(512, 2048, device="cuda")
+        assert relative_error(xg.grad, ones @ w.float()) < 2e-2
+    assert dispatch.calls["dsl"] >= before + 2
+
+
+def test_replayed_plans_follow_new_signatures_and_data():
+    """runner's plan replay: the same config on two shapes, alternating, each call on new data,
+    with and without alpha / bias: every result right (a plan is never reused across keys)."""
+    run = dsl.runner(CONFIGS[0])
+    for _ in range(3):
+        for m in (256, 384):
+            x, w = random(m, 512, scale=1 / 16), random(1024, 512)
+            bias = random(1024)
+            for alpha, b in ((1.0, None), (0.5, bias)):
+                out = torch.full((m, 1024), float("nan"), device="cuda", dtype=torch.bfloat16)
+                run(x, w.t(), out, b, None, alpha)
+                expected = alpha * (x.float() @ w.float().t()) + (
+                    b.float() if b is not None else 0)
+                assert relative_error(out, expected) <= relative_tolerance(torch.bfloat16, GEMM)
+
+
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=lambda c: c.name)
 @pytest.mark.parametrize("epilogue", [dict(bias="n"), dict(bias="n", residual=True),
                                       dict(residual=True)])
