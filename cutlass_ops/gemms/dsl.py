@@ -236,37 +236,16 @@ def plan(config: DslConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
 def runner(config: DslConfig) -> Callable[..., None]:
     """``run(a, b, out, bias=None, c=None, alpha=1.0, beta=1.0)``: ``config``'s kernel without
     ``check`` (dispatch's per-call path, whose route signature keeps check's answer for every
-    call it serves), through QuACK's ``gemm_tuned`` with the config pinned.
-
-    The first call of each operand signature (QuACK's own plan key: every tensor's dtype,
-    shape and strides, and whether alpha and beta are neutral) goes through ``gemm_tuned``,
-    which resolves the launch and returns QuACK's dispatch plan; later calls replay that plan
-    through ``_gemm_execute``, as QuACK's own eager ``gemm`` does on a warm call, skipping the
-    interface's checks and the dispatch layer's key (half of a small call's host time)."""
+    call it serves), through QuACK's ``gemm_tuned`` with the config pinned."""
     why = unavailable()
     if why:
         raise UnsupportedInputError(why)
-    interface = _interface()
-    from quack.gemm_config import SplitKMode
-    from quack.rounding import RoundingMode
-
-    gemm, execute = interface.gemm_tuned.fn, interface._gemm_execute
+    gemm = _interface().gemm_tuned.fn
     quack_config = config.to_quack()
-    plans: dict = {}
 
     def run(a, b, out, bias=None, c=None, alpha=1.0, beta=1.0) -> None:
-        beta = beta if c is not None else 1.0  # beta 1.0 without C: QuACK compiles it out
-        key = (a.device, *(None if t is None else (t.dtype, tuple(t.shape), t.stride())
-                           for t in (a, b, out, bias, c)), alpha == 1.0, beta == 1.0)
-        plan = plans.get(key)
-        if plan is None:
-            plans[key] = gemm(a, b, out, c, bias, alpha, beta, config=quack_config)[3]
-            return
-        execute(a, b, out, c, bias=bias, alpha=alpha, beta=beta, cu_seqlens_m=None,
-                cu_seqlens_k=None, A_idx=None, batch_idx_permute=None, add_to_output=False,
-                dynamic_scheduler=False, config=quack_config, rounding_mode=RoundingMode.RN,
-                sr_seed=0, concat_layout=None, SFA=None, SFB=None, split_k=1,
-                split_k_mode=SplitKMode.SERIAL, dispatch_plan=plan)
+        # beta 1.0 without C: QuACK compiles the term out.
+        gemm(a, b, out, c, bias, alpha, beta if c is not None else 1.0, config=quack_config)
 
     return run
 
