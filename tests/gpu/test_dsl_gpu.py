@@ -80,10 +80,9 @@ def test_bad_input_is_refused_by_name(change, words):
         dsl.plan(CONFIGS[0], *change(x, w, out))
 
 
-def test_dispatch_runs_a_tuned_dsl_winner_and_falls_back_when_it_cannot(tmp_path, monkeypatch):
-    """A tuning entry whose winner is a DSL kernel: cutlass_ops.matmul runs it (the dsl route),
-    for the tuned shape and a nearby one, and inside a CUDA graph."""
-    import cutlass_ops
+def tuned_dsl_winner(tmp_path, monkeypatch):
+    """x (512 x 1024), w (2048 x 1024) and the DSL config a private tuning cache names as the
+    winner of x @ w^T, dispatch's caches emptied."""
     from cutlass_ops.gemms import dispatch, inputs
     from custom_kernels.core.device import current_scope
     from custom_kernels.core.tuned_store import TuningCache
@@ -97,6 +96,16 @@ def test_dispatch_runs_a_tuned_dsl_winner_and_falls_back_when_it_cannot(tmp_path
     TuningCache(current_scope()).put(problem, {
         "winner": winner.to_dict(), "winner_name": winner.name, "backend": "dsl",
         "winner_ms": 0.01, "torch_ms": 0.011, "prefer": "cutlass", "problem": problem.to_dict()})
+    return x, w, winner
+
+
+def test_dispatch_runs_a_tuned_dsl_winner_and_falls_back_when_it_cannot(tmp_path, monkeypatch):
+    """A tuning entry whose winner is a DSL kernel: cutlass_ops.matmul runs it (the dsl route),
+    for the tuned shape and a nearby one, and inside a CUDA graph."""
+    import cutlass_ops
+    from cutlass_ops.gemms import dispatch
+
+    x, w, winner = tuned_dsl_winner(tmp_path, monkeypatch)
     before = dispatch.calls["dsl"]
     y = cutlass_ops.matmul(x, w.t())
     assert cutlass_ops.explain(x, w.t()).choice == winner and dispatch.calls["dsl"] == before + 1
@@ -117,19 +126,9 @@ def test_a_dsl_winner_runs_under_compile_fullgraph_forward_and_backward(tmp_path
     """cutlass_ops::linear (the op nn.Linear's replacement calls) compiled with fullgraph, its
     forward dispatching a tuned DSL winner, twice (the second call warm)."""
     import cutlass_ops.ops  # noqa: F401 - registers the cutlass_ops:: ops
-    from cutlass_ops.gemms import dispatch, inputs
-    from custom_kernels.core.device import current_scope
-    from custom_kernels.core.tuned_store import TuningCache
+    from cutlass_ops.gemms import dispatch
 
-    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(dispatch, "_routes", {})
-    monkeypatch.setattr(dispatch, "_entries_by_scope", {})
-    x, w = random(512, 1024, scale=1 / 32), random(2048, 1024)
-    problem = inputs.check_product(x, w.t()).problem
-    winner = CONFIGS[0]
-    TuningCache(current_scope()).put(problem, {
-        "winner": winner.to_dict(), "winner_name": winner.name, "backend": "dsl",
-        "winner_ms": 0.01, "torch_ms": 0.011, "prefer": "cutlass", "problem": problem.to_dict()})
+    x, w, _ = tuned_dsl_winner(tmp_path, monkeypatch)
     before = dispatch.calls["dsl"]
     compiled = torch.compile(lambda x, w: torch.ops.cutlass_ops.linear(x, w), fullgraph=True)
     for _ in range(2):
