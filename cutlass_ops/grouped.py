@@ -19,12 +19,15 @@ Operands are bf16 or fp16 (float32 accumulation; the output in their dtype) or f
 row- or column-major (a transposed view is fine) with 16-byte aligned strides on CUDA (K and N
 multiples of 8 bf16 elements), where a misaligned operand is refused by name. Every backward
 GEMM is one of the four forms: for ``y = grouped_mm(x, w, offs)`` (``2d3d``),
-``dx = grouped_mm(dy, w^T, offs)`` and ``dw = grouped_mm(x^T, dy, offs)`` (``2d2d``).
+``dx = grouped_mm(dy, w^T, offs)`` and ``dw = grouped_mm(x^T, dy, offs)`` (``2d2d``; computed as
+``(dy^T x)^T`` when w is a transposed view, so the gradient comes out in w's own layout).
 
-On CUDA the GEMMs run our CUTLASS sm90 grouped kernel where ``cutlass-tune tune --grouped``
-stored a winner that beat ``torch._grouped_mm`` for the call's key
-(``cutlass_ops.gemms.grouped_build.GroupedProblem``), else ``torch._grouped_mm`` (CUTLASS's two
-fixed sm90 configs); either way the offsets are never read on the host (no sync; CUDA-graph
+On CUDA the GEMMs run a tuned kernel where ``cutlass-tune tune --grouped`` stored a winner that
+beat ``torch._grouped_mm`` on every routing it timed, for the call's key
+(``cutlass_ops.gemms.grouped_build.GroupedProblem``): our CUTLASS sm90 grouped kernel, or with
+``cutlass-ops[dsl]`` QuACK's variable-length DSL kernel (``cutlass_ops.gemms.dsl_grouped``);
+else ``torch._grouped_mm`` (CUTLASS's two fixed sm90 configs); either way the offsets are never
+read on the host (no sync; CUDA-graph
 safe); nothing checks their values there (a
 sync), so they must be non-decreasing and within the grouped extent. Off CUDA, ``reference``
 runs a float32 loop over the groups and checks the offsets (the CPU rule,

@@ -181,7 +181,9 @@ def cmd_tune(args) -> int:
     if not problems:
         return _tune_grouped(args, grouped)
     if args.gpus:
-        return _tune_on_gpus(args, problems)
+        code = _tune_on_gpus(args, problems)
+        # The grouped GEMMs of --model's experts tune after, on this process's GPU.
+        return _tune_grouped(args, grouped) if grouped and code == EXIT_OK else code
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
     if distributed:  # under torchrun: this rank's share, on its local GPU
         import torch
@@ -220,7 +222,9 @@ def cmd_tune(args) -> int:
              r["speedup"] or "-", r["prefer"], r["failures"], r["cached"]] for r in rows]),
           f"compiled {report.built} kernels, reused {report.reused}, build "
           f"{report.build_seconds:.0f} s, measurement {report.measure_seconds:.0f} s")
-    if grouped:  # the model's mixture-of-experts GEMMs, after its dense ones
+    if grouped and (not distributed or os.environ["RANK"] == "0"):
+        # The model's mixture-of-experts GEMMs, after its dense ones (under torchrun on rank 0
+        # only: they are few, and not sharded).
         return _tune_grouped(args, grouped)
     return EXIT_OK
 

@@ -9,7 +9,8 @@ per config and layouts: the sizes are run-time values), each run on random opera
 rows spread evenly over the groups and Zipf-skewed (``GroupedSession``), checked against the
 per-group float32 reference
 (``cutlass_ops.grouped.reference``), timed as CUDA-graph replays after an L2 flush, the best
-few beside ``torch._grouped_mm`` interleaved; the best ratio wins. Entries live in the tuning
+few beside ``torch._grouped_mm`` interleaved; the winner is the best of those that beat torch on
+every routing (``GroupedFamily.entry``). Entries live in the tuning
 cache of this GPU, family ``grouped``; ``cutlass_ops.grouped_mm`` runs a stored winner that beat
 torch and ``torch._grouped_mm`` otherwise.
 """
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import math
 import time
+from statistics import geometric_mean
 from typing import Callable, Iterable
 
 from cutlass_ops.gemms import dsl, dsl_grouped, grouped_build
@@ -299,20 +300,19 @@ class GroupedSession:
         return fns
 
     def _combined(self, times: dict, who) -> float:
-        return math.prod(times[(who, i)] for i in range(len(self.routings))) \
-            ** (1 / len(self.routings))
+        return geometric_mean(times[(who, i)] for i in range(len(self.routings)))
 
     def time_ms(self, config, reps: int) -> float:
         from tuning.timing import do_bench
 
-        return math.prod(do_bench(self._launch(config, offs), reps=reps, graph=True).median_ms
-                         for offs in self.routings) ** (1 / len(self.routings))
+        return geometric_mean(do_bench(self._launch(config, offs), reps=reps,
+                                       graph=True).median_ms for offs in self.routings)
 
     def torch_ms(self, reps: int) -> float:
         from tuning.timing import do_bench
 
-        return math.prod(do_bench(self._torch(offs), reps=reps, graph=True).median_ms
-                         for offs in self.routings) ** (1 / len(self.routings))
+        return geometric_mean(do_bench(self._torch(offs), reps=reps, graph=True).median_ms
+                              for offs in self.routings)
 
     def compare_ms(self, configs, reps: int):
         from tuning.timing import do_bench_interleaved
