@@ -92,3 +92,22 @@ def test_replicated_dtensors_and_other_norms_are_refused_by_name():
         clip_grad_distributed.local_parts([torch.zeros(2).as_subclass(FakeDTensor)])
     with pytest.raises(UnsupportedInputError, match="norm types 1, 2 and inf"):
         clip_grad_distributed.clip_grad_norm_([torch.ones(2)], 1.0, 3.0)
+
+
+def test_dtensor_gradients_mixed_with_plain_ones_are_refused_by_name(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = DTensor.from_local(torch.ones(4), mesh, [Shard(0)])
+        with pytest.raises(UnsupportedInputError, match="one 1-D device mesh"):
+            clip_grad_distributed.clip_grad_norm_([sharded, torch.ones(3)], 1.0)
+        norm = clip_grad_distributed.clip_grad_norm_([sharded], 1.0)  # alone: clipped to 1
+        assert abs(float(norm.to_local()) - 2.0) < 1e-6
+        assert abs(float(sharded.to_local().norm()) - 1.0) < 1e-5
+    finally:
+        dist.destroy_process_group()
