@@ -89,6 +89,19 @@ def write_result(name: str, rows: list[dict], **extra) -> Path:
     return path
 
 
+def rows_of_same_run(name: str, meta: dict) -> list[dict]:
+    """The rows of ``benchmarks/results/<name>.json`` when that file was written by the same code
+    (project version) with the same ``meta``; none otherwise. For benchmarks measured in
+    sections across runs (one device call each), so that each run adds its rows to the others'."""
+    try:
+        old = json.loads((RESULTS / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return []
+    same = old.get("versions", {}).get("project") == versions()["project"] and all(
+        old.get(k) == v for k, v in meta.items())
+    return old.get("rows", []) if same else []
+
+
 def print_table(headers: list[str], rows: list[list]) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
     for row in [headers, ["-" * w for w in widths], *rows]:

@@ -54,7 +54,7 @@ SEQUENCES = 2
 SECTIONS = ("train", "prefill", "decode")
 
 
-def llama(layers: int):
+def llama(layers: int, device: str = "cuda"):
     import transformers
 
     config = transformers.LlamaConfig(
@@ -62,7 +62,7 @@ def llama(layers: int):
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
         max_position_embeddings=8192)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
@@ -135,19 +135,11 @@ def kept_rows(name: str, meta: dict, sections: set) -> list:
     """The rows of sections not measured now, from the result file, when it was written by the
     same code (project version) for the same model; none otherwise. Each row keeps the reference
     measured beside it in its own run."""
-    import json
-
-    from benchmarks.common import RESULTS, versions
+    from benchmarks.common import rows_of_same_run
 
     if sections >= set(SECTIONS):
         return []
-    try:
-        old = json.loads((RESULTS / f"{name}.json").read_text())
-    except (OSError, ValueError):
-        return []
-    same = old.get("versions", {}).get("project") == versions()["project"] and all(
-        old.get(k) == v for k, v in meta.items())
-    return [r for r in old.get("rows", []) if same and section_of(r["case"]) not in sections]
+    return [r for r in rows_of_same_run(name, meta) if section_of(r["case"]) not in sections]
 
 
 def two_layer_run() -> dict | None:
@@ -195,18 +187,26 @@ def measure_decode(variants, batch, new_tokens, reps):
     return out
 
 
-def tune(model, args) -> None:
-    """Tunes what the converted model runs: every Linear's GEMMs on the train / prefill tokens
-    (forward and backward), the forward at each decode batch, and the chunked loss head."""
+def train_problems(model, tokens: int) -> list:
+    """The GEMMs the converted model trains with on ``tokens`` tokens: every Linear forward and
+    backward, and the chunked loss head's."""
     from cutlass_ops.cross_entropy import default_chunk_rows
+    from tuning.shapes import model_problems
+
+    chunk = default_chunk_rows(tokens, model.config.vocab_size, torch.device("cuda"),
+                               torch.bfloat16)
+    return model_problems(model, tokens, backward=True, loss_chunk_rows=chunk)
+
+
+def tune(model, args) -> None:
+    """Tunes what the converted model runs: ``train_problems`` on the train / prefill tokens,
+    and the forward at each decode batch."""
     from cutlass_ops.gemms import dispatch
     from tuning.backend import GpuBackend
     from tuning.search import tune as run_tune
     from tuning.shapes import model_problems
 
-    chunk = default_chunk_rows(args.tokens, model.config.vocab_size, torch.device("cuda"),
-                               torch.bfloat16)
-    problems = model_problems(model, args.tokens, backward=True, loss_chunk_rows=chunk)
+    problems = train_problems(model, args.tokens)
     for batch in (1, 16):
         problems += model_problems(model, batch)
     report = run_tune(list(dict.fromkeys(problems)), backend=GpuBackend(), strategy=args.tune)

@@ -1,24 +1,33 @@
 """Beyond one GPU: the tune on several local GPUs, and a converted model training under DDP and
 FSDP2 (``fully_shard``), against the unconverted one.
 
-Rows (BENCHMARKS.md schema):
-- ``tune N GPUs vs 1``: ``cutlass-tune tune`` of the 16 LLM shapes (``--strategy``, quick by
-  default) in a child process on an empty cache, once on one GPU and once with ``--gpus`` over
-  N; unit 1/s, ``ratio`` = the 1-GPU wall time over the N-GPU one.
-- ``ddp train converted vs unconverted`` and ``fsdp2 ...``: the e2e benchmark's Llama-3-8B-shaped
-  model (``--layers``, random bf16 weights) on N ranks (one per GPU, NCCL), each rank a
-  ``--tokens`` slice of one global batch: forward, backward and the clip of the gradients (DDP:
-  ``custom_kernels.clip_grad_norm_``; FSDP2: ``clip_grad_distributed.clip_grad_norm_``; the
-  unconverted model: torch's), the two models' steps interleaved; unit tokens/s over all ranks.
-  ``detail`` has the loss (averaged over ranks) and the gradients' largest relative error
-  against one GPU running the whole global batch, and the converted model's speedup on one GPU
-  (rank 0's slice), which the distributed speedup is judged against.
+Rows (BENCHMARKS.md schema), in two sections (``--sections``, each a run of its own if need be;
+a run adds its rows to those of the other section written by the same code):
+- ``tune`` section, ``tune N GPUs vs 1``: ``cutlass-tune tune`` of the 16 LLM shapes
+  (``--strategy``, quick by default) in a child process on an empty cache, once on one GPU and
+  once with ``--gpus`` over N; unit 1/s, ``ratio`` = the 1-GPU wall time over the N-GPU one.
+  ``tune N GPUs vs 1, kernels built``: the same two tunes again, each on its own cache with the
+  tuning results deleted and the compiled kernels kept (re-tuning on another GPU model of the
+  same architecture, or after ``cutlass-tune clear``), where the GPUs' measuring is the work.
+  ``detail`` has each tune's compile and measuring seconds as its workers reported them.
+- ``train`` section, ``ddp train converted vs unconverted`` and ``fsdp2 ...``: the e2e
+  benchmark's Llama-3-8B-shaped model (``--layers``, random bf16 weights) on N ranks (one per
+  GPU, NCCL), each rank a ``--tokens`` slice of one global batch: forward, backward and the clip
+  of the gradients (DDP: ``custom_kernels.clip_grad_norm_``; FSDP2:
+  ``clip_grad_distributed.clip_grad_norm_``; the unconverted model: torch's), the two models'
+  steps interleaved; unit tokens/s over all ranks. ``--tune-model`` (quick by default) first
+  tunes the GEMMs the converted model runs at that slice (forward, backward, the chunked loss
+  head), as a user would before training. ``detail`` has the loss (averaged over ranks) and the
+  gradients' largest relative error against one GPU running the whole global batch, and the
+  converted model's speedup on one GPU (rank 0's slice), which the distributed speedup is
+  judged against.
 
     torchrun is not needed: python benchmarks/multigpu.py [--gpus 2] [--layers 4] [--tokens 4096]
-        [--strategy quick] [--skip-tune]
+        [--strategy quick] [--tune-model quick] [--sections tune train]
 
-Needs ``--gpus`` CUDA GPUs (``--gpus 1`` runs every code path at world size 1, as a smoke run;
-its rows say so). Writes benchmarks/results/multigpu.json (multigpu_1gpu.json with ``--gpus 1``).
+Needs ``--gpus`` CUDA GPUs (``--gpus 1`` runs the train section's code paths at world size 1,
+as a smoke run; its rows say so). Writes benchmarks/results/multigpu.json (multigpu_1gpu.json
+with ``--gpus 1``).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,23 +47,87 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
-from benchmarks.e2e import SEQUENCES, llama  # noqa: E402
+from benchmarks.common import (print_table, require_gpu, rows_of_same_run,  # noqa: E402
+                               write_result)
+from benchmarks.e2e import SEQUENCES, llama, train_problems  # noqa: E402
 from benchmarks.gemm import LLM_SHAPES  # noqa: E402
 
 
-def tune_wall_s(gpus: list[int], strategy: str) -> float:
-    """``cutlass-tune tune`` of the 16 shapes on ``gpus`` with an empty cache, timed."""
+SECTIONS = ("tune", "train")
+# A tune's summary line, once per worker: "compiled 7 kernels, reused 0, build 61 s, measurement
+# 12 s" (tuning.cli's text output).
+SUMMARY = re.compile(r"compiled (\d+) kernels, reused (\d+), build (\d+) s, measurement (\d+) s")
+
+
+def section_of(case: str) -> str:
+    return "tune" if case.startswith("tune") else "train"
+
+
+def tune_wall_s(gpus: list[int], strategy: str, cache: str) -> dict:
+    """``cutlass-tune tune`` of the 16 shapes on ``gpus`` with ``cache`` as the cache root:
+    its wall time, and each worker's compiled kernels and compile and measuring seconds."""
     command = [sys.executable, "-m", "tuning.cli", "tune",
                *(f"{m}x{n}x{k}" for m, n, k in LLM_SHAPES), "--strategy", strategy,
                "--no-progress"]
     if len(gpus) > 1:
         command += ["--gpus", ",".join(map(str, gpus))]
-    with tempfile.TemporaryDirectory(prefix="cutlass-ops-multigpu-") as cache:
-        env = dict(os.environ, CUTLASS_OPS_CACHE_DIR=cache)  # cold: nothing built or tuned
-        start = time.perf_counter()
-        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
-        return time.perf_counter() - start
+    env = dict(os.environ, CUTLASS_OPS_CACHE_DIR=cache)
+    start = time.perf_counter()
+    done = subprocess.run(command, check=True, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    workers = [dict(zip(("compiled", "reused", "build_s", "measure_s"), map(int, m)))
+               for m in SUMMARY.findall(done.stdout)]
+    return {"wall_s": round(wall, 1), "workers": workers}
+
+
+def tune_rows(world: int, strategy: str) -> list[dict]:
+    """The 16-shape tune on 1 GPU and on ``world``: from empty caches, then again with the
+    kernels those tunes compiled kept and their tuning results deleted."""
+    from custom_kernels.core.version import __version__
+
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="cutlass-ops-1gpu-") as one, \
+            tempfile.TemporaryDirectory(prefix="cutlass-ops-ngpu-") as many:
+        for state in ("empty", "kernels built"):
+            if state == "kernels built":
+                for root in (one, many):
+                    shutil.rmtree(Path(root) / __version__ / "tuning")
+            runs[state] = (tune_wall_s([0], strategy, one),
+                           tune_wall_s(list(range(world)), strategy, many))
+            print(f"tune, {state}: 1 GPU {runs[state][0]['wall_s']} s, {world} GPUs "
+                  f"{runs[state][1]['wall_s']} s", flush=True)
+    rows = []
+    for state, (single, several) in runs.items():
+        suffix = "" if state == "empty" else f", {state}"
+        rows.append({"case": f"tune {world} GPUs vs 1{suffix}", "unit": "1/s",
+                     "ours": round(1 / several["wall_s"], 5),
+                     "reference": round(1 / single["wall_s"], 5), "reference_name": "1 GPU",
+                     "ratio": round(single["wall_s"] / several["wall_s"], 4), "correct": True,
+                     "detail": {"strategy": strategy, "shapes": len(LLM_SHAPES), "cache": state,
+                                "one_gpu_s": single["wall_s"], "gpus_s": several["wall_s"],
+                                "one_gpu_workers": single["workers"],
+                                "gpus_workers": several["workers"],
+                                "cpu_cores": os.cpu_count()}})
+    return rows
+
+
+def tune_model(layers: int, tokens: int, strategy: str, world: int) -> str:
+    """Tunes the GEMMs the converted model runs on one rank's slice (forward, backward and the
+    chunked loss head) into the cache, shared among the ``world`` GPUs as ``cutlass-tune tune
+    --gpus`` shares them; a line saying what it cost."""
+    from cutlass_ops.gemms import dispatch
+    from tuning import multi_gpu
+
+    problems = list(dict.fromkeys(train_problems(llama(layers, device="meta"), tokens)))
+    start = time.perf_counter()
+    parts, codes = multi_gpu.tune_on_gpus(problems, list(range(world)),
+                                          ["--strategy", strategy, "--no-progress"])
+    if any(codes):
+        raise SystemExit(f"the model's tune failed: worker exit codes {codes}")
+    dispatch.reset()
+    return (f"{strategy}: {len(problems)} GEMMs on {world} GPU(s) "
+            f"({', '.join(str(len(p)) for p in parts)} each) in "
+            f"{time.perf_counter() - start:.0f} s")
 
 
 def spawn(fn, world: int, *args) -> None:
@@ -189,30 +264,11 @@ def worst_error(got: dict, expected: dict) -> float:
     return max((relative_error(got[k], expected[k]) for k in shared), default=float("nan"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--strategy", default="quick", choices=("quick", "default"))
-    parser.add_argument("--skip-tune", action="store_true", help="only the training rows")
-    args = parser.parse_args()
-    require_gpu()
-    if torch.cuda.device_count() < args.gpus:
-        sys.exit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
-    world, name = args.gpus, "multigpu" if args.gpus > 1 else "multigpu_1gpu"
-    rows = []
-    if world > 1 and not args.skip_tune:
-        one = tune_wall_s([0], args.strategy)
-        many = tune_wall_s(list(range(world)), args.strategy)
-        rows.append({"case": f"tune {world} GPUs vs 1", "unit": "1/s",
-                     "ours": round(1 / many, 5), "reference": round(1 / one, 5),
-                     "reference_name": "1 GPU", "ratio": round(one / many, 4), "correct": True,
-                     "detail": {"strategy": args.strategy, "shapes": len(LLM_SHAPES),
-                                "one_gpu_s": round(one, 1), "gpus_s": round(many, 1)}})
-        print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
+def train_rows(world: int, args) -> list[dict]:
+    """The DDP and FSDP2 rows: each model's step timed on ``world`` ranks, checked against one
+    GPU running the whole global batch."""
     single = one_gpu(args.layers, world, args.tokens, args.reps)
+    rows = []
     for mode in ("ddp", "fsdp2"):
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "rank0.pt")
@@ -240,13 +296,46 @@ def main() -> None:
                                 "one_gpu_speedup": round(single["speedup"], 4),
                                 "speedup_vs_one_gpu_speedup": round(
                                     speedup / single["speedup"], 4),
-                                "checks": checks, "tokens_per_rank": args.tokens}})
+                                "checks": checks, "tokens_per_rank": args.tokens,
+                                "model_tune": args.model_tune_line}})
         print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
-        write_result(name, rows, world_size=world)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--strategy", default="quick", choices=("quick", "default"),
+                        help="the tune section's strategy")
+    parser.add_argument("--tune-model", default="quick", choices=("quick", "default", "none"),
+                        help="tune the converted model's GEMMs before the train section")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    args = parser.parse_args()
+    require_gpu()
+    if torch.cuda.device_count() < args.gpus:
+        sys.exit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
+    world, name = args.gpus, "multigpu" if args.gpus > 1 else "multigpu_1gpu"
+    meta = {"world_size": world}
+    measured = set(args.sections) if world > 1 else {"train"}
+    # Rows of the other section, from a run of the same code, stay in the file.
+    kept = [r for r in rows_of_same_run(name, meta) if section_of(r["case"]) not in measured]
+    rows = []
+    if "tune" in measured:
+        rows += tune_rows(world, args.strategy)
+        write_result(name, kept + rows, **meta)
+    if "train" in measured:
+        args.model_tune_line = (None if args.tune_model == "none" else
+                                tune_model(args.layers, args.tokens, args.tune_model, world))
+        print("model tune:", args.model_tune_line, flush=True)
+        rows += train_rows(world, args)
+        write_result(name, kept + rows, **meta)
+    every = kept + rows
     print_table(["case", "ours", "reference", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]]
-                 for r in rows])
-    write_result(name, rows, world_size=world)
+                 for r in every])
 
 
 if __name__ == "__main__":

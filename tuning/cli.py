@@ -75,6 +75,10 @@ def _problems(args) -> list[GemmProblem]:
     for path in args.file or []:
         found += _read_shapes_file(path)
     problems = [GemmProblem(operands, m, n, k, batch) for m, n, k, batch in found]
+    if getattr(args, "problems_file", None):  # a --gpus worker's share
+        from tuning.multi_gpu import read_problems_file
+
+        problems += read_problems_file(args.problems_file)
     if getattr(args, "model", None):
         if not args.tokens:
             raise ValueError("--model needs --tokens (rows of activations per call, e.g. batch "
@@ -255,18 +259,16 @@ def _tune_on_gpus(args, problems) -> int:
     """``--gpus``: one worker process per GPU on its share of the problems, one cache."""
     import torch
 
-    from custom_kernels.core.device import current_spec
     from tuning import multi_gpu
 
     devices = multi_gpu.parse_gpus(args.gpus, torch.cuda.device_count())
-    parts = multi_gpu.shard(problems, len(devices), current_spec(devices[0]))
     options = ["--strategy", args.strategy, "--no-progress"]
     options += ["--force"] * args.force + ["--no-heuristics"] * args.no_heuristics
     if args.budget:
         options += ["--budget", str(args.budget)]
     if args.jobs:
         options += ["--jobs", str(args.jobs)]
-    codes = multi_gpu.run_workers(multi_gpu.worker_commands(parts, devices, options))
+    parts, codes = multi_gpu.tune_on_gpus(problems, devices, options)
     _emit(args, {"gpus": devices, "problems_per_gpu": [len(p) for p in parts],
                  "exit_codes": codes},
           text=f"tuned {len(problems)} problems on GPUs {devices} "
@@ -805,6 +807,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", help="all, or device indices like 0,1: one worker per GPU on a "
                    "balanced share of the shapes, the results in one cache (under torchrun "
                    "without --gpus, each rank tunes its share and rank 0 gathers them)")
+    # One --gpus worker's problems, written by the parent (any operands; not for users).
+    p.add_argument("--problems-file", help=argparse.SUPPRESS)
     p.add_argument("--grouped", action="append", metavar="E:N:K",
                    help="tune the grouped (mixture-of-experts) GEMM of E experts, K -> N each, "
                    "over --tokens routed rows (tokens x top-k); with --backward its dX and dW "

@@ -18,9 +18,11 @@ once.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from cutlass_ops.gemms import ranking
@@ -73,41 +75,47 @@ def parse_gpus(spec: str, available: int) -> list[int]:
     return devices
 
 
-def worker_commands(parts: list[list[GemmProblem]], devices: list[int],
-                    options: Sequence[str]) -> list[tuple[list[str], dict]]:
-    """(argv, environment) of one ``cutlass-tune tune`` worker per non-empty part: its shapes
-    (batch included) and operands, the parent's other options, its GPU alone visible."""
+def worker_commands(parts: list[list[GemmProblem]], devices: list[int], options: Sequence[str],
+                    workdir: Path) -> list[tuple[list[str], dict]]:
+    """(argv, environment) of one ``cutlass-tune tune`` worker per non-empty part, its GPU alone
+    visible. A part's problems (of any operands: a model's forward and backward GEMMs mix
+    layouts and epilogues) go in a file in ``workdir`` that the worker reads, so that one
+    process per GPU builds its kernels together and measures alone on its GPU."""
     commands = []
     for part, device in zip(parts, devices):
         if not part:
             continue
-        by_operands: dict = {}
-        for problem in part:
-            by_operands.setdefault(problem.operands, []).append(problem)
-        for operands, problems in by_operands.items():
-            shapes = [f"{p.m}x{p.n}x{p.k}" + (f"x{p.batch}" if p.batch > 1 else "")
-                      for p in problems]
-            argv = [sys.executable, "-m", "tuning.cli", "tune", *shapes,
-                    *_operand_options(operands), *options]
-            commands.append((argv, {**os.environ, "CUDA_VISIBLE_DEVICES": str(device)}))
+        path = Path(workdir) / f"gpu{device}-problems.json"
+        path.write_text(json.dumps([problem.to_dict() for problem in part]))
+        argv = [sys.executable, "-m", "tuning.cli", "tune", "--problems-file", str(path),
+                *options]
+        commands.append((argv, {**os.environ, "CUDA_VISIBLE_DEVICES": str(device)}))
     return commands
 
 
-def _operand_options(operands) -> list[str]:
-    """The CLI options that give back ``operands`` (``tuning.cli``'s --dtype, --out-dtype,
-    --layout and --epilogue)."""
-    layout = "".join(x.letter for x in (operands.layout_a, operands.layout_b, operands.layout_c))
-    options = ["--dtype", operands.element_a.value, "--out-dtype", operands.element_d.value,
-               "--layout", layout]
-    if operands.epilogue.name:  # bias_n-gelu_tanh-res: the parts Epilogue.parse takes
-        options += ["--epilogue", operands.epilogue.name.replace("-", ",")]
-    return options
+def read_problems_file(path: str) -> list[GemmProblem]:
+    """The problems ``worker_commands`` wrote for a worker."""
+    return [GemmProblem.from_dict(data) for data in json.loads(Path(path).read_text())]
 
 
 def run_workers(commands: list[tuple[list[str], dict]]) -> list[int]:
-    """Starts every worker at once and waits for them all; their exit codes."""
+    """Starts every worker at once (one per GPU) and waits for them all; their exit codes."""
     processes = [subprocess.Popen(argv, env=env) for argv, env in commands]
     return [p.wait() for p in processes]
+
+
+def tune_on_gpus(problems: Sequence[GemmProblem], devices: list[int],
+                 options: Sequence[str]) -> tuple[list[list[GemmProblem]], list[int]]:
+    """``problems`` shared among ``devices`` (``shard``, by the first device's estimate), one
+    ``cutlass-tune tune`` worker per device with ``options``; the parts and the exit codes."""
+    import tempfile
+
+    from custom_kernels.core.device import current_spec
+
+    parts = shard(problems, len(devices), current_spec(devices[0]))
+    with tempfile.TemporaryDirectory(prefix="cutlass-tune-gpus-") as workdir:
+        codes = run_workers(worker_commands(parts, devices, options, Path(workdir)))
+    return parts, codes
 
 
 def rank_share(problems: Sequence[GemmProblem], device: DeviceSpec) -> list[GemmProblem]:
@@ -134,4 +142,5 @@ def gather_entries(cache) -> int:
 
 
 __all__ = ["shard", "parse_gpus", "worker_commands", "run_workers", "rank_share",
-           "gather_entries", "estimated_seconds"]
+           "gather_entries", "estimated_seconds", "read_problems_file",
+           "tune_on_gpus"]

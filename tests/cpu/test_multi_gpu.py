@@ -42,9 +42,10 @@ def test_gpu_lists_are_parsed_and_refused_by_name():
         multi_gpu.shard(LLM, 0, H100)
 
 
-def test_worker_commands_give_back_the_same_problems():
+def test_worker_commands_give_back_the_same_problems(tmp_path):
     """Each worker's argv, parsed by the CLI, makes exactly its part's problems (operands with
-    layouts, out dtype, epilogues and batches included), with its GPU alone visible."""
+    layouts, out dtype, epilogues and batches included, mixed in one part), with its GPU alone
+    visible: one worker per GPU, so that no two measure on one GPU at once."""
     from tuning.cli import _problems, build_parser
 
     mixed = LLM[:4] + [
@@ -53,15 +54,19 @@ def test_worker_commands_give_back_the_same_problems():
                     1024, 4096, 4096),
         GemmProblem(GemmOperands.make("bf16"), 256, 512, 128, 4)]
     parts = multi_gpu.shard(mixed, 2, H100)
-    commands = multi_gpu.worker_commands(parts, [2, 5], ["--strategy", "quick"])
-    rebuilt = {}
-    for argv, env in commands:
+    commands = multi_gpu.worker_commands(parts, [2, 5], ["--strategy", "quick"], tmp_path)
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in commands] == ["2", "5"]
+    for (argv, env), part in zip(commands, parts):
         assert argv[1:4] == ["-m", "tuning.cli", "tune"]
         args = build_parser().parse_args(argv[3:])
         assert args.strategy == "quick"
-        rebuilt.setdefault(env["CUDA_VISIBLE_DEVICES"], []).extend(_problems(args))
-    assert sorted(p.name for p in rebuilt["2"]) == sorted(p.name for p in parts[0])
-    assert sorted(p.name for p in rebuilt["5"]) == sorted(p.name for p in parts[1])
+        assert [p.name for p in _problems(args)] == [p.name for p in part]
+    assert any(len({p.operands for p in part}) > 1 for part in parts)
+
+
+def test_an_empty_part_gets_no_worker(tmp_path):
+    commands = multi_gpu.worker_commands([LLM[:1], []], [0, 1], [], tmp_path)
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in commands] == ["0"]
 
 
 def _gather_on_rank(rank: int, world: int, root: str, port: int, out: str) -> None:
