@@ -5,11 +5,15 @@ close to the others' (longest first onto the least loaded part: the estimate is 
 model's time of the problem on the GPU, times a fixed count of timed calls, plus a fixed cost
 per problem). Kernels are not split: one kernel serves every shape it fits, and the artifact
 cache's per-kernel locks let the workers' builds wait for each other instead of compiling twice.
+More GPUs shorten the measuring, not the compiling: nvcc runs on the host's cores, which the
+workers share (on two H100s a cold quick tune of 16 shapes is one 100 s wave of nvcc and 12 s
+of measuring; docs/measurements.md).
 
 ``cutlass-tune tune --gpus all|0,1,...``: the parent process runs one ``cutlass-tune tune``
-worker per GPU (``CUDA_VISIBLE_DEVICES`` naming that GPU) on its part; every worker writes the
-one tuning cache of this machine (its writes are locked and merged per entry), keyed per GPU
-model as always. Under torchrun (``RANK`` / ``WORLD_SIZE`` set), each rank tunes its part of the
+worker per GPU (``CUDA_VISIBLE_DEVICES`` naming that GPU) on its part, which it reads from a
+file (problems of any operands, so that no two workers ever measure on one GPU at once); every
+worker writes the one tuning cache of this machine (its writes are locked and merged per
+entry), keyed per GPU model as always. Under torchrun (``RANK`` / ``WORLD_SIZE`` set), each rank tunes its part of the
 shapes on ``LOCAL_RANK``'s GPU, then ``gather_entries`` gives rank 0 every rank's entries
 through torch.distributed, merged into its cache (``custom_kernels.core.tuned_store``'s rule: a
 complete entry with a better winner replaces), so that a cluster of identical machines tunes
@@ -22,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -108,8 +113,6 @@ def tune_on_gpus(problems: Sequence[GemmProblem], devices: list[int],
                  options: Sequence[str]) -> tuple[list[list[GemmProblem]], list[int]]:
     """``problems`` shared among ``devices`` (``shard``, by the first device's estimate), one
     ``cutlass-tune tune`` worker per device with ``options``; the parts and the exit codes."""
-    import tempfile
-
     from custom_kernels.core.device import current_spec
 
     parts = shard(problems, len(devices), current_spec(devices[0]))
