@@ -4,12 +4,14 @@ FSDP2 (``fully_shard``), against the unconverted one.
 Rows (BENCHMARKS.md schema), in two sections (``--sections``, each a run of its own if need be;
 a run adds its rows to those of the other section written by the same code):
 - ``tune`` section, ``tune N GPUs vs 1``: ``cutlass-tune tune`` of the 16 LLM shapes
-  (``--strategy``, quick by default) in a child process on an empty cache, once on one GPU and
-  once with ``--gpus`` over N; unit 1/s, ``ratio`` = the 1-GPU wall time over the N-GPU one.
-  ``tune N GPUs vs 1, kernels built``: the same two tunes again, each on its own cache with the
-  tuning results deleted and the compiled kernels kept (re-tuning on another GPU model of the
-  same architecture, or after ``cutlass-tune clear``), where the GPUs' measuring is the work.
-  ``detail`` has each tune's compile and measuring seconds as its workers reported them.
+  (``--strategy``, quick by default; another strategy is named in the case) in a child process
+  on an empty cache, once on one GPU and once with ``--gpus`` over N; unit 1/s, ``ratio`` = the
+  1-GPU wall time over the N-GPU one. ``tune N GPUs vs 1, kernels built``: the two tunes again
+  with the compiled kernels (C++ and CuTe DSL) of the first kept and its tuning results deleted
+  (re-tuning after ``cutlass-tune clear``, on another GPU model of the same architecture, or on
+  a machine sharing the artifact cache), where the GPUs' measuring is the work. ``detail`` has
+  each tune's compile and measuring seconds as its workers reported them, and whether the DSL
+  extra was installed (it adds CuTe DSL candidates, compiled in the measuring process).
 - ``train`` section, ``ddp train converted vs unconverted`` and ``fsdp2 ...``: the e2e
   benchmark's Llama-3-8B-shaped model (``--layers``, random bf16 weights) on N ranks (one per
   GPU, NCCL), each rank a ``--tokens`` slice of one global batch: forward, backward and the clip
@@ -80,34 +82,44 @@ def tune_wall_s(gpus: list[int], strategy: str, cache: str) -> dict:
     return {"wall_s": round(wall, 1), "workers": workers}
 
 
-def tune_rows(world: int, strategy: str) -> list[dict]:
-    """The 16-shape tune on 1 GPU and on ``world``: from empty caches, then again with the
-    kernels those tunes compiled kept and their tuning results deleted."""
+def tune_row(world: int, strategy: str, state: str, single: dict, several: dict) -> dict:
+    from cutlass_ops.gemms import dsl
+
+    suffix = "" if strategy == "quick" else f", {strategy}"
+    suffix += "" if state == "empty" else f", {state}"
+    return {"case": f"tune {world} GPUs vs 1{suffix}", "unit": "1/s",
+            "ours": round(1 / several["wall_s"], 5), "reference": round(1 / single["wall_s"], 5),
+            "reference_name": "1 GPU", "ratio": round(single["wall_s"] / several["wall_s"], 4),
+            "correct": True,
+            "detail": {"strategy": strategy, "dsl_extra": dsl.unavailable() is None,
+                       "shapes": len(LLM_SHAPES), "cache": state,
+                       "one_gpu_s": single["wall_s"], "gpus_s": several["wall_s"],
+                       "one_gpu_workers": single["workers"], "gpus_workers": several["workers"],
+                       "cpu_cores": os.cpu_count()}}
+
+
+def tune_rows(world: int, strategy: str, save) -> list[dict]:
+    """The 16-shape tune on 1 GPU and on ``world``: with the kernels built (a one-GPU tune from
+    an empty cache builds them, then each timed tune starts with the tuning results deleted),
+    then from an empty cache on ``world`` GPUs, against that first one-GPU tune. ``save(rows)``
+    after each row, so that a run cut short keeps what it measured."""
     from custom_kernels.core.version import __version__
 
-    runs = {}
+    rows = []
     with tempfile.TemporaryDirectory(prefix="cutlass-ops-1gpu-") as one, \
             tempfile.TemporaryDirectory(prefix="cutlass-ops-ngpu-") as many:
-        for state in ("empty", "kernels built"):
-            if state == "kernels built":
-                for root in (one, many):
-                    shutil.rmtree(Path(root) / __version__ / "tuning")
-            runs[state] = (tune_wall_s([0], strategy, one),
-                           tune_wall_s(list(range(world)), strategy, many))
-            print(f"tune, {state}: 1 GPU {runs[state][0]['wall_s']} s, {world} GPUs "
-                  f"{runs[state][1]['wall_s']} s", flush=True)
-    rows = []
-    for state, (single, several) in runs.items():
-        suffix = "" if state == "empty" else f", {state}"
-        rows.append({"case": f"tune {world} GPUs vs 1{suffix}", "unit": "1/s",
-                     "ours": round(1 / several["wall_s"], 5),
-                     "reference": round(1 / single["wall_s"], 5), "reference_name": "1 GPU",
-                     "ratio": round(single["wall_s"] / several["wall_s"], 4), "correct": True,
-                     "detail": {"strategy": strategy, "shapes": len(LLM_SHAPES), "cache": state,
-                                "one_gpu_s": single["wall_s"], "gpus_s": several["wall_s"],
-                                "one_gpu_workers": single["workers"],
-                                "gpus_workers": several["workers"],
-                                "cpu_cores": os.cpu_count()}})
+        cold_single = tune_wall_s([0], strategy, one)
+        built = []
+        for gpus in ([0], list(range(world))):
+            shutil.rmtree(Path(one) / __version__ / "tuning")  # the kernels stay built
+            built.append(tune_wall_s(gpus, strategy, one))
+        rows.append(tune_row(world, strategy, "kernels built", *built))
+        save(rows)
+        print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
+        rows.append(tune_row(world, strategy, "empty", cold_single,
+                             tune_wall_s(list(range(world)), strategy, many)))
+        save(rows)
+        print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
     return rows
 
 
@@ -313,19 +325,22 @@ def main() -> None:
     parser.add_argument("--tune-model", default="quick", choices=("quick", "default", "none"),
                         help="tune the converted model's GEMMs before the train section")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--name", help="the result file's name (default multigpu, or "
+                        "multigpu_1gpu with --gpus 1)")
     args = parser.parse_args()
     require_gpu()
     if torch.cuda.device_count() < args.gpus:
         sys.exit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
-    world, name = args.gpus, "multigpu" if args.gpus > 1 else "multigpu_1gpu"
+    world = args.gpus
+    name = args.name or ("multigpu" if world > 1 else "multigpu_1gpu")
     meta = {"world_size": world}
     measured = set(args.sections) if world > 1 else {"train"}
     # Rows of the other section, from a run of the same code, stay in the file.
     kept = [r for r in rows_of_same_run(name, meta) if section_of(r["case"]) not in measured]
     rows = []
     if "tune" in measured:
-        rows += tune_rows(world, args.strategy)
-        write_result(name, kept + rows, **meta)
+        rows += tune_rows(world, args.strategy, lambda done: write_result(name, kept + done,
+                                                                          **meta))
     if "train" in measured:
         args.model_tune_line = (None if args.tune_model == "none" else
                                 tune_model(args.layers, args.tokens, args.tune_model, world))
