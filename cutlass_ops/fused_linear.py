@@ -6,8 +6,9 @@ attention's Q, K and V projections, or the MLP's gate and up projections, read t
 and launch once instead of three or two times. The weights stay separate Parameters (the model's
 ``state_dict``, its optimizer and its checkpoints see nothing new); ``pack`` lays them out end to
 end in one storage, so that the merged GEMM reads them through a view, without a copy. Weights
-that are not packed (a model moved with ``.to()`` after conversion, say) are concatenated on each
-call: the same result, one copy slower. The backward is one GEMM for the input's gradient and one
+that are not packed (a model moved with ``.to()`` after conversion, or FSDP2's gathered weights)
+are concatenated on each call, and again in the backward: the same result, a copy slower each
+way, with no copy held from the forward to the backward. The backward is one GEMM for the input's gradient and one
 for the merged weight gradient, split into the per-weight gradients.
 
 ``linear_residual(x, weight, bias, residual)`` computes ``x @ weight.T + bias + residual``, the
@@ -215,25 +216,34 @@ def _residual_backward(ctx, grad):
 # ---------------------------------------------------------------------------------------------
 
 class _EagerMerged(torch.autograd.Function):
-    """``merged``: the weights concatenated (a view when packed; detached, no gradient)."""
+    """``merged``: the weights concatenated (a view when ``packed``; detached, no gradient).
+
+    A view is kept for the backward; a concatenated copy is not. Under FSDP2 the gathered
+    weights are separate tensors, never packed, and FSDP2 frees them after each layer's forward
+    and gathers them again for its backward: a kept copy would hold every layer's merged
+    weights (272 MB a Llama-3-8B layer) from the forward to the backward. The weights are kept
+    instead, as ``nn.Linear`` keeps its own, and concatenated again when dX needs them."""
 
     @staticmethod
-    def forward(ctx, x, bias, merged, *weights):
-        ctx.save_for_backward(x, merged)
+    def forward(ctx, x, bias, merged, packed, *weights):
+        ctx.packed = packed
+        ctx.save_for_backward(x, merged) if packed else ctx.save_for_backward(x, *weights)
         ctx.rows = [w.shape[0] for w in weights]
         ctx.has_bias = bias is not None
         return _forward(x, merged, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        x, merged = ctx.saved_tensors
+        x, *kept = ctx.saved_tensors
         need_x, need_b, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
-            any(ctx.needs_input_grad[3:])
+            any(ctx.needs_input_grad[4:])
         with torch.no_grad():
+            merged = kept[0] if ctx.packed else (
+                torch.cat([w.detach() for w in kept]) if need_x else None)
             grad_x, grad_w = _backward(grad, x, merged, need_x, need_w)
             grad_b = _rows(grad).sum(0) if ctx.has_bias and need_b else None
         grads = list(grad_w.split(ctx.rows)) if grad_w is not None else [None] * len(ctx.rows)
-        return (grad_x, grad_b, None, *grads)
+        return (grad_x, grad_b, None, None, *grads)
 
 
 class _EagerResidual(torch.autograd.Function):
@@ -283,10 +293,11 @@ def merged_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] =
     if torch.compiler.is_compiling():
         return merged_linear_op(x, weights, bias)
     merged = view(weights) if view is not None else merged_view(weights)
-    if merged is None:
+    packed = merged is not None
+    if not packed:
         merged = torch.cat([w.detach() for w in weights])
     if _needs_grad(x, bias, *weights):
-        return _EagerMerged.apply(x, bias, merged, *weights)
+        return _EagerMerged.apply(x, bias, merged, packed, *weights)
     return _forward(x, merged, bias)
 
 

@@ -1,6 +1,7 @@
 """cutlass_ops.fused_linear on the CPU (torch behind dispatch): merged projections and the
 residual epilogue against separate nn.Linear calls, forward and backward, eagerly and compiled;
-packing keeps Parameters and values; the kept view follows moved weights; opcheck."""
+packing keeps Parameters and values; the backward keeps no copy of the weights; the kept view
+follows moved weights; opcheck."""
 
 import pytest
 import torch
@@ -30,6 +31,25 @@ def test_merged_linear_matches_separate_layers(packed, bias):
                                  grad)
     for a, b in zip(mine, theirs):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_backward_keeps_no_copy_of_the_weights(packed):
+    """Weights that are not packed (FSDP2's gathered ones never are) are concatenated for the
+    GEMM, but autograd keeps the weights, not that copy: a kept copy would hold every layer's
+    merged weights from its forward to its backward. A packed view is kept: it is no copy."""
+    layers = _layers()
+    if packed:
+        fused_linear.pack(layers)
+    weights = [layer.weight for layer in layers]
+    x = torch.randn(3, 16, requires_grad=True)
+    storages = {t.untyped_storage().data_ptr() for t in (x, *weights)}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = fused_linear.merged_linear(x, weights)
+    assert saved and all(t.untyped_storage().data_ptr() in storages for t in saved)
+    y.sum().backward()
+    assert x.grad is not None and all(w.grad is not None for w in weights)
 
 
 def test_pack_keeps_parameters_and_values():
