@@ -221,7 +221,7 @@ class _EagerMerged(torch.autograd.Function):
     A view is kept for the backward; a concatenated copy is not. Under FSDP2 the gathered
     weights are separate tensors, never packed, and FSDP2 frees them after each layer's forward
     and gathers them again for its backward: a kept copy would hold every layer's merged
-    weights (272 MB a Llama-3-8B layer) from the forward to the backward. The weights are kept
+    weights from the forward to the backward (docs/measurements.md). The weights are kept
     instead, as ``nn.Linear`` keeps its own, and concatenated again when dX needs them."""
 
     @staticmethod

@@ -250,8 +250,8 @@ def reference(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> Tensor:
     CUDA and the tests' ground truth. Rows past ``offs[-1]`` (2d3d) are zeros here."""
     form = form_of(a, b, offs)
     # Each group's operands are widened to float32 on their own: whole float32 copies of every
-    # expert's weights would double the memory of the largest MoE problems (15 GB for
-    # DeepSeek-V3's 256 experts) while the tuner verifies against this.
+    # expert's weights would double the memory of the largest MoE problems while the tuner
+    # verifies against this.
     out = torch.zeros(output_shape(form, a, b, offs), dtype=torch.float32, device=a.device)
     if form == "3d3d":
         for g in range(a.shape[0]):

@@ -6,8 +6,7 @@ model's time of the problem on the GPU, times a fixed count of timed calls, plus
 per problem). Kernels are not split: one kernel serves every shape it fits, and the artifact
 cache's per-kernel locks let the workers' builds wait for each other instead of compiling twice.
 More GPUs shorten the measuring, not the compiling: nvcc runs on the host's cores, which the
-workers share (on two H100s a cold quick tune of 16 shapes is one 100 s wave of nvcc and 12 s
-of measuring; docs/measurements.md).
+workers share (docs/measurements.md has the two-GPU figures).
 
 ``cutlass-tune tune --gpus all|0,1,...``: the parent process runs one ``cutlass-tune tune``
 worker per GPU (``CUDA_VISIBLE_DEVICES`` naming that GPU) on its part, which it reads from a
