@@ -98,8 +98,13 @@ def worker_commands(parts: list[list[GemmProblem]], devices: list[int], options:
 
 
 def read_problems_file(path: str) -> list[GemmProblem]:
-    """The problems ``worker_commands`` wrote for a worker."""
-    return [GemmProblem.from_dict(data) for data in json.loads(Path(path).read_text())]
+    """The problems ``worker_commands`` wrote for a worker; ValueError naming the file when it
+    cannot be read or is not such a list."""
+    try:
+        return [GemmProblem.from_dict(data) for data in json.loads(Path(path).read_text())]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(f"--problems-file {path}: not a list of GEMM problems written by "
+                         f"--gpus ({type(exc).__name__}: {exc})") from exc
 
 
 def run_workers(commands: list[tuple[list[str], dict]]) -> list[int]:

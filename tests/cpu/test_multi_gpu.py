@@ -64,6 +64,15 @@ def test_worker_commands_give_back_the_same_problems(tmp_path):
     assert any(len({p.operands for p in part}) > 1 for part in parts)
 
 
+@pytest.mark.parametrize("text", [None, "{not json", "[1, 2]", '[{"m": 16}]'])
+def test_a_bad_problems_file_is_refused_by_name(tmp_path, text):
+    path = tmp_path / "gpu0-problems.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError, match="--problems-file .*gpu0-problems.json"):
+        multi_gpu.read_problems_file(str(path))
+
+
 def test_an_empty_part_gets_no_worker(tmp_path):
     commands = multi_gpu.worker_commands([LLM[:1], []], [0, 1], [], tmp_path)
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in commands] == ["0"]
