@@ -3,12 +3,15 @@ interface, ``nvidia-cutlass-dsl``), QuACK's (``quack-kernels``), as candidates b
 kernels. An optional extra, ``pip install "cutlass-ops[dsl]"``: without it ``unavailable()``
 says why and nothing here imports either package (nor does anything else in cutlass_ops).
 
-A ``DslConfig`` names one kernel: the CTA tile (M x N; K is the kernel's choice), the thread
+A ``DslConfig`` names one kernel: the CTA tile (M x N, and K: 64 unless named), the thread
 block cluster, the schedule (pingpong: two consumer warp groups on alternate tiles; cooperative:
 both on one tile) and swap-A/B (the kernel computes D^T = B^T A^T, so a small M sits on the
 tile's N side). Every config is persistent with a static tile scheduler: no semaphore or
-workspace per call, so a launch can be captured in a CUDA graph. The list is QuACK's own sm90
-autotuning list (11 tiles, 2 clusters, swapped or not: 44 kernels).
+workspace per call, so a launch can be captured in a CUDA graph. ``SM90_CONFIGS`` is QuACK's own
+sm90 autotuning list (11 tiles, 2 clusters, swapped or not: 44 kernels); ``SMALL_CONFIGS`` adds
+pingpong tiles 64 rows tall and 16 to 128 wide, with K tiles of 64 or 128 and 1x1 clusters too
+(48 kernels), for problems whose M or N is at most 128: the memory-bound shapes where QuACK's
+list loses to cuBLAS by 10-25% and these reach or beat it (docs/measurements.md).
 
 QuACK compiles one kernel per config and operand types / majors, with M, N, K and the strides
 symbolic (one kernel serves every shape), in 1-2 s, and keeps it as an object file in its disk
@@ -30,13 +33,18 @@ import torch
 from custom_kernels.core.errors import UnsupportedInputError
 
 PINGPONG_TILES = ((128, 128), (128, 160), (128, 192), (128, 208), (192, 128))
+# 64-row pingpong tiles (wgmma's smallest M), 16 to 128 wide: for a small M, swapped (M on
+# the tile's N side) or not (two tiles over M = 128); for a small N, the mirror images.
+SMALL_TILES = ((64, 16), (64, 32), (64, 64), (64, 128))
+SMALL_EXTENT = 128  # the problems SMALL_CONFIGS are offered to: min(M, N) at most this
+TILE_KS = (64, 128)  # 64: QuACK's default for 16-bit operands (four wgmma K steps)
 COOPERATIVE_TILES = ((256, 128), (256, 160), (256, 192), (256, 208), (128, 224), (128, 256))
 CLUSTERS = ((2, 1), (1, 2))  # the dense candidates' (QuACK's autotuning list)
 VALID_CLUSTERS = (*CLUSTERS, (1, 1))  # 1x1 too: grouped GEMMs with small groups want it
 DTYPES = (torch.bfloat16, torch.float16)
 SMS_H100 = 132  # the wave model's SM count when no GPU says otherwise
 CACHE_ENV = "QUACK_CACHE_DIR"
-_NAME = re.compile(r"dsl-sm90-(pingpong|cooperative)-t(\d+)x(\d+)-c(\d)x(\d)(-swap)?")
+_NAME = re.compile(r"dsl-sm90-(pingpong|cooperative)-t(\d+)x(\d+)(?:x(\d+))?-c(\d)x(\d)(-swap)?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +55,13 @@ class DslConfig:
     cluster_n: int = 1
     pingpong: bool = True
     swap_ab: bool = False
+    tile_k: int = 64
 
     @property
     def name(self) -> str:
         schedule = "pingpong" if self.pingpong else "cooperative"
-        return (f"dsl-sm90-{schedule}-t{self.tile_m}x{self.tile_n}-c{self.cluster_m}x"
+        k = f"x{self.tile_k}" if self.tile_k != 64 else ""
+        return (f"dsl-sm90-{schedule}-t{self.tile_m}x{self.tile_n}{k}-c{self.cluster_m}x"
                 f"{self.cluster_n}" + ("-swap" if self.swap_ab else ""))
 
     @classmethod
@@ -60,8 +70,9 @@ class DslConfig:
         if match is None:
             raise ValueError(f"not a DSL GEMM config name: {name!r} (expected e.g. "
                              f"{SM90_CONFIGS[0].name!r})")
-        schedule, tm, tn, cm, cn, swap = match.groups()
-        config = cls(int(tm), int(tn), int(cm), int(cn), schedule == "pingpong", bool(swap))
+        schedule, tm, tn, tk, cm, cn, swap = match.groups()
+        config = cls(int(tm), int(tn), int(cm), int(cn), schedule == "pingpong", bool(swap),
+                     int(tk or 64))
         why = config.why_invalid()
         if why:
             raise ValueError(f"{name}: {why}")
@@ -69,9 +80,13 @@ class DslConfig:
 
     def why_invalid(self) -> Optional[str]:
         tiles = PINGPONG_TILES if self.pingpong else COOPERATIVE_TILES
+        if self.pingpong:
+            tiles += SMALL_TILES
         if (self.tile_m, self.tile_n) not in tiles:
             schedule = "pingpong" if self.pingpong else "cooperative"
             return f"the {schedule} tiles are {', '.join(f'{m}x{n}' for m, n in tiles)}"
+        if self.tile_k not in TILE_KS:
+            return f"the K tiles are {', '.join(map(str, TILE_KS))}"
         if (self.cluster_m, self.cluster_n) not in VALID_CLUSTERS:
             return f"the clusters are {', '.join(f'{m}x{n}' for m, n in VALID_CLUSTERS)}"
         return None
@@ -94,13 +109,30 @@ class DslConfig:
 
         return GemmConfig(tile_m=self.tile_m, tile_n=self.tile_n, pingpong=self.pingpong,
                           is_dynamic_persistent=False, cluster_m=self.cluster_m,
-                          cluster_n=self.cluster_n, swap_ab=self.swap_ab, device_capacity=9)
+                          cluster_n=self.cluster_n, swap_ab=self.swap_ab, device_capacity=9,
+                          # None for 64, QuACK's default: the same kernel (and disk-cache key)
+                          # as before K tiles were named.
+                          tile_k=self.tile_k if self.tile_k != 64 else None)
 
 
 SM90_CONFIGS = tuple(
     DslConfig(tm, tn, cm, cn, pingpong, swap)
     for pingpong, tiles in ((True, PINGPONG_TILES), (False, COOPERATIVE_TILES))
     for tm, tn in tiles for cm, cn in CLUSTERS for swap in (False, True))
+
+SMALL_CONFIGS = tuple(
+    DslConfig(tm, tn, cm, cn, True, swap, tile_k)
+    for tm, tn in SMALL_TILES for cm, cn in VALID_CLUSTERS for swap in (True, False)
+    for tile_k in TILE_KS)
+
+
+# The small configs that won the six M = 16 / 128 LLM shapes in a sweep of them
+# (benchmarks/sweeps/dsl_gemm_space.py, H100): searched first, since the wave model ranks the
+# small configs poorly (it cannot see a weight read once per tile along the small extent). For
+# a small N, their mirror images (swap-A/B flipped: the kernel sees the same problem).
+SMALL_SEEDS = tuple(DslConfig.from_name(name) for name in (
+    "dsl-sm90-pingpong-t64x16x128-c1x2-swap", "dsl-sm90-pingpong-t64x32x128-c1x1-swap",
+    "dsl-sm90-pingpong-t64x64-c1x2-swap", "dsl-sm90-pingpong-t64x128-c2x1"))
 
 
 def unavailable() -> Optional[str]:
@@ -154,8 +186,10 @@ def epilogue_refusal(epilogue) -> Optional[str]:
 
 
 def candidates(m: int, n: int, k: int, sms: int = SMS_H100) -> list[DslConfig]:
-    """Every sm90 config, the best guess first: by how much of the tiles' work is the problem's
-    (edge tiles padded) times how full the last wave of tiles is, on ``sms`` SMs."""
+    """Every sm90 config for the shape, the best guess first: by how much of the tiles' work is
+    the problem's (edge tiles padded) times how full the last wave of tiles is, on ``sms`` SMs.
+    Where M or N is at most ``SMALL_EXTENT``, the 64-row ``SMALL_CONFIGS`` come first: the wave
+    model cannot tell them from the large tiles, which on such memory-bound shapes all lose."""
     def fill(config: DslConfig) -> float:
         rows, cols = (n, m) if config.swap_ab else (m, n)
         tiles_m, tiles_n = math.ceil(rows / config.tile_m), math.ceil(cols / config.tile_n)
@@ -163,7 +197,11 @@ def candidates(m: int, n: int, k: int, sms: int = SMS_H100) -> list[DslConfig]:
         tiles = tiles_m * tiles_n
         return useful * tiles / (math.ceil(tiles / sms) * sms)
 
-    return sorted(SM90_CONFIGS, key=lambda c: (-fill(c), c.name))
+    small = SMALL_CONFIGS if min(m, n) <= SMALL_EXTENT else ()
+    seeds = SMALL_SEEDS if m <= n else tuple(
+        dataclasses.replace(c, swap_ab=not c.swap_ab) for c in SMALL_SEEDS)
+    return [*sorted(small, key=lambda c: (c not in seeds, -fill(c), c.name)),
+            *sorted(SM90_CONFIGS, key=lambda c: (-fill(c), c.name))]
 
 
 def check(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -266,5 +304,5 @@ def _interface():
     return _prepared
 
 
-__all__ = ["DslConfig", "SM90_CONFIGS", "unavailable", "refusal",
+__all__ = ["DslConfig", "SM90_CONFIGS", "SMALL_CONFIGS", "unavailable", "refusal",
            "epilogue_refusal", "candidates", "check", "plan", "runner"]

@@ -21,9 +21,24 @@ def test_the_sm90_list_names_44_kernels_that_round_trip():
     assert "dsl-sm90-cooperative-t256x208-c1x2-swap" in names
 
 
+def test_the_small_configs_name_48_more_kernels_that_round_trip():
+    names = [c.name for c in dsl.SMALL_CONFIGS]
+    assert len(set(names)) == len(names) == 48
+    assert not set(names) & {c.name for c in dsl.SM90_CONFIGS}
+    assert all(dsl.DslConfig.from_name(name) == c for name, c in zip(names, dsl.SMALL_CONFIGS))
+    # The K tile is named only where it is not QuACK's default, so older names still mean the
+    # same kernel.
+    assert "dsl-sm90-pingpong-t64x16x128-c1x2-swap" in names
+    assert "dsl-sm90-pingpong-t64x64-c1x1" in names
+    assert dsl.DslConfig.from_name("dsl-sm90-pingpong-t128x128x64-c2x1") == \
+        dsl.DslConfig.from_name("dsl-sm90-pingpong-t128x128-c2x1")
+
+
 @pytest.mark.parametrize("name, words", [
     ("dsl-sm90-pingpong-t256x128-c2x1", "pingpong tiles"),  # a cooperative tile
     ("dsl-sm90-cooperative-t128x128-c2x1", "cooperative tiles"),
+    ("dsl-sm90-cooperative-t64x64-c2x1", "cooperative tiles"),  # small tiles are pingpong
+    ("dsl-sm90-pingpong-t64x16x96-c1x1-swap", "K tiles"),
     ("dsl-sm90-pingpong-t128x128-c2x2", "clusters"),
     ("sm90a-cooperative-t128x256x64", "not a DSL GEMM config"),
 ])
@@ -43,6 +58,22 @@ def test_candidates_rank_every_config_and_prefer_full_tiles_and_waves():
     assert (rows // best.tile_m) * (cols // best.tile_n) % 132 == 0
     # Fewer SMs change the waves, so the ranking follows the GPU.
     assert dsl.candidates(m, n, 4096, sms=100) != dsl.candidates(m, n, 4096, sms=132)
+
+
+@pytest.mark.parametrize("m, n", [(16, 4096), (128, 14336), (4096, 16), (14336, 128)])
+def test_a_small_m_or_n_gets_the_small_configs_first_with_the_measured_seeds_leading(m, n):
+    ranked = dsl.candidates(m, n, 4096)
+    assert len(ranked) == len(dsl.SMALL_CONFIGS) + len(dsl.SM90_CONFIGS)
+    assert set(ranked[:len(dsl.SMALL_CONFIGS)]) == set(dsl.SMALL_CONFIGS)
+    seeds = dsl.SMALL_SEEDS if m <= n else [
+        dsl.DslConfig(c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, c.pingpong, not c.swap_ab,
+                      c.tile_k) for c in dsl.SMALL_SEEDS]
+    assert set(ranked[:len(seeds)]) == set(seeds)
+
+
+def test_large_problems_are_not_offered_the_small_configs():
+    assert not set(dsl.candidates(1024, 4096, 4096)) & set(dsl.SMALL_CONFIGS)
+    assert not set(dsl.candidates(129, 129, 64)) & set(dsl.SMALL_CONFIGS)
 
 
 def test_without_the_extra_it_says_what_to_install(monkeypatch):

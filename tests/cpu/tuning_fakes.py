@@ -43,10 +43,10 @@ class FakeSession:
                 len(self.backend.timed) > self.backend.interrupt_after:
             raise KeyboardInterrupt
         if choice.backend == "dsl":  # a DSL kernel: torch's time scaled by its place in the list
-            from cutlass_ops.gemms.dsl import SM90_CONFIGS
+            from cutlass_ops.gemms.dsl import SM90_CONFIGS, SMALL_CONFIGS
 
             return self.torch_ms(reps) * (self.backend.dsl_factor
-                                          + 0.001 * SM90_CONFIGS.index(choice))
+                                          + 1e-4 * (SM90_CONFIGS + SMALL_CONFIGS).index(choice))
         penalty = 1.0 + 0.01 * choice.config.swizzle  # deterministic, distinct per variant
         return model.estimate_us(self.problem, choice, named_spec("H100")) / 1000 * penalty
 

@@ -38,7 +38,19 @@ def test_nn_linear_layout_against_float32(config, dtype, m, n, k):
     check(out, x, w.t(), dtype)
 
 
-@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", dsl.SMALL_SEEDS, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, n, k", [(16, 4096, 4096), (100, 1000, 520), (4096, 24, 264),
+                                     (1, 128, 64)])
+def test_small_configs_against_float32(config, dtype, m, n, k):
+    x, w = random(m, k, dtype=dtype, scale=1 / math.sqrt(k)), random(n, k, dtype=dtype)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    dsl.plan(config, x, w.t(), out)()
+    check(out, x, w.t(), dtype)
+
+
+@pytest.mark.parametrize("config", [*CONFIGS[:2], dsl.SMALL_SEEDS[0], dsl.SMALL_SEEDS[3]],
+                         ids=lambda c: c.name)
 def test_other_majors_batched_float32_out_and_bias(config):
     a = random(3, 256, 512, scale=1 / 16).transpose(-1, -2)  # (L, M, K), M-major
     b = random(3, 256, 384)  # (L, K, N), N-major
@@ -52,10 +64,11 @@ def test_other_majors_batched_float32_out_and_bias(config):
         relative_tolerance(torch.bfloat16, GEMM)
 
 
-def test_a_launch_replays_in_a_cuda_graph_on_new_data():
+@pytest.mark.parametrize("config", [CONFIGS[0], dsl.SMALL_SEEDS[0]], ids=lambda c: c.name)
+def test_a_launch_replays_in_a_cuda_graph_on_new_data(config):
     x, w = random(512, 1024, scale=1 / 32), random(2048, 1024)
     out = torch.empty(512, 2048, device="cuda", dtype=torch.bfloat16)
-    launch = dsl.plan(CONFIGS[0], x, w.t(), out)
+    launch = dsl.plan(config, x, w.t(), out)
     launch()  # compile / load before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
