@@ -36,10 +36,10 @@ class Strategy(str, enum.Enum):
     def compiled_beside_dsl(self) -> int | None:
         """C++ kernels per problem when the DSL path's kernels are in the pool too. A C++
         kernel costs about 60 s of nvcc, a DSL one 2 s for every shape at once; on the 16 LLM
-        shapes the DSL kernels won every shape from M = 1024 up, and the C++ ones the small-M
-        shapes with the model's first picks (swap-A/B pingpong; docs/measurements.md). So the
-        default spends its compile time on the DSL side: a cold default tune of those shapes
-        fits one wave of nvcc jobs instead of several."""
+        shapes the DSL kernels won every shape, and before the small DSL configs the C++ ones
+        won the small-M shapes with the model's first picks (swap-A/B pingpong;
+        docs/measurements.md). So the default spends its compile time on the DSL side: a cold
+        default tune of those shapes fits one wave of nvcc jobs instead of several."""
         return {Strategy.QUICK: 4, Strategy.DEFAULT: 4, Strategy.EXHAUSTIVE: None}[self]
 
     @property

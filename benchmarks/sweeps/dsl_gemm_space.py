@@ -248,7 +248,7 @@ def main() -> None:
             split_row = sweep_shape(m, n, k, list(dict.fromkeys(top + splits)), tolerance)
             row["detail"]["split_k"] = {key: split_row["detail"][key] for key in
                                         ("finalists", "first_round_ms", "failures")}
-            if split_row["ratio"] > row["ratio"]:
+            if split_row["ratio"] > row["ratio"] and "-splitk" in split_row["detail"]["config"]:
                 row.update({key: split_row[key] for key in ("ours", "reference", "ratio")})
                 row["detail"]["config"] = split_row["detail"]["config"]
         rows.append(row)
