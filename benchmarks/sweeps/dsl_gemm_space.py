@@ -18,7 +18,11 @@ timed interleaved with torch.matmul. Prints a table and writes
 ``benchmarks/results/sweep_dsl_gemm_space.json``: "ours" is the best extended config, and
 ``detail.list_best`` the best of QuACK's list in the same run.
 
-    python benchmarks/sweeps/dsl_gemm_space.py [--shapes 128x4096x4096 ...]
+With ``--knobs widths``, each shape gets instead the tile widths that fill its waves
+(``wave_variants``) beside its four best of QuACK's list, and the file is
+``sweep_dsl_gemm_widths.json``.
+
+    python benchmarks/sweeps/dsl_gemm_space.py [--shapes 128x4096x4096 ...] [--knobs widths]
 """
 
 from __future__ import annotations
@@ -115,6 +119,25 @@ def large_variants(bases: list[dsl.DslConfig]) -> list[Variant]:
                 dataclasses.replace(v, cluster_m=1, cluster_n=1),
                 dataclasses.replace(v, cluster_m=2, cluster_n=2),
                 dataclasses.replace(v, tile_k=128)]
+    return out
+
+
+def wave_variants(m: int, n: int, sms: int = dsl.SMS_H100) -> list[Variant]:
+    """Pingpong 64 x W and cooperative 128 x W tiles, W from 96 to 256 in steps of 16, swapped
+    or not, whose tiles are at least 95% the problem's and fill their waves of ``sms`` SMs at
+    least 95% (the widths cuBLAS picks on such shapes: docs/measurements.md), with clusters 2x1,
+    1x1 and 1x2."""
+    out = []
+    for pingpong, tile_m in ((True, 64), (False, 128)):
+        for width in range(96, 257, 16):
+            for swap in (False, True):
+                rows, cols = (n, m) if swap else (m, n)
+                tiles_m, tiles_n = math.ceil(rows / tile_m), math.ceil(cols / width)
+                useful = rows * cols / (tiles_m * tile_m * tiles_n * width)
+                tiles = tiles_m * tiles_n
+                if useful * tiles / (math.ceil(tiles / sms) * sms) >= 0.95:
+                    out += [Variant(tile_m, width, pingpong, cm, cn, swap)
+                            for cm, cn in ((2, 1), (1, 1), (1, 2))]
     return out
 
 
@@ -225,6 +248,10 @@ def sweep_shape(m, n, k, variants, tolerance) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", help="MxNxK (default: the 16 LLM shapes)")
+    parser.add_argument("--knobs", choices=("classes", "widths"), default="classes",
+                        help="classes: the knobs by shape class (above); widths: wave-filling "
+                             "tile widths (wave_variants) beside the shape's four best of "
+                             "QuACK's list (writes sweep_dsl_gemm_widths.json)")
     args = parser.parse_args()
     require_gpu()
     why = dsl.unavailable()
@@ -234,13 +261,16 @@ def main() -> None:
     tolerance = relative_tolerance(DType.BF16, GEMM)
     bases = committed_bases()
     rows, start = [], time.perf_counter()
+    name = "sweep_dsl_gemm_space" if args.knobs == "classes" else "sweep_dsl_gemm_widths"
     for m, n, k in shapes:
-        if m <= SMALL_M:
+        if args.knobs == "widths":
+            variants = wave_variants(m, n) + [Variant.of(c) for c in bases[(m, n, k)]]
+        elif m <= SMALL_M:
             variants = small_variants() + [Variant.of(c) for c in bases.get((m, n, k), [])]
         else:
             variants = large_variants(bases[(m, n, k)])
         row = sweep_shape(m, n, k, list(dict.fromkeys(variants)), tolerance)
-        if m <= SMALL_M and row["correct"]:
+        if args.knobs == "classes" and m <= SMALL_M and row["correct"]:
             # Split-K on the two best of the first round.
             top = [v for v in variants if v.name in list(row["detail"]["first_round_ms"])[:2]]
             splits = [dataclasses.replace(v, split_k=s, split_mode=mode)
@@ -253,7 +283,7 @@ def main() -> None:
                 row["detail"]["config"] = split_row["detail"]["config"]
         rows.append(row)
         # Written after every shape: a kernel that hangs the GPU loses only its own shape.
-        write_result("sweep_dsl_gemm_space", rows, shapes_done=len(rows), shapes=len(shapes))
+        write_result(name, rows, shapes_done=len(rows), shapes=len(shapes))
         d = row["detail"]
         print(f"{m}x{n}x{k}: {row['ratio']}x torch ({d.get('config')}); QuACK's list "
               f"{d.get('list_best_ratio')} ({d.get('list_best')}); {len(d['failures'])} "
@@ -264,7 +294,7 @@ def main() -> None:
                 [[r["case"][31:], r["ours"], r["reference"], r["ratio"], r["detail"].get("config"),
                   r["detail"].get("list_best_ratio")] for r in rows])
     print(f"geomean {geomean:.4f} over {len(ratios)} shapes; {time.perf_counter() - start:.0f} s")
-    write_result("sweep_dsl_gemm_space", rows, shapes_done=len(rows), shapes=len(shapes),
+    write_result(name, rows, shapes_done=len(rows), shapes=len(shapes),
                  geomean=round(geomean, 4), sweep_seconds=round(time.perf_counter() - start, 1))
 
 
