@@ -11,7 +11,7 @@ workspace per call, so a launch can be captured in a CUDA graph. ``SM90_CONFIGS`
 sm90 autotuning list (11 tiles, 2 clusters, swapped or not: 44 kernels); ``SMALL_CONFIGS`` adds
 pingpong tiles 64 rows tall and 16 to 128 wide, with K tiles of 64 or 128 and 1x1 clusters too
 (48 kernels), for problems whose M or N is at most 128: the memory-bound shapes where QuACK's
-list loses to cuBLAS by 10-25% and these reach or beat it (docs/measurements.md).
+list loses to cuBLAS and these reach or beat it (docs/measurements.md).
 
 QuACK compiles one kernel per config and operand types / majors, with M, N, K and the strides
 symbolic (one kernel serves every shape), in 1-2 s, and keeps it as an object file in its disk
@@ -304,5 +304,5 @@ def _interface():
     return _prepared
 
 
-__all__ = ["DslConfig", "SM90_CONFIGS", "SMALL_CONFIGS", "unavailable", "refusal",
+__all__ = ["DslConfig", "SM90_CONFIGS", "SMALL_CONFIGS", "SMALL_SEEDS", "unavailable", "refusal",
            "epilogue_refusal", "candidates", "check", "plan", "runner"]
