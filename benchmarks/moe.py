@@ -63,18 +63,25 @@ def expert_counts(rows: int, experts: int, routing: str, seed: int = 0) -> list[
     return counts
 
 
-def grouped_row(model, direction, tokens, routing, reps) -> dict:
-    import cutlass_ops
-    from tuning.timing import do_bench, do_bench_interleaved
-
+def expert_operands(model, direction, tokens, routing):
+    """One case's forward expert GEMM on the GPU: (rows per expert, offsets, x [rows, K],
+    the experts' weights as [E, K, N] views of Hugging Face's [E, N, K])."""
     experts, hidden, inter, top_k = MODELS[model]
     k, n = (hidden, inter) if direction == "up" else (inter, hidden)
     rows = tokens * top_k
     counts = expert_counts(rows, experts, routing)
     offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     x = (torch.randn(rows, k, device="cuda") / math.sqrt(k)).bfloat16()
-    w = torch.randn(experts, n, k, device="cuda").bfloat16()  # Hugging Face's [E, N, K]
-    wt = w.transpose(1, 2)  # [E, K, N] views
+    wt = torch.randn(experts, n, k, device="cuda").bfloat16().transpose(1, 2)
+    return counts, offs, x, wt
+
+
+def grouped_row(model, direction, tokens, routing, reps) -> dict:
+    import cutlass_ops
+    from tuning.timing import do_bench, do_bench_interleaved
+
+    counts, offs, x, wt = expert_operands(model, direction, tokens, routing)
+    experts, rows, (k, n) = len(counts), x.shape[0], wt.shape[1:]
     ours = cutlass_ops.grouped_mm(x, wt, offs)
     starts = [0] + torch.tensor(counts).cumsum(0).tolist()[:-1]
     # Checked on up to 8 experts (the largest and a spread), against float32.

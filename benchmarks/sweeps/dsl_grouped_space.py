@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
-from benchmarks.moe import MODELS, ROUTINGS, TOKENS, expert_counts  # noqa: E402
+from benchmarks.moe import MODELS, ROUTINGS, TOKENS, expert_operands  # noqa: E402
 from cutlass_ops.gemms import dsl, dsl_grouped  # noqa: E402
 from cutlass_ops.gemms.dsl import DslConfig  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
@@ -37,13 +37,8 @@ SHORT = tuple(DslConfig(tm, tn, cm, cn, True, False, tk) for tm, tn in dsl.SMALL
 
 
 def sweep_case(model, direction, tokens, routing, reps) -> dict:
-    experts, hidden, inter, top_k = MODELS[model]
-    k, n = (hidden, inter) if direction == "up" else (inter, hidden)
-    rows = tokens * top_k
-    counts = expert_counts(rows, experts, routing)
-    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    x = (torch.randn(rows, k, device="cuda") / math.sqrt(k)).bfloat16()
-    wt = torch.randn(experts, n, k, device="cuda").bfloat16().transpose(1, 2)
+    counts, offs, x, wt = expert_operands(model, direction, tokens, routing)
+    experts, rows, (k, n) = len(counts), x.shape[0], wt.shape[1:]
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     starts = [0] + torch.tensor(counts).cumsum(0).tolist()[:-1]
     largest = sorted(range(experts), key=lambda e: -counts[e])[:3]
