@@ -7,7 +7,9 @@ experts), and ``cu_seqlens_k`` splits the reduction (the 2d2d form: dW). The bou
 ``[0, offs...]``, made on the stream per call (no host sync; CUDA-graph safe). One kernel per
 config and operand types / majors serves every group count and size. Swap-A/B does not apply to
 variable lengths, so the configs are ``dsl.DslConfig`` tiles and clusters unswapped, with 1x1
-clusters too (measured best on some MoE shapes: docs/measurements.md).
+clusters too (measured best on some MoE shapes: docs/measurements.md). Where the groups are short
+(a 2d3d key's mean rows per group at most ``dsl.SMALL_EXTENT``), 64-row pingpong tiles join them
+(``SHORT_GROUP_CONFIGS``).
 
 The kernels are ours to use only where ``grouped_runtime.group_starts_aligned`` holds (TMA
 needs every group's rows at 16-byte aligned addresses), as for the C++ kernels.
@@ -35,6 +37,15 @@ CONFIGS = tuple(dict.fromkeys((
     *(DslConfig(tm, tn, cm, cn, pingpong)
       for pingpong, tiles in ((True, dsl.PINGPONG_TILES), (False, dsl.COOPERATIVE_TILES))
       for tm, tn in tiles for cm, cn in ((2, 1), (1, 1))))))
+# Pingpong 64x64 / 64x128 tiles, K tiles of 64 and 128, clusters 2x1 / 1x1: one of them beat
+# every config above on a 2d3d key of 128 rows per group (DeepSeek-V3 at 4096 tokens), and they
+# lost at 256 rows per group and up (benchmarks/sweeps/dsl_grouped_space.py,
+# docs/measurements.md). That one leads; the strategy's count is on top of it.
+SHORT_GROUP_CONFIGS = tuple(dict.fromkeys((
+    DslConfig(64, 128, 2, 1, True, tile_k=128),
+    *(DslConfig(64, tn, cm, cn, True, tile_k=tk)
+      for tn in (128, 64) for tk in (128, 64) for cm, cn in ((2, 1), (1, 1))))))
+_SHORT_GROUP_EXTRA = {"quick": 1, "default": 1, "exhaustive": None}
 _LIMITS = {"quick": 4, "default": 8, "exhaustive": None}
 
 
@@ -50,12 +61,22 @@ def refusal(problem) -> Optional[str]:
     return None
 
 
+def has_short_groups(problem) -> bool:
+    """Whether ``problem`` is a 2d3d key (forward or dX) with at most ``dsl.SMALL_EXTENT``
+    rows per group on average, where the 64-row tiles are offered. dW (2d2d) groups its K, so
+    its tiles span the weights' extents, which are never short in MoE."""
+    return problem.form == "2d3d" and problem.m <= dsl.SMALL_EXTENT
+
+
 def candidates(problem, strategy: str = "default") -> list[DslConfig]:
     """The DSL kernels to try on ``problem`` (none when ``refusal`` says why): quick 4,
-    default 8, exhaustive all."""
+    default 8, exhaustive all of ``CONFIGS``; short groups (``has_short_groups``) get the
+    first of ``SHORT_GROUP_CONFIGS`` before them (all of them when exhaustive)."""
     if refusal(problem) is not None:
         return []
-    return list(CONFIGS[:_LIMITS[strategy]])
+    short = SHORT_GROUP_CONFIGS[:_SHORT_GROUP_EXTRA[strategy]] if has_short_groups(problem) \
+        else ()
+    return [*short, *CONFIGS[:_LIMITS[strategy]]]
 
 
 def is_dsl(config) -> bool:
@@ -90,4 +111,5 @@ def run(config: DslConfig, form: str, a: torch.Tensor, b: torch.Tensor,
     return out
 
 
-__all__ = ["CONFIGS", "FORMS", "refusal", "candidates", "is_dsl", "config_from_name", "run"]
+__all__ = ["CONFIGS", "SHORT_GROUP_CONFIGS", "FORMS", "refusal", "has_short_groups", "candidates",
+           "is_dsl", "config_from_name", "run"]

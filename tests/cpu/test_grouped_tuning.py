@@ -213,6 +213,26 @@ def test_the_dsl_path_takes_the_varlen_forms_only(monkeypatch):
     assert dsl_grouped.refusal(GroupedProblem("2d2d", 8, 64, 64, 64)) is None
 
 
+@pytest.mark.parametrize("m, form, short", [(128, "2d3d", True), (16, "2d3d", True),
+                                            (256, "2d3d", False), (128, "2d2d", False)])
+def test_short_groups_get_the_64_row_tiles_first(monkeypatch, m, form, short):
+    from cutlass_ops.gemms import dsl, dsl_grouped
+
+    monkeypatch.setattr(dsl, "unavailable", lambda: None)
+    problem = GroupedProblem(form, 256, m, 2048, 7168)
+    default = dsl_grouped.candidates(problem)
+    exhaustive = dsl_grouped.candidates(problem, "exhaustive")
+    assert dsl_grouped.has_short_groups(problem) is short
+    if short:  # one 64-row tile ahead of the default eight; every one of them when exhaustive
+        assert default == [dsl_grouped.SHORT_GROUP_CONFIGS[0], *dsl_grouped.CONFIGS[:8]]
+        assert len(exhaustive) == len(dsl_grouped.SHORT_GROUP_CONFIGS) + 22
+    else:
+        assert default == list(dsl_grouped.CONFIGS[:8]) and len(exhaustive) == 22
+    assert all(c.tile_m == 64 and c.pingpong and c.why_invalid() is None
+               for c in dsl_grouped.SHORT_GROUP_CONFIGS)
+    assert len(set(default)) == len(default) and len(set(exhaustive)) == len(exhaustive)
+
+
 @pytest.mark.parametrize("args, words", [
     (["--grouped", "8:14336"], "E:N:K"),
     (["--grouped", "8:0:4096", "--tokens", "64"], "positive"),

@@ -1,8 +1,8 @@
 """The DSL path's grouped GEMMs on the GPU (skipped without ``cutlass-ops[dsl]``): QuACK's
-variable-length kernels on the 2d3d (forward, dX) and 2d2d (dW) forms against the per-group
-float32 reference, with empty groups, one group taking every row, both dtypes, inside a CUDA
-graph with new routing, and a tuned DSL winner dispatched by ``cutlass_ops.grouped_mm``, also
-compiled with fullgraph."""
+variable-length kernels (128- and 256-row tiles, and the 64-row ones offered to short groups) on
+the 2d3d (forward, dX) and 2d2d (dW) forms against the per-group float32 reference, with empty
+groups, one group taking every row, both dtypes, inside a CUDA graph with new routing, and a
+tuned DSL winner dispatched by ``cutlass_ops.grouped_mm``, also compiled with fullgraph."""
 
 import pytest
 import torch
@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.gpu,
 
 CONFIGS = [dsl.DslConfig.from_name(n) for n in (
     "dsl-sm90-pingpong-t128x192-c2x1", "dsl-sm90-cooperative-t128x256-c1x1",
-    "dsl-sm90-cooperative-t256x192-c2x1")]
+    "dsl-sm90-cooperative-t256x192-c2x1",
+    # the short-group tiles (dsl_grouped.SHORT_GROUP_CONFIGS): 64 rows, K tiles of 128 and 64
+    "dsl-sm90-pingpong-t64x128x128-c2x1", "dsl-sm90-pingpong-t64x64-c1x1")]
 SIZES = [[64, 0, 200, 248], [0, 0, 512, 0], [1, 7, 9, 495], [128, 128, 128, 128]]
 
 
