@@ -23,7 +23,7 @@ import time
 from statistics import geometric_mean
 from typing import Callable, Iterable
 
-from cutlass_ops.gemms import dsl, dsl_grouped, grouped_build
+from cutlass_ops.gemms import dsl, dsl_grouped, grouped_build, skew_dispatch
 from cutlass_ops.gemms.grouped_build import GROUPED, GroupedConfig, GroupedProblem, grouped_cache
 from tuning import protocol
 
@@ -100,7 +100,20 @@ class GroupedFamily:
         return session
 
     def derived(self, problem, ranked):
-        return []
+        """A ``skew_dispatch.SkewDispatch`` of the first round's best kernel on the even routing
+        and its best on the skewed one, where they differ (2d3d only): timed like any
+        candidate, it wins where choosing per routing pays for its two extra launches."""
+        session = self._sessions.get(problem)
+        times = getattr(session, "routing_times", {})
+        timed = [c for c in ranked if len(times.get(c, ())) == 2]
+        if problem.form not in skew_dispatch.FORMS or not timed:
+            return []
+        even = min(timed, key=lambda c: times[c][0])
+        skewed = min(timed, key=lambda c: times[c][1])
+        if even == skewed:
+            return []
+        return [skew_dispatch.SkewDispatch(even, skewed,
+                                           skew_dispatch.threshold(session.skewed_ratio))]
 
     def baseline(self, problem, plan):
         return None  # torch._grouped_mm, timed beside each finalist
@@ -148,7 +161,10 @@ class GroupedFamily:
 
 
 def _path(config) -> str:
-    """Which CUTLASS path a candidate is on: ``cutlass`` (C++) or ``dsl``."""
+    """Which CUTLASS path a candidate is on: ``cutlass`` (C++) or ``dsl``; a skew dispatch's
+    kernels' paths, ``cutlass+dsl`` where they differ."""
+    if skew_dispatch.is_skew_dispatch(config):
+        return "+".join(sorted({_path(config.even), _path(config.skewed)}))
     return "dsl" if dsl_grouped.is_dsl(config) else "cutlass"
 
 
@@ -239,8 +255,11 @@ class GroupedSession:
             self.b = matrix(p.groups, p.k, p.n, layout=p.layout_b)
         # The routings timed, and those verified (timed ones plus the first group left empty).
         self.routings = [self.offs]
+        self.skewed_ratio = 1.0  # the skewed routing's largest group over the mean
         if self.offs is not None and p.groups > 1:
             self.routings.append(skewed_offsets(p.groups, per_group, self.offs.device))
+            sizes = torch.diff(self.routings[1], prepend=self.routings[1].new_zeros(1))
+            self.skewed_ratio = float(sizes.max()) / per_group
         checked = list(self.routings)
         if self.offs is not None and p.groups > 1:
             empty_first = self.offs.clone()
@@ -250,6 +269,7 @@ class GroupedSession:
         self.out = torch.empty_like(self.checked[0][1])
         self.tolerance = relative_tolerance(p.element, GEMM)
         self.ratios: dict = {}
+        self.routing_times: dict = {}  # the first round's time on each routing, per candidate
 
     def _offsets(self, per_group: int):
         import torch
@@ -305,8 +325,10 @@ class GroupedSession:
     def time_ms(self, config, reps: int) -> float:
         from tuning.timing import do_bench
 
-        return geometric_mean(do_bench(self._launch(config, offs), reps=reps,
-                                       graph=True).median_ms for offs in self.routings)
+        times = [do_bench(self._launch(config, offs), reps=reps, graph=True).median_ms
+                 for offs in self.routings]
+        self.routing_times[config] = times  # for GroupedFamily.derived
+        return geometric_mean(times)
 
     def torch_ms(self, reps: int) -> float:
         from tuning.timing import do_bench
@@ -327,6 +349,7 @@ class GroupedSession:
     def close(self) -> None:
         self.a = self.b = self.out = self.offs = None
         self.routings = self.checked = []
+        self.routing_times = {}
 
 
 def skewed_offsets(groups: int, per_group: int, device=None):

@@ -212,12 +212,20 @@ def tuned_config(problem: GroupedProblem, device: int | None = None):
     entry = grouped_cache(device).get(problem)
     if not entry or not entry.get("winner") or entry.get("prefer") != "cutlass":
         return None
-    return config_from_name(entry["winner"])
+    config = config_from_name(entry["winner"])
+    if entry["winner"].startswith("skew-") and problem.form != "2d3d":
+        return None  # never tuned so (skew_dispatch.FORMS); an edited entry runs torch
+    return config
 
 
 def config_from_name(name: str):
-    """The grouped kernel a tuning entry names: ours (``grouped-...``) or the DSL path's
-    (``dsl-...``, None without the extra)."""
+    """The grouped kernel a tuning entry names: ours (``grouped-...``), the DSL path's
+    (``dsl-...``, None without the extra) or a pair of them (``skew-...``, None where either
+    is)."""
+    if name.startswith("skew-"):
+        from cutlass_ops.gemms.skew_dispatch import SkewDispatch
+
+        return SkewDispatch.from_name(name, config_from_name)
     if name.startswith("dsl-"):
         from cutlass_ops.gemms import dsl_grouped
 

@@ -123,10 +123,12 @@ def run(config: GroupedConfig, form: str, a: torch.Tensor, b: torch.Tensor,
 
 def launch(config, form: str, a: torch.Tensor, b: torch.Tensor,
            offs: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``run`` for a C++ ``GroupedConfig``, ``dsl_grouped.run`` for a DSL config: a tuned
-    winner of either path (``grouped_build.tuned_config``)."""
-    from cutlass_ops.gemms import dsl_grouped
+    """``run`` for a C++ ``GroupedConfig``, ``dsl_grouped.run`` for a DSL config, both kernels
+    of a ``skew_dispatch.SkewDispatch``: a tuned winner (``grouped_build.tuned_config``)."""
+    from cutlass_ops.gemms import dsl_grouped, skew_dispatch
 
+    if skew_dispatch.is_skew_dispatch(config):
+        return skew_dispatch.launch(config, launch, form, a, b, offs, out)
     if dsl_grouped.is_dsl(config):
         return dsl_grouped.run(config, form, a, b, offs, out)
     return run(config, form, a, b, offs, out)

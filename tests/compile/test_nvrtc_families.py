@@ -62,3 +62,11 @@ def test_swiglu_family_compiles(cache_root, dtype, backward):
     for vec in (True, False):  # 16-byte accesses; one element an access
         path = swiglu.compile_swiglu(dtype, vec, backward=backward)
         assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
+
+
+@pytest.mark.smoke
+def test_routing_split_compiles(cache_root):
+    from custom_kernels import routing_split
+
+    path = routing_split.compile_routing_split()
+    assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()

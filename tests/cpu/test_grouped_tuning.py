@@ -1,11 +1,12 @@
 """The grouped GEMM tuner on the CPU with a fake backend: keys, candidates, the protocol's rounds
-(failures recorded, wrong results never win), stored entries and the CLI's refusals."""
+(failures recorded, wrong results never win), stored entries, the CLI's refusals, and the skew
+dispatch (the two routings' best kernels behind one key)."""
 
 import pytest
 from tuning_fakes import SCOPE
 
 from custom_kernels.core.tuned_store import TuningCache
-from cutlass_ops.gemms.grouped_build import GroupedProblem, bucket, candidates
+from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem, bucket, candidates
 from tuning import grouped_search
 
 
@@ -248,3 +249,115 @@ def test_the_cli_refuses_bad_grouped_arguments_by_name(args, words, capsys, monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the no-GPU case anywhere
     assert main(["tune", *args]) != 0
     assert words in capsys.readouterr().err
+
+
+# ---- skew dispatch: two kernels behind one key, the routing's skew choosing on the device ----
+
+EVEN_BEST = "grouped-bf16-tn-pingpong-t64x128x64-c2x1"
+SKEWED_BEST = "grouped-bf16-tn-cooperative-t128x256x64-c2x1"
+
+
+class FakeSplitSession(FakeSession):
+    """Per-routing times: pingpong 64x128 (2x1) best on the even routing, cooperative 128x256
+    (2x1) on the skewed one; a skew dispatch costs its two kernels' best plus 0.01 ms."""
+
+    skewed_ratio = 42.25
+
+    def __init__(self, backend, problem):
+        super().__init__(backend, problem)
+        self.routing_times, self.ratios = {}, {}
+
+    def _pair(self, config):
+        from cutlass_ops.gemms import skew_dispatch
+
+        if skew_dispatch.is_skew_dispatch(config):
+            return [self._pair(config.even)[0] + 0.01, self._pair(config.skewed)[1] + 0.01]
+        return {EVEN_BEST: [1.0, 3.0], SKEWED_BEST: [1.6, 1.8]}.get(config.name, [2.0, 3.5])
+
+    def verify(self, config):
+        self.backend.verified.append(config)
+        return None
+
+    def time_ms(self, config, reps):
+        self.routing_times[config] = self._pair(config)
+        return (self._pair(config)[0] * self._pair(config)[1]) ** 0.5
+
+    def compare_ms(self, configs, reps):
+        for c in configs:
+            self.ratios[c] = [t / 2.5 for t in self._pair(c)]
+        return {c: self.time_ms(c, reps) for c in configs}, 2.5
+
+
+class FakeSplitBackend(FakeBackend):
+    def build(self, configs):
+        self.built += configs
+        return {}
+
+    def session(self, problem):
+        return FakeSplitSession(self, problem)
+
+
+def test_a_skew_dispatch_of_the_two_routings_best_wins_where_it_pays(tmp_path, monkeypatch):
+    from cutlass_ops.gemms import grouped_build, skew_dispatch
+
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    backend = FakeSplitBackend()
+    cache = TuningCache(SCOPE, family="grouped")
+    forward, dx, dw = grouped_search.moe_problems(256, 2048, 7168, 32768, backward=True)
+    grouped_search.tune([forward, dw], strategy="default", backend=backend, cache=cache,
+                        progress=lambda message: None)
+    entry = cache.get(forward)
+    assert entry["winner"] == f"skew-x6.5-{EVEN_BEST}+{SKEWED_BEST}"  # sqrt(42.25) = 6.5
+    assert entry["backend"] == "cutlass" and entry["routing_speedups"] == [
+        round(2.5 / 1.01, 4), round(2.5 / 1.81, 4)]
+    monkeypatch.setattr(grouped_build, "grouped_cache", lambda device=None: cache)
+    config = grouped_build.tuned_config(forward)
+    assert skew_dispatch.is_skew_dispatch(config) and config.skew == 6.5
+    assert (config.even.name, config.skewed.name) == (EVEN_BEST, SKEWED_BEST)
+    assert not skew_dispatch.is_skew_dispatch(grouped_build.tuned_config(dw))  # 2d2d: never
+    cache.put(dw, {**entry, "problem": dw.to_dict()})  # an entry edited by hand: torch runs
+    assert grouped_build.tuned_config(dw) is None
+    assert not any(skew_dispatch.is_skew_dispatch(c) for c in backend.built)  # not an nvcc job
+
+
+def test_no_skew_dispatch_when_one_kernel_is_best_on_both_routings():
+    family = grouped_search.GroupedFamily("default", FakeSplitBackend(), lambda message: None)
+    problem = grouped_search.moe_problems(8, 14336, 4096, 8192)[0]
+    session = family.session(problem)
+    configs = candidates(problem)
+    session.routing_times = {c: [1.0 + i, 2.0 + i] for i, c in enumerate(configs)}
+    assert family.derived(problem, configs) == []
+    session.routing_times = {}  # a session that does not time routings apart
+    assert family.derived(problem, configs) == []
+
+
+def test_skew_dispatch_names_round_trip_and_refuse_nonsense(monkeypatch):
+    from cutlass_ops.gemms import dsl, grouped_build, skew_dispatch
+    from cutlass_ops.gemms.skew_dispatch import SkewDispatch
+
+    monkeypatch.setattr(dsl, "unavailable", lambda: None)
+    mixed = SkewDispatch(dsl.DslConfig(64, 128, 2, 1, True, tile_k=128),
+                         GroupedConfig.from_name(SKEWED_BEST), 4.9)
+    assert mixed.name == f"skew-x4.9-dsl-sm90-pingpong-t64x128x128-c2x1+{SKEWED_BEST}"
+    assert grouped_build.config_from_name(mixed.name) == mixed
+    assert grouped_search._path(mixed) == "cutlass+dsl"
+    monkeypatch.setattr(dsl, "unavailable", lambda: "no extra")  # half of it uninstalled
+    assert grouped_build.config_from_name(mixed.name) is None  # torch._grouped_mm runs
+    with pytest.raises(ValueError, match="two different kernels"):
+        SkewDispatch(mixed.skewed, mixed.skewed, 2.0)
+    with pytest.raises(ValueError, match="at least 1"):
+        SkewDispatch(mixed.even, mixed.skewed, 0.5)
+    with pytest.raises(ValueError, match="skew dispatch name"):
+        grouped_build.config_from_name(f"skew-{SKEWED_BEST}")
+    assert [skew_dispatch.threshold(r) for r in (42.25, 2.94, 1.0, 0.5)] == [6.5, 1.7, 1.0, 1.0]
+
+
+def test_a_skew_dispatch_refuses_the_2d2d_form():
+    from cutlass_ops.gemms import skew_dispatch
+    from cutlass_ops.gemms.skew_dispatch import SkewDispatch
+
+    config = SkewDispatch(GroupedConfig.from_name(EVEN_BEST), GroupedConfig.from_name(SKEWED_BEST),
+                          2.0)
+    with pytest.raises(ValueError, match="2d3d"):
+        skew_dispatch.launch(config, None, "2d2d", None, None, None, None)
+
