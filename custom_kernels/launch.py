@@ -10,15 +10,22 @@ The stream is torch's current stream on ``device`` (torch's current device when 
 pass the tensors' device): the cuda.core ``Stream`` wrapper is cached per raw handle and the
 ``LaunchConfig`` per shape, so a launch costs the handle lookup, two cache lookups and
 ``cuda.core.launch`` (3.4 us).
+
+cuda.core launches through the driver API, which needs a context current in the calling thread.
+torch's own calls bind the device's primary context lazily, so a thread whose first CUDA work is
+one of ours has none (the autograd engine's worker thread running a backward that starts with
+our kernel: CUDA_ERROR_INVALID_CONTEXT). The first launch in each thread binds it.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
 _streams: dict = {}
+_thread = threading.local()  # .bound: this thread has a current context (see the docstring)
 
 
 def launch(kernel, *args, grid, block, shared_mem: int = 0, cluster=None, stream=None,
@@ -33,6 +40,8 @@ def launch(kernel, *args, grid, block, shared_mem: int = 0, cluster=None, stream
     current = torch.cuda.current_device()
     if device is None:
         device = current
+    if not getattr(_thread, "bound", False):
+        _bind_context(current)
     if stream is None:
         handle = current_stream_handle(device)
     elif isinstance(stream, int):
@@ -47,6 +56,19 @@ def launch(kernel, *args, grid, block, shared_mem: int = 0, cluster=None, stream
             cuda_launch(_stream(handle), config, kernel, *args)
     else:
         cuda_launch(_stream(handle), config, kernel, *args)
+
+
+def _bind_context(device: int) -> None:
+    """Makes ``device``'s primary context current in this thread unless one already is (torch
+    keeps it so from then on when it switches devices)."""
+    from cuda.bindings import driver
+
+    err, context = driver.cuCtxGetCurrent()
+    if err != driver.CUresult.CUDA_SUCCESS or not int(context):
+        from cuda.core import Device
+
+        Device(device).set_current()
+    _thread.bound = True
 
 
 @functools.lru_cache(maxsize=4096)

@@ -65,6 +65,29 @@ def test_the_split_replays_in_a_cuda_graph_with_new_routing():
         assert not (even if skewed else uneven).any()
 
 
+def test_the_split_launches_from_a_thread_whose_first_cuda_work_it_is():
+    """As in autograd's worker thread when a backward starts with it (custom_kernels.launch binds
+    the context: the driver API needs one current in the calling thread)."""
+    import threading
+
+    offs = offsets(SKEWED)
+    routing_split.split_by_skew(offs, 2.0)  # compiled and loaded here
+    result, errors = [], []
+
+    def work():
+        try:
+            result.append(routing_split.split_by_skew(offs, 2.0))
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert result[0][1].tolist() == offs.tolist()
+
+
 @pytest.mark.parametrize("config", [CPP, pytest.param(SHORT, marks=needs_dsl),
                                     pytest.param(WIDE, marks=needs_dsl)],
                          ids=["cutlass", "dsl-short", "dsl-wide"])
