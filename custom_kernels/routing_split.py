@@ -15,6 +15,7 @@ Offsets off a CUDA device take ``reference`` (the CPU rule, ``custom_kernels.cor
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -48,11 +49,15 @@ def split_by_skew(offs: torch.Tensor, skew: float) -> tuple[torch.Tensor, torch.
     offs = offs.contiguous()
     even, uneven = torch.empty_like(offs), torch.empty_like(offs)
     if offs.numel():
-        kernel = jit.get_kernel(SOURCE, KERNEL, device=offs.device.index,
-                                defines={"BLOCK": BLOCK})
-        launch(kernel, offs, even, uneven, offs.numel(), float(skew), grid=1, block=BLOCK,
-               device=offs.device.index)
+        launch(_kernel(offs.device.index), offs, even, uneven, offs.numel(), float(skew),
+               grid=1, block=BLOCK, device=offs.device.index)
     return even, uneven
+
+
+@functools.cache
+def _kernel(device: int):
+    """The loaded kernel, cached here too (saves get_kernel's key normalisation per call)."""
+    return jit.get_kernel(SOURCE, KERNEL, device=device, defines={"BLOCK": BLOCK})
 
 
 def reference(offs: torch.Tensor, skew: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,8 +11,8 @@ nothing. Only the 2d3d form (groups of rows: forward and dX) qualifies: in the 2
 empty group's output is zeros, which the idle kernel would write over the other's result.
 
 The cost beside one kernel: the split's launch and the idle kernel's (a grid that finds no
-tile), a few microseconds of GPU time and one more host launch; the tuner times the pair as it
-times any candidate, so it wins only where the better kernel per routing pays for them.
+tile), and two more host launches; the tuner times the pair as it times any candidate, so it
+wins only where the better kernel per routing pays for them.
 """
 
 from __future__ import annotations
