@@ -10,7 +10,9 @@ rows spread evenly over the groups and Zipf-skewed (``GroupedSession``), checked
 per-group float32 reference
 (``cutlass_ops.grouped.reference``), timed as CUDA-graph replays after an L2 flush, the best
 few beside ``torch._grouped_mm`` interleaved; the winner is the best of those that beat torch on
-every routing (``GroupedFamily.entry``). Entries live in the tuning
+every routing (``GroupedFamily.entry``). Where the first round's best on the even routing is not
+its best on the skewed one, the pair joins as a ``skew_dispatch.SkewDispatch`` (2d3d keys;
+``GroupedFamily.derived``), chosen between on the device per call. Entries live in the tuning
 cache of this GPU, family ``grouped``; ``cutlass_ops.grouped_mm`` runs a stored winner that beat
 torch and ``torch._grouped_mm`` otherwise.
 """

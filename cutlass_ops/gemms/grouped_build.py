@@ -212,10 +212,9 @@ def tuned_config(problem: GroupedProblem, device: int | None = None):
     entry = grouped_cache(device).get(problem)
     if not entry or not entry.get("winner") or entry.get("prefer") != "cutlass":
         return None
-    config = config_from_name(entry["winner"])
     if entry["winner"].startswith("skew-") and problem.form != "2d3d":
         return None  # never tuned so (skew_dispatch.FORMS); an edited entry runs torch
-    return config
+    return config_from_name(entry["winner"])
 
 
 def config_from_name(name: str):
