@@ -33,6 +33,7 @@ def run_benchmark(script, *args):
                                           ("sweeps/dsl_gemm.py", ["--quick"]),
                                           ("sweeps/dsl_gemm_space.py", []),
                                           ("sweeps/dsl_grouped_space.py", []),
+                                          ("sweeps/skew_dispatch_cost.py", []),
                                           ("moe.py", ["--quick"]),
                                           ("profile_model.py", [])])
 def test_without_a_gpu_a_benchmark_stops_at_once_with_one_line(script, args):
