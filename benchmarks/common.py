@@ -40,6 +40,17 @@ def require_gpu() -> None:
         raise SystemExit(2)
 
 
+def require_gpu_and_dsl() -> None:
+    """``require_gpu``, then the same for the ``cutlass-ops[dsl]`` extra (the DSL sweeps)."""
+    require_gpu()
+    from cutlass_ops.gemms import dsl
+
+    why = dsl.unavailable()
+    if why:
+        print(f"{sys.argv[0] or 'this benchmark'} needs cutlass-ops[dsl]: {why}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def versions() -> dict:
     import importlib.metadata
 

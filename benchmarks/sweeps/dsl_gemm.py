@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from benchmarks.common import print_table, require_gpu_and_dsl, write_result  # noqa: E402
 from benchmarks.gemm import LLM_SHAPES, tflops  # noqa: E402
 from cutlass_ops.gemms import dsl  # noqa: E402
 from cutlass_ops.gemms.config import DType  # noqa: E402
@@ -119,10 +119,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 shapes, 8 configs")
     parser.add_argument("--shapes", nargs="+", help="MxNxK (default: the 16 LLM shapes)")
     args = parser.parse_args()
-    require_gpu()
-    why = dsl.unavailable()
-    if why:
-        sys.exit(why)
+    require_gpu_and_dsl()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else \
         (LLM_SHAPES[::6] if args.quick else LLM_SHAPES)
     tolerance = relative_tolerance(DType.BF16, GEMM)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS, print_table, require_gpu, write_result  # noqa: E402
+from benchmarks.common import RESULTS, print_table, require_gpu_and_dsl, write_result  # noqa: E402
 from benchmarks.gemm import LLM_SHAPES, tflops  # noqa: E402
 from benchmarks.sweeps.dsl_gemm import operands  # noqa: E402
 from cutlass_ops.gemms import dsl  # noqa: E402
@@ -253,10 +253,7 @@ def main() -> None:
                              "tile widths (wave_variants) beside the shape's four best of "
                              "QuACK's list (writes sweep_dsl_gemm_widths.json)")
     args = parser.parse_args()
-    require_gpu()
-    why = dsl.unavailable()
-    if why:
-        sys.exit(why)
+    require_gpu_and_dsl()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else LLM_SHAPES
     tolerance = relative_tolerance(DType.BF16, GEMM)
     bases = committed_bases()

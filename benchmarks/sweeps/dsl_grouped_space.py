@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from benchmarks.common import print_table, require_gpu_and_dsl, write_result  # noqa: E402
 from benchmarks.moe import MODELS, ROUTINGS, TOKENS, expert_operands  # noqa: E402
 from cutlass_ops.gemms import dsl, dsl_grouped  # noqa: E402
 from cutlass_ops.gemms.dsl import DslConfig  # noqa: E402
@@ -91,10 +91,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
-    require_gpu()
-    why = dsl.unavailable()
-    if why:
-        sys.exit(why)
+    require_gpu_and_dsl()
     rows, start = [], time.perf_counter()
     for model in args.models:
         for direction in ("up", "down"):

@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from benchmarks.common import print_table, require_gpu_and_dsl, write_result  # noqa: E402
 from benchmarks.moe import ROUTINGS, expert_operands  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 from custom_kernels.routing_split import split_by_skew  # noqa: E402
 from cutlass_ops import grouped  # noqa: E402
-from cutlass_ops.gemms import dsl, grouped_build, grouped_runtime  # noqa: E402
+from cutlass_ops.gemms import grouped_build, grouped_runtime  # noqa: E402
 from cutlass_ops.gemms.skew_dispatch import SkewDispatch  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
 
@@ -77,10 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=40)
     args = parser.parse_args()
-    require_gpu()
-    why = dsl.unavailable()
-    if why:
-        sys.exit(why)
+    require_gpu_and_dsl()
     pair = SkewDispatch(grouped_build.config_from_name(EVEN),
                         grouped_build.config_from_name(SKEWED), SKEW)
     rows = []
