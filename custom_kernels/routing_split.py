@@ -46,6 +46,12 @@ def split_by_skew(offs: torch.Tensor, skew: float) -> tuple[torch.Tensor, torch.
     _check(offs, skew)
     if fallback.off_cuda({"offs": offs}, "split_by_skew", "routing_split.reference"):
         return reference(offs, skew)
+    return split_checked(offs, skew)
+
+
+def split_checked(offs: torch.Tensor, skew: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``split_by_skew`` for callers that have checked its rules already (a 1-D int32 CUDA
+    tensor, ``skew`` finite and at least 1): the skew dispatch's per-call path."""
     offs = offs.contiguous()
     even, uneven = torch.empty_like(offs), torch.empty_like(offs)
     if offs.numel():
@@ -75,4 +81,4 @@ def compile_routing_split(arch: str = jit.DEFAULT_ARCH) -> Path:
                              arch=arch)
 
 
-__all__ = ["split_by_skew", "reference", "compile_routing_split"]
+__all__ = ["split_by_skew", "split_checked", "reference", "compile_routing_split"]

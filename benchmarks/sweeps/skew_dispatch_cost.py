@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from benchmarks.common import print_table, require_gpu_and_dsl, write_result  # noqa: E402
 from benchmarks.moe import ROUTINGS, expert_operands  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
-from custom_kernels.routing_split import split_by_skew  # noqa: E402
+from custom_kernels import routing_split  # noqa: E402
 from cutlass_ops import grouped  # noqa: E402
 from cutlass_ops.gemms import grouped_build, grouped_runtime  # noqa: E402
 from cutlass_ops.gemms.skew_dispatch import SkewDispatch  # noqa: E402
@@ -52,13 +52,13 @@ def cost_row(model, direction, tokens, routing, pair: SkewDispatch, reps: int) -
     run(pair, offs)()
     error = relative_error(out, grouped.reference(x, wt, offs))
     fns = {"pair": run(pair, offs), "even": run(pair.even, offs),
-           "skewed": run(pair.skewed, offs), "split": lambda: split_by_skew(offs, pair.skew),
+           "skewed": run(pair.skewed, offs),
+           "split": lambda: routing_split.split_by_skew(offs, pair.skew),
            "even idle": run(pair.even, empty), "skewed idle": run(pair.skewed, empty),
            "torch": lambda: torch._grouped_mm(x, wt, offs)}
     ms = {key: t.median_ms for key, t in
           do_bench_interleaved(fns, reps=reps, graph=True).items()}
-    sizes = torch.tensor(counts)
-    picked = "skewed" if float(sizes.max()) * len(counts) > pair.skew * rows else "even"
+    picked = "skewed" if routing_split.reference(offs, pair.skew)[1].any() else "even"
     flops = 2 * rows * n * k
     return {
         "case": f"skew dispatch {model} {direction} {n}x{k} {tokens} tokens {routing}",
@@ -68,7 +68,7 @@ def cost_row(model, direction, tokens, routing, pair: SkewDispatch, reps: int) -
         "detail": {"pair": pair.name, "picked": picked,
                    "overhead_us": round((ms["pair"] - ms[picked]) * 1e3, 1),
                    "ms": {key: round(v, 5) for key, v in ms.items()},
-                   "largest_over_mean": round(float(sizes.max()) * len(counts) / rows, 2),
+                   "largest_over_mean": round(max(counts) * len(counts) / rows, 2),
                    "relative_error": error},
     }
 

@@ -18,8 +18,11 @@ wins only where the better kernel per routing pays for them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Optional
+
+from custom_kernels.routing_split import split_checked
 
 PREFIX = "skew"
 FORMS = ("2d3d",)
@@ -36,9 +39,9 @@ class SkewDispatch:
         if self.even == self.skewed:
             raise ValueError(f"a skew dispatch needs two different kernels, got {self.even.name} "
                              "twice")
-        if not self.skew >= 1:
-            raise ValueError(f"skew must be at least 1 (largest group over the mean), got "
-                             f"{self.skew}")
+        if not (math.isfinite(self.skew) and self.skew >= 1):
+            raise ValueError(f"skew must be a finite number of at least 1 (largest group over "
+                             f"the mean), got {self.skew}")
 
     @property
     def name(self) -> str:
@@ -71,12 +74,12 @@ def threshold(skewed_ratio: float) -> float:
 
 def launch(config: SkewDispatch, launch_one, form: str, a, b, offs, out):
     """``out`` = the grouped product of a 2d3d call: the split, then both kernels through
-    ``launch_one`` (``grouped_runtime.launch``), each on its share of the offsets."""
-    from custom_kernels.routing_split import split_by_skew
-
+    ``launch_one`` (``grouped_runtime.launch``), each on its share of the offsets. The
+    operands are ``cutlass_ops.grouped``'s, checked there (int32 offsets on the GPU); ``skew``
+    was checked when the config was made."""
     if form not in FORMS:
         raise ValueError(f"a skew dispatch runs the {FORMS} form only, not {form}")
-    even, uneven = split_by_skew(offs, config.skew)
+    even, uneven = split_checked(offs, config.skew)
     launch_one(config.even, form, a, b, even, out)
     return launch_one(config.skewed, form, a, b, uneven, out)
 

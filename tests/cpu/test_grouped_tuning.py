@@ -347,6 +347,8 @@ def test_skew_dispatch_names_round_trip_and_refuse_nonsense(monkeypatch):
         SkewDispatch(mixed.skewed, mixed.skewed, 2.0)
     with pytest.raises(ValueError, match="at least 1"):
         SkewDispatch(mixed.even, mixed.skewed, 0.5)
+    with pytest.raises(ValueError, match="finite"):
+        SkewDispatch(mixed.even, mixed.skewed, float("inf"))
     with pytest.raises(ValueError, match="skew dispatch name"):
         grouped_build.config_from_name(f"skew-{SKEWED_BEST}")
     assert [skew_dispatch.threshold(r) for r in (42.25, 2.94, 1.0, 0.5)] == [6.5, 1.7, 1.0, 1.0]
