@@ -9,12 +9,22 @@ current candidates are timed interleaved with ``torch._grouped_mm``. Prints a ta
 ``benchmarks/results/sweep_dsl_grouped_space.json`` after every case: "ours" is the best new
 tile, ``detail.current_best_ratio`` the best of the current candidates in the same run.
 
+With ``--knobs scheduler`` it asks instead whether QuACK's persistent tile scheduler, which
+``DslConfig`` leaves at its defaults (static, L2 swizzle groups of 8 N tiles inside each expert),
+is what holds the skewed and short-expert rows back: each case's best two of the current
+candidates are also run with swizzle groups of 1 to 64 and with the dynamic scheduler (an atomic
+tile counter), and the best two variants are timed interleaved beside the best base. That writes
+``benchmarks/results/sweep_dsl_grouped_scheduler.json``: "ours" the best variant,
+``detail.base_ratio`` the best base in the same run.
+
     python benchmarks/sweeps/dsl_grouped_space.py [--models DeepSeek-V3 ...] [--reps 20]
+        [--knobs short|scheduler]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -34,86 +44,152 @@ from tuning.timing import do_bench, do_bench_interleaved  # noqa: E402
 CURRENT = dsl_grouped.CONFIGS[:8]  # what the default grouped tune tries
 SHORT = tuple(DslConfig(tm, tn, cm, cn, True, False, tk) for tm, tn in dsl.SMALL_TILES
               if tn >= 64 for cm, cn in ((1, 1), (2, 1)) for tk in dsl.TILE_KS)
+SWIZZLES = (1, 2, 4, 16, 64)  # QuACK's default is 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerVariant(DslConfig):
+    """A DSL config with QuACK's tile scheduler changed: the most N tiles (within one expert)
+    in an L2 swizzle group, and a dynamic (atomic counter) scheduler instead of the static one."""
+    max_swizzle: int = 8
+    dynamic: bool = False
+
+    @classmethod
+    def of(cls, base: DslConfig, **scheduler) -> SchedulerVariant:
+        return cls(**dataclasses.asdict(base), **scheduler)
+
+    @property
+    def name(self) -> str:
+        return f"{super().name}-sw{self.max_swizzle}" + ("-dynamic" if self.dynamic else "")
+
+    def to_quack(self):
+        return dataclasses.replace(super().to_quack(), max_swizzle_size=self.max_swizzle,
+                                   is_dynamic_persistent=self.dynamic)
+
+
+class Case:
+    """One moe.py expert GEMM's operands, with each config checked against float32 on the
+    largest experts and timed as the tuner times (CUDA-graph replays, L2 flushed)."""
+
+    def __init__(self, model, direction, tokens, routing):
+        self.counts, self.offs, self.x, self.wt = expert_operands(model, direction, tokens,
+                                                                  routing)
+        self.rows, (self.k, self.n) = self.x.shape[0], self.wt.shape[1:]
+        self.name = f"grouped {model} {direction} {self.n}x{self.k} {tokens} tokens {routing}"
+        self.out = torch.empty(self.rows, self.n, device="cuda", dtype=torch.bfloat16)
+        self.first, self.failures = {}, {}
+
+    def launch(self, config):
+        return dsl_grouped.run(config, "2d3d", self.x, self.wt, self.offs, self.out)
+
+    def first_round(self, configs) -> None:
+        starts = [0] + torch.tensor(self.counts).cumsum(0).tolist()[:-1]
+        largest = sorted(range(len(self.counts)), key=lambda e: -self.counts[e])[:3]
+        for config in configs:
+            try:
+                self.out.fill_(float("nan"))
+                self.launch(config)
+                error = max(relative_error(
+                    self.out[starts[e]:starts[e] + self.counts[e]],
+                    self.x[starts[e]:starts[e] + self.counts[e]].float() @ self.wt[e].float())
+                    for e in largest)
+                if not error < 2e-2:
+                    self.failures[config.name] = f"wrong result: relative error {error:.3g}"
+                    continue
+                self.first[config] = do_bench(lambda c=config: self.launch(c), warmup=2, reps=8,
+                                              graph=True).median_ms
+            except Exception as exc:  # recorded per config, not fatal
+                self.failures[config.name] = f"{type(exc).__name__}: {exc}"[:300]
+
+    def best(self, group, count=2) -> list:
+        return sorted((c for c in self.first if c in group), key=self.first.get)[:count]
+
+    def ratio_to_torch(self, config, reps) -> float:
+        timings = do_bench_interleaved(
+            {"dsl": lambda: self.launch(config),
+             "torch": lambda: torch._grouped_mm(self.x, self.wt, self.offs)},
+            reps=reps, graph=True)
+        return timings["torch"].median_ms / timings["dsl"].median_ms
+
+    def row(self, ours, ratios, **detail) -> dict:
+        flops = 2 * self.rows * self.n * self.k
+        ours_ms = self.first[ours] if ours else math.nan
+        return {
+            "case": self.name, "unit": "TFLOP/s",
+            "ours": round(flops / ours_ms / 1e9, 1) if ours else 0.0,
+            "reference": round(flops / ours_ms / 1e9 / ratios[ours], 1) if ours else 0.0,
+            "reference_name": "torch._grouped_mm",
+            "ratio": round(ratios[ours], 4) if ours else 0.0, "correct": ours is not None,
+            "detail": {"config": ours.name if ours else None, **detail,
+                       "finalists": {c.name: round(r, 4) for c, r in ratios.items()},
+                       "first_round_ms": {c.name: round(v, 5) for c, v in
+                                          sorted(self.first.items(), key=lambda item: item[1])},
+                       "empty_experts": self.counts.count(0),
+                       "largest_expert_rows": max(self.counts), "failures": self.failures},
+        }
 
 
 def sweep_case(model, direction, tokens, routing, reps) -> dict:
-    counts, offs, x, wt = expert_operands(model, direction, tokens, routing)
-    experts, rows, (k, n) = len(counts), x.shape[0], wt.shape[1:]
-    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-    starts = [0] + torch.tensor(counts).cumsum(0).tolist()[:-1]
-    largest = sorted(range(experts), key=lambda e: -counts[e])[:3]
-    first, failures = {}, {}
-    for config in (*CURRENT, *SHORT):
-        def launch(config=config):
-            return dsl_grouped.run(config, "2d3d", x, wt, offs, out)
-        try:
-            out.fill_(float("nan"))
-            launch()
-            error = max(relative_error(out[starts[e]:starts[e] + counts[e]],
-                                       x[starts[e]:starts[e] + counts[e]].float()
-                                       @ wt[e].float()) for e in largest)
-            if not error < 2e-2:
-                failures[config.name] = f"wrong result: relative error {error:.3g}"
-                continue
-            first[config] = do_bench(launch, warmup=2, reps=8, graph=True).median_ms
-        except Exception as exc:  # recorded per config, not fatal
-            failures[config.name] = f"{type(exc).__name__}: {exc}"[:300]
-    ratios = {}
-    for group in (CURRENT, SHORT):
-        for config in sorted((c for c in first if c in group), key=first.get)[:2]:
-            timings = do_bench_interleaved(
-                {"dsl": lambda c=config: dsl_grouped.run(c, "2d3d", x, wt, offs, out),
-                 "torch": lambda: torch._grouped_mm(x, wt, offs)}, reps=reps, graph=True)
-            ratios[config] = timings["torch"].median_ms / timings["dsl"].median_ms
+    case = Case(model, direction, tokens, routing)
+    case.first_round((*CURRENT, *SHORT))
+    ratios = {config: case.ratio_to_torch(config, reps)
+              for group in (CURRENT, SHORT) for config in case.best(group)}
     short = max((c for c in ratios if c in SHORT), key=ratios.get, default=None)
     current = max((c for c in ratios if c in CURRENT), key=ratios.get, default=None)
-    flops = 2 * rows * n * k
-    ours_ms = first[short] if short else math.nan
-    return {
-        "case": f"grouped {model} {direction} {n}x{k} {tokens} tokens {routing}",
-        "unit": "TFLOP/s", "ours": round(flops / ours_ms / 1e9, 1) if short else 0.0,
-        "reference": round(flops / ours_ms / 1e9 / ratios[short], 1) if short else 0.0,
-        "reference_name": "torch._grouped_mm",
-        "ratio": round(ratios[short], 4) if short else 0.0, "correct": short is not None,
-        "detail": {"config": short.name if short else None,
-                   "current_best": current.name if current else None,
-                   "current_best_ratio": round(ratios[current], 4) if current else None,
-                   "finalists": {c.name: round(r, 4) for c, r in ratios.items()},
-                   "first_round_ms": {c.name: round(v, 5) for c, v in
-                                      sorted(first.items(), key=lambda item: item[1])},
-                   "empty_experts": counts.count(0), "largest_expert_rows": max(counts),
-                   "failures": failures},
-    }
+    return case.row(short, ratios, current_best=current.name if current else None,
+                    current_best_ratio=round(ratios[current], 4) if current else None)
+
+
+def scheduler_case(model, direction, tokens, routing, reps) -> dict:
+    case = Case(model, direction, tokens, routing)
+    bases = (*CURRENT, dsl_grouped.SHORT_GROUP_CONFIGS[0])
+    case.first_round(bases)
+    variants = tuple(SchedulerVariant.of(base, **scheduler) for base in case.best(bases)
+                     for scheduler in (*({"max_swizzle": s} for s in SWIZZLES),
+                                       {"dynamic": True}))
+    case.first_round(variants)
+    ratios = {config: case.ratio_to_torch(config, reps)
+              for config in (*case.best(bases, 1), *case.best(variants))}
+    best = max((c for c in ratios if c in variants), key=ratios.get, default=None)
+    base = max((c for c in ratios if c in bases), key=ratios.get, default=None)
+    return case.row(best, ratios, base=base.name if base else None,
+                    base_ratio=round(ratios[base], 4) if base else None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--knobs", choices=("short", "scheduler"), default="short",
+                        help="short: the 64-row tiles; scheduler: swizzle and dynamic scheduling")
     args = parser.parse_args()
     require_gpu_and_dsl()
+    measure, name, baseline, new = {
+        "short": (sweep_case, "sweep_dsl_grouped_space", "current_best_ratio", "short tiles"),
+        "scheduler": (scheduler_case, "sweep_dsl_grouped_scheduler", "base_ratio", "scheduler"),
+    }[args.knobs]
     rows, start = [], time.perf_counter()
     for model in args.models:
         for direction in ("up", "down"):
             for tokens in TOKENS:
                 for routing in ROUTINGS:
-                    rows.append(sweep_case(model, direction, tokens, routing, args.reps))
-                    write_result("sweep_dsl_grouped_space", rows, cases_done=len(rows))
+                    rows.append(measure(model, direction, tokens, routing, args.reps))
+                    write_result(name, rows, cases_done=len(rows))
                     r = rows[-1]
-                    print(f"{r['case']}: {r['ratio']} ({r['detail']['config']}); current "
-                          f"{r['detail']['current_best_ratio']}; "
-                          f"{time.perf_counter() - start:.0f} s", flush=True)
+                    print(f"{r['case']}: {r['ratio']} ({r['detail']['config']}); baseline "
+                          f"{r['detail'][baseline]}; {time.perf_counter() - start:.0f} s",
+                          flush=True)
                     torch.cuda.empty_cache()
-    print_table(["case", "short tiles", "current", "config"],
-                [[r["case"][8:], r["ratio"], r["detail"]["current_best_ratio"],
-                  r["detail"]["config"]] for r in rows])
-    pairs = [(r["ratio"], r["detail"]["current_best_ratio"]) for r in rows
-             if r["ratio"] and r["detail"]["current_best_ratio"]]
+    print_table(["case", new, "baseline", "config"],
+                [[r["case"][8:], r["ratio"], r["detail"][baseline], r["detail"]["config"]]
+                 for r in rows])
+    pairs = [(r["ratio"], r["detail"][baseline]) for r in rows
+             if r["ratio"] and r["detail"][baseline]]
     if pairs:
         def geomean(values):
             return math.exp(sum(map(math.log, values)) / len(values))
 
-        print(f"geomean, current candidates {geomean([b for _, b in pairs]):.4f}; best of both "
+        print(f"geomean, baseline {geomean([b for _, b in pairs]):.4f}; best of both "
               f"{geomean([max(a, b) for a, b in pairs]):.4f}")
 
 
