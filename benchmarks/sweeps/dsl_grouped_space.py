@@ -105,11 +105,16 @@ class Case:
         return sorted((c for c in self.first if c in group), key=self.first.get)[:count]
 
     def ratio_to_torch(self, config, reps) -> float:
+        return self.ratios_to_torch([config], reps)[config]
+
+    def ratios_to_torch(self, configs, reps) -> dict:
+        """Each config's speedup over torch._grouped_mm, all timed in one interleaved run, so
+        that they compare with each other too."""
         timings = do_bench_interleaved(
-            {"dsl": lambda: self.launch(config),
-             "torch": lambda: torch._grouped_mm(self.x, self.wt, self.offs)},
+            {"torch": lambda: torch._grouped_mm(self.x, self.wt, self.offs),
+             **{config: lambda c=config: self.launch(c) for config in configs}},
             reps=reps, graph=True)
-        return timings["torch"].median_ms / timings["dsl"].median_ms
+        return {c: timings["torch"].median_ms / timings[c].median_ms for c in configs}
 
     def row(self, ours, ratios, **detail) -> dict:
         flops = 2 * self.rows * self.n * self.k
@@ -148,12 +153,17 @@ def scheduler_case(model, direction, tokens, routing, reps) -> dict:
                      for scheduler in (*({"max_swizzle": s} for s in SWIZZLES),
                                        {"dynamic": True}))
     case.first_round(variants)
-    ratios = {config: case.ratio_to_torch(config, reps)
-              for config in (*case.best(bases, 1), *case.best(variants))}
+    # The best base beside its own dynamic twin and the best two variants, in one interleaved
+    # run: the twin is the like-for-like measure of the dynamic scheduler.
+    base = case.best(bases, 1)
+    twin = [SchedulerVariant.of(b, dynamic=True) for b in base if
+            SchedulerVariant.of(b, dynamic=True) in case.first]
+    finalists = list(dict.fromkeys((*base, *twin, *case.best(variants))))
+    ratios = case.ratios_to_torch(finalists, reps) if finalists else {}
     best = max((c for c in ratios if c in variants), key=ratios.get, default=None)
-    base = max((c for c in ratios if c in bases), key=ratios.get, default=None)
-    return case.row(best, ratios, base=base.name if base else None,
-                    base_ratio=round(ratios[base], 4) if base else None)
+    return case.row(best, ratios, base=base[0].name if base else None,
+                    base_ratio=round(ratios[base[0]], 4) if base else None,
+                    dynamic_twin_ratio=round(ratios[twin[0]], 4) if twin else None)
 
 
 def main() -> None:
@@ -176,9 +186,11 @@ def main() -> None:
                     rows.append(measure(model, direction, tokens, routing, args.reps))
                     write_result(name, rows, cases_done=len(rows))
                     r = rows[-1]
+                    twin = r["detail"].get("dynamic_twin_ratio")
                     print(f"{r['case']}: {r['ratio']} ({r['detail']['config']}); baseline "
-                          f"{r['detail'][baseline]}; {time.perf_counter() - start:.0f} s",
-                          flush=True)
+                          f"{r['detail'][baseline]}" + (f", its dynamic twin {twin}" if twin
+                                                        else "") +
+                          f"; {time.perf_counter() - start:.0f} s", flush=True)
                     torch.cuda.empty_cache()
     print_table(["case", new, "baseline", "config"],
                 [[r["case"][8:], r["ratio"], r["detail"][baseline], r["detail"]["config"]]
