@@ -112,6 +112,14 @@ def tolerances(dtype, softcap):
     return 2e-3, 1e-2
 
 
+def subnormal_floor(dtype, width):
+    """The error norm a row of ``width`` gradients gets from rounding into the dtype's
+    subnormals alone (half their spacing each): float16 stores a row scaled far down (a small
+    row_scale times the soft-cap's tanh') with no relative precision left."""
+    info = torch.finfo(dtype)
+    return width ** 0.5 * info.smallest_normal * info.eps / 2
+
+
 def assert_step(logits, labels, losses, loss_ref, grad_ref, dtype, softcap=None):
     loss_tol, grad_tol = tolerances(dtype, softcap)
     assert losses.dtype == torch.float32 and losses.shape == labels.shape
@@ -119,9 +127,12 @@ def assert_step(logits, labels, losses, loss_ref, grad_ref, dtype, softcap=None)
         (losses - loss_ref).abs().max()
     assert logits.dtype == dtype
     assert relative_error(logits, grad_ref) < grad_tol, relative_error(logits, grad_ref)
-    # Row by row too (the label entry, p - 1, dominates each row's norm).
-    worst = ((logits.float() - grad_ref).norm(dim=1) /
-             grad_ref.norm(dim=1).clamp_min(1e-30))[labels != -100].max().item()
+    # Row by row too (the label entry, p - 1, dominates each row's norm), beyond what rounding
+    # into subnormals costs a row whose gradients are that small.
+    kept = labels != -100
+    excess = ((logits.float() - grad_ref).norm(dim=1)[kept]
+              - subnormal_floor(dtype, logits.shape[1]))
+    worst = (excess / grad_ref.norm(dim=1)[kept].clamp_min(1e-30)).max().item()
     assert worst < 2 * grad_tol, worst
 
 
@@ -145,7 +156,9 @@ def test_kernel_loss_and_in_place_gradient(vocab, dtype):
     (1.0, 5.0, False)])
 def test_kernel_smoothing_softcap_and_row_scale(vocab, dtype, smoothing, softcap, scaled):
     logits, labels = chunk_case(97, vocab, dtype, seed=1, scale=softcap or 4.0)
-    row_scale = torch.rand(97, device="cuda") * 3 if scaled else None
+    # Seeded: the scales (down to near zero) must not depend on which tests ran before.
+    generator = torch.Generator("cuda").manual_seed(3)
+    row_scale = torch.rand(97, device="cuda", generator=generator) * 3 if scaled else None
     loss_ref, grad_ref = chunk_reference(logits, labels, smoothing=smoothing, softcap=softcap,
                                          row_scale=row_scale)
     losses = ce.chunk_loss_and_grad(logits, labels, smoothing=smoothing, softcap=softcap,
