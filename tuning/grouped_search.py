@@ -12,7 +12,8 @@ per-group float32 reference
 few beside ``torch._grouped_mm`` interleaved; the winner is the best of those that beat torch on
 every routing (``GroupedFamily.entry``). Where the first round's best on the even routing is not
 its best on the skewed one, the pair joins as a ``skew_dispatch.SkewDispatch`` (2d3d keys;
-``GroupedFamily.derived``), chosen between on the device per call. Entries live in the tuning
+``GroupedFamily.derived``), chosen between on the device per call; before it, the best DSL
+kernels' dynamic-scheduler twins. Entries live in the tuning
 cache of this GPU, family ``grouped``; ``cutlass_ops.grouped_mm`` runs a stored winner that beat
 torch and ``torch._grouped_mm`` otherwise.
 """
@@ -102,20 +103,24 @@ class GroupedFamily:
         return session
 
     def derived(self, problem, ranked):
-        """A ``skew_dispatch.SkewDispatch`` of the first round's best kernel on the even routing
-        and its best on the skewed one, where they differ (2d3d only): timed like any
-        candidate, it wins where choosing per routing pays for its two extra launches."""
+        """Round 2, yielded one at a time (each is timed before the next is made): the
+        dynamic-scheduler twins of the first round's best DSL kernels
+        (``dsl_grouped.dynamic_twins``), then a ``skew_dispatch.SkewDispatch`` of the best
+        kernel so far on the even routing and the best on the skewed one, where they differ
+        (2d3d only): timed like any candidate, it wins where choosing per routing pays for its
+        two extra launches."""
+        yield from dsl_grouped.dynamic_twins(ranked, self.strategy)
         session = self._sessions.get(problem)
         times = getattr(session, "routing_times", {})
-        timed = [c for c in ranked if len(times.get(c, ())) == 2]
+        timed = [c for c, pair in times.items()
+                 if len(pair) == 2 and not skew_dispatch.is_skew_dispatch(c)]
         if problem.form not in skew_dispatch.FORMS or not timed:
-            return []
+            return
         even = min(timed, key=lambda c: times[c][0])
         skewed = min(timed, key=lambda c: times[c][1])
-        if even == skewed:
-            return []
-        return [skew_dispatch.SkewDispatch(even, skewed,
-                                           skew_dispatch.threshold(session.skewed_ratio))]
+        if even != skewed:
+            yield skew_dispatch.SkewDispatch(even, skewed,
+                                             skew_dispatch.threshold(session.skewed_ratio))
 
     def baseline(self, problem, plan):
         return None  # torch._grouped_mm, timed beside each finalist
@@ -271,7 +276,7 @@ class GroupedSession:
         self.out = torch.empty_like(self.checked[0][1])
         self.tolerance = relative_tolerance(p.element, GEMM)
         self.ratios: dict = {}
-        self.routing_times: dict = {}  # the first round's time on each routing, per candidate
+        self.routing_times: dict = {}  # each timed candidate's time on each routing (rounds 1, 2)
 
     def _offsets(self, per_group: int):
         import torch

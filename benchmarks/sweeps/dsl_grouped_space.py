@@ -9,13 +9,14 @@ current candidates are timed interleaved with ``torch._grouped_mm``. Prints a ta
 ``benchmarks/results/sweep_dsl_grouped_space.json`` after every case: "ours" is the best new
 tile, ``detail.current_best_ratio`` the best of the current candidates in the same run.
 
-With ``--knobs scheduler`` it asks instead whether QuACK's persistent tile scheduler, which
-``DslConfig`` leaves at its defaults (static, L2 swizzle groups of 8 N tiles inside each expert),
-is what holds the skewed and short-expert rows back: each case's best two of the current
-candidates are also run with swizzle groups of 1 to 64 and with the dynamic scheduler (an atomic
-tile counter), and the best two variants are timed interleaved beside the best base. That writes
-``benchmarks/results/sweep_dsl_grouped_scheduler.json``: "ours" the best variant,
-``detail.base_ratio`` the best base in the same run.
+With ``--knobs scheduler`` it asks instead whether QuACK's persistent tile scheduler, static by
+default with L2 swizzle groups of 8 N tiles inside each expert, is what holds the
+skewed and short-expert rows back: each case's best two of the current candidates are also run
+with swizzle groups of 1 to 64 and with the dynamic scheduler (``DslConfig.dynamic``, an atomic
+tile counter), and the best two variants are timed interleaved beside the best base and its
+dynamic twin. That writes ``benchmarks/results/sweep_dsl_grouped_scheduler.json``: "ours" the
+best variant, ``detail.base_ratio`` the best base and ``detail.dynamic_twin_ratio`` its twin,
+all in one interleaved run.
 
     python benchmarks/sweeps/dsl_grouped_space.py [--models DeepSeek-V3 ...] [--reps 20]
         [--knobs short|scheduler]
@@ -48,23 +49,21 @@ SWIZZLES = (1, 2, 4, 16, 64)  # QuACK's default is 8
 
 
 @dataclasses.dataclass(frozen=True)
-class SchedulerVariant(DslConfig):
-    """A DSL config with QuACK's tile scheduler changed: the most N tiles (within one expert)
-    in an L2 swizzle group, and a dynamic (atomic counter) scheduler instead of the static one."""
+class SwizzleVariant(DslConfig):
+    """A DSL config with another L2 swizzle in QuACK's tile scheduler: the most N tiles of one
+    expert in a group (``DslConfig`` keeps QuACK's 8)."""
     max_swizzle: int = 8
-    dynamic: bool = False
 
     @classmethod
-    def of(cls, base: DslConfig, **scheduler) -> SchedulerVariant:
-        return cls(**dataclasses.asdict(base), **scheduler)
+    def of(cls, base: DslConfig, max_swizzle: int) -> SwizzleVariant:
+        return cls(**dataclasses.asdict(base), max_swizzle=max_swizzle)
 
     @property
     def name(self) -> str:
-        return f"{super().name}-sw{self.max_swizzle}" + ("-dynamic" if self.dynamic else "")
+        return f"{super().name}-sw{self.max_swizzle}"
 
     def to_quack(self):
-        return dataclasses.replace(super().to_quack(), max_swizzle_size=self.max_swizzle,
-                                   is_dynamic_persistent=self.dynamic)
+        return dataclasses.replace(super().to_quack(), max_swizzle_size=self.max_swizzle)
 
 
 class Case:
@@ -149,15 +148,13 @@ def scheduler_case(model, direction, tokens, routing, reps) -> dict:
     case = Case(model, direction, tokens, routing)
     bases = (*CURRENT, dsl_grouped.SHORT_GROUP_CONFIGS[0])
     case.first_round(bases)
-    variants = tuple(SchedulerVariant.of(base, **scheduler) for base in case.best(bases)
-                     for scheduler in (*({"max_swizzle": s} for s in SWIZZLES),
-                                       {"dynamic": True}))
+    variants = tuple(variant for base in case.best(bases) for variant in (
+        *(SwizzleVariant.of(base, s) for s in SWIZZLES), dataclasses.replace(base, dynamic=True)))
     case.first_round(variants)
     # The best base beside its own dynamic twin and the best two variants, in one interleaved
     # run: the twin is the like-for-like measure of the dynamic scheduler.
     base = case.best(bases, 1)
-    twin = [SchedulerVariant.of(b, dynamic=True) for b in base if
-            SchedulerVariant.of(b, dynamic=True) in case.first]
+    twin = [t for t in (dataclasses.replace(b, dynamic=True) for b in base) if t in case.first]
     finalists = list(dict.fromkeys((*base, *twin, *case.best(variants))))
     ratios = case.ratios_to_torch(finalists, reps) if finalists else {}
     best = max((c for c in ratios if c in variants), key=ratios.get, default=None)

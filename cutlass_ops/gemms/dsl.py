@@ -6,9 +6,13 @@ says why and nothing here imports either package (nor does anything else in cutl
 A ``DslConfig`` names one kernel: the CTA tile (M x N, and K: 64 unless named), the thread
 block cluster, the schedule (pingpong: two consumer warp groups on alternate tiles; cooperative:
 both on one tile) and swap-A/B (the kernel computes D^T = B^T A^T, so a small M sits on the
-tile's N side). Every config is persistent with a static tile scheduler: no semaphore or
-workspace per call, so a launch can be captured in a CUDA graph. ``SM90_CONFIGS`` is QuACK's own
-sm90 autotuning list (11 tiles, 2 clusters, swapped or not: 44 kernels); ``SMALL_CONFIGS`` adds
+tile's N side). Every config is persistent. Its tile scheduler is static (each CTA takes every
+grid-th tile: no semaphore or workspace per call) unless the config is ``dynamic``: then CTAs
+take tiles from an atomic counter, which balances tiles of unequal cost (grouped GEMMs over
+skewed routing) at the price of a 4-byte counter QuACK allocates and zeroes per call; both
+are captured in a CUDA graph with the kernel, the zeroing replayed before it (the grouped
+tuner's dynamic twins, ``tuning.grouped_search``). ``SM90_CONFIGS`` is QuACK's own sm90
+autotuning list (11 tiles, 2 clusters, swapped or not: 44 kernels); ``SMALL_CONFIGS`` adds
 pingpong tiles 64 rows tall and 16 to 128 wide, with K tiles of 64 or 128 and 1x1 clusters too
 (48 kernels), for problems whose M or N is at most 128: the memory-bound shapes where QuACK's
 list loses to cuBLAS and these reach or beat it (docs/measurements.md).
@@ -44,7 +48,8 @@ VALID_CLUSTERS = (*CLUSTERS, (1, 1))  # 1x1 too: grouped GEMMs with small groups
 DTYPES = (torch.bfloat16, torch.float16)
 SMS_H100 = 132  # the wave model's SM count when no GPU says otherwise
 CACHE_ENV = "QUACK_CACHE_DIR"
-_NAME = re.compile(r"dsl-sm90-(pingpong|cooperative)-t(\d+)x(\d+)(?:x(\d+))?-c(\d)x(\d)(-swap)?")
+_NAME = re.compile(
+    r"dsl-sm90-(pingpong|cooperative)-t(\d+)x(\d+)(?:x(\d+))?-c(\d)x(\d)(-swap)?(-dynamic)?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +61,15 @@ class DslConfig:
     pingpong: bool = True
     swap_ab: bool = False
     tile_k: int = 64
+    dynamic: bool = False  # the tile scheduler: an atomic counter rather than a fixed stride
 
     @property
     def name(self) -> str:
         schedule = "pingpong" if self.pingpong else "cooperative"
         k = f"x{self.tile_k}" if self.tile_k != 64 else ""
         return (f"dsl-sm90-{schedule}-t{self.tile_m}x{self.tile_n}{k}-c{self.cluster_m}x"
-                f"{self.cluster_n}" + ("-swap" if self.swap_ab else ""))
+                f"{self.cluster_n}" + ("-swap" if self.swap_ab else "")
+                + ("-dynamic" if self.dynamic else ""))
 
     @classmethod
     def from_name(cls, name: str) -> DslConfig:
@@ -70,9 +77,9 @@ class DslConfig:
         if match is None:
             raise ValueError(f"not a DSL GEMM config name: {name!r} (expected e.g. "
                              f"{SM90_CONFIGS[0].name!r})")
-        schedule, tm, tn, tk, cm, cn, swap = match.groups()
+        schedule, tm, tn, tk, cm, cn, swap, dynamic = match.groups()
         config = cls(int(tm), int(tn), int(cm), int(cn), schedule == "pingpong", bool(swap),
-                     int(tk or 64))
+                     int(tk or 64), bool(dynamic))
         why = config.why_invalid()
         if why:
             raise ValueError(f"{name}: {why}")
@@ -108,7 +115,7 @@ class DslConfig:
         from quack.gemm_config import GemmConfig
 
         return GemmConfig(tile_m=self.tile_m, tile_n=self.tile_n, pingpong=self.pingpong,
-                          is_dynamic_persistent=False, cluster_m=self.cluster_m,
+                          is_dynamic_persistent=self.dynamic, cluster_m=self.cluster_m,
                           cluster_n=self.cluster_n, swap_ab=self.swap_ab, device_capacity=9,
                           # None for 64, QuACK's default: the same kernel (and disk-cache key)
                           # as before K tiles were named.

@@ -9,7 +9,8 @@ config and operand types / majors serves every group count and size. Swap-A/B do
 variable lengths, so the configs are ``dsl.DslConfig`` tiles and clusters unswapped, with 1x1
 clusters too (measured best on some MoE shapes: docs/measurements.md). Where the groups are short
 (a 2d3d key's mean rows per group at most ``dsl.SMALL_EXTENT``), 64-row pingpong tiles join them
-(``SHORT_GROUP_CONFIGS``).
+(``SHORT_GROUP_CONFIGS``). The tuner also tries the best static kernels with QuACK's dynamic
+tile scheduler (``dynamic_twins``).
 
 The kernels are ours to use only where ``grouped_runtime.group_starts_aligned`` holds (TMA
 needs every group's rows at 16-byte aligned addresses), as for the C++ kernels.
@@ -17,6 +18,7 @@ needs every group's rows at 16-byte aligned addresses), as for the C++ kernels.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -47,6 +49,7 @@ SHORT_GROUP_CONFIGS = tuple(dict.fromkeys((
       for tn in (128, 64) for tk in (128, 64) for cm, cn in ((2, 1), (1, 1))))))
 _SHORT_GROUP_EXTRA = {"quick": 1, "default": 1, "exhaustive": None}
 _LIMITS = {"quick": 4, "default": 8, "exhaustive": None}
+_DYNAMIC_TWINS = {"quick": 1, "default": 2, "exhaustive": 4}
 
 
 def refusal(problem) -> Optional[str]:
@@ -77,6 +80,18 @@ def candidates(problem, strategy: str = "default") -> list[DslConfig]:
     short = SHORT_GROUP_CONFIGS[:_SHORT_GROUP_EXTRA[strategy]] if has_short_groups(problem) \
         else ()
     return [*short, *CONFIGS[:_LIMITS[strategy]]]
+
+
+def dynamic_twins(ranked, strategy: str = "default") -> list[DslConfig]:
+    """The dynamic-scheduler twins (``DslConfig.dynamic``) of the best static DSL kernels in
+    ``ranked`` (a tuner's first round, best first): 1, 2 or 4 by strategy. A grouped GEMM's
+    tiles differ in cost (the partial tiles of short groups, memory-bound tiles of experts with
+    few rows beside compute-bound ones of busy experts); a static schedule deals them out
+    round-robin and its last CTAs finish late, where an atomic counter gives each free CTA the
+    next tile. Which wins depends on the shape and the routing (docs/measurements.md), so the
+    twins are measured, not assumed."""
+    static = [c for c in ranked if is_dsl(c) and not c.dynamic]
+    return [dataclasses.replace(c, dynamic=True) for c in static[:_DYNAMIC_TWINS[strategy]]]
 
 
 def is_dsl(config) -> bool:
@@ -112,4 +127,4 @@ def run(config: DslConfig, form: str, a: torch.Tensor, b: torch.Tensor,
 
 
 __all__ = ["CONFIGS", "SHORT_GROUP_CONFIGS", "FORMS", "refusal", "has_short_groups", "candidates",
-           "is_dsl", "config_from_name", "run"]
+           "dynamic_twins", "is_dsl", "config_from_name", "run"]

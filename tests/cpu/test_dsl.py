@@ -1,6 +1,7 @@
 """The CuTe DSL GEMM path without its extra (the CI machine has neither quack-kernels nor
 nvidia-cutlass-dsl): the configs, the candidate order, and that nothing imports the packages."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -34,7 +35,17 @@ def test_the_small_configs_name_48_more_kernels_that_round_trip():
         dsl.DslConfig.from_name("dsl-sm90-pingpong-t128x128-c2x1")
 
 
+def test_a_dynamic_scheduler_is_named_last_and_round_trips():
+    twin = dataclasses.replace(dsl.DslConfig.from_name("dsl-sm90-pingpong-t64x16x128-c1x2-swap"),
+                               dynamic=True)
+    assert twin.name == "dsl-sm90-pingpong-t64x16x128-c1x2-swap-dynamic"
+    assert dsl.DslConfig.from_name(twin.name) == twin
+    # Names without it are the static kernels they always named.
+    assert not any(c.dynamic for c in (*dsl.SM90_CONFIGS, *dsl.SMALL_CONFIGS))
+
+
 @pytest.mark.parametrize("name, words", [
+    ("dsl-sm90-pingpong-t128x208-c2x1-dynamic-swap", "not a DSL GEMM config"),  # the order
     ("dsl-sm90-pingpong-t256x128-c2x1", "pingpong tiles"),  # a cooperative tile
     ("dsl-sm90-cooperative-t128x128-c2x1", "cooperative tiles"),
     ("dsl-sm90-cooperative-t64x64-c2x1", "cooperative tiles"),  # small tiles are pingpong

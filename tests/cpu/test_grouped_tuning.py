@@ -2,6 +2,8 @@
 (failures recorded, wrong results never win), stored entries, the CLI's refusals, and the skew
 dispatch (the two routings' best kernels behind one key)."""
 
+import dataclasses
+
 import pytest
 from tuning_fakes import SCOPE
 
@@ -155,7 +157,8 @@ def test_the_winner_beats_torch_on_every_routing_or_torch_runs(tmp_path, all_los
 
 
 class FakeDslSession(FakeSession):
-    """The DSL kernels are faster than every C++ one here, but pingpong 128x208 is wrong."""
+    """The DSL kernels are faster than every C++ one here, but pingpong 128x208 is wrong, and a
+    dynamic scheduler's twin is a little faster than its static kernel."""
 
     def verify(self, config):
         self.backend.verified.append(config)
@@ -165,7 +168,7 @@ class FakeDslSession(FakeSession):
 
     def time_ms(self, config, reps):
         if hasattr(config, "tile_n"):
-            return 0.5 + 0.001 * config.tile_n
+            return 0.5 + 0.001 * config.tile_n - 0.002 * config.dynamic
         return super().time_ms(config, reps)
 
 
@@ -186,13 +189,17 @@ def test_the_dsl_kernels_join_the_pool_and_the_winner_names_its_path(tmp_path, m
     problems = grouped_search.moe_problems(8, 14336, 4096, 8192, backward=True)
     grouped_search.tune(problems, strategy="default", backend=backend, cache=cache,
                         progress=lambda message: None)
-    # Only the C++ kernels go to nvcc; the DSL ones are verified (their compile) and timed.
+    # Only the C++ kernels go to nvcc; the DSL ones are verified (their compile) and timed:
+    # the default 8, then the dynamic twins of the best two that passed.
     assert not any(dsl_grouped.is_dsl(c) for c in backend.built)
-    assert sum(dsl_grouped.is_dsl(c) for c in backend.verified) == 8 * 3
+    assert sum(dsl_grouped.is_dsl(c) for c in backend.verified) == (8 + 2) * 3
+    twins = [c for c in backend.verified if getattr(c, "dynamic", False)]
+    assert not any(c.tile_n == 208 for c in twins)  # no twin of a kernel that failed
     for problem in problems:
         entry = cache.get(problem)
         assert entry["backend"] == "dsl" and entry["winner"].startswith("dsl-sm90-")
         assert "x208" not in entry["winner"]  # wrong with an empty group: never wins
+        assert entry["winner"].endswith("-dynamic")  # the faster twin
         assert entry["other_backend_best"]["backend"] == "cutlass"
         monkeypatch.setattr(grouped_build, "grouped_cache", lambda device=None: cache)
         assert grouped_build.tuned_config(problem).name == entry["winner"]
@@ -326,9 +333,44 @@ def test_no_skew_dispatch_when_one_kernel_is_best_on_both_routings():
     session = family.session(problem)
     configs = candidates(problem)
     session.routing_times = {c: [1.0 + i, 2.0 + i] for i, c in enumerate(configs)}
-    assert family.derived(problem, configs) == []
+    assert list(family.derived(problem, configs)) == []
     session.routing_times = {}  # a session that does not time routings apart
-    assert family.derived(problem, configs) == []
+    assert list(family.derived(problem, configs)) == []
+
+
+@pytest.mark.parametrize("strategy, count", [("quick", 1), ("default", 2), ("exhaustive", 4)])
+def test_dynamic_twins_of_the_best_static_dsl_kernels(strategy, count):
+    from cutlass_ops.gemms import dsl_grouped
+    from cutlass_ops.gemms.dsl import DslConfig
+
+    cpp = candidates(grouped_search.moe_problems(8, 14336, 4096, 8192)[0])[0]
+    already = DslConfig(128, 192, 2, 1, True, dynamic=True)
+    ranked = [cpp, already, *dsl_grouped.CONFIGS[1:6]]
+    twins = dsl_grouped.dynamic_twins(ranked, strategy)
+    # C++ kernels and kernels already dynamic are passed over; the rest keep their rank.
+    assert twins == [dataclasses.replace(c, dynamic=True)
+                     for c in dsl_grouped.CONFIGS[1:1 + count]]
+    assert all(c.name.endswith("-dynamic") and DslConfig.from_name(c.name) == c for c in twins)
+    assert dsl_grouped.dynamic_twins([cpp], strategy) == []
+
+
+def test_round_2_times_the_twins_before_pairing_the_routings_best(monkeypatch):
+    """The skew pair is made after the twins are timed, so a twin can be half of it."""
+    from cutlass_ops.gemms import dsl, dsl_grouped, skew_dispatch
+
+    monkeypatch.setattr(dsl, "unavailable", lambda: None)
+    family = grouped_search.GroupedFamily("quick", FakeSplitBackend(), lambda message: None)
+    problem = grouped_search.moe_problems(256, 2048, 7168, 32768)[0]
+    session = family.session(problem)
+    static = dsl_grouped.CONFIGS[0]
+    session.routing_times = {static: [2.0, 3.0]}
+    rounds = family.derived(problem, [static])
+    twin = next(rounds)
+    assert twin == dataclasses.replace(static, dynamic=True)
+    session.routing_times[twin] = [2.1, 1.5]  # what timing it would record
+    pair = next(rounds)
+    assert skew_dispatch.is_skew_dispatch(pair) and (pair.even, pair.skewed) == (static, twin)
+    assert next(rounds, None) is None
 
 
 def test_skew_dispatch_names_round_trip_and_refuse_nonsense(monkeypatch):
@@ -341,6 +383,11 @@ def test_skew_dispatch_names_round_trip_and_refuse_nonsense(monkeypatch):
     assert mixed.name == f"skew-x4.9-dsl-sm90-pingpong-t64x128x128-c2x1+{SKEWED_BEST}"
     assert grouped_build.config_from_name(mixed.name) == mixed
     assert grouped_search._path(mixed) == "cutlass+dsl"
+    twins = SkewDispatch(dsl.DslConfig(64, 128, 2, 1, True, tile_k=128, dynamic=True),
+                         dsl.DslConfig(128, 256, 1, 1, False), 7.1)
+    assert twins.name == ("skew-x7.1-dsl-sm90-pingpong-t64x128x128-c2x1-dynamic"
+                          "+dsl-sm90-cooperative-t128x256-c1x1")
+    assert grouped_build.config_from_name(twins.name) == twins
     monkeypatch.setattr(dsl, "unavailable", lambda: "no extra")  # half of it uninstalled
     assert grouped_build.config_from_name(mixed.name) is None  # torch._grouped_mm runs
     with pytest.raises(ValueError, match="two different kernels"):

@@ -1,8 +1,9 @@
 """The DSL path's grouped GEMMs on the GPU (skipped without ``cutlass-ops[dsl]``): QuACK's
 variable-length kernels (128- and 256-row tiles, and the 64-row ones offered to short groups) on
 the 2d3d (forward, dX) and 2d2d (dW) forms against the per-group float32 reference, with empty
-groups, one group taking every row, both dtypes, inside a CUDA graph with new routing, and a
-tuned DSL winner dispatched by ``cutlass_ops.grouped_mm``, also compiled with fullgraph."""
+groups, one group taking every row, both dtypes, the dynamic tile scheduler (on two streams, and
+replayed in a CUDA graph with new routing), and a tuned DSL winner dispatched by
+``cutlass_ops.grouped_mm``, also compiled with fullgraph."""
 
 import pytest
 import torch
@@ -19,7 +20,11 @@ CONFIGS = [dsl.DslConfig.from_name(n) for n in (
     "dsl-sm90-pingpong-t128x192-c2x1", "dsl-sm90-cooperative-t128x256-c1x1",
     "dsl-sm90-cooperative-t256x192-c2x1",
     # the short-group tiles (dsl_grouped.SHORT_GROUP_CONFIGS): 64 rows, K tiles of 128 and 64
-    "dsl-sm90-pingpong-t64x128x128-c2x1", "dsl-sm90-pingpong-t64x64-c1x1")]
+    "dsl-sm90-pingpong-t64x128x128-c2x1", "dsl-sm90-pingpong-t64x64-c1x1",
+    # the tuner's dynamic twins (dsl_grouped.dynamic_twins): tiles from an atomic counter
+    "dsl-sm90-pingpong-t128x192-c2x1-dynamic", "dsl-sm90-pingpong-t64x128x128-c2x1-dynamic",
+    "dsl-sm90-cooperative-t128x256-c1x1-dynamic")]
+DYNAMIC = CONFIGS[5]
 SIZES = [[64, 0, 200, 248], [0, 0, 512, 0], [1, 7, 9, 495], [128, 128, 128, 128]]
 
 
@@ -61,19 +66,41 @@ def test_fp16():
     assert relative_error(out, grouped.reference(a, b, offs)) < 2e-2
 
 
-def test_replays_in_a_cuda_graph_with_new_routing():
+@pytest.mark.parametrize("config", [CONFIGS[0], DYNAMIC], ids=lambda c: c.name)
+def test_replays_in_a_cuda_graph_with_new_routing(config):
+    """Replayed again and again: a dynamic scheduler's tile counter must start from zero on
+    every replay (a stale one would leave tiles unwritten: NaN)."""
     a, b = operands("2d3d", [128] * 4, torch.bfloat16)
     offs = offsets([128] * 4)
     out = torch.empty(512, 384, device="cuda", dtype=torch.bfloat16)
-    dsl_grouped.run(CONFIGS[0], "2d3d", a, b, offs, out)
+    dsl_grouped.run(config, "2d3d", a, b, offs, out)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        dsl_grouped.run(CONFIGS[0], "2d3d", a, b, offs, out)
-    offs.copy_(offsets([500, 0, 4, 8]))  # same buffers, new routing: no host sync anywhere
-    out.fill_(float("nan"))
-    graph.replay()
+        dsl_grouped.run(config, "2d3d", a, b, offs, out)
+    # Same buffers, new routing each replay: no host sync anywhere.
+    for sizes in ([500, 0, 4, 8], [128] * 4, [1, 7, 9, 495]):
+        offs.copy_(offsets(sizes))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, grouped.reference(a, b, offs)) < 2e-2, sizes
+
+
+def test_a_dynamic_kernel_on_two_streams_at_once():
+    """Each call takes its own tile counter: two launches in flight do not share one."""
+    a, b = operands("2d3d", [100, 0, 300, 112], torch.bfloat16)
+    offs = offsets([100, 0, 300, 112])
+    expected = grouped.reference(a, b, offs)
+    outs = [torch.full(expected.shape, float("nan"), device="cuda", dtype=a.dtype)
+            for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
     torch.cuda.synchronize()
-    assert relative_error(out, grouped.reference(a, b, offs)) < 2e-2
+    for _ in range(5):
+        for stream, out in zip(streams, outs):
+            with torch.cuda.stream(stream):
+                dsl_grouped.run(DYNAMIC, "2d3d", a, b, offs, out)
+    torch.cuda.synchronize()
+    assert all(relative_error(out, expected) < 2e-2 for out in outs)
 
 
 @pytest.fixture

@@ -89,8 +89,9 @@ def test_the_split_launches_from_a_thread_whose_first_cuda_work_it_is():
 
 
 @pytest.mark.parametrize("config", [CPP, pytest.param(SHORT, marks=needs_dsl),
-                                    pytest.param(WIDE, marks=needs_dsl)],
-                         ids=["cutlass", "dsl-short", "dsl-wide"])
+                                    pytest.param(WIDE, marks=needs_dsl),
+                                    pytest.param(WIDE + "-dynamic", marks=needs_dsl)],
+                         ids=["cutlass", "dsl-short", "dsl-wide", "dsl-wide-dynamic"])
 def test_a_kernel_on_all_empty_groups_writes_nothing(config):
     config = grouped_build.config_from_name(config) if isinstance(config, str) else config
     a, b = operands()
@@ -106,7 +107,10 @@ def pairs():
                          marks=needs_dsl, id="cutlass+dsl"),
             pytest.param(lambda: SkewDispatch(dsl.DslConfig.from_name(SHORT),
                                               dsl.DslConfig.from_name(WIDE), 2.0),
-                         marks=needs_dsl, id="dsl+dsl")]
+                         marks=needs_dsl, id="dsl+dsl"),
+            pytest.param(lambda: SkewDispatch(dsl.DslConfig.from_name(SHORT + "-dynamic"),
+                                              dsl.DslConfig.from_name(WIDE + "-dynamic"), 2.0),
+                         marks=needs_dsl, id="dsl+dsl-dynamic")]
 
 
 @pytest.mark.parametrize("make", pairs())
