@@ -9,10 +9,12 @@ both on one tile) and swap-A/B (the kernel computes D^T = B^T A^T, so a small M 
 tile's N side). Every config is persistent. Its tile scheduler is static (each CTA takes every
 grid-th tile: no semaphore or workspace per call) unless the config is ``dynamic``: then CTAs
 take tiles from an atomic counter, which balances tiles of unequal cost (grouped GEMMs over
-skewed routing) at the price of a 4-byte counter QuACK allocates and zeroes per call; both
-are captured in a CUDA graph with the kernel, the zeroing replayed before it (the grouped
-tuner's dynamic twins, ``tuning.grouped_search``). ``SM90_CONFIGS`` is QuACK's own sm90
-autotuning list (11 tiles, 2 clusters, swapped or not: 44 kernels); ``SMALL_CONFIGS`` adds
+skewed routing) at the price of a 4-byte counter QuACK allocates and zeroes per call. A CUDA
+graph captures both with the kernel and replays the zeroing before it. The grouped tuner tries
+such twins of its best kernels (``dsl_grouped.dynamic_twins``).
+
+``SM90_CONFIGS`` is QuACK's own sm90 autotuning list (11 tiles, 2 clusters, swapped or not: 44
+kernels); ``SMALL_CONFIGS`` adds
 pingpong tiles 64 rows tall and 16 to 128 wide, with K tiles of 64 or 128 and 1x1 clusters too
 (48 kernels), for problems whose M or N is at most 128: the memory-bound shapes where QuACK's
 list loses to cuBLAS and these reach or beat it (docs/measurements.md).
