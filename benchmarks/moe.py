@@ -21,7 +21,12 @@ own ``grouped_mm`` experts in ``detail``. Writes ``benchmarks/results/moe.json``
 
 With ``--tune``, the rows' grouped problems are tuned first (C++ and, with ``cutlass-ops[dsl]``,
 DSL candidates: ``cutlass-tune tune --grouped``); ``detail`` names the path that won and the
-other path's best.
+other path's best. ``--no-dynamic-twins`` tunes without the DSL kernels' dynamic-scheduler twins
+and writes ``moe_dynamic_twins_off.json``: the tune as it was before them, for comparison. Give
+each of the two runs an empty cache, since problems already tuned are kept:
+
+    CUTLASS_OPS_CACHE_DIR=$(mktemp -d) python benchmarks/moe.py --tune default
+    CUTLASS_OPS_CACHE_DIR=$(mktemp -d) python benchmarks/moe.py --tune default --no-dynamic-twins
 """
 
 from __future__ import annotations
@@ -227,6 +232,9 @@ def main() -> None:
     parser.add_argument("--tune", choices=("quick", "default", "exhaustive"),
                         help="first tune the rows' grouped problems with this strategy (those "
                         "already in the tuning cache are kept); the time goes in the JSON")
+    parser.add_argument("--no-dynamic-twins", action="store_true",
+                        help="tune without the DSL kernels' dynamic-scheduler twins and write "
+                        "moe_dynamic_twins_off.json (give it an empty CUTLASS_OPS_CACHE_DIR)")
     args = parser.parse_args()
     require_gpu()
     models = ["Qwen3-30B-A3B"] if args.quick else list(MODELS)
@@ -238,7 +246,8 @@ def main() -> None:
         from tuning import grouped_search
 
         start = time.perf_counter()
-        results = grouped_search.tune(problems(models, tokens), strategy=args.tune)
+        results = grouped_search.tune(problems(models, tokens), strategy=args.tune,
+                                      dynamic_twins=not args.no_dynamic_twins)
         tune = {"tune_strategy": args.tune, "tune_seconds": round(time.perf_counter() - start, 1),
                 "tuned_problems": len(results), "cached": sum(r.cached for r in results),
                 # cutlass, dsl, or cutlass+dsl (a skew dispatch of one kernel of each)
@@ -247,7 +256,8 @@ def main() -> None:
                     if r.entry.get("prefer") == "cutlass"))}
         print(tune, flush=True)
     rows = []
-    name = "moe_quick" if args.quick else "moe"
+    name = ("moe_quick" if args.quick else "moe") + \
+        ("_dynamic_twins_off" if args.no_dynamic_twins else "")
     for model in models:
         for direction in ("up", "down"):
             for count in tokens:

@@ -61,10 +61,13 @@ def parse(spec: str) -> tuple[int, int, int]:
 
 def tune(problems: Iterable[GroupedProblem], *, strategy: str = "default",
          force: bool = False, backend: "Backend | None" = None, cache=None,
-         progress: Callable[[str], None] = print) -> list[protocol.Result]:
+         progress: Callable[[str], None] = print,
+         dynamic_twins: bool = True) -> list[protocol.Result]:
     """Tunes each problem not yet in the cache (all with ``force``), storing each entry as soon
-    as its problem is done."""
-    family = GroupedFamily(strategy, backend or GpuGroupedBackend(), progress)
+    as its problem is done. ``dynamic_twins=False`` leaves the DSL kernels' dynamic-scheduler
+    twins out of round 2 (the tune as it was before them, for a benchmark's comparison)."""
+    family = GroupedFamily(strategy, backend or GpuGroupedBackend(), progress,
+                           dynamic_twins=dynamic_twins)
     return protocol.run(list(problems), family, cache if cache is not None else grouped_cache(),
                         force=force)
 
@@ -72,10 +75,12 @@ def tune(problems: Iterable[GroupedProblem], *, strategy: str = "default",
 class GroupedFamily:
     rounds = protocol.Rounds()
 
-    def __init__(self, strategy: str, backend, progress: Callable[[str], None]):
+    def __init__(self, strategy: str, backend, progress: Callable[[str], None], *,
+                 dynamic_twins: bool = True):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
         self.strategy, self.backend, self.progress = strategy, backend, progress
+        self.dynamic_twins = dynamic_twins
         self.build_seconds = 0.0
         self._sessions: dict = {}
 
@@ -109,7 +114,8 @@ class GroupedFamily:
         kernel so far on the even routing and the best on the skewed one, where they differ
         (2d3d only): timed like any candidate, it wins where choosing per routing pays for its
         two extra launches."""
-        yield from dsl_grouped.dynamic_twins(ranked, self.strategy)
+        if self.dynamic_twins:
+            yield from dsl_grouped.dynamic_twins(ranked, self.strategy)
         session = self._sessions.get(problem)
         times = getattr(session, "routing_times", {})
         timed = [c for c, pair in times.items()

@@ -354,6 +354,20 @@ def test_dynamic_twins_of_the_best_static_dsl_kernels(strategy, count):
     assert dsl_grouped.dynamic_twins([cpp], strategy) == []
 
 
+def test_a_tune_without_dynamic_twins_times_none(tmp_path, monkeypatch):
+    from cutlass_ops.gemms import dsl
+
+    monkeypatch.setattr(dsl, "unavailable", lambda: None)
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    backend = FakeDslBackend()
+    cache = TuningCache(SCOPE, family="grouped")
+    problem = grouped_search.moe_problems(8, 14336, 4096, 8192)[0]
+    grouped_search.tune([problem], backend=backend, cache=cache, dynamic_twins=False,
+                        progress=lambda message: None)
+    assert not any(getattr(c, "dynamic", False) for c in backend.verified)
+    assert not cache.get(problem)["winner"].endswith("-dynamic")
+
+
 def test_round_2_times_the_twins_before_pairing_the_routings_best(monkeypatch):
     """The skew pair is made after the twins are timed, so a twin can be half of it."""
     from cutlass_ops.gemms import dsl, dsl_grouped, skew_dispatch
