@@ -236,6 +236,8 @@ def main() -> None:
                         help="tune without the DSL kernels' dynamic-scheduler twins and write "
                         "moe_dynamic_twins_off.json (give it an empty CUTLASS_OPS_CACHE_DIR)")
     args = parser.parse_args()
+    if args.no_dynamic_twins and not args.tune:
+        parser.error("--no-dynamic-twins changes the tune: give --tune too")
     require_gpu()
     models = ["Qwen3-30B-A3B"] if args.quick else list(MODELS)
     tokens = TOKENS[:1] if args.quick else TOKENS

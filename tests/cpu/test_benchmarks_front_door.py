@@ -46,6 +46,13 @@ def test_without_a_gpu_a_benchmark_stops_at_once_with_one_line(script, args):
     assert result.stdout == ""
 
 
+def test_moe_refuses_no_dynamic_twins_without_a_tune():
+    """The flag changes the tune; without one it would label a cached tune's rows wrongly."""
+    result = run_benchmark("moe.py", "--no-dynamic-twins")
+    assert result.returncode == 2 and "give --tune too" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("args, count", [([], 16), (["--quick"], 3)])
 def test_print_shapes_needs_no_gpu(args, count):
     result = run_benchmark("gemm.py", "--print-shapes", *args)

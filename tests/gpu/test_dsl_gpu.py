@@ -2,6 +2,7 @@
 schedules, swapped or not, against a float32 product on random data, for the layouts and dtypes
 the path takes, batched, at edge sizes, inside a CUDA graph; misaligned input refused by name."""
 
+import dataclasses
 import math
 
 import pytest
@@ -64,8 +65,11 @@ def test_other_majors_batched_float32_out_and_bias(config):
         relative_tolerance(torch.bfloat16, GEMM)
 
 
-@pytest.mark.parametrize("config", [CONFIGS[0], dsl.SMALL_SEEDS[0]], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", [CONFIGS[0], dsl.SMALL_SEEDS[0],
+                                    dataclasses.replace(CONFIGS[0], dynamic=True)],
+                         ids=lambda c: c.name)
 def test_a_launch_replays_in_a_cuda_graph_on_new_data(config):
+    """Replayed twice: a dynamic scheduler's tile counter must be zeroed by every replay."""
     x, w = random(512, 1024, scale=1 / 32), random(2048, 1024)
     out = torch.empty(512, 2048, device="cuda", dtype=torch.bfloat16)
     launch = dsl.plan(config, x, w.t(), out)
@@ -73,11 +77,12 @@ def test_a_launch_replays_in_a_cuda_graph_on_new_data(config):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launch()
-    x.copy_(random(512, 1024, scale=1 / 32))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(out, x, w.t(), torch.bfloat16)
+    for _ in range(2):
+        x.copy_(random(512, 1024, scale=1 / 32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, x, w.t(), torch.bfloat16)
 
 
 @pytest.mark.parametrize("change, words", [
