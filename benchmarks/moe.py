@@ -9,7 +9,10 @@ exponent 1, experts in a fixed random order): 24 rows, ``case`` ``grouped <model
 <N>x<K> <tokens> tokens <routing>``, bf16, y = x W^T per expert (W as Hugging Face stores it).
 Times are CUDA-graph replays after an L2 flush, ours and torch's interleaved; ``detail`` has a
 per-expert loop of torch.matmul and one dense torch.matmul of the same FLOPs. Each row is
-checked against the float32 per-expert reference.
+checked against the float32 per-expert reference. Each grouped row also gets a ceiling
+(``benchmarks/roofline.py``): its least bytes over the run's highest measured bandwidth, or its
+FLOPs over the run's highest measured compute rate, whichever is longer; ``ceiling_geomean`` is
+what a kernel at the ceiling on every row would score against ``torch._grouped_mm``.
 
 Block rows: Hugging Face's Mixtral and Qwen3-MoE sparse blocks (their real sizes, 4096 tokens,
 random bf16 weights), forward + backward, converted (``cutlass_ops.convert``'s experts: grouped
@@ -42,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from benchmarks import roofline  # noqa: E402
+from benchmarks.common import (copy_bandwidth_gbs, print_table, require_gpu,  # noqa: E402
+                               write_result)
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 
 MODELS = {  # experts, hidden, intermediate, top-k
@@ -119,6 +124,7 @@ def grouped_row(model, direction, tokens, routing, reps) -> dict:
         "ratio": round(torch_ms / ours_ms, 4), "correct": max(errors, default=0.0) < 2e-2,
         "detail": {"ours_ms": ours_ms, "reference_ms": torch_ms,
                    "per_expert_loop_ms": loop_ms, "dense_same_flops_ms": dense_ms,
+                   "flops": flops, "min_bytes": roofline.grouped_gemm_bytes(counts, n, k),
                    "max_relative_error": max(errors, default=0.0),
                    "largest_expert_rows": max(counts), "empty_experts": counts.count(0),
                    "path": (entry.get("backend") or "cutlass") if entry.get("prefer") ==
@@ -257,6 +263,9 @@ def main() -> None:
                     r.entry.get("backend") for r in results
                     if r.entry.get("prefer") == "cutlass"))}
         print(tune, flush=True)
+    probes = {"copy_bandwidth_gbs": round(copy_bandwidth_gbs(), 1),
+              "read_bandwidth_gbs": round(roofline.read_bandwidth_gbs(), 1)}
+    print(probes, flush=True)
     rows = []
     name = ("moe_quick" if args.quick else "moe") + \
         ("_dynamic_twins_off" if args.no_dynamic_twins else "")
@@ -266,17 +275,24 @@ def main() -> None:
                 for routing in ROUTINGS:
                     rows.append(grouped_row(model, direction, count, routing, args.reps))
                     print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
-        write_result(name, rows, **tune)
+        write_result(name, rows, **probes, **tune)
+    grouped_rows = [r for r in rows if "grouped" in r["case"]]
+    rates = roofline.run_rates(grouped_rows, list(probes.values()))
+    ceiling = roofline.annotate(grouped_rows, rates)
     for model in models[:2]:
         rows.append(block_row(model, 4096, max(5, args.reps // 3)))
         print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
-        write_result(name, rows, **tune)
-    grouped = [r["ratio"] for r in rows if "grouped" in r["case"]]
-    geomean = math.exp(sum(map(math.log, grouped)) / len(grouped))
-    print_table(["case", "ours", "reference", "ratio", "correct"],
-                [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])
-    print(f"grouped geomean {geomean:.4f}, min {min(grouped):.4f}")
-    write_result(name, rows, grouped_geomean=round(geomean, 4), grouped_min=min(grouped), **tune)
+        write_result(name, rows, **probes, **ceiling, **tune)
+    grouped = [r["ratio"] for r in grouped_rows]
+    geomean = roofline.geomean(grouped)
+    print_table(["case", "ours", "reference", "ratio", "of ceiling", "correct"],
+                [[r["case"], r["ours"], r["reference"], r["ratio"],
+                  r["detail"].get("ours_of_ceiling", ""), r["correct"]] for r in rows])
+    print(f"grouped geomean {geomean:.4f}, min {min(grouped):.4f}; a kernel at the ceiling on "
+          f"every row: {ceiling['ceiling_geomean']:.4f}; ours at "
+          f"{ceiling['ours_of_ceiling_geomean']:.4f} of the ceiling ({rates})")
+    write_result(name, rows, grouped_geomean=round(geomean, 4), grouped_min=min(grouped),
+                 **probes, **ceiling, **tune)
 
 
 if __name__ == "__main__":
