@@ -89,6 +89,18 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / timing.median_ms / 1e6
 
 
+def read_bandwidth_gbs() -> float:
+    """A large read-only pass (a float32 sum of 2 GiB of bf16), median of 20: a GEMM that streams
+    weights mostly reads, which a copy's mix of reads and writes can understate."""
+    import torch
+
+    from tuning.timing import do_bench
+
+    buf = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
+    timing = do_bench(lambda: buf.sum(dtype=torch.float32), reps=20, flush_l2=False)
+    return buf.numel() * buf.element_size() / timing.median_ms / 1e6
+
+
 def write_result(name: str, rows: list[dict], **extra) -> Path:
     import torch
 

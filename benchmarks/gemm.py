@@ -21,7 +21,7 @@ work included. Writes benchmarks/results/gemm_tuned.json.
 from __future__ import annotations
 
 import argparse
-import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -189,7 +189,7 @@ def main() -> None:
                       r["detail"].get("dispatch", {}).get("source"), r["detail"].get("config")]
                      for r in rows])
         ratios = [r["ratio"] for r in rows if r["ratio"] > 0]
-        geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 0.0
+        geomean = statistics.geometric_mean(ratios) if ratios else 0.0
         print(f"geometric mean ratio {geomean:.4f}, min {min(ratios, default=0):.4f}")
         path = write_result("gemm_tuned_quick" if args.quick else "gemm_tuned", rows,
                             copy_bandwidth_gbs=round(copy_bandwidth_gbs(), 1),

@@ -38,6 +38,7 @@ import argparse
 import collections
 import copy
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -46,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
-from benchmarks.common import (copy_bandwidth_gbs, print_table, require_gpu,  # noqa: E402
-                               write_result)
+from benchmarks.common import (copy_bandwidth_gbs, print_table, read_bandwidth_gbs,  # noqa: E402
+                               require_gpu, write_result)
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 
 MODELS = {  # experts, hidden, intermediate, top-k
@@ -264,7 +265,7 @@ def main() -> None:
                     if r.entry.get("prefer") == "cutlass"))}
         print(tune, flush=True)
     probes = {"copy_bandwidth_gbs": round(copy_bandwidth_gbs(), 1),
-              "read_bandwidth_gbs": round(roofline.read_bandwidth_gbs(), 1)}
+              "read_bandwidth_gbs": round(read_bandwidth_gbs(), 1)}
     print(probes, flush=True)
     rows = []
     name = ("moe_quick" if args.quick else "moe") + \
@@ -284,7 +285,7 @@ def main() -> None:
         print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
         write_result(name, rows, **probes, **ceiling, **tune)
     grouped = [r["ratio"] for r in grouped_rows]
-    geomean = roofline.geomean(grouped)
+    geomean = statistics.geometric_mean(grouped)
     print_table(["case", "ours", "reference", "ratio", "of ceiling", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"],
                   r["detail"].get("ours_of_ceiling", ""), r["correct"]] for r in rows])

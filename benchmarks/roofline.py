@@ -10,7 +10,7 @@ most any kernel could show there, measured rather than taken from a data sheet.
 from __future__ import annotations
 
 import dataclasses
-import math
+import statistics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,18 +28,6 @@ def grouped_gemm_bytes(counts: list[int], n: int, k: int, itemsize: int = 2) -> 
     rows = sum(counts)
     busy = sum(1 for c in counts if c)
     return itemsize * (busy * n * k + rows * k + rows * n)
-
-
-def read_bandwidth_gbs() -> float:
-    """A large read-only pass (a float32 sum of 2 GiB of bf16), median of 20: a GEMM that streams
-    weights mostly reads, which a copy's mix of reads and writes can understate."""
-    import torch
-
-    from tuning.timing import do_bench
-
-    buf = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
-    timing = do_bench(lambda: buf.sum(dtype=torch.float32), reps=20, flush_l2=False)
-    return buf.numel() * buf.element_size() / timing.median_ms / 1e6
 
 
 def run_rates(rows: list[dict], probe_gbs: list[float]) -> Rates:
@@ -76,9 +64,5 @@ def annotate(rows: list[dict], rates: Rates) -> dict:
         best.append(detail["reference_ms"] / ceiling)
         ours.append(ceiling / detail["ours_ms"])
     return {"ceiling_rates": dataclasses.asdict(rates),
-            "ceiling_geomean": round(geomean(best), 4),
-            "ours_of_ceiling_geomean": round(geomean(ours), 4)}
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(map(math.log, values)) / len(values))
+            "ceiling_geomean": round(statistics.geometric_mean(best), 4),
+            "ours_of_ceiling_geomean": round(statistics.geometric_mean(ours), 4)}

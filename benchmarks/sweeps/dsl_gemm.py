@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -137,7 +138,7 @@ def main() -> None:
               r["detail"]["config"]) for r in rows if r["detail"]["config"]][:3]
     warm = warm_process(picks)
     ratios = [r["ratio"] for r in rows if r["ratio"] > 0]
-    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 0.0
+    geomean = statistics.geometric_mean(ratios) if ratios else 0.0
     print_table(["case", "ours", "reference", "ratio", "config"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["detail"]["config"]]
                  for r in rows])

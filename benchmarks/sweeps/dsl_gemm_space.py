@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -286,7 +287,7 @@ def main() -> None:
               f"{d.get('list_best_ratio')} ({d.get('list_best')}); {len(d['failures'])} "
               f"failures; {time.perf_counter() - start:.0f} s", flush=True)
     ratios = [r["ratio"] for r in rows if r["ratio"] > 0]
-    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 0.0
+    geomean = statistics.geometric_mean(ratios) if ratios else 0.0
     print_table(["case", "ours", "reference", "ratio", "config", "list best"],
                 [[r["case"][31:], r["ours"], r["reference"], r["ratio"], r["detail"].get("config"),
                   r["detail"].get("list_best_ratio")] for r in rows])

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -195,11 +196,9 @@ def main() -> None:
     pairs = [(r["ratio"], r["detail"][baseline]) for r in rows
              if r["ratio"] and r["detail"][baseline]]
     if pairs:
-        def geomean(values):
-            return math.exp(sum(map(math.log, values)) / len(values))
-
-        print(f"geomean, baseline {geomean([b for _, b in pairs]):.4f}; best of both "
-              f"{geomean([max(a, b) for a, b in pairs]):.4f}")
+        baseline_geomean = statistics.geometric_mean([b for _, b in pairs])
+        best_geomean = statistics.geometric_mean([max(a, b) for a, b in pairs])
+        print(f"geomean, baseline {baseline_geomean:.4f}; best of both {best_geomean:.4f}")
 
 
 if __name__ == "__main__":
