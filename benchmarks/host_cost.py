@@ -85,7 +85,7 @@ def dsl_matmul_rows(batches: int, calls: int) -> list[dict]:
     would leave it."""
     from cutlass_ops.gemms import dispatch, dsl, inputs
     from custom_kernels.core.device import current_scope
-    from custom_kernels.core.tuned_store import TuningCache
+    from cutlass_ops.gemms.gemm_entries import gemm_cache
 
     if dsl.unavailable():
         return []
@@ -94,7 +94,7 @@ def dsl_matmul_rows(batches: int, calls: int) -> list[dict]:
     problem = inputs.check_product(x, wt).problem
     winner = dsl.DslConfig.from_name("dsl-sm90-pingpong-t128x128-c2x1-swap")
     with private_cache_with_online_compile(), torch.no_grad():
-        TuningCache(current_scope()).put(problem, {
+        gemm_cache(current_scope()).put(problem, {
             "winner": winner.to_dict(), "winner_name": winner.name, "backend": "dsl",
             "winner_ms": 0.01, "torch_ms": 0.01, "prefer": "cutlass",
             "problem": problem.to_dict()})

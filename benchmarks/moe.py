@@ -128,20 +128,21 @@ def grouped_row(model, direction, tokens, routing, reps) -> dict:
                    "flops": flops, "min_bytes": roofline.grouped_gemm_bytes(counts, n, k),
                    "max_relative_error": max(errors, default=0.0),
                    "largest_expert_rows": max(counts), "empty_experts": counts.count(0),
-                   "path": (entry.get("backend") or "cutlass") if entry.get("prefer") ==
-                   "cutlass" else "torch._grouped_mm (nothing tuned beat it)",
-                   "winner": entry.get("winner"),
-                   "other_path_best": entry.get("other_backend_best")},
+                   "path": (entry.field("backend") or "cutlass") if entry and
+                   entry.uses_kernel else "torch._grouped_mm (nothing tuned beat it)",
+                   "winner": entry.winner_name if entry else None,
+                   "other_path_best": entry.field("other_backend_best") if entry else None},
     }
 
 
-def tuned_entry(x, wt, offs) -> dict:
-    """The tuning entry ``cutlass_ops.grouped_mm`` dispatches on for this call ({} if none)."""
-    from cutlass_ops.gemms import grouped_build
+def tuned_entry(x, wt, offs):
+    """The tuning entry ``cutlass_ops.grouped_mm`` dispatches on for this call (a
+    ``grouped_entries.GroupedEntry``), or None."""
+    from cutlass_ops.gemms import grouped_build, grouped_entries
     from cutlass_ops.gemms.grouped_runtime import layout
 
     problem = grouped_build.GroupedProblem.of("2d3d", x, wt, offs, "bf16", layout(x), layout(wt))
-    return grouped_build.grouped_cache().get(problem) or {}
+    return grouped_entries.grouped_cache().get(problem)
 
 
 def problems(models, tokens) -> list:

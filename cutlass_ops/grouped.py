@@ -156,19 +156,25 @@ _tuned_by_signature: dict = {}
 
 def _tuned(form: str, a: Tensor, b: Tensor, offs: Optional[Tensor]):
     """The tuned CUTLASS kernel for this call (``tuning.grouped_search`` stored it, verified,
-    and it beat torch._grouped_mm), or None; remembered per shapes, strides and dtype."""
+    and it beat torch._grouped_mm), or None; remembered per shapes, strides and dtype. None
+    too, logged once, where the launcher's integers cannot hold the group count, an extent or
+    a stride (``grouped_runtime.integer_refusal``): torch._grouped_mm runs the call."""
     key = (form, a.device, a.dtype, a.shape, a.stride(), b.shape, b.stride(),
            None if offs is None else offs.shape)
     if key not in _tuned_by_signature:
-        from cutlass_ops.gemms import grouped_build
-        from cutlass_ops.gemms.grouped_runtime import group_starts_aligned, layout
+        from cutlass_ops.gemms import grouped_build, grouped_entries
+        from cutlass_ops.gemms.grouped_runtime import (group_starts_aligned, integer_refusal,
+                                                        layout)
 
         config = None
-        if a.dtype in (torch.bfloat16, torch.float16) and group_starts_aligned(form, a, b):
+        too_large = integer_refusal(form, a, b, offs)
+        if too_large is not None:
+            fallback.log_once("cutlass_ops.grouped_mm uses torch._grouped_mm", too_large)
+        elif a.dtype in (torch.bfloat16, torch.float16) and group_starts_aligned(form, a, b):
             element = "bf16" if a.dtype == torch.bfloat16 else "f16"
             problem = grouped_build.GroupedProblem.of(form, a, b, offs, element, layout(a),
                                                       layout(b))
-            config = grouped_build.tuned_config(problem, a.device.index)
+            config = grouped_entries.tuned_config(problem, a.device.index)
         _tuned_by_signature[key] = config
     return _tuned_by_signature[key]
 

@@ -15,7 +15,6 @@ for bad input, 1 otherwise); ``cutlass-tune --debug ...`` shows its traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -23,33 +22,12 @@ from typing import Any
 
 from cutlass_ops.gemms.config import GemmOperands, GemmProblem
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from tuning import cache_commands, tuned_families
+from tuning.cli_output import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from tuning.cli_output import emit as _emit, fmt_ms as _fmt
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-
-def _emit(args, data: Any, table: tuple[list[str], list[list]] | None = None,
-          text: str | None = None) -> None:
-    if getattr(args, "json", False):
-        print(json.dumps(data, indent=1, default=str))
-        return
-    if table is not None:
-        _print_table(*table)
-    if text:
-        print(text)
-
-
-def _print_table(headers: list[str], rows: list[list]) -> None:
-    if not rows:
-        print("(nothing)")
-        return
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    print("  ".join("-" * w for w in widths))
-    for row in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-
 
 _LAYOUT_LETTERS = {"t": "row", "n": "col"}  # BLAS-style: t row-major, n column-major
 
@@ -107,33 +85,10 @@ def _shape_label(problem: dict | GemmProblem) -> str:
     return format_shape(p.m, p.n, p.k, p.batch)
 
 
-def _entry_row(scope, name: str, entry: dict) -> dict:
-    problem = GemmProblem.from_dict(entry["problem"])
-    winner, torch_ms = entry.get("winner_ms"), entry.get("torch_ms")
-    return {
-        "gpu": scope.gpu, "shape": _shape_label(problem), "operands": problem.operands.name,
-        "winner": entry.get("winner_name"), "winner_ms": winner, "torch_ms": torch_ms,
-        # Which CUTLASS path won: C++ ("cutlass") or the CuTe DSL ("dsl"); entries from before
-        # the DSL path hold C++ winners.
-        "backend": entry.get("backend") or ("cutlass" if entry.get("winner") else None),
-        "other_backend_best": entry.get("other_backend_best"),
-        "winner_tflops": entry.get("winner_tflops"), "torch_tflops": entry.get("torch_tflops"),
-        "speedup": round(torch_ms / winner, 3) if winner and torch_ms else None,
-        "prefer": entry.get("prefer"), "complete": entry.get("complete", True),
-        "strategy": entry.get("strategy"), "key": name,
-    }
-
-
-def _cache_rows(args) -> list[tuple[Any, str, dict]]:
-    from custom_kernels.core.tuned_store import all_caches
-
-    rows = []
-    for cache in all_caches():
-        if args.gpu and args.gpu.lower() not in cache.scope.gpu.lower():
-            continue
-        for name, entry in sorted(cache.entries().items()):
-            rows.append((cache, name, entry))
-    return rows
+def _gemm_entries(args) -> list[tuple]:
+    """(cache, record) of every valid GEMM entry, for the GPUs ``--gpu`` names."""
+    return [(cache, entry) for cache in tuned_families.caches("gemm", getattr(args, "gpu", None))
+            for _, entry in sorted(cache.entries().items())]
 
 
 # Builds show a count and the time, no rate or ETA: kernels found in the cache finish in
@@ -283,12 +238,12 @@ def _gather_ranks(backend) -> None:
     """Under torchrun: rank 0's cache gets every rank's entries (torch.distributed, gloo)."""
     import torch.distributed as dist
 
-    from custom_kernels.core.tuned_store import TuningCache
+    from cutlass_ops.gemms.gemm_entries import gemm_cache
     from tuning import multi_gpu
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    changed = multi_gpu.gather_entries(TuningCache(backend.scope()))
+    changed = multi_gpu.gather_entries(gemm_cache(backend.scope()))
     if dist.get_rank() == 0:
         print(f"rank 0 merged {changed} entries of the other ranks", file=sys.stderr)
     dist.barrier()
@@ -326,26 +281,19 @@ def _tune_grouped(args, problems: list | None = None) -> int:
     return EXIT_OK
 
 
-def _fmt(ms: float | None) -> str:
-    return "-" if ms is None else f"{ms:.4f}"
-
-
 def cmd_bench(args) -> int:
     """Times tuned winners against torch.matmul now (fresh inputs)."""
-    from cutlass_ops.gemms.choice import candidate_from_dict
+    from cutlass_ops.gemms.gemm_entries import gemm_cache
 
     backend = make_backend(args)
     scope = backend.scope()
-    from custom_kernels.core.tuned_store import TuningCache
-
-    entries = TuningCache(scope).entries()
+    entries = gemm_cache(scope).entries()
     wanted = {p.name for p in _problems(args)} if (args.shapes or args.file) else None
     rows = []
     for name, entry in sorted(entries.items()):
-        if wanted is not None and name not in wanted or not entry.get("winner"):
+        if wanted is not None and name not in wanted or entry.winner is None:
             continue
-        problem = GemmProblem.from_dict(entry["problem"])
-        choice = candidate_from_dict(entry["winner"])
+        problem, choice = entry.problem, entry.winner
         session = backend.session(problem)
         try:
             error = session.verify(choice)
@@ -357,7 +305,7 @@ def cmd_bench(args) -> int:
         finally:
             session.close()
         rows.append({"shape": _shape_label(problem), "operands": problem.operands.name,
-                     "winner": entry["winner_name"], "backend": choice.backend,
+                     "winner": entry.winner_name, "backend": choice.backend,
                      "ours_ms": ours, "torch_ms": ref,
                      "ours_tflops": round(problem.flops / ours / 1e9, 1) if ours else None,
                      "torch_tflops": round(problem.flops / ref / 1e9, 1),
@@ -367,123 +315,6 @@ def cmd_bench(args) -> int:
            [[r["shape"], r["ours_tflops"] or r["error"], r["torch_tflops"], r["ratio"] or "-",
              r["winner"]] for r in rows]))
     return EXIT_OK if all(r["error"] is None for r in rows) else EXIT_FAILED
-
-
-def cmd_list(args) -> int:
-    rows = [_entry_row(cache.scope, name, entry) for cache, name, entry in _cache_rows(args)]
-    _emit(args, rows, (["gpu", "shape", "operands", "speedup", "uses", "winner", "path"],
-                       [[r["gpu"], r["shape"], r["operands"], r["speedup"] or "-", r["prefer"],
-                         r["winner"] or "-", r["backend"] or "-"] for r in rows]))
-    return EXIT_OK
-
-
-def cmd_show(args) -> int:
-    from tuning.shapes import parse_shape
-
-    m, n, k, batch = parse_shape(args.shape)
-    matches = []
-    for cache, name, entry in _cache_rows(args):
-        p = GemmProblem.from_dict(entry["problem"])
-        if (p.m, p.n, p.k, p.batch) == (m, n, k, batch) and (
-                not args.dtype or p.operands.element_a.value == args.dtype):
-            matches.append({"gpu": cache.scope.gpu, "scope": cache.scope.to_dict(), "key": name,
-                            **entry})
-    if not matches:
-        print(f"no tuned entry for {args.shape}", file=sys.stderr)
-        return EXIT_FAILED
-    if args.json:
-        _emit(args, matches)
-        return EXIT_OK
-    for e in matches:
-        backend = e.get("backend") or ("cutlass" if e.get("winner") else "-")
-        print(f"{e['key']} on {e['gpu']}: winner {e.get('winner_name')} ({backend} path) "
-              f"{_fmt(e.get('winner_ms'))} ms, torch.matmul {_fmt(e.get('torch_ms'))} ms, "
-              f"uses {e.get('prefer')} ({e.get('strategy')}, {e.get('tuned_at')})")
-        other = e.get("other_backend_best")
-        if other:
-            print(f"  best of the {other['backend']} path: {other['choice']} "
-                  f"{_fmt(other['ms'])} ms")
-        _print_table(["runner-up", "path", "ms"],
-                     [[r["choice"], r.get("backend", "cutlass"), _fmt(r["ms"])]
-                      for r in e.get("runners_up", [])])
-        if e.get("failures"):
-            _print_table(["failed", "stage", "error"],
-                         [[f["choice"], f["stage"], f["error"][:80]] for f in e["failures"]])
-    return EXIT_OK
-
-
-def cmd_export(args) -> int:
-    from custom_kernels.core.cache_dir import atomic_write_json
-    from custom_kernels.core.tuned_store import FAMILIES, all_caches, bundle
-
-    docs = [c.export() for family in FAMILIES for c in all_caches(family=family)
-            if not args.gpu or args.gpu.lower() in c.scope.gpu.lower()]
-    atomic_write_json(Path(args.file), bundle(docs))
-    print(f"exported {sum(len(d['entries']) for d in docs)} entries ({_by_family(docs)}) of "
-          f"{len({json.dumps(d['scope'], sort_keys=True) for d in docs})} GPU/software scopes "
-          f"to {args.file}")
-    return EXIT_OK
-
-
-def _by_family(docs: list[dict]) -> str:
-    from custom_kernels.core.tuned_store import family_of
-
-    counts: dict[str, int] = {}
-    for doc in docs:
-        counts[family_of(doc)] = counts.get(family_of(doc), 0) + len(doc["entries"])
-    return ", ".join(f"{family} {n}" for family, n in sorted(counts.items())) or "none"
-
-
-def _read_documents(path: str) -> list[dict]:
-    from custom_kernels.core.tuned_store import documents_in
-
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise ValueError(f"{path} is not JSON: {exc}") from exc
-    try:
-        return documents_in(data)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: {exc}") from exc
-
-
-def cmd_import(args) -> int:
-    from cutlass_ops.gemms import dispatch
-    from custom_kernels.core.tuned_store import import_document
-
-    changed = 0
-    for path in args.files:
-        for doc in _read_documents(path):
-            changed += import_document(doc)
-    dispatch.reset()
-    _emit(args, {"changed": changed}, text=f"imported: {changed} entries added or improved")
-    return EXIT_OK
-
-
-def cmd_merge(args) -> int:
-    from custom_kernels.core.cache_dir import atomic_write_json
-    from custom_kernels.core.tuned_store import bundle, merge_documents
-
-    docs = [doc for path in args.files for doc in _read_documents(path)]
-    merged = merge_documents(docs)
-    atomic_write_json(Path(args.output), bundle(merged))
-    _emit(args, {"scopes": len(merged), "entries": sum(len(d["entries"]) for d in merged)},
-          text=f"merged {len(args.files)} files into {args.output}: {len(merged)} scopes, "
-               f"{sum(len(d['entries']) for d in merged)} entries")
-    return EXIT_OK
-
-
-def cmd_clear(args) -> int:
-    from custom_kernels.core.tuned_store import all_caches
-
-    if not _clear(all_caches(), args, "tuning cache"):
-        return EXIT_FAILED
-    from cutlass_ops.gemms import dispatch
-
-    dispatch.reset()
-    return EXIT_OK
 
 
 # ---- norms: the fused RMSNorm / LayerNorm kernels' launch configs ------------------------------
@@ -524,58 +355,6 @@ def cmd_norms_tune(args) -> int:
     if args.json:
         _emit(args, [{"problem": p.name, **entry} for p, entry in results])
     return EXIT_OK
-
-
-def _norm_rows(args) -> list[dict]:
-    from tuning import norm_search
-    from custom_kernels.core.tuned_store import all_caches
-
-    rows = []
-    for cache in all_caches(family=norm_search.NORMS):
-        if args.gpu and args.gpu.lower() not in cache.scope.gpu.lower():
-            continue
-        for name, entry in sorted(cache.entries().items()):
-            heuristic_ms, winner_ms = entry.get("heuristic_ms"), entry.get("winner_ms")
-            rows.append({
-                "gpu": cache.scope.gpu, "problem": name, "winner": entry.get("winner"),
-                "winner_ms": winner_ms, "gbps": entry.get("gbps"),
-                "vs_heuristic": round(heuristic_ms / winner_ms, 3)
-                if heuristic_ms and winner_ms else None,
-                "vs_torch": round(entry["torch_ms"] / winner_ms, 3)
-                if entry.get("torch_ms") and winner_ms else None,
-                "failures": len(entry.get("failures", {}))})
-    return rows
-
-
-def cmd_norms_list(args) -> int:
-    rows = _norm_rows(args)
-    _emit(args, rows, (["gpu", "problem", "winner", "ms", "GB/s", "x heuristic", "x torch",
-                        "failed"],
-                       [[r["gpu"], r["problem"], r["winner"], _fmt(r["winner_ms"]), r["gbps"],
-                         r["vs_heuristic"] or "-", r["vs_torch"] or "-", r["failures"]]
-                        for r in rows]))
-    return EXIT_OK
-
-
-def cmd_norms_clear(args) -> int:
-    from tuning import norm_search
-    from custom_kernels.core.tuned_store import all_caches
-
-    return EXIT_OK if _clear(all_caches(family=norm_search.NORMS), args,
-                             "norm tuning") else EXIT_FAILED
-
-
-def _clear(caches, args, what: str) -> bool:
-    """Deletes the cache files of the GPUs ``--gpu`` names (all without it) when ``--yes`` is
-    given; otherwise says what would go. Returns whether it deleted."""
-    caches = [c for c in caches if not args.gpu or args.gpu.lower() in c.scope.gpu.lower()]
-    if not args.yes:
-        print(f"would delete {len(caches)} {what} files; run again with --yes", file=sys.stderr)
-        return False
-    for cache in caches:
-        cache.clear()
-    print(f"deleted {len(caches)} {what} files")
-    return True
 
 
 def cmd_doctor(args) -> int:
@@ -633,13 +412,10 @@ def _kernels_to_compile(args, spec) -> dict[tuple, list[str]]:
 
     kernels: dict[tuple, list[str]] = {}
     if args.tuned:  # the winners in the cache (imported from another machine, say)
-        from cutlass_ops.gemms.choice import Choice
-
-        for cache, name, entry in _cache_rows(args):
-            if entry.get("winner") and spec.name.lower() in cache.scope.gpu.lower() and \
-                    entry["winner"].get("backend") != "dsl":  # DSL kernels build in process
-                problem = GemmProblem.from_dict(entry["problem"])
-                choice = Choice.from_dict(entry["winner"])
+        for cache, entry in _gemm_entries(args):
+            if entry.winner is not None and spec.name.lower() in cache.scope.gpu.lower() and \
+                    entry.backend != "dsl":  # DSL kernels build in process
+                problem, choice = entry.problem, entry.winner
                 key = (choice.operands_for(problem.operands), choice.config)
                 kernels.setdefault(key, []).append(_shape_label(problem))
     problems = _problems(args)
@@ -705,7 +481,7 @@ def cmd_report(args) -> int:
     from tuning.report import plot_report
 
     by_gpu: dict[str, list] = {}
-    for cache, name, entry in _cache_rows(args):
+    for cache, entry in _gemm_entries(args):
         by_gpu.setdefault(cache.scope.gpu, []).append(entry)
     if not by_gpu:
         print("nothing tuned yet", file=sys.stderr)
@@ -715,13 +491,13 @@ def cmd_report(args) -> int:
         spec = device.spec_for(gpu, 90, 132)
         rows = []
         for e in entries:
-            p = GemmProblem.from_dict(e["problem"])
+            p = e.problem
             ops = p.operands
             rows.append({"label": f"{_shape_label(p)} {ops.element_a.value}", "flops": p.flops,
                          "bytes": (p.m * p.k * ops.element_a.bytes + p.k * p.n * ops.element_b.bytes
                                    + p.m * p.n * ops.element_d.bytes) * p.batch,
-                         "tuned_tflops": e.get("winner_tflops"),
-                         "torch_tflops": e.get("torch_tflops")})
+                         "tuned_tflops": e.field("winner_tflops"),
+                         "torch_tflops": e.field("torch_tflops")})
         rows.sort(key=lambda r: r["flops"])
         slug = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
         path = Path(args.out) if args.out and len(by_gpu) == 1 else (
@@ -821,22 +597,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed repetitions per kernel; default: %(default)s")
     p.add_argument("--jobs", type=int, help="parallel nvcc processes (default: CPU count)")
 
-    command("list", cmd_list, "the tuning cache as a table", gpu_filter=True)
-    p = command("show", cmd_show, "one shape's entry: winner, runners-up, failures",
-                gpu_filter=True)
-    p.add_argument("shape", metavar="MxNxK[xL]", help="the GEMM shape (L: batch)")
+    p = command("list", cache_commands.cmd_list, "the tuned entries as a table (every family, "
+                "or --family's)", gpu_filter=True)
+    cache_commands.add_family_argument(p)
+    p = command("show", cache_commands.cmd_show, "one problem's entries: winner, runners-up, "
+                "failures", gpu_filter=True)
+    p.add_argument("shape", metavar="MxNxK[xL]|KEY",
+                   help="a GEMM shape (L: batch), or any family's key as `list --json` prints it")
+    cache_commands.add_family_argument(p)
     p.add_argument("--dtype", choices=_DTYPES, help="only entries of this A element type")
 
-    p = command("export", cmd_export, "write the cache (every GPU) to a file", json_flag=False,
-                gpu_filter=True)
+    p = command("export", cache_commands.cmd_export, "write the cache (every GPU) to a file",
+                json_flag=False, gpu_filter=True)
     p.add_argument("file", help="the JSON file to write")
-    p = command("import", cmd_import, "merge exported files into the cache")
+    cache_commands.add_family_argument(p)
+    p = command("import", cache_commands.cmd_import, "merge exported files into the cache (each "
+                "entry checked; files over 32 MiB refused)")
     p.add_argument("files", nargs="+", help="files written by export or merge")
-    p = command("merge", cmd_merge, "merge exported files into one file (the cache untouched)")
+    p = command("merge", cache_commands.cmd_merge, "merge exported files into one file (the "
+                "cache untouched)")
     p.add_argument("files", nargs="+", help="files written by export or merge")
     p.add_argument("-o", "--output", required=True, help="the merged JSON file to write")
-    p = command("clear", cmd_clear, "delete the tuning cache", json_flag=False, gpu_filter=True)
+    p = command("clear", cache_commands.cmd_clear, "delete tuned entries (every family, or "
+                "--family's)", json_flag=False, gpu_filter=True)
     p.add_argument("--yes", action="store_true", help="really delete")
+    cache_commands.add_family_argument(p)
     command("doctor", cmd_doctor, "what is installed, found and missing")
 
     p = command("compile", cmd_compile, "build (or list with --dry-run) the kernels a tune "
@@ -887,11 +672,11 @@ def _add_norm_parsers(sub) -> None:
     p.add_argument("--jobs", type=int, help="parallel NVRTC processes (default 8)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = norm_sub.add_parser("list", help="the norm entries of the tuning cache as a table")
-    p.set_defaults(fn=cmd_norms_list)
+    p.set_defaults(fn=cache_commands.cmd_norms_list)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--gpu", help="only this GPU's entries (substring of its name)")
     p = norm_sub.add_parser("clear", help="delete the norm tuning entries")
-    p.set_defaults(fn=cmd_norms_clear)
+    p.set_defaults(fn=cache_commands.cmd_norms_clear)
     p.add_argument("--gpu", help="only this GPU's entries (substring of its name)")
     p.add_argument("--yes", action="store_true", help="really delete")
 

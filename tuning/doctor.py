@@ -73,14 +73,19 @@ def _package(name: str, purpose: str) -> Callable[[], str]:
 
 def _cache() -> str:
     from custom_kernels.core import cache_dir
-    from custom_kernels.core.tuned_store import all_caches
+    from tuning import tuned_families
 
     root = cache_dir.cache_root()
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
-    entries = sum(len(c.entries()) for c in all_caches())
+    caches = tuned_families.caches()
+    counts: dict[str, int] = {}
+    for cache in caches:
+        counts[cache.family] = counts.get(cache.family, 0) + len(cache.entries())
+    tuned = ", ".join(f"{family} {n}" for family, n in sorted(counts.items())) or "none"
+    rejected = sum(len(cache.rejections()) for cache in caches)
     artifacts = len(list(root.rglob("kernel.so"))) if root.exists() else 0
-    return (f"{root} ({size / 2**20:.1f} MiB: {entries} tuned shapes, {artifacts} built kernels;"
-            f" set CUTLASS_OPS_CACHE_DIR to move it)")
+    return (f"{root} ({size / 2**20:.1f} MiB: tuned entries {tuned}; {rejected} rejected "
+            f"entries; {artifacts} built kernels; set CUTLASS_OPS_CACHE_DIR to move it)")
 
 
 def diagnose() -> dict[str, Any]:

@@ -27,7 +27,8 @@ from statistics import geometric_mean
 from typing import Callable, Iterable
 
 from cutlass_ops.gemms import dsl, dsl_grouped, grouped_build, skew_dispatch
-from cutlass_ops.gemms.grouped_build import GROUPED, GroupedConfig, GroupedProblem, grouped_cache
+from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem
+from cutlass_ops.gemms.grouped_entries import GROUPED, grouped_cache
 from tuning import protocol
 
 STRATEGIES = ("quick", "default", "exhaustive")

@@ -137,15 +137,14 @@ def gather_entries(cache) -> int:
     improved (0 on the other ranks)."""
     import torch.distributed as dist
 
-    mine = cache.entries()
+    # Stored forms travel (plain JSON data), and rank 0 reads them through the schema.
+    mine = {key: entry.to_dict() for key, entry in cache.entries().items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
         return 0
-    changed = 0
-    for entries in everyone[1:]:
-        changed += cache.merge(entries)
-    return changed
+    return sum(cache.merge(entries, f"rank {rank}").changed
+               for rank, entries in enumerate(everyone) if rank)
 
 
 __all__ = ["shard", "parse_gpus", "worker_commands", "run_workers", "rank_share",

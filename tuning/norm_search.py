@@ -26,11 +26,11 @@ from typing import Callable, Iterable
 
 from custom_kernels.core import tolerances
 from custom_kernels.norms import config as nc
-from custom_kernels.norms.tuned import NORMS, norm_cache, tuned_config_name
+from custom_kernels.norms.tuned import NORMS, norm_cache, tuned_config
 from tuning import protocol
 
 __all__ = ["NORMS", "STRATEGIES", "candidates", "default_rows", "norm_cache",
-           "tuned_config_name", "tune", "tune_problem"]
+           "tuned_config", "tune", "tune_problem"]
 
 STRATEGIES = ("quick", "default", "exhaustive")
 
@@ -135,7 +135,7 @@ class NormFamily:
         return None
 
     def entry(self, problem: nc.NormProblem, measured: protocol.Measured) -> dict:
-        failures = {f.candidate: f.error for f in measured.failures}
+        failures = {f.candidate: f.error[:400] for f in measured.failures}  # as the GEMMs'
         winner = measured.winner
         if winner is None:
             raise RuntimeError(f"{problem.name}: every candidate failed: {failures}")

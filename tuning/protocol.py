@@ -220,7 +220,7 @@ def measure(problem, family: Family, plan: list, built: dict,
 @dataclasses.dataclass
 class Result:
     problem: Any
-    entry: dict
+    entry: dict  # as the family wrote it; from the store, the fields its schema accepted
     cached: bool  # True when the store already had it and nothing ran
 
 
@@ -233,9 +233,9 @@ def run(problems: Iterable, family: Family, cache: TuningCache | None, *, force:
     results: dict = {}
     todo = []
     for problem in problems:
-        entry = None if force or cache is None else cache.get(problem)
-        if entry is not None and entry.get("complete", True):
-            results[problem] = Result(problem, entry, cached=True)
+        stored = None if force or cache is None else cache.get(problem)
+        if stored is not None and stored.complete:
+            results[problem] = Result(problem, stored.to_dict(), cached=True)
         else:
             todo.append(problem)
 

@@ -22,6 +22,7 @@ import time
 from cutlass_ops.gemms import dsl
 from cutlass_ops.gemms.choice import Choice
 from cutlass_ops.gemms.config import GemmProblem
+from cutlass_ops.gemms.gemm_entries import gemm_cache
 from custom_kernels.core.tuned_store import TuningCache
 from tuning import candidates, protocol
 from tuning.backend import Backend
@@ -56,7 +57,7 @@ def tune(problems: list[GemmProblem], *, backend: Backend, strategy: Strategy | 
     """Tunes each problem not already in the cache (all of them with ``force``)."""
     family = GemmFamily(backend, Strategy(strategy), budget_s=budget_s,
                         use_heuristics=use_heuristics, progress=progress, build_chunk=build_chunk)
-    cache = cache if cache is not None else TuningCache(backend.scope())
+    cache = cache if cache is not None else gemm_cache(backend.scope())
     results = protocol.run(problems, family, cache, force=force, progress=progress)
     return TuneReport([TuneResult(r.problem, r.entry, r.cached) for r in results],
                       family.build_seconds, time.perf_counter() - family.build_end,

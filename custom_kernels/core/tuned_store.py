@@ -1,16 +1,23 @@
-"""The tuning cache: the winning config per GEMM problem, per device and software versions.
+"""The tuned-results store: the winning config per problem, per device and software versions.
 
 One JSON file per scope (GPU name, compute capability, SM count; driver, CUDA, CUTLASS and
-library versions) under ``<cache root>/<version>/tuning/``, holding one entry per problem: the
-winner, its time, torch's time and the runners-up. Each kernel family keeps its own files: GEMMs
-there, the custom norm kernels' launch configs in ``tuning/norms/`` (so GEMM listings stay GEMM
-listings); exports carry the family, so one bundle moves both to another machine. Files are
-readable and shareable: ``export`` writes a document, ``merge`` folds one in (the faster winner of
-two entries for a problem stays).
+library versions) and kernel family under ``<cache root>/<version>/tuning/``: GEMMs there, each
+other family in its own folder (``norms/``, ``grouped/``). Files are readable and shareable:
+``export`` writes a document, a bundle carries several, ``import_documents`` folds them in (the
+faster of two valid entries for a problem stays).
 
-Safety: every update takes the file's lock, re-reads the file, changes one entry and replaces the
-file atomically, so concurrent processes lose nothing and an interrupted tune keeps every entry it
-finished. A truncated or corrupt file is set aside with a warning and the cache starts afresh.
+A trust boundary: what is read from a cache file or an imported document is input. Each family
+has one schema (an ``EntrySchema``: ``cutlass_ops.gemms.gemm_entries``,
+``cutlass_ops.gemms.grouped_entries``, ``custom_kernels.norms.tuned``) that turns a stored
+entry into a typed record or rejects it; the rest of the code sees records only. A scope must
+have its fields' types, and the file path built from it must stay in the family's folder. A
+rejected entry is skipped with one log line naming the file, the key and the reason, counted
+(``TuningCache.rejections``), and never displaces an accepted one or breaks a lookup.
+
+Safety of writes: every update takes the file's lock, re-reads the file, changes one entry and
+replaces the file atomically, so concurrent processes lose nothing and an interrupted tune keeps
+every entry it finished. A truncated, corrupt or oversized file is set aside with a warning and
+the cache starts afresh.
 """
 
 from __future__ import annotations
@@ -18,15 +25,28 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import os
 import re
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterable, Mapping, Protocol
 
 import filelock
 
 from custom_kernels.core import cache_dir
+from custom_kernels.core.tuned_fields import EntryRejected, integer, mapping, require, text
 
 FORMAT = 1
+BUNDLE = "cutlass-ops-tuning-bundle"
+MAX_FILE_BYTES = cache_dir.MAX_JSON_BYTES  # a cache file or an imported file: 32 MiB
+_MAX_KEY = 400
+_log = logging.getLogger(__name__)
+_logged: set[tuple[str, str, str]] = set()
+
+__all__ = ["BUNDLE", "FORMAT", "MAX_FILE_BYTES", "CacheScope", "Document", "EntryRejected",
+           "EntrySchema", "ImportReport", "Keyed", "Rejection", "TunedEntry", "TuningCache",
+           "all_caches", "bundle", "family_dir", "import_documents", "merge_documents",
+           "parse_documents", "tuning_dir"]
 
 
 class Keyed(Protocol):
@@ -35,9 +55,53 @@ class Keyed(Protocol):
     @property
     def name(self) -> str: ...
 
-# Kernel families and the subdirectory of the tuning directory that holds each one's files.
-FAMILIES = {"gemm": "", "norms": "norms", "grouped": "grouped"}
-GEMM = "gemm"
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class TunedEntry(Protocol):
+    """A family's typed record of one stored entry."""
+
+    key: str
+    winner_ms: float | None  # None: no kernel won (every candidate failed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What is stored and exported."""
+
+
+class EntrySchema(Protocol):
+    """One kernel family's entries: where they live and how one is read."""
+
+    family: str  # "gemm", "grouped", "norms": the name exports carry
+    directory: str  # the family's folder under the tuning directory ("" for the GEMMs)
+
+    def parse(self, key: str, raw: Any, scope: CacheScope) -> TunedEntry:
+        """The record of ``raw`` stored under ``key`` for ``scope``; raises EntryRejected."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    source: str  # the file (or document) the entry came from
+    key: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.source}: entry {self.key!r} rejected: {self.reason}"
+
+
+def _report(rejection: Rejection) -> Rejection:
+    """Logs a rejection once per process (a cache file is read again on every change)."""
+    seen = (rejection.source, rejection.key, rejection.reason)
+    if seen not in _logged:
+        _logged.add(seen)
+        _log.warning("cutlass-ops: %s", rejection)
+    return rejection
+
+
+# ---- scopes ------------------------------------------------------------------------------------
+
+# Version strings and the GPU's name: printable, no path separators, no "..".
+_SAFE_TEXT = re.compile(r"[A-Za-z0-9 ._+()\-]{0,128}")
+_CC_TEXT = re.compile(r"(\d{1,2})\.(\d)|(\d{1,4})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,126 +120,227 @@ class CacheScope:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CacheScope:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+    def from_dict(cls, data: Any) -> CacheScope:
+        """The scope a document or a cache file names; EntryRejected (a ValueError) when a
+        field is missing, of the wrong type, or could reach outside the cache in a path."""
+        data = mapping(data, "the scope")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        require(not unknown, f"the scope has unknown fields {sorted(unknown)[:5]}")
+        strings = {}
+        for name in ("gpu", "driver", "cuda", "cutlass", "library"):
+            value = text(data, name)
+            require(bool(_SAFE_TEXT.fullmatch(value)) and ".." not in value,
+                    f"the scope's {name} {value[:40]!r} has characters a name cannot have")
+            strings[name] = value
+        return cls(compute_capability=_compute_capability(data.get("compute_capability")),
+                   sm_count=integer(data, "sm_count", 1, 100_000), **strings)
 
     @property
     def file_name(self) -> str:
-        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.gpu).strip("-").lower()
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.gpu).strip("-").lower() or "gpu"
         digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
         return f"{slug}-cc{self.compute_capability}-sm{self.sm_count}-{digest[:12]}.json"
 
 
-def _better(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
-    return old is None or new.get("winner_ms", float("inf")) < old.get("winner_ms", float("inf"))
+def _compute_capability(value: Any) -> int:
+    """90 from 90, "90" or "9.0"."""
+    if isinstance(value, str):
+        match = _CC_TEXT.fullmatch(value)
+        require(match is not None, f"the scope's compute_capability {value[:20]!r} is not "
+                "digits like 90 or 9.0")
+        value = int(match[1]) * 10 + int(match[2]) if match[1] else int(match[3])
+    return integer({"compute_capability": value}, "compute_capability", 10, 10_000)
+
+
+# ---- one scope's file ----------------------------------------------------------------------------
+
+def tuning_dir(root: Path | None = None) -> Path:
+    return Path(root) if root is not None else cache_dir.versioned_dir("tuning")
+
+
+def family_dir(schema: EntrySchema, root: Path | None = None) -> Path:
+    """The folder of ``schema``'s files; created on demand by the writers."""
+    base = tuning_dir(root)
+    return base / schema.directory if schema.directory else base
+
+
+@dataclasses.dataclass
+class _Parsed:
+    signature: tuple
+    entries: dict[str, TunedEntry]
+    rejections: list[Rejection]
+
+
+_parsed: dict[Path, _Parsed] = {}  # per file, while its (inode, size, mtime) stays the same
 
 
 class TuningCache:
     """The cache file of one scope and kernel family. ``root`` (the tuning directory) defaults to
     the library's cache directory."""
 
-    def __init__(self, scope: CacheScope, root: Path | None = None, family: str = GEMM):
+    def __init__(self, scope: CacheScope, schema: EntrySchema, root: Path | None = None):
         self.scope = scope
-        self.family = family
-        directory = family_dir(family, root)
-        directory.mkdir(parents=True, exist_ok=True)
+        self.schema = schema
+        directory = family_dir(schema, root)
         self.path = directory / scope.file_name
-        self._lock = filelock.FileLock(str(self.path) + ".lock")
+        # The name is built from checked fields; this is the second lock on the door.
+        if self.path.resolve().parent != directory.resolve():
+            raise EntryRejected(f"the scope's file {scope.file_name!r} would leave {directory}")
+        self._file_lock = filelock.FileLock(str(self.path) + ".lock")
 
-    def _read(self) -> dict[str, dict[str, Any]]:
+    def _locked(self) -> filelock.FileLock:
+        """The file's lock, its folder created first (the lock file lives beside it)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return self._file_lock
+
+    @property
+    def family(self) -> str:
+        return self.schema.family
+
+    def _load(self) -> _Parsed:
+        try:
+            stat = self.path.stat()
+            signature = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        except FileNotFoundError:
+            return _Parsed((), {}, [])
+        known = _parsed.get(self.path)
+        if known is not None and known.signature == signature:
+            return known
         data = cache_dir.read_json_or_quarantine(self.path)
         if data is None:
-            return {}
+            return _Parsed((), {}, [])
         if (not isinstance(data, dict) or data.get("format") != FORMAT
                 or not isinstance(data.get("entries"), dict)
                 or data.get("scope") != self.scope.to_dict()):
             cache_dir.quarantine(self.path, "is not a tuning cache of this format and scope")
-            return {}
-        return data["entries"]
+            return _Parsed((), {}, [])
+        entries, rejections = parse_entries(self.schema, self.scope, data["entries"],
+                                            str(self.path))
+        parsed = _Parsed(signature, entries, rejections)
+        _parsed[self.path] = parsed
+        return parsed
 
-    def _write(self, entries: dict[str, dict[str, Any]]) -> None:
-        cache_dir.atomic_write_json(self.path, {"format": FORMAT, "scope": self.scope.to_dict(),
-                                                "entries": entries})
+    def entries(self) -> dict[str, TunedEntry]:
+        """The valid entries, by key."""
+        return dict(self._load().entries)
 
-    def entries(self) -> dict[str, dict[str, Any]]:
-        return self._read()
+    def rejections(self) -> list[Rejection]:
+        """The entries of the file that failed the schema (skipped, and logged once)."""
+        return list(self._load().rejections)
 
-    def get(self, problem: Keyed) -> dict[str, Any] | None:
-        return self._read().get(problem.name)
+    def get(self, problem: Keyed) -> TunedEntry | None:
+        return self._load().entries.get(problem.name)
 
-    def put(self, problem: Keyed, entry: dict[str, Any]) -> None:
-        """Stores one problem's result; replaces what was there."""
-        with self._lock:
-            entries = self._read()
-            entries[problem.name] = {**entry, "problem": problem.to_dict()}
-            self._write(entries)
+    def put(self, problem: Keyed, fields: Mapping[str, Any]) -> TunedEntry:
+        """Stores one problem's result, replacing what was there. Our tuners write entries the
+        schema accepts; one it rejects is a bug, and raises EntryRejected."""
+        entry = self.schema.parse(problem.name, {**fields, "problem": problem.to_dict()},
+                                  self.scope)
+        with self._locked():
+            current = self._load().entries
+            self._write({**current, problem.name: entry})
+        return entry
 
-    def merge(self, entries: dict[str, dict[str, Any]]) -> int:
-        """Folds in entries (from an export of the same scope); the faster winner of a problem
-        stays. Returns how many entries changed."""
-        with self._lock:
-            current = self._read()
-            changed = 0
-            for name, entry in entries.items():
-                if _better(entry, current.get(name)):
-                    current[name] = entry
-                    changed += 1
+    def merge(self, raw_entries: Mapping[str, Any], source: str = "merged entries"
+              ) -> ImportReport:
+        """Folds in stored entries (an export of this scope and family); each is parsed first,
+        and the faster of two valid entries for a problem stays."""
+        entries, rejections = parse_entries(self.schema, self.scope, raw_entries, source)
+        return self.merge_records(entries, rejections)
+
+    def merge_records(self, entries: Mapping[str, TunedEntry],
+                      rejections: Iterable[Rejection] = ()) -> ImportReport:
+        with self._locked():
+            current = self._load().entries
+            changed = {key: entry for key, entry in entries.items()
+                       if better(entry, current.get(key))}
             if changed:
-                self._write(current)
-            return changed
+                self._write({**current, **changed})
+        return ImportReport(len(entries), len(changed), list(rejections))
 
     def export(self) -> dict[str, Any]:
         return {"format": FORMAT, "family": self.family, "scope": self.scope.to_dict(),
-                "entries": self._read()}
+                "entries": {key: e.to_dict() for key, e in sorted(self.entries().items())}}
 
     def clear(self) -> None:
-        with self._lock:
+        with self._locked():
             self.path.unlink(missing_ok=True)
+        _parsed.pop(self.path, None)
+
+    def _write(self, entries: Mapping[str, TunedEntry]) -> None:
+        cache_dir.atomic_write_json(self.path, {
+            "format": FORMAT, "scope": self.scope.to_dict(),
+            "entries": {key: e.to_dict() for key, e in sorted(entries.items())}})
 
 
-def import_document(document: dict[str, Any], root: Path | None = None) -> int:
-    """Merges an exported document (or a bundle of them) into the cache file of its own scope
-    (which may be another GPU's: a cache can be tuned on one machine and shipped to others).
-    Returns how many entries changed."""
-    return sum(TuningCache(CacheScope.from_dict(doc["scope"]), root, family_of(doc))
-               .merge(doc["entries"]) for doc in documents_in(document))
+def better(new: TunedEntry, old: TunedEntry | None) -> bool:
+    """Whether ``new`` replaces ``old``: it is the first, or its winner is faster (an entry
+    whose every candidate failed has no time and gives way to any)."""
+    inf = float("inf")
+    return old is None or (new.winner_ms or inf) < (old.winner_ms or inf)
 
 
-def tuning_dir(root: Path | None = None) -> Path:
-    return Path(root) if root is not None else cache_dir.versioned_dir("tuning")
+def parse_entries(schema: EntrySchema, scope: CacheScope, raw_entries: Any, source: str
+                  ) -> tuple[dict[str, TunedEntry], list[Rejection]]:
+    """The valid entries of a stored ``entries`` object, and the rejections (logged)."""
+    if not isinstance(raw_entries, Mapping):
+        return {}, [_report(Rejection(source, "*", "entries is not an object"))]
+    entries, rejections = {}, []
+    for key, raw in raw_entries.items():
+        try:
+            require(isinstance(key, str) and 0 < len(key) <= _MAX_KEY,
+                    f"a key of 1 to {_MAX_KEY} characters is needed")
+            entries[key] = schema.parse(key, raw, scope)
+        except EntryRejected as exc:
+            rejections.append(_report(Rejection(source, str(key)[:80], str(exc))))
+    return entries, rejections
 
 
-def family_dir(family: str, root: Path | None = None) -> Path:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown kernel family {family!r}; choose from {sorted(FAMILIES)}")
-    return tuning_dir(root) / FAMILIES[family] if FAMILIES[family] else tuning_dir(root)
-
-
-def family_of(document: dict[str, Any]) -> str:
-    """The kernel family of an export document."""
-    return document.get("family", GEMM)  # exports from before families were GEMM-only
-
-
-def all_caches(root: Path | None = None, family: str = GEMM) -> list[TuningCache]:
+def all_caches(schema: EntrySchema, root: Path | None = None) -> list[TuningCache]:
     """The cache of every scope present (every GPU and software combination tuned here) for one
-    kernel family."""
+    kernel family. A file whose scope is unreadable is set aside."""
+    directory = family_dir(schema, root)
     out = []
-    for path in sorted(family_dir(family, root).glob("*.json")):
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
         data = cache_dir.read_json_or_quarantine(path)
         if data is None:  # gone, or set aside as corrupt
             continue
         try:
-            scope = CacheScope.from_dict(data["scope"])
-        except (TypeError, KeyError):
-            cache_dir.quarantine(path, "is not a tuning cache")
+            cache = TuningCache(CacheScope.from_dict(
+                data.get("scope") if isinstance(data, dict) else None), schema, root)
+        except EntryRejected as exc:
+            cache_dir.quarantine(path, f"is not a tuning cache ({exc})")
             continue
-        cache = TuningCache(scope, root, family)
         if cache.path == path:
             out.append(cache)
     return out
 
 
-BUNDLE = "cutlass-ops-tuning-bundle"
+# ---- documents: exports, bundles, imports, merges ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One scope's and family's entries from an export, parsed and checked."""
+
+    schema: EntrySchema
+    scope: CacheScope
+    entries: dict[str, TunedEntry]
+    rejections: tuple[Rejection, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "family": self.schema.family, "scope": self.scope.to_dict(),
+                "entries": {key: e.to_dict() for key, e in sorted(self.entries.items())}}
+
+
+@dataclasses.dataclass
+class ImportReport:
+    valid: int = 0  # entries that passed their schema
+    changed: int = 0  # of those, added or faster than what was there
+    rejections: list[Rejection] = dataclasses.field(default_factory=list)
+
+    def add(self, other: ImportReport) -> ImportReport:
+        return ImportReport(self.valid + other.valid, self.changed + other.changed,
+                            self.rejections + other.rejections)
 
 
 def bundle(documents: list[dict[str, Any]]) -> dict[str, Any]:
@@ -183,33 +348,75 @@ def bundle(documents: list[dict[str, Any]]) -> dict[str, Any]:
     return {"format": FORMAT, "kind": BUNDLE, "caches": documents}
 
 
-def documents_in(data: Any) -> list[dict[str, Any]]:
-    """The per-scope export documents in a bundle or a single export; ValueError otherwise."""
-    if isinstance(data, dict) and data.get("kind") == BUNDLE and isinstance(data.get("caches"),
-                                                                            list):
-        docs = data["caches"]
+def parse_documents(data: Any, schemas: Mapping[str, EntrySchema], source: str
+                    ) -> tuple[list[Document], list[Rejection]]:
+    """The documents of a bundle or a single export, each entry parsed by its family's schema.
+    A document of an unknown family, another format or a bad scope is rejected whole (one
+    rejection naming its index); ValueError when ``data`` is neither a bundle nor an export."""
+    if isinstance(data, dict) and data.get("kind") == BUNDLE:
+        raw_docs = data.get("caches")
+        if data.get("format") != FORMAT or not isinstance(raw_docs, list):
+            raise ValueError("not a cutlass-ops tuning bundle of this format")
+    elif isinstance(data, dict) and "entries" in data and "scope" in data:
+        raw_docs = [data]
     else:
-        docs = [data]
-    for doc in docs:
-        if not (isinstance(doc, dict) and doc.get("format") == FORMAT
-                and isinstance(doc.get("entries"), dict) and isinstance(doc.get("scope"), dict)):
-            raise ValueError("not a cutlass-ops tuning cache export (format mismatch)")
-        if family_of(doc) not in FAMILIES:
-            raise ValueError(f"not a cutlass-ops tuning cache export (unknown kernel family "
-                             f"{family_of(doc)!r})")
-        CacheScope.from_dict(doc["scope"])
-    return docs
+        raise ValueError("not a cutlass-ops tuning cache export (no scope and entries)")
+    documents, rejections = [], []
+    for index, doc in enumerate(raw_docs):
+        where = f"{source} (document {index})"
+        try:
+            doc = mapping(doc, "the document")
+            require(doc.get("format") == FORMAT, "not a tuning cache export of this format")
+            family = doc.get("family", "gemm")  # exports from before families were GEMM-only
+            require(isinstance(family, str) and family in schemas,
+                    f"unknown kernel family {str(family)[:40]!r} (known: {sorted(schemas)})")
+            scope = CacheScope.from_dict(doc.get("scope"))
+            require(isinstance(doc.get("entries"), Mapping), "entries is not an object")
+        except EntryRejected as exc:
+            rejections.append(_report(Rejection(where, "*", str(exc))))
+            continue
+        schema = schemas[family]
+        entries, rejected = parse_entries(schema, scope, doc["entries"], where)
+        documents.append(Document(schema, scope, entries, tuple(rejected)))
+        rejections += rejected
+    return documents, rejections
 
 
-def merge_documents(documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Merges exports offline (no cache touched): per family and scope, the faster winner of each
-    problem."""
-    merged: dict[str, dict[str, Any]] = {}
+def import_documents(documents: Iterable[Document], root: Path | None = None) -> ImportReport:
+    """Merges parsed documents into the cache files of their own scopes (which may be another
+    GPU's: a cache can be tuned on one machine and shipped to others)."""
+    report = ImportReport()
     for doc in documents:
-        key = family_of(doc) + json.dumps(doc["scope"], sort_keys=True)
-        target = merged.setdefault(key, {"format": FORMAT, "family": family_of(doc),
-                                         "scope": doc["scope"], "entries": {}})
-        for name, entry in doc["entries"].items():
-            if _better(entry, target["entries"].get(name)):
-                target["entries"][name] = entry
+        cache = TuningCache(doc.scope, doc.schema, root)
+        report = report.add(cache.merge_records(doc.entries, doc.rejections))
+    return report
+
+
+def merge_documents(documents: Iterable[Document]) -> list[Document]:
+    """Merges parsed documents offline (no cache touched): per family and scope, the faster of
+    the valid entries for each problem."""
+    merged: dict[tuple[str, str], Document] = {}
+    for doc in documents:
+        key = (doc.schema.family, json.dumps(doc.scope.to_dict(), sort_keys=True))
+        target = merged.setdefault(key, Document(doc.schema, doc.scope, {}, ()))
+        for name, entry in doc.entries.items():
+            if better(entry, target.entries.get(name)):
+                target.entries[name] = entry
     return list(merged.values())
+
+
+def read_document_file(path: Path) -> Any:
+    """The JSON of an export file, refusing one over ``MAX_FILE_BYTES`` before reading it, and
+    duplicate keys or NaN in it (ValueError with the reason)."""
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_FILE_BYTES:
+            raise ValueError(f"{path} is {size / 2**20:.1f} MiB; tuning exports over "
+                             f"{MAX_FILE_BYTES // 2**20} MiB are refused")
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        return cache_dir.loads_strict(data)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not a readable JSON export: {exc}") from exc

@@ -37,7 +37,7 @@ import torch
 
 from custom_kernels import jit
 from custom_kernels.norms import config as nc
-from custom_kernels.norms.tuned import tuned_config_name
+from custom_kernels.norms.tuned import tuned_config
 from custom_kernels.launch import (allow_large_clusters, launch, max_active_blocks_per_sm,
                                    max_active_clusters, set_max_dynamic_shared, sm_count)
 from custom_kernels.core import fallback
@@ -161,19 +161,16 @@ def _plan(problem: nc.NormProblem, cfg: nc.NormConfig, device: int, persistent: 
 
 
 def _tuned(problem: nc.NormProblem, device: int) -> Optional[nc.NormConfig]:
-    """The tuned config of ``problem``, if the norm tuner stored one that is valid here; a broken
-    cache never stops a norm (the heuristic runs)."""
+    """The tuned config of ``problem``, if the norm tuner stored one (``tuned``: entries that
+    fail their schema were skipped when the file was read). A cache that cannot be read never
+    stops a norm: the heuristic runs."""
     if os.environ.get("CUTLASS_OPS_NORM_TUNED", "1") == "0":
         return None
     try:
-        name = tuned_config_name(problem, device)
-        config = nc.NormConfig.from_name(name) if name else None
-    except Exception as exc:  # noqa: BLE001 - a lookup must never fail a call
+        return tuned_config(problem, device)
+    except OSError as exc:
         _log.warning("norm tuning cache unreadable (%s); using the heuristic", exc)
         return None
-    if config is None or config.why_invalid(problem) is not None:
-        return None
-    return config
 
 
 def _max_units(kernel, cfg: nc.NormConfig, shared_mem: int, device: int) -> int:

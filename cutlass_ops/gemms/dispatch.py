@@ -30,13 +30,14 @@ import math
 import os
 import re
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from cutlass_ops.gemms import epilogues, inputs, ranking
 from cutlass_ops.gemms.config import Arch, GemmConfig, GemmOperands, GemmProblem
-from cutlass_ops.gemms.choice import Choice, candidate_from_dict
+from cutlass_ops.gemms.choice import Choice
+from cutlass_ops.gemms.gemm_entries import GemmEntry, gemm_cache
 from custom_kernels.core import fallback
 from custom_kernels.core.device import DeviceSpec
 from custom_kernels.core.errors import UnsupportedInputError
@@ -138,38 +139,33 @@ def _distance(a: GemmProblem, b: GemmProblem) -> float:
             + 2 * abs(math.log2(a.k / b.k)) + abs(math.log2(a.batch / b.batch)))
 
 
-def decide(problem: GemmProblem, entries: dict[str, dict], device: DeviceSpec,
+def decide(problem: GemmProblem, entries: Mapping[str, GemmEntry], device: DeviceSpec,
            is_built: Callable[[Choice], bool], built_choices: Callable[[], list[Choice]],
            online: str = "off", tuner: OnlineTuner | None = None) -> Decision:
-    """Which kernel runs ``problem``, from the tuning cache's entries and what is built."""
+    """Which kernel runs ``problem``, from the tuning cache's records (validated when the file
+    was read: ``gemm_entries``) and what is built."""
     entry = entries.get(problem.name)
-    if entry is not None:
-        if not entry.get("winner") or entry.get("prefer", "cutlass") != "cutlass":
+    if entry is not None and entry.winner is not None:
+        if not entry.uses_kernel:
             return Decision("exact", None, "tuned for this shape: torch.matmul was faster")
-        choice = candidate_from_dict(entry["winner"])
-        if is_built(choice) or online != "off":
-            return Decision("exact", choice, "tuned for this shape")
+        if is_built(entry.winner) or online != "off":
+            return Decision("exact", entry.winner, "tuned for this shape")
         # The winner's artifact is not here (a cache imported from another machine): fall
         # through to a built kernel rather than compile on a call.
+    elif entry is not None:
+        return Decision("exact", None, "tuned for this shape: every candidate failed")
 
-    family = []
-    for name, other in entries.items():
-        try:
-            tuned = GemmProblem.from_dict(other["problem"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if tuned.operands == problem.operands and tuned.m and tuned.n and tuned.k and \
-                problem.m and problem.n and problem.k:
-            family.append((_distance(problem, tuned), name, tuned, other))
-    for _, _, tuned, other in sorted(family, key=lambda item: item[:2]):
-        if not other.get("winner"):
-            continue
-        choice = candidate_from_dict(other["winner"])
-        if other.get("prefer", "cutlass") != "cutlass":
+    family = sorted((_distance(problem, other.problem), name, other)
+                    for name, other in entries.items()
+                    if other.problem.operands == problem.operands and other.winner is not None
+                    and problem.m and problem.n and problem.k)
+    for _, _, other in family:
+        tuned = other.problem
+        if not other.uses_kernel:
             return Decision("nearest", None, f"nearest tuned shape {tuned.m}x{tuned.n}x{tuned.k}"
                             " found torch.matmul faster")
-        if is_built(choice):
-            return Decision("nearest", choice, f"nearest tuned shape {tuned.m}x{tuned.n}x"
+        if is_built(other.winner):
+            return Decision("nearest", other.winner, f"nearest tuned shape {tuned.m}x{tuned.n}x"
                             f"{tuned.k}")
         break
 
@@ -218,15 +214,13 @@ def built_choices(operands: GemmOperands, arch: str) -> list[Choice]:
 
 # ---- the call path ---------------------------------------------------------------------------
 
-_entries_by_scope: dict[Any, dict[str, dict]] = {}
+_entries_by_scope: dict[Any, dict[str, GemmEntry]] = {}
 
 
-def _entries(scope) -> dict[str, dict]:
+def _entries(scope) -> dict[str, GemmEntry]:
     entries = _entries_by_scope.get(scope)
     if entries is None:
-        from custom_kernels.core.tuned_store import TuningCache
-
-        entries = TuningCache(scope).entries()
+        entries = gemm_cache(scope).entries()
         _entries_by_scope[scope] = entries
     return entries
 

@@ -23,6 +23,8 @@ QuACK compiles one kernel per config and operand types / majors, with M, N, K an
 symbolic (one kernel serves every shape), in 1-2 s, and keeps it as an object file in its disk
 cache, which is put under our cache root (``<cache>/<version>/dsl/quack``, unless the user set
 ``QUACK_CACHE_DIR``) before QuACK is first imported: another process loads it in milliseconds.
+Ours is used only while no other user can write to it (``custom_kernels.core.cache_trust``:
+``UnsafeCacheError`` otherwise, which dispatch's DSL route answers with torch.matmul).
 """
 
 from __future__ import annotations
@@ -159,11 +161,14 @@ def refusal(problem) -> Optional[str]:
     extra is missing, the operands are not one 16-bit type with a 16-bit or float32 output, an
     epilogue QuACK's kernels do not compute as ours (``epilogue_refusal``), or operands not
     16-byte aligned."""
+    return unavailable() or operands_refusal(problem)
+
+
+def operands_refusal(problem) -> Optional[str]:
+    """``refusal`` without the question whether the extra is installed: what no DSL kernel
+    computes, wherever it runs (a stored DSL winner for such a problem is not one we tuned)."""
     from cutlass_ops.gemms.config import DType
 
-    why = unavailable()
-    if why:
-        return why
     ops = problem.operands
     if ops.element_a not in (DType.BF16, DType.F16) or ops.element_b != ops.element_a:
         return f"{ops.element_a.value} x {ops.element_b.value} operands (bf16 or f16 only)"
@@ -305,8 +310,12 @@ def _interface():
     global _prepared
     if _prepared is None:
         from custom_kernels.core.cache_dir import versioned_dir
+        from custom_kernels.core.cache_trust import require_private
 
-        os.environ.setdefault(CACHE_ENV, str(versioned_dir("dsl", "quack")))
+        if CACHE_ENV not in os.environ:
+            directory = versioned_dir("dsl", "quack")
+            require_private(directory)  # QuACK loads the object files it finds there
+            os.environ[CACHE_ENV] = str(directory)
         from quack import gemm_interface
 
         _prepared = gemm_interface

@@ -54,9 +54,12 @@ _DYNAMIC_TWINS = {"quick": 1, "default": 2, "exhaustive": 4}
 
 def refusal(problem) -> Optional[str]:
     """Why the DSL kernels cannot take a ``grouped_build.GroupedProblem``, or None."""
-    why = dsl.unavailable()
-    if why:
-        return why
+    return dsl.unavailable() or operands_refusal(problem)
+
+
+def operands_refusal(problem) -> Optional[str]:
+    """``refusal`` without the question whether the extra is installed: the forms and element
+    types no DSL grouped kernel takes (a stored DSL winner for them is not one we tuned)."""
     if problem.form not in FORMS:
         return f"the {problem.form} form (the DSL path takes {' and '.join(FORMS)})"
     if problem.element not in ("bf16", "f16"):

@@ -190,33 +190,6 @@ def build(config: GroupedConfig, arch: Arch = Arch.SM90A, *,
                                     retry=retry_failed).path
 
 
-GROUPED = "grouped"  # the tuning cache family (custom_kernels.core.tuned_store.FAMILIES)
-
-
-def grouped_cache(device: int | None = None, root: Path | None = None):
-    """The tuned grouped kernels of this GPU and software scope (``tuning.grouped_search``)."""
-    from custom_kernels.core.device import current_scope
-    from custom_kernels.core.tuned_store import TuningCache
-
-    return TuningCache(current_scope(device), root, family=GROUPED)
-
-
-def tuned_config(problem: GroupedProblem, device: int | None = None):
-    """The stored winner of ``problem`` when it beat torch._grouped_mm: a ``GroupedConfig``,
-    or a ``dsl.DslConfig`` (``dsl_grouped``) where the DSL extra is installed; else None
-    (nothing tuned: no device query at all)."""
-    from custom_kernels.core.tuned_store import family_dir
-
-    if not family_dir(GROUPED).is_dir():
-        return None
-    entry = grouped_cache(device).get(problem)
-    if not entry or not entry.get("winner") or entry.get("prefer") != "cutlass":
-        return None
-    if entry["winner"].startswith("skew-") and problem.form != "2d3d":
-        return None  # never tuned so (skew_dispatch.FORMS); an edited entry runs torch
-    return config_from_name(entry["winner"])
-
-
 def config_from_name(name: str):
     """The grouped kernel a tuning entry names: ours (``grouped-...``), the DSL path's
     (``dsl-...``, None without the extra) or a pair of them (``skew-...``, None where either
@@ -250,5 +223,4 @@ def candidates(problem: GroupedProblem, strategy: str = "default") -> list[Group
 
 
 __all__ = ["GroupedConfig", "GroupedProblem", "GroupedBuild", "build", "bucket", "candidates",
-           "config_from_name",
-           "grouped_cache", "tuned_config", "GROUPED", "LAUNCHER"]
+           "config_from_name", "LAUNCHER"]

@@ -5,8 +5,9 @@ dispatch (the two routings' best kernels behind one key)."""
 import dataclasses
 
 import pytest
-from tuning_fakes import SCOPE
+from tuning_fakes import SCOPE, stored
 
+from cutlass_ops.gemms import grouped_entries
 from custom_kernels.core.tuned_store import TuningCache
 from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem, bucket, candidates
 from tuning import grouped_search
@@ -68,7 +69,7 @@ def test_candidates_follow_the_rows_per_group():
 
 def test_a_tune_stores_verified_winners_and_records_failures(tmp_path):
     backend = FakeBackend()
-    cache = TuningCache(SCOPE, tmp_path, family="grouped")
+    cache = TuningCache(SCOPE, grouped_entries.SCHEMA, tmp_path)
     problems = grouped_search.moe_problems(8, 14336, 4096, 8192, backward=True)
     results = grouped_search.tune(problems, strategy="exhaustive", backend=backend, cache=cache,
                                   progress=lambda message: None)
@@ -76,7 +77,7 @@ def test_a_tune_stores_verified_winners_and_records_failures(tmp_path):
     # One kernel serves every problem of its layouts: each config built once.
     assert len(backend.built) == len(set(backend.built))
     for problem in problems:
-        entry = cache.get(problem)
+        entry = stored(cache, problem)
         assert entry["winner"] and entry["prefer"] == "cutlass"
         assert "-c1x2" not in entry["winner"]  # wrong results never win
         stages = {f["stage"] for f in entry["failures"]}
@@ -100,15 +101,15 @@ def test_tuned_config_reads_a_winner_that_beat_torch(tmp_path, monkeypatch):
 
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
     problem = GroupedProblem("2d3d", 8, 1024, 14336, 4096)
-    assert grouped_build.tuned_config(problem) is None  # nothing tuned: no device query
-    cache = TuningCache(SCOPE, family="grouped")
-    monkeypatch.setattr(grouped_build, "grouped_cache", lambda device=None: cache)
+    assert grouped_entries.tuned_config(problem) is None  # nothing tuned: no device query
+    cache = TuningCache(SCOPE, grouped_entries.SCHEMA)
+    monkeypatch.setattr(grouped_entries, "grouped_cache", lambda device=None: cache)
     cache.put(problem, {"winner": "grouped-bf16-tn-cooperative-t128x256x64-c2x1",
-                        "prefer": "cutlass"})
-    assert grouped_build.tuned_config(problem).tile == (128, 256, 64)
+                        "prefer": "cutlass", "winner_ms": 1.0, "torch_ms": 1.2})
+    assert grouped_entries.tuned_config(problem).tile == (128, 256, 64)
     cache.put(problem, {"winner": "grouped-bf16-tn-cooperative-t128x256x64-c2x1",
-                        "prefer": "torch"})
-    assert grouped_build.tuned_config(problem) is None
+                        "prefer": "torch", "winner_ms": 1.3, "torch_ms": 1.2})
+    assert grouped_entries.tuned_config(problem) is None
 
 
 FASTEST = "grouped-bf16-tn-cooperative-t128x128x64-c1x1"
@@ -143,11 +144,11 @@ class FakeRoutingBackend(FakeBackend):
 def test_the_winner_beats_torch_on_every_routing_or_torch_runs(tmp_path, all_lose):
     backend = FakeRoutingBackend()
     backend.all_lose = all_lose
-    cache = TuningCache(SCOPE, tmp_path, family="grouped")
+    cache = TuningCache(SCOPE, grouped_entries.SCHEMA, tmp_path)
     problem = grouped_search.moe_problems(8, 14336, 4096, 8192)[0]
     grouped_search.tune([problem], strategy="exhaustive", backend=backend, cache=cache,
                         progress=lambda message: None)
-    entry = cache.get(problem)
+    entry = stored(cache, problem)
     if all_lose:
         assert entry["prefer"] == "torch"
     else:
@@ -185,7 +186,7 @@ def test_the_dsl_kernels_join_the_pool_and_the_winner_names_its_path(tmp_path, m
     monkeypatch.setattr(dsl, "unavailable", lambda: None)  # the extra, as if installed
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
     backend = FakeDslBackend()
-    cache = TuningCache(SCOPE, family="grouped")
+    cache = TuningCache(SCOPE, grouped_entries.SCHEMA)
     problems = grouped_search.moe_problems(8, 14336, 4096, 8192, backward=True)
     grouped_search.tune(problems, strategy="default", backend=backend, cache=cache,
                         progress=lambda message: None)
@@ -196,15 +197,15 @@ def test_the_dsl_kernels_join_the_pool_and_the_winner_names_its_path(tmp_path, m
     twins = [c for c in backend.verified if getattr(c, "dynamic", False)]
     assert not any(c.tile_n == 208 for c in twins)  # no twin of a kernel that failed
     for problem in problems:
-        entry = cache.get(problem)
+        entry = stored(cache, problem)
         assert entry["backend"] == "dsl" and entry["winner"].startswith("dsl-sm90-")
         assert "x208" not in entry["winner"]  # wrong with an empty group: never wins
         assert entry["winner"].endswith("-dynamic")  # the faster twin
         assert entry["other_backend_best"]["backend"] == "cutlass"
-        monkeypatch.setattr(grouped_build, "grouped_cache", lambda device=None: cache)
-        assert grouped_build.tuned_config(problem).name == entry["winner"]
+        monkeypatch.setattr(grouped_entries, "grouped_cache", lambda device=None: cache)
+        assert grouped_entries.tuned_config(problem).name == entry["winner"]
     monkeypatch.setattr(dsl, "unavailable", lambda: "no extra")  # the winner, then uninstalled
-    assert grouped_build.tuned_config(problems[0]) is None  # torch._grouped_mm runs instead
+    assert grouped_entries.tuned_config(problems[0]) is None  # torch._grouped_mm runs instead
 
 
 def test_the_dsl_path_takes_the_varlen_forms_only(monkeypatch):
@@ -309,21 +310,23 @@ def test_a_skew_dispatch_of_the_two_routings_best_wins_where_it_pays(tmp_path, m
 
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
     backend = FakeSplitBackend()
-    cache = TuningCache(SCOPE, family="grouped")
+    cache = TuningCache(SCOPE, grouped_entries.SCHEMA)
     forward, dx, dw = grouped_search.moe_problems(256, 2048, 7168, 32768, backward=True)
     grouped_search.tune([forward, dw], strategy="default", backend=backend, cache=cache,
                         progress=lambda message: None)
-    entry = cache.get(forward)
+    entry = stored(cache, forward)
     assert entry["winner"] == f"skew-x6.5-{EVEN_BEST}+{SKEWED_BEST}"  # sqrt(42.25) = 6.5
     assert entry["backend"] == "cutlass" and entry["routing_speedups"] == [
         round(2.5 / 1.01, 4), round(2.5 / 1.81, 4)]
-    monkeypatch.setattr(grouped_build, "grouped_cache", lambda device=None: cache)
-    config = grouped_build.tuned_config(forward)
+    monkeypatch.setattr(grouped_entries, "grouped_cache", lambda device=None: cache)
+    config = grouped_entries.tuned_config(forward)
     assert skew_dispatch.is_skew_dispatch(config) and config.skew == 6.5
     assert (config.even.name, config.skewed.name) == (EVEN_BEST, SKEWED_BEST)
-    assert not skew_dispatch.is_skew_dispatch(grouped_build.tuned_config(dw))  # 2d2d: never
-    cache.put(dw, {**entry, "problem": dw.to_dict()})  # an entry edited by hand: torch runs
-    assert grouped_build.tuned_config(dw) is None
+    assert not skew_dispatch.is_skew_dispatch(grouped_entries.tuned_config(dw))  # 2d2d: never
+    # An entry edited by hand to name a pair for dW: rejected, and torch runs.
+    report = cache.merge({dw.name: {**entry, "problem": dw.to_dict(), "winner_ms": 1e-3}})
+    assert report.changed == 0 and "skew dispatch for the 2d2d form" in report.rejections[0].reason
+    assert not skew_dispatch.is_skew_dispatch(grouped_entries.tuned_config(dw))
     assert not any(skew_dispatch.is_skew_dispatch(c) for c in backend.built)  # not an nvcc job
 
 
@@ -360,12 +363,12 @@ def test_a_tune_without_dynamic_twins_times_none(tmp_path, monkeypatch):
     monkeypatch.setattr(dsl, "unavailable", lambda: None)
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
     backend = FakeDslBackend()
-    cache = TuningCache(SCOPE, family="grouped")
+    cache = TuningCache(SCOPE, grouped_entries.SCHEMA)
     problem = grouped_search.moe_problems(8, 14336, 4096, 8192)[0]
     grouped_search.tune([problem], backend=backend, cache=cache, dynamic_twins=False,
                         progress=lambda message: None)
     assert not any(getattr(c, "dynamic", False) for c in backend.verified)
-    assert not cache.get(problem)["winner"].endswith("-dynamic")
+    assert not stored(cache, problem)["winner"].endswith("-dynamic")
 
 
 def test_round_2_times_the_twins_before_pairing_the_routings_best(monkeypatch):

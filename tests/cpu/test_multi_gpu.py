@@ -81,15 +81,18 @@ def test_an_empty_part_gets_no_worker(tmp_path):
 def _gather_on_rank(rank: int, world: int, root: str, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from custom_kernels.core.tuned_store import CacheScope, TuningCache
+    from cutlass_ops.gemms.config import GemmConfig
+    from cutlass_ops.gemms.gemm_entries import gemm_cache
+    from custom_kernels.core.tuned_store import CacheScope
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     scope = CacheScope("NVIDIA H100 80GB HBM3", 90, 132, "580.0", "13.0", "4.2.0.0", "test")
-    cache = TuningCache(scope, root=__import__("pathlib").Path(root) / f"rank{rank}")
+    cache = gemm_cache(scope, __import__("pathlib").Path(root) / f"rank{rank}")
     mine = multi_gpu.shard(LLM, world, H100)[rank]
+    winner = {"config": GemmConfig().to_dict(), "swap_ab": False}
     for problem in mine:  # what this rank's tune would have stored
-        cache.put(problem, {"winner": {"config": "c"}, "winner_ms": 1.0 + rank, "torch_ms": 2.0,
+        cache.put(problem, {"winner": winner, "winner_ms": 1.0 + rank, "torch_ms": 2.0,
                             "complete": True})
     changed = multi_gpu.gather_entries(cache)
     if rank == 0:

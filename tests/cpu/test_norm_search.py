@@ -13,13 +13,14 @@ from custom_kernels.norms import ops as norms
 from custom_kernels.norms import tuned
 from tuning import cli, norm_search
 from custom_kernels.core.tuned_store import TuningCache
+from tuning_fakes import stored
 
 
 @pytest.fixture(autouse=True)
 def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path / "cache"))
     def cache(device=None, root=None):
-        return TuningCache(SCOPE, root, family=norm_search.NORMS)
+        return TuningCache(SCOPE, tuned.SCHEMA, root)
 
     monkeypatch.setattr(norm_search, "norm_cache", cache)
     monkeypatch.setattr(tuned, "norm_cache", cache)
@@ -73,7 +74,7 @@ def test_a_tuned_winner_replaces_the_heuristic(monkeypatch):
     p = problem(4096)
     assert norms._tuned(p, 0) is None  # nothing tuned: the heuristic
     put(p, "t512_r1_c1_v8_s2")
-    assert norm_search.tuned_config_name(p) == "t512_r1_c1_v8_s2"
+    assert norm_search.tuned_config(p) == nc.NormConfig(512, 1, 1, 8, 2)
     assert norms._choose(p, None) == nc.NormConfig(512, 1, 1, 8, 2)
     assert norms._choose(p, "t128_r1_c1_v8") == nc.NormConfig(128, 1, 1, 8)  # override wins
     other = problem(8192)  # another problem is untouched
@@ -84,11 +85,19 @@ def test_a_tuned_winner_replaces_the_heuristic(monkeypatch):
 
 def test_an_invalid_or_garbage_entry_falls_back_to_the_heuristic(caplog):
     p = problem(4096)
-    put(p, "t256_r8_c2_v8_s2")  # a warp per row takes no cluster: invalid here
+    cache = norm_search.norm_cache()
+    other = problem(8192)
+    fields = {"winner_ms": 0.5, "torch_ms": 0.9}
+    report = cache.merge({p.name: {**fields, "winner": "t256_r8_c2_v8_s2",  # a warp per row
+                                   "problem": p.to_dict()},  # takes no cluster
+                          other.name: {**fields, "winner": "fastest-please",
+                                       "problem": other.to_dict()}})
+    assert report.changed == 0 and len(report.rejections) == 2
+    assert "cannot run" in report.rejections[0].reason
+    assert "not a norm config name" in report.rejections[1].reason
     assert norms._choose(p, None) == nc.heuristic(p)
-    put(p, "fastest-please")
-    assert norms._choose(p, None) == nc.heuristic(p)
-    assert "unreadable" in caplog.text
+    put(p, "t512_r1_c1_v8_s2")
+    assert norms._choose(p, None) == nc.NormConfig(512, 1, 1, 8, 2)
 
 
 def run_json(capsys, *argv):
@@ -123,10 +132,11 @@ def test_export_import_and_merge_carry_norm_entries_apart_from_gemm_ones(capsys,
     docs = json.loads(export.read_text())["caches"]
     assert [d["family"] for d in docs] == ["norms"]
 
-    assert cli.main(["clear", "--yes"]) == cli.EXIT_OK  # the GEMM cache only
+    assert cli.main(["clear", "--yes", "--family", "gemm"]) == cli.EXIT_OK  # GEMMs only
     capsys.readouterr()
     assert len(run_json(capsys, "norms", "list")) == 2
-    assert run_json(capsys, "list") == []  # norm entries never show as GEMM rows
+    assert run_json(capsys, "list", "--family", "gemm") == []  # never GEMM rows
+    assert {r["family"] for r in run_json(capsys, "list")} == {"norms"}
     assert cli.main(["norms", "clear", "--yes"]) == cli.EXIT_OK
     capsys.readouterr()
 
@@ -138,8 +148,9 @@ def test_export_import_and_merge_carry_norm_entries_apart_from_gemm_ones(capsys,
     (tmp_path / "other.json").write_text(json.dumps(other))
     merged = run_json(capsys, "merge", str(export), str(tmp_path / "other.json"),
                       "-o", str(tmp_path / "merged.json"))
-    assert merged == {"scopes": 1, "entries": 2}
-    assert run_json(capsys, "import", str(tmp_path / "merged.json")) == {"changed": 2}
+    assert merged == {"scopes": 1, "entries": 2, "rejected": []}
+    assert run_json(capsys, "import", str(tmp_path / "merged.json")) == {
+        "changed": 2, "valid": 2, "rejected": []}
     rows = {r["problem"]: r["winner"] for r in run_json(capsys, "norms", "list")}
     assert rows == {name: "t512_r1_c1_v8_s2", problem(8192, "bwd").name: "t1024_r1_c1_v8_s2"}
     assert norms._choose(problem(4096), None) == nc.NormConfig(512, 1, 1, 8, 2)
@@ -233,7 +244,7 @@ def test_tune_stores_each_problem_and_a_second_run_is_a_cache_hit(fake_gpu):
     said = []
     first = norm_search.tune(problems, strategy="quick", rows=64, reps=5, progress=said.append)
     assert [p for p, _ in first] == problems and len(fake_gpu) == 2
-    assert norm_search.tuned_config_name(problems[0]) == first[0][1]["winner"]
+    assert norm_search.tuned_config(problems[0]).name == first[0][1]["winner"]
     assert any("compiling" in s for s in said) and not any("cached" in s for s in said)
     said.clear()
     again = norm_search.tune(problems, strategy="quick", progress=said.append)

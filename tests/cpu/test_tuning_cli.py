@@ -111,13 +111,14 @@ def test_export_import_merge_clear(capsys, tmp_path):
     other_path.write_text(json.dumps(other))
     merged_path = tmp_path / "merged.json"
     merged = run_json(capsys, "merge", str(export), str(other_path), "-o", str(merged_path))
-    assert merged == {"scopes": 1, "entries": 2}
+    assert merged == {"scopes": 1, "entries": 2, "rejected": []}
 
     code, _, err = run(capsys, "clear")
     assert code == 1 and "--yes" in err  # refuses without confirmation
     code, out, _ = run(capsys, "clear", "--yes")
     assert code == 0 and run_json(capsys, "list") == []
-    assert run_json(capsys, "import", str(merged_path)) == {"changed": 2}
+    assert run_json(capsys, "import", str(merged_path)) == {"changed": 2, "valid": 2,
+                                                             "rejected": []}
     assert len(run_json(capsys, "list")) == 2
 
     garbage = tmp_path / "garbage.json"
@@ -248,7 +249,7 @@ def test_errors_are_one_line_unless_debug(capsys, monkeypatch):
     def broken(args):
         raise PermissionError(13, "Permission denied", "/somewhere/tuning")
 
-    monkeypatch.setattr(cli, "cmd_list", broken)
+    monkeypatch.setattr(cli.cache_commands, "cmd_list", broken)
     code, _, err = run(capsys, "list")
     assert code == 1 and err.splitlines() == [
         "cutlass-tune list: [Errno 13] Permission denied: '/somewhere/tuning'"]

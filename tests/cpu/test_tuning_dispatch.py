@@ -17,12 +17,17 @@ SMALL = Choice(GemmConfig(tile=(64, 16, 128)), swap_ab=True)
 
 
 def entry(problem, choice=WINNER, prefer="cutlass"):
-    return {"winner": choice.to_dict() if choice else None, "winner_ms": 1.0, "torch_ms": 1.1,
+    return {"winner": choice.to_dict() if choice else None,
+            "winner_ms": 1.0 if choice else None, "torch_ms": 1.1,
             "prefer": prefer, "problem": problem.to_dict()}
 
 
 def entries_for(*items):
-    return {p.name: entry(p, *rest) for p, *rest in items}
+    """Records as dispatch reads them: stored entries parsed by the GEMM schema."""
+    from cutlass_ops.gemms.gemm_entries import SCHEMA
+    from tuning_fakes import SCOPE
+
+    return {p.name: SCHEMA.parse(p.name, entry(p, *rest), SCOPE) for p, *rest in items}
 
 
 def decide(problem, entries, built=(), online="off"):

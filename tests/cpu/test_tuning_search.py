@@ -1,8 +1,8 @@
 import pytest
-from tuning_fakes import SCOPE, FakeBackend
+from tuning_fakes import SCOPE, FakeBackend, stored
 
 from cutlass_ops.gemms.config import GemmOperands, GemmProblem
-from custom_kernels.core.tuned_store import TuningCache
+from cutlass_ops.gemms.gemm_entries import gemm_cache
 from cutlass_ops.gemms.choice import Choice
 from tuning.search import tune
 
@@ -15,12 +15,12 @@ def problems():
 
 def test_tune_stores_verified_winners_with_failures_and_runners_up(tmp_path):
     backend = FakeBackend()
-    cache = TuningCache(SCOPE, tmp_path)
+    cache = gemm_cache(SCOPE, tmp_path)
     report = tune(problems(), backend=backend, strategy="default", cache=cache,
                   use_heuristics=False)
     assert [r.problem for r in report.results] == problems()
     for result in report.results:
-        entry = cache.get(result.problem)
+        entry = stored(cache, result.problem)
         assert entry["complete"] and entry["winner"] and entry["torch_ms"] > 0
         winner = Choice.from_dict(entry["winner"])
         assert winner.config.cluster != (4, 1, 1)  # wrong results never win
@@ -38,9 +38,9 @@ def test_tune_stores_verified_winners_with_failures_and_runners_up(tmp_path):
 def test_failures_are_results(tmp_path):
     backend = FakeBackend()
     backend.wrong = lambda choice: True  # nothing computes the right result
-    cache = TuningCache(SCOPE, tmp_path)
+    cache = gemm_cache(SCOPE, tmp_path)
     tune(problems()[:1], backend=backend, cache=cache, strategy="quick", use_heuristics=False)
-    entry = cache.get(problems()[0])
+    entry = stored(cache, problems()[0])
     assert entry["winner"] is None and entry["prefer"] == "torch"
     assert entry["failures"] and all(f["stage"] in ("wrong result", "build")
                                      for f in entry["failures"])
@@ -49,16 +49,16 @@ def test_failures_are_results(tmp_path):
 def test_a_kernel_that_breaks_cuda_graph_capture_is_a_failure_not_a_winner(tmp_path):
     backend = FakeBackend()
     backend.uncapturable = lambda choice: choice.config.cluster == (2, 1, 1)  # the fake's best
-    cache = TuningCache(SCOPE, tmp_path)
+    cache = gemm_cache(SCOPE, tmp_path)
     tune(problems()[:1], backend=backend, cache=cache, strategy="quick", use_heuristics=False)
-    entry = cache.get(problems()[0])
+    entry = stored(cache, problems()[0])
     assert entry["winner"] and Choice.from_dict(entry["winner"]).config.cluster != (2, 1, 1)
     captures = [f for f in entry["failures"] if f["stage"] == "capture"]
     assert captures and all("CUDA graph" in f["error"] for f in captures)
 
 
 def test_second_tune_is_a_cache_hit_and_force_retunes(tmp_path):
-    cache = TuningCache(SCOPE, tmp_path)
+    cache = gemm_cache(SCOPE, tmp_path)
     tune(problems(), backend=FakeBackend(), cache=cache, strategy="quick", use_heuristics=False)
     again = FakeBackend()
     report = tune(problems(), backend=again, cache=cache, strategy="quick", use_heuristics=False)
@@ -70,7 +70,7 @@ def test_second_tune_is_a_cache_hit_and_force_retunes(tmp_path):
 
 
 def test_interrupted_tune_keeps_finished_shapes(tmp_path):
-    cache = TuningCache(SCOPE, tmp_path)
+    cache = gemm_cache(SCOPE, tmp_path)
     first = FakeBackend()
     tune(problems()[:1], backend=first, cache=cache, strategy="quick", use_heuristics=False)
     per_problem = len(first.timed)
@@ -78,23 +78,23 @@ def test_interrupted_tune_keeps_finished_shapes(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         tune(problems(), backend=backend, cache=cache, strategy="quick", force=True,
              use_heuristics=False)
-    assert cache.get(problems()[0]) is not None  # finished and stored before the interrupt
-    assert cache.get(problems()[1]) is None
+    assert stored(cache, problems()[0]) is not None  # finished and stored before the interrupt
+    assert stored(cache, problems()[1]) is None
     # The file is intact and a rerun finishes only what is missing.
     rerun = FakeBackend()
-    report = tune(problems(), backend=rerun, cache=TuningCache(SCOPE, tmp_path),
+    report = tune(problems(), backend=rerun, cache=gemm_cache(SCOPE, tmp_path),
                   strategy="quick", use_heuristics=False)
     assert [r.cached for r in report.results] == [True, False]
 
 
 def test_budget_stops_early_and_marks_incomplete(tmp_path):
-    cache = TuningCache(SCOPE, tmp_path)
+    cache = gemm_cache(SCOPE, tmp_path)
     backend = FakeBackend()
     report = tune(problems(), backend=backend, cache=cache, strategy="default", budget_s=0.0,
                   use_heuristics=False, build_chunk=2)
     # The first chunk is always built so that something can be measured.
     assert backend.build_calls == 1
-    entries = [cache.get(p) for p in problems()]
+    entries = [stored(cache, p) for p in problems()]
     assert all(e is not None and e["complete"] is False for e in entries)
     # Each problem still measured what was built (a minimum share of time), and has a winner.
     assert all(e["winner"] and e["compiled_candidates"] >= 1 for e in entries)
@@ -103,7 +103,7 @@ def test_budget_stops_early_and_marks_incomplete(tmp_path):
 
 def test_progress_reports_builds_and_problems(tmp_path):
     events = []
-    tune(problems(), backend=FakeBackend(), cache=TuningCache(SCOPE, tmp_path),
+    tune(problems(), backend=FakeBackend(), cache=gemm_cache(SCOPE, tmp_path),
          strategy="quick", use_heuristics=False, progress=lambda *e: events.append(e))
     builds = [e for e in events if e[0] == "build"]
     assert builds[-1][1] == builds[-1][2] > 0
@@ -165,9 +165,9 @@ def test_finalists_are_timed_each_beside_torch_and_the_best_ratio_wins(tmp_path)
         return s
 
     backend.session = recording_session
-    cache = TuningCache(SCOPE, tmp_path)
+    cache = gemm_cache(SCOPE, tmp_path)
     tune(problems()[:1], backend=backend, cache=cache, strategy="default", use_heuristics=False)
-    entry = cache.get(problems()[0])
+    entry = stored(cache, problems()[0])
     assert len(compared) == 4 and all(len(c) == 1 and reps == 60 for c, reps in compared)
     finalists = [c[0].name for c, _ in compared]
     assert entry["winner_name"] in finalists
@@ -191,10 +191,10 @@ def test_dsl_kernels_join_the_pool_and_a_dsl_winner_records_its_path(tmp_path, m
     _with_the_dsl_extra(monkeypatch)
     backend = FakeBackend()
     backend.dsl_factor = 0.5  # faster than torch and than any C++ kernel here
-    cache = TuningCache(SCOPE, tmp_path)
+    cache = gemm_cache(SCOPE, tmp_path)
     tune(problems(), backend=backend, strategy=strategy, cache=cache, use_heuristics=False)
     for problem in problems():
-        entry = cache.get(problem)
+        entry = stored(cache, problem)
         winner = candidate_from_dict(entry["winner"])
         assert isinstance(winner, DslConfig) and entry["backend"] == "dsl"
         assert entry["winner_name"] == winner.name and entry["prefer"] == "cutlass"
@@ -215,13 +215,13 @@ def test_a_cpp_winner_names_the_best_dsl_kernel_and_the_extra_absent_offers_none
         tmp_path, monkeypatch):
     _with_the_dsl_extra(monkeypatch)
     backend = FakeBackend()  # DSL kernels at 1.2x torch's time: the C++ path wins
-    cache = TuningCache(SCOPE, tmp_path)
+    cache = gemm_cache(SCOPE, tmp_path)
     tune(problems()[1:], backend=backend, strategy="quick", cache=cache, use_heuristics=False)
-    entry = cache.get(problems()[1])
+    entry = stored(cache, problems()[1])
     assert entry["backend"] == "cutlass" and entry["other_backend_best"]["backend"] == "dsl"
     monkeypatch.undo()
     backend = FakeBackend()
-    tune(problems()[1:], backend=backend, strategy="quick", cache=TuningCache(SCOPE, tmp_path),
+    tune(problems()[1:], backend=backend, strategy="quick", cache=gemm_cache(SCOPE, tmp_path),
          use_heuristics=False, force=True)
     assert all(c.backend == "cutlass" for c in backend.verified)
-    assert TuningCache(SCOPE, tmp_path).get(problems()[1])["other_backend_best"] is None
+    assert stored(gemm_cache(SCOPE, tmp_path), problems()[1])["other_backend_best"] is None

@@ -106,3 +106,10 @@ class FakeBackend:
 
     def session(self, problem):
         return FakeSession(self, problem)
+
+
+def stored(cache, problem):
+    """What the store holds for ``problem`` as the tuner wrote it (the record's stored form,
+    every field its schema accepted), or None."""
+    entry = cache.get(problem)
+    return None if entry is None else entry.to_dict()

@@ -385,7 +385,7 @@ def test_quick_tune_checks_every_candidate_and_caches_the_winner(problem, tmp_pa
     assert nc.NormConfig.from_name(entry["winner"]).why_invalid(problem) is None
     assert entry["winner_ms"] <= entry["heuristic_ms"] * 1.10 + 1e-3
     norm_search.norm_cache().put(problem, entry)
-    assert norm_search.tuned_config_name(problem) == entry["winner"]
+    assert norm_search.tuned_config(problem).name == entry["winner"]
     assert norms._tuned(problem, torch.cuda.current_device()) == \
         nc.NormConfig.from_name(entry["winner"])
 
