@@ -33,3 +33,13 @@ class ToolchainError(CutlassOpsError):
 
 class KernelLaunchError(CutlassOpsError):
     """A built kernel refused the problem or failed to launch."""
+
+
+class UnsafeCacheError(CutlassOpsError):
+    """Compiled code (a shared object or a cubin) in a cache that another user can write to or
+    owns: loading it would run whatever they put there. ``path`` is the file or directory at
+    fault; the message says how to fix its permissions."""
+
+    def __init__(self, message: str, path: str = ""):
+        self.path = path
+        super().__init__(message)

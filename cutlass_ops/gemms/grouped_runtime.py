@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from custom_kernels.core import int_limits
 from custom_kernels.core.errors import KernelLaunchError, UnsupportedInputError
 from cutlass_ops.gemms.grouped_build import GroupedConfig, build
 
@@ -35,6 +36,27 @@ class _Args(ctypes.Structure):
                     "b_stride_group", "d_stride_m", "d_stride_n", "d_stride_group")),
                 ("alpha", ctypes.c_float), ("sm_count", ctypes.c_int32),
                 ("device", ctypes.c_int32)]
+
+
+# The C types the launcher computes in: _Args' own for the group count (int32) and the strides
+# (int64), but int32 for m, n and k, which prepare_groups narrows to CUTLASS's int problem shape.
+# ctypes and that narrowing would keep only the low bits of a larger value: another problem.
+_INTEGER_TYPES = {**int_limits.field_types(_Args), "m": ctypes.c_int32, "n": ctypes.c_int32,
+                  "k": ctypes.c_int32}
+
+
+def integer_refusal(form: str, a: torch.Tensor, b: torch.Tensor,
+                    offs: Optional[torch.Tensor]) -> Optional[str]:
+    """Why the launcher cannot take this call's group count, extents or strides
+    (``_INTEGER_TYPES``), naming the value and the limit; None when they fit."""
+    groups, m, n, k = _extents(form, a, b, offs)
+    values = {"groups": groups, "m": m, "n": n, "k": k}
+    types = dict(_INTEGER_TYPES)
+    for name, t in (("a", a), ("b", b)):
+        for d, stride in enumerate(t.stride()):
+            values[f"{name}'s stride {d}"] = stride
+            types[f"{name}'s stride {d}"] = _INTEGER_TYPES[f"{name}_stride_group"]
+    return int_limits.misfit(values, types, "the grouped launcher's")
 
 
 @functools.lru_cache(maxsize=None)
