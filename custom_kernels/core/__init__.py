@@ -1,7 +1,8 @@
 """The ground floor: what every kernel family, the public API and the tuner share.
 
-errors, version, cache_dir (cache root, atomic writes, quarantine of corrupt files), tuned_store
-(the tuned-results store: dispatch reads it, the tuner writes it), device (GPU identity and
+errors, version, cache_dir (cache root, atomic writes, strict JSON, quarantine of corrupt files),
+tuned_store (the tuned-results store: dispatch reads it, the tuner writes it; every entry parsed
+by its family's schema) and tuned_fields (the strict field readers those schemas share), device (GPU identity and
 figures), build_cache (the one build cache of nvcc shared objects and NVRTC cubins: keys, locks,
 failure records, corruption rule), tolerances (the one table of verification bounds), fallback
 (the device rule of the public entry points and the one warning a fallback logs).

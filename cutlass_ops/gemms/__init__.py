@@ -2,7 +2,9 @@
 
 config (pure data) -> inputs (tensors to a checked problem: every input check) -> space (valid configs) -> emit and
 cutlass_bridge (cutlass_cppgen to C++) -> build (nvcc, artifact cache) -> runtime (load, launch)
--> loader (emit + build + load, memoized) -> plan (one checked launch) -> choice, ranking ->
-dispatch (which kernel runs a call: the tuned-results store, then what is built).
+-> loader (emit + build + load, memoized) -> plan (one checked launch) -> choice, ranking,
+gemm_entries (the tuned-results store's GEMM records, parsed and checked) -> dispatch (which
+kernel runs a call: the tuned records, then what is built). The grouped (MoE) kernels beside
+them: grouped_build -> grouped_runtime and grouped_entries (their records and lookup).
 The folder is ``gemms`` so that it never shadows the public function ``cutlass_ops.gemm``.
 """

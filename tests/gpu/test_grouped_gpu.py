@@ -10,6 +10,8 @@ from cutlass_ops import grouped
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.core.tolerances import relative_error
 
+# grouped_mm without a tuned entry runs torch._grouped_mm: only the test of our C++ grouped
+# kernel builds with nvcc (marked nvcc).
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 
@@ -99,6 +101,7 @@ def test_compiles_with_fullgraph():
     close(compiled(x, w, offs), grouped.reference(x, w, offs))
 
 
+@pytest.mark.nvcc
 @pytest.mark.parametrize("form", ["2d3d", "2d2d", "3d2d", "3d3d"])
 def test_the_cutlass_grouped_kernel_computes_every_form(form):
     """The CUTLASS sm90 grouped kernel (csrc/grouped_launcher.cu, built on first use) on each
@@ -130,3 +133,35 @@ def test_the_cutlass_grouped_kernel_computes_every_form(form):
     graph.replay()
     torch.cuda.synchronize()
     close(out, expected)
+
+
+def test_a_grouped_entry_of_the_wrong_element_type_is_refused_at_lookup_and_at_launch(
+        tmp_path, monkeypatch):
+    """An imported entry naming an fp16 kernel for a bf16 key (issue 37): the store refuses it,
+    grouped_mm runs torch._grouped_mm with the right result, and the launcher itself refuses
+    an fp16 kernel for bf16 tensors before anything is built or launched."""
+    from cutlass_ops.gemms import grouped_entries, grouped_runtime
+    from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem
+    from custom_kernels.core.device import current_scope
+    from custom_kernels.core.tuned_store import TuningCache
+
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(grouped, "_tuned_by_signature", {})
+    sizes = [64, 0, 320, 128]
+    x, w, offs = rand(512, 256, scale=1 / 16), rand(4, 256, 512), offsets(sizes)
+    wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # an HF expert weight [N, K] as B
+    problem = GroupedProblem.of("2d3d", x, wt, offs, "bf16", "t", "n")
+    f16_kernel = GroupedConfig("f16", "t", "n")
+    cache = TuningCache(current_scope(), grouped_entries.SCHEMA)
+    report = cache.merge({problem.name: {"problem": problem.to_dict(), "prefer": "cutlass",
+                                         "winner": f16_kernel.name, "winner_ms": 1e-3,
+                                         "torch_ms": 1.0}})
+    assert report.changed == 0 and "compiled for f16/t/n" in report.rejections[0].reason
+    assert grouped_entries.tuned_config(problem) is None
+    close(cutlass_ops.grouped_mm(x, wt, offs), grouped.reference(x, wt, offs))
+
+    out = torch.empty(512, 512, device="cuda", dtype=BF16)
+    with pytest.raises(UnsupportedInputError, match="compiled for f16 operands"):
+        grouped_runtime.run(f16_kernel, "2d3d", x, wt, offs, out)
+    with pytest.raises(UnsupportedInputError, match="compiled for layouts tt"):
+        grouped_runtime.run(GroupedConfig("bf16", "t", "t"), "2d3d", x, wt, offs, out)
