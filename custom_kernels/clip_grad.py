@@ -50,6 +50,7 @@ address stays the same.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import math
 import operator
@@ -63,6 +64,7 @@ import torch
 from custom_kernels import jit, work_queue
 from custom_kernels.cooperative import (launch_cooperative, max_cooperative_grid,
                                         supports_cooperative_launch)
+from custom_kernels.core import int_limits
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.core.fallback import log_once
 from custom_kernels.launch import launch, sm_count
@@ -79,6 +81,9 @@ TASKS_PER_BLOCK = 32
 ESTIMATED_BLOCKS_PER_SM = 4
 MIN_CHUNK, MAX_CHUNK, ALIGN = 8192, 1 << 21, 2048
 PLAN_CACHE_SIZE = 16
+# The kernels index the gradients with an int (csrc/clip_grad.cu's Table::n): more of them run on
+# torch, whose loop has no such limit.
+MAX_TENSORS = int_limits.c_range(ctypes.c_int)[1]
 
 launches: collections.Counter = collections.Counter()
 
@@ -213,6 +218,7 @@ def _launch_fused(plan: Plan, norm_code: int, max_norm: float, norm: torch.Tenso
                   device: int) -> None:
     kernel = _kernel("clip_grad_fused", norm_code, device)
     grid = min(plan.n_tasks, max_cooperative_grid(kernel, BLOCK, 0, device))
+    work_queue.check_tickets(plan.n_tasks, grid, BLOCK)
     partials = torch.empty(plan.n_tasks, dtype=torch.float32, device=norm.device)
     launch_cooperative(kernel, plan.table, plan.n_tensors, plan.total, plan.chunk, plan.n_tasks,
                        partials, work_queue.counters(device), norm, DTYPE_CODES[norm.dtype],
@@ -345,7 +351,8 @@ def _kernel_plan(grads, norm_type: float) -> tuple:
     """(norm code, device index, plan); the plan is None where torch runs instead."""
     norm_code = NORM_CODES.get(norm_type)
     device = grads[0].get_device()
-    plan = _plan(grads, device) if norm_code is not None and device >= 0 else None
+    ours = norm_code is not None and device >= 0 and len(grads) <= MAX_TENSORS
+    plan = _plan(grads, device) if ours else None
     return norm_code, device, plan
 
 
@@ -383,6 +390,8 @@ def _torch_reason(grads, norm_code) -> str:
         return f"the gradients are on several GPUs ({', '.join(devices)})"
     if norm_code is None:
         return "a norm type other than 1, 2 and inf"
+    if len(grads) > MAX_TENSORS:
+        return f"{len(grads)} gradients, more than the kernels' int index holds ({MAX_TENSORS})"
     if any(g.dtype not in DTYPE_CODES for g in grads):
         return "a gradient dtype other than float32, float16 and bfloat16"
     return "a sparse or non-contiguous gradient"

@@ -21,7 +21,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from custom_kernels.core.errors import CutlassOpsError, KernelLaunchError
+from custom_kernels.core import int_limits
+from custom_kernels.core.errors import CutlassOpsError, KernelLaunchError, UnsupportedInputError
 from custom_kernels.core.fallback import require_cuda_arguments
 
 
@@ -149,10 +150,20 @@ _NUMPY_CTYPES = {"int8": ctypes.c_int8, "int16": ctypes.c_int16, "int32": ctypes
                  "float32": ctypes.c_float, "float64": ctypes.c_double, "bool": ctypes.c_bool}
 
 
+# A Python int goes as a signed 64-bit value, or unsigned (an address) where only that holds it;
+# ctypes would keep the low 64 bits of anything else, so it is refused (int_limits' check, with
+# the bounds inlined: this runs for every argument of every launch).
+_INT_LOW, _INT_HIGH = int_limits.c_range(ctypes.c_int64)[0], int_limits.c_range(ctypes.c_uint64)[1]
+
+
 def _ctype(arg):
     if isinstance(arg, bool):
         return ctypes.c_bool(arg)
     if isinstance(arg, int):
+        if not _INT_LOW <= arg <= _INT_HIGH:
+            c_type = ctypes.c_int64 if arg < 0 else ctypes.c_uint64
+            raise UnsupportedInputError(
+                int_limits.misfit({"a kernel argument": arg}, c_type))
         return ctypes.c_int64(arg) if arg < (1 << 63) else ctypes.c_uint64(arg)
     if isinstance(arg, float):
         return ctypes.c_double(arg)

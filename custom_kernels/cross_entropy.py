@@ -28,6 +28,7 @@ function, then the torch step (the fallback, and ``cutlass_ops.cross_entropy``'s
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 from typing import Optional
@@ -35,7 +36,7 @@ from typing import Optional
 import torch
 
 from custom_kernels import jit
-from custom_kernels.core import fallback
+from custom_kernels.core import fallback, int_limits
 from custom_kernels.core.errors import UnsupportedInputError
 
 SOURCE = "cross_entropy.cu"
@@ -50,6 +51,9 @@ DTYPE_NAMES = {"float32": 0, "float16": 1, "bfloat16": 2}
 # a row hits L2 (see the .cu file); at least one block per SM whatever the row size.
 L2_SHARE = 2 / 3
 DEFAULT_L2_BYTES = 50 << 20  # H100 / H200, where torch does not report it
+# The kernel takes the vocabulary as a long long but indexes a row with int, a thread's index
+# running up to UNROLL x BLOCK (8 x 1024) past the row's last element: a larger one would wrap.
+MAX_VOCAB = int_limits.c_range(ctypes.c_int)[1] - 8 * 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,9 +184,9 @@ def _(logits, labels, ignore_index, smoothing, softcap, row_scale, write_grad):
 # ---------------------------------------------------------------------------------------------
 
 def _kernel_layout(logits) -> bool:
-    """A contiguous last dimension, rows that do not overlap, V < 2^31."""
+    """A contiguous last dimension, rows that do not overlap, V at most MAX_VOCAB."""
     rows, vocab = logits.shape
-    return 0 < vocab < 2 ** 31 and (vocab == 1 or logits.stride(1) == 1) and \
+    return 0 < vocab <= MAX_VOCAB and (vocab == 1 or logits.stride(1) == 1) and \
         (rows <= 1 or logits.stride(0) >= vocab)
 
 
@@ -191,9 +195,10 @@ def _check(logits, labels, smoothing, softcap, row_scale) -> None:
     if logits.dtype not in DTYPE_CODES:
         raise UnsupportedInputError(f"logits must be float32, float16 or bfloat16, not "
                                     f"{logits.dtype}")
-    if logits.dim() != 2 or not 0 < logits.shape[1] < 2 ** 31:
-        raise UnsupportedInputError(f"logits must be [rows, vocab] with 0 < vocab < 2^31, got "
-                                    f"shape {tuple(logits.shape)}")
+    if logits.dim() != 2 or not 0 < logits.shape[1] <= MAX_VOCAB:
+        raise UnsupportedInputError(f"logits must be [rows, vocab] with 0 < vocab <= {MAX_VOCAB} "
+                                    f"(the kernel indexes a row with int), got shape "
+                                    f"{tuple(logits.shape)}")
     rows, vocab = logits.shape
     if not _kernel_layout(logits):
         raise UnsupportedInputError(f"logits need a contiguous last dimension and rows that do "

@@ -12,7 +12,8 @@ compile keeps its log in ``<stem>-<hash>.log`` and a ``<stem>-<hash>.failed.json
 second, and no caller has a retry switch to clear a failure that was not the source's fault.
 
 ``get_kernel`` compiles (or finds) the cubin and loads it, memoized per (source, name, defines,
-device): after the first call it costs a dict lookup.
+device): after the first call it costs a dict lookup. A cubin is loaded only from a cache that no
+other user can write to (``custom_kernels.core.cache_trust``: ``UnsafeCacheError`` otherwise).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from custom_kernels.core import build_cache
+from custom_kernels.core import build_cache, cache_trust
 from custom_kernels.core.errors import ToolchainError
 
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -187,6 +188,7 @@ def _load(source: str, name: str, defines: Mapping, device: int):
 
     arch = device_arch(device)
     path = compile_cubin(source, defines=defines, name_expressions=(name,), arch=arch)
+    cache_trust.require_private(path)  # the driver runs what it loads
     # cuda.core wants the lowered (mangled) names as bytes, as NVRTC returns them.
     mapping = {expr: lowered.encode() for expr, lowered in
                json.loads(path.with_suffix(".json").read_text()).items()}

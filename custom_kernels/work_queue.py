@@ -11,6 +11,9 @@ Counters: one bank per device, allocated once from torch's allocator and zeroed 
 stream run one after another, so they share it; kernels on two streams may overlap, so they must
 not). With more than ``SLOTS`` streams in use, slots are reused round robin.
 
+The tickets are unsigned 32-bit: a launch whose tasks, with the one ticket each consumer draws
+past the last task, would pass 2**32 - 1 is refused (``check_tickets``) rather than wrap.
+
 The bank is allocated on first use, which must not happen inside CUDA graph capture (an
 allocation there would belong to the graph): run the kernel once before capturing, as the usual
 warm-up does. A kernel that faulted midway leaves its slot dirty: ``reset`` zeroes the bank.
@@ -18,12 +21,16 @@ warm-up does. A kernel that faulted midway leaves its slot dirty: ``reset`` zero
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
-from custom_kernels.core.errors import CutlassOpsError
+from custom_kernels.core import int_limits
+from custom_kernels.core.errors import CutlassOpsError, UnsupportedInputError
 from custom_kernels.core.fallback import require_cuda_arguments
 
 COUNTERS = 4  # ck::kCounters: kMaxPhases tickets, then the done counter
+TICKET_TYPE = ctypes.c_uint32  # ck::BlockQueue's and warp_pull's ticket counter
+_TICKET_MAX = int_limits.c_range(TICKET_TYPE)[1]
 SLOTS = 64
 
 _banks: dict = {}
@@ -112,6 +119,17 @@ def persistent_grid(kernel, tasks: int, block: int, shared_mem: int = 0,
     return max(1, min(tasks, max_cooperative_grid(kernel, block, shared_mem, device)))
 
 
+def check_tickets(tasks: int, grid: int, block: int) -> None:
+    """Refuses ``tasks`` that the unsigned ticket counter cannot count: each consumer (a block,
+    or a warp of one) draws one ticket past the last task, so the counter reaches at most
+    ``tasks`` plus their number, which must fit it (else it would wrap and hand tasks out twice)."""
+    drawn = tasks + grid * max(1, block // 32)
+    if drawn > _TICKET_MAX:
+        raise UnsupportedInputError(
+            int_limits.misfit({"tasks + one ticket per consumer": drawn}, TICKET_TYPE,
+                              "the work queue's") + "; split the work into several launches")
+
+
 def launch_persistent(kernel, *args, tasks: int, block: int, shared_mem: int = 0,
                       cooperative: bool = False, device: int | None = None) -> int:
     """Launch ``kernel`` persistently for ``tasks`` tasks on torch's current stream; its arguments
@@ -119,6 +137,7 @@ def launch_persistent(kernel, *args, tasks: int, block: int, shared_mem: int = 0
     co-resident by construction). Returns the grid size."""
     require_cuda_arguments(args, "launch_persistent")
     grid = persistent_grid(kernel, tasks, block, shared_mem, device)
+    check_tickets(tasks, grid, block)
     if cooperative:
         from custom_kernels.cooperative import launch_cooperative
 

@@ -8,6 +8,10 @@ file lock, check again, build into a temporary file, then publish the log, the s
 the artifact (``os.replace``). So an artifact that is present with a valid sidecar is a complete
 entry, and a build that is interrupted or killed leaves none.
 
+An artifact is returned only from a cache that no other user can write to (``cache_trust``:
+``UnsafeCacheError`` otherwise, checked before a build too), and a built one is published
+without group or other write permission, whatever the umask.
+
 A failed build leaves one failure record, its log and a small JSON summary, and raises
 ``BuildError``. Kinds that keep failures re-raise the record without building again until asked to
 retry. A corrupt entry (an empty or truncated artifact, a missing or invalid sidecar) is set aside
@@ -21,6 +25,7 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 import struct
 import time
 from pathlib import Path
@@ -28,7 +33,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import filelock
 
-from custom_kernels.core import cache_dir
+from custom_kernels.core import cache_dir, cache_trust
 from custom_kernels.core.errors import BuildError
 
 KEY_CHARS = 20  # of the sha256 hex digest: readable paths, no collision at any cache's size
@@ -134,20 +139,29 @@ def summarize(log: str) -> str:
 def get_or_build(entry: Entry, build: Callable[[Path], Built], *,
                  retry: bool = False) -> Published:
     """The entry's artifact: from the cache, or ``build(temporary path)`` now, once across threads
-    and processes. Raises BuildError (the new or the kept failure)."""
+    and processes. Raises BuildError (the new or the kept failure), or UnsafeCacheError where
+    the artifact or a directory above it could be written by another user (before building:
+    nothing built there would be loaded)."""
     if is_complete(entry):
-        return Published(entry.artifact, 0.0)
+        return _loadable(Published(entry.artifact, 0.0))
+    cache_trust.require_private(entry.artifact.parent)
     with filelock.FileLock(str(entry.lock)):
         # Only the lock holder sets corrupt files aside: a reader outside it could move away an
         # entry that a builder has just published.
         if is_complete(entry, repair=True):  # another caller built it while we waited
-            return Published(entry.artifact, 0.0)
+            return _loadable(Published(entry.artifact, 0.0))
         if entry.keep_failures and not retry:
             failure = kept_failure(entry)
             if failure is not None:
                 raise failure
         entry.failure.unlink(missing_ok=True)
-        return _build(entry, build)
+        return _loadable(_build(entry, build))
+
+
+def _loadable(published: Published) -> Published:
+    """``published``, once its artifact and the directories above it are private."""
+    cache_trust.require_private(published.path)
+    return published
 
 
 def is_complete(entry: Entry, *, repair: bool = False) -> bool:
@@ -208,7 +222,7 @@ def _build(entry: Entry, build: Callable[[Path], Built]) -> Published:
     # A fresh name the build creates (so the artifact gets the compiler's usual file mode).
     tmp = entry.artifact.with_name(
         f".{entry.artifact.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir.make_private_dirs(tmp.parent)
     start = time.perf_counter()
     try:
         try:
@@ -216,6 +230,9 @@ def _build(entry: Entry, build: Callable[[Path], Built]) -> Published:
             why = damage(tmp) if tmp.is_file() else "is missing"
             if why is not None:
                 raise BuildFailed(built.log, f"the build reported success but its output {why}")
+            # Compilers honour the umask (nvcc's 0o775 under umask 002): no group or other
+            # write on what this process and others will load.
+            os.chmod(tmp, stat.S_IMODE(os.stat(tmp).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
         except BuildFailed as failed:
             raise _record_failure(entry, failed, time.perf_counter() - start) from failed.__cause__
         seconds = time.perf_counter() - start

@@ -47,10 +47,9 @@ def refusal(path: Path | str) -> tuple[str, str] | None:
         if key in _private:
             continue
         try:
-            info = os.stat(part)
-        except FileNotFoundError:
+            problem = _inspect(part)
+        except FileNotFoundError:  # not there yet: whoever creates it, the parent is checked
             continue
-        problem = _problem(info)
         if problem is not None:
             return _message(part, problem, root), key
         _private.add(key)
@@ -79,7 +78,10 @@ def _chain(path: Path) -> tuple[Path | None, list[Path]]:
     return root, chain
 
 
-def _problem(info: os.stat_result) -> str | None:
+def _inspect(path: Path) -> str | None:
+    """What makes ``path`` unsafe ("is writable by group (drwxrwxr-x)"), or None. Raises
+    FileNotFoundError when it does not exist."""
+    info = os.stat(path)
     owner, me = info.st_uid, os.geteuid()
     if owner not in (me, 0):
         return f"belongs to user id {owner}, neither this user ({me}) nor root"
@@ -95,8 +97,8 @@ def _message(part: Path, problem: str, root: Path | None) -> str:
         fix = (f"have {part} removed or given to you, or set {ENV_VAR} to a directory of your "
                "own (mkdir -m 700 DIR)")
     else:
-        below = f" (and on every other directory from {root} down to it)" if root else ""
-        fix = (f"run `chmod go-w {part}`{below}, or set {ENV_VAR} to a private directory "
+        whole = f" (`chmod -R go-w {root}` fixes the whole cache)" if root else ""
+        fix = (f"run `chmod go-w {part}`{whole}, or set {ENV_VAR} to a private directory "
                "(mkdir -m 700 DIR)")
     return (f"cutlass-ops refuses to load compiled code from its cache: {part} {problem}, so "
             "another user could replace the kernels that this process would run. To fix it, "

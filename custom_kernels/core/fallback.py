@@ -14,6 +14,13 @@ Entry points that name a kernel (``cutlass_ops.gemm`` and ``plan`` with their ``
 norm functions given a ``config``, ``custom_kernels.launch_cooperative`` and
 ``launch_persistent``) raise ``UnsupportedInputError`` naming the device.
 
+Compiled code in a cache that another user can write to is never loaded (``cache_trust``).
+``cutlass_ops.matmul`` (and the GEMM ops and modules built on its dispatch) counts such a cache's
+kernels as not built and runs torch.matmul, as it does before anything is built, with one warning
+naming the path and the fix. Every other entry point raises ``UnsafeCacheError`` with the
+same words: those that name a kernel, the NVRTC families (their kernels come only from the cache,
+compiled on first use) and ``grouped_mm`` (its kernel is one a tune stored for this cache).
+
 Tensors of one call on different devices (one on the CPU, one on a GPU) raise
 ``UnsupportedInputError`` at every entry point. The one exception: ``clip_grad_norm_`` with
 gradients spread over several GPUs, which torch defines for model-parallel training, runs

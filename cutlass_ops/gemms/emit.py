@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 import filelock
 
-from custom_kernels.core import cache_dir
+from custom_kernels.core import cache_dir, cache_trust
 from cutlass_ops.gemms.config import Arch, GemmConfig, GemmOperands
 from custom_kernels.core.errors import EmissionError, ToolchainError
 
@@ -94,7 +94,9 @@ def cached_source(operands: GemmOperands, config: GemmConfig) -> str | None:
 
 def _read_source(path) -> str | None:
     """A cached source, or None when absent; an empty or undecodable file is set aside (the
-    cache's corruption rule), so that it is emitted again."""
+    cache's corruption rule), so that it is emitted again. Raises UnsafeCacheError where another
+    user could have written it: the source is compiled into a kernel this process loads."""
+    cache_trust.require_private(path)
     try:
         text = path.read_bytes().decode()
     except OSError:

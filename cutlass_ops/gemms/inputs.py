@@ -1,8 +1,9 @@
 """From torch tensors to a checked GEMM problem, with every check a kernel needs, in one place.
 
 ``check_gemm`` (``check_product``, then ``check_epilogue``) checks dtypes, shapes, strides, TMA
-alignment, overlap and the epilogue's tensors, and returns a ``CheckedGemm``: the problem and its
-operands' memory, which ``plan`` builds launch arguments from without checking anything again.
+alignment, overlap, the epilogue's tensors and that every extent and stride fits the launcher's
+integer type, and returns a ``CheckedGemm``: the problem and its operands' memory, which
+``plan`` builds launch arguments from without checking anything again.
 ``cutlass_ops.gemm / plan`` and ``cutlass_ops.matmul``'s dispatch both decide from these
 functions; the device rule comes before them (``custom_kernels.core.fallback``) and the GPU's
 arch beside them (``arch_refusal``). Pure tensor metadata work: nothing is allocated or launched.
@@ -11,15 +12,22 @@ Each refusal raises UnsupportedInputError naming the tensor and what to do about
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 from typing import Any
 
 from cutlass_ops.gemms.config import (Activation, Arch, BiasMode, DType, Epilogue, GemmOperands,
                                       GemmProblem, Layout)
+from custom_kernels.core import int_limits
 from custom_kernels.core.errors import UnsupportedInputError
 
 TMA_ALIGNMENT_BYTES = 16
+# The C types of the launcher's integers (CutlassOpsGemmArgs in csrc/gemm_launcher.cu;
+# runtime.GemmArgs declares its fields with these): M, N, K and the batch are int32, strides int64.
+# ctypes would store a value that does not fit modulo 2**bits, so the checks refuse it first.
+EXTENT_TYPE = ctypes.c_int32
+STRIDE_TYPE = ctypes.c_int64
 
 
 def element_type(torch_dtype, name: str) -> DType:
@@ -126,6 +134,20 @@ def check_tma_alignment(view: MatrixView, name: str) -> None:
             ". Pad the dimension or copy into a fresh tensor (torch.matmul handles this case)")
 
 
+def strides(view: MatrixView, name: str) -> dict[str, int]:
+    """The strides the launcher receives for a view (the unit one is 1), by name."""
+    return {f"{name}'s leading dimension": view.ld, f"{name}'s batch stride": view.batch_stride}
+
+
+def check_launcher_integers(values: dict[str, int], c_type) -> None:
+    """Refuses values that the launcher's integer fields of ``c_type`` cannot hold, naming the
+    value and the limit (ctypes would keep only their low bits: another problem, silently)."""
+    why = int_limits.misfit(values, c_type, "the CUTLASS launcher's")
+    if why is not None:
+        raise UnsupportedInputError(f"{why}; split the problem, or use torch.matmul "
+                                    "(cutlass_ops.matmul runs it there)")
+
+
 def gemm_operands(a: MatrixView, b: MatrixView, d: MatrixView) -> GemmOperands:
     return GemmOperands(a.dtype, b.dtype, d.dtype, d.dtype, DType.F32, a.layout, b.layout,
                         d.layout, TMA_ALIGNMENT_BYTES // a.dtype.bytes,
@@ -191,11 +213,13 @@ def check_product(a, b, *, out=None, out_dtype=None,
     checked = CheckedGemm(None, {}, shape, out_dtype, a.device, out, out_layout)
     if k == 0 or math.prod(shape) == 0:
         return checked
+    check_launcher_integers({"M": m, "N": n, "K": k, "the batch": batch}, EXTENT_TYPE)
     described = out if out is not None else new_output(shape, out_dtype, out_layout, "meta")
     views = {"A": matrix_view(a, "A", batch), "B": matrix_view(b, "B", batch),
              "out": matrix_view(described, "out", batch)}
     for name, view in views.items():
         check_tma_alignment(view, name)
+        check_launcher_integers(strides(view, name), STRIDE_TYPE)
     for name, t in (("A", a), ("B", b)):
         if out is not None and _overlap(out, t):
             raise UnsupportedInputError(f"out overlaps {name} in memory; the result would be "
@@ -235,6 +259,7 @@ def check_epilogue(product: CheckedGemm, *, c=None, alpha: float = 1.0, beta: fl
             raise UnsupportedInputError("C and out must share one layout (both row-major or both "
                                         "column-major)")
         check_tma_alignment(views["C"], "C")
+        check_launcher_integers(strides(views["C"], "C"), STRIDE_TYPE)
     fused = mode is not BiasMode.NONE or activation is not Activation.IDENTITY
     epilogue = Epilogue(activation, mode, residual=fused and c is not None)
     problem = dataclasses.replace(

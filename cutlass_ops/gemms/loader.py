@@ -13,7 +13,8 @@ from typing import Callable, Iterable
 
 from cutlass_ops.gemms import build, emit, runtime, space
 from cutlass_ops.gemms.config import Arch, BiasMode, GemmConfig, GemmOperands
-from custom_kernels.core.errors import CutlassOpsError, KernelLaunchError
+from custom_kernels.core import cache_trust, fallback
+from custom_kernels.core.errors import CutlassOpsError, KernelLaunchError, UnsafeCacheError
 
 _loaded: dict[tuple, runtime.LoadedKernel] = {}
 _valid: set[tuple[GemmOperands, GemmConfig]] = set()
@@ -107,9 +108,21 @@ def prepare_many(items: Iterable[tuple[GemmOperands, GemmConfig]], *, jobs: int 
 
 def is_built(operands: GemmOperands, config: GemmConfig) -> bool:
     """Whether the kernel is emitted and built already, so that running it compiles nothing.
-    Reads the cache only: never emits or compiles."""
-    source = emit.cached_source(operands, config)
-    return source is not None and build.is_built(build_spec(operands, config, source))
+    Reads the cache only: never emits or compiles. A kernel in a cache that another user can
+    write to counts as not built (it would not be loaded: ``cache_trust``), with one warning
+    naming the path and the fix, so that ``cutlass_ops.matmul`` runs torch.matmul instead."""
+    try:
+        source = emit.cached_source(operands, config)
+        if source is None:
+            return False
+        spec = build_spec(operands, config, source)
+        if not build.is_built(spec):
+            return False
+        cache_trust.require_private(spec.directory / build.LIBRARY)
+    except UnsafeCacheError as exc:
+        fallback.log_once("cutlass-ops sees no built kernels", str(exc))
+        return False
+    return True
 
 
 def expected_epilogue_slots(operands: GemmOperands) -> tuple[int, int]:

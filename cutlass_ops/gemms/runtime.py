@@ -1,7 +1,10 @@
 """Loading built kernels and launching them on torch tensors' memory.
 
 The artifact exports a C ABI (see csrc/gemm_launcher.cu); ctypes calls it. Per-device facts (SM
-count, compute capability) are queried once per device and cached, never on each call.
+count, compute capability) are queried once per device and cached, never on each call. A library
+is loaded only from a cache no other user can write to (``custom_kernels.core.cache_trust``), and
+its integer arguments were checked against their C types when the problem was
+(``inputs.check_launcher_integers``).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import ctypes
 import functools
 from pathlib import Path
 
+from cutlass_ops.gemms.inputs import EXTENT_TYPE, STRIDE_TYPE
+from custom_kernels.core import cache_trust
 from custom_kernels.core.errors import KernelLaunchError
 
 ABI_VERSION = 2
@@ -19,22 +24,19 @@ _STATUS = {1: "the kernel cannot implement this problem", 2: "workspace too smal
 
 
 class GemmArgs(ctypes.Structure):
-    """Mirror of CutlassOpsGemmArgs. Strides in elements; B is seen as N x K."""
+    """Mirror of CutlassOpsGemmArgs. Strides in elements; B is seen as N x K. The extents' and
+    strides' C types are the ones ``inputs`` checks values against (int32, int64)."""
 
     _fields_ = [
-        ("m", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("l", ctypes.c_int32),
+        ("m", EXTENT_TYPE), ("n", EXTENT_TYPE), ("k", EXTENT_TYPE), ("l", EXTENT_TYPE),
         ("a", ctypes.c_void_p),
-        ("a_stride_m", ctypes.c_int64), ("a_stride_k", ctypes.c_int64),
-        ("a_stride_l", ctypes.c_int64),
+        ("a_stride_m", STRIDE_TYPE), ("a_stride_k", STRIDE_TYPE), ("a_stride_l", STRIDE_TYPE),
         ("b", ctypes.c_void_p),
-        ("b_stride_n", ctypes.c_int64), ("b_stride_k", ctypes.c_int64),
-        ("b_stride_l", ctypes.c_int64),
+        ("b_stride_n", STRIDE_TYPE), ("b_stride_k", STRIDE_TYPE), ("b_stride_l", STRIDE_TYPE),
         ("c", ctypes.c_void_p),
-        ("c_stride_m", ctypes.c_int64), ("c_stride_n", ctypes.c_int64),
-        ("c_stride_l", ctypes.c_int64),
+        ("c_stride_m", STRIDE_TYPE), ("c_stride_n", STRIDE_TYPE), ("c_stride_l", STRIDE_TYPE),
         ("d", ctypes.c_void_p),
-        ("d_stride_m", ctypes.c_int64), ("d_stride_n", ctypes.c_int64),
-        ("d_stride_l", ctypes.c_int64),
+        ("d_stride_m", STRIDE_TYPE), ("d_stride_n", STRIDE_TYPE), ("d_stride_l", STRIDE_TYPE),
         ("alpha", ctypes.c_float), ("beta", ctypes.c_float),
         ("device_id", ctypes.c_int32), ("sm_count", ctypes.c_int32),
         ("raster_order", ctypes.c_int32), ("swizzle", ctypes.c_int32), ("splits", ctypes.c_int32),
@@ -48,6 +50,7 @@ class LoadedKernel:
     def __init__(self, library: Path, name: str):
         self.name = name
         self.library = library
+        cache_trust.require_private(library)  # UnsafeCacheError: loading it runs its code
         lib = ctypes.CDLL(str(library))
         lib.cutlass_ops_abi_version.restype = ctypes.c_int
         version = lib.cutlass_ops_abi_version()
