@@ -99,6 +99,24 @@ def group_starts_aligned(form: str, a: torch.Tensor, b: torch.Tensor) -> bool:
     return form == "3d3d"
 
 
+def check_operands(config: GroupedConfig, a: torch.Tensor, b: torch.Tensor,
+                   out: torch.Tensor) -> None:
+    """The kernel reads A and B and writes D as the element type and layouts it was compiled
+    for, whatever the tensors hold: a mismatch (a tuning entry naming another type's kernel)
+    would be a wrong answer, so it is refused here, at the last step before the launch."""
+    expected = {"bf16": torch.bfloat16, "f16": torch.float16}[config.element]
+    wrong = {name: t.dtype for name, t in (("A", a), ("B", b), ("the output", out))
+             if t.dtype != expected}
+    if wrong:
+        raise UnsupportedInputError(
+            f"{config.name} is compiled for {config.element} operands; " +
+            ", ".join(f"{name} is {dtype}" for name, dtype in wrong.items()))
+    if (layout(a), layout(b)) != (config.layout_a, config.layout_b):
+        raise UnsupportedInputError(
+            f"{config.name} is compiled for layouts {config.layout_a}{config.layout_b}; A and B "
+            f"are {layout(a)}{layout(b)}")
+
+
 def _extents(form: str, a, b, offs) -> tuple[int, int, int, int]:
     """(groups, m, n, k): the grouped extent as its total."""
     if form == "2d3d":
@@ -117,6 +135,7 @@ def run(config: GroupedConfig, form: str, a: torch.Tensor, b: torch.Tensor,
     of each operand it cuts: ``group_starts_aligned`` (or offsets that are multiples of 8
     elements, which only the caller can know). Raises KernelLaunchError with the launcher's
     text."""
+    check_operands(config, a, b, out)
     library = _library(build(config))
     groups, m, n, k = _extents(form, a, b, offs)
     device = a.device.index
@@ -161,4 +180,5 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-__all__ = ["run", "launch", "config_for", "layout", "group_starts_aligned", "FORMS"]
+__all__ = ["run", "launch", "check_operands", "config_for", "layout", "group_starts_aligned",
+           "FORMS"]

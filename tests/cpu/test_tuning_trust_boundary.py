@@ -314,3 +314,24 @@ def _device():
     from custom_kernels.core.device import named_spec
 
     return named_spec("H100")
+
+
+def test_the_grouped_launcher_refuses_a_kernel_of_another_element_type_or_layout():
+    """The last check before a launch (GPU test: tests/gpu/test_grouped_gpu.py): it runs before
+    any build, so CPU tensors show it."""
+    import torch
+
+    from cutlass_ops.gemms import grouped_runtime
+    from cutlass_ops.gemms.grouped_build import GroupedConfig
+    from custom_kernels.core.errors import UnsupportedInputError
+
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    wt = torch.randn(4, 48, 32, dtype=torch.bfloat16).transpose(1, 2)  # column-major B
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    out = torch.empty(64, 48, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedInputError, match="compiled for f16 operands; A is"):
+        grouped_runtime.run(GroupedConfig("f16", "t", "n"), "2d3d", x, wt, offs, out)
+    with pytest.raises(UnsupportedInputError, match="the output is torch.float16"):
+        grouped_runtime.run(GroupedConfig("bf16", "t", "n"), "2d3d", x, wt, offs, out.half())
+    with pytest.raises(UnsupportedInputError, match="compiled for layouts tt; A and B are tn"):
+        grouped_runtime.run(GroupedConfig("bf16", "t", "t"), "2d3d", x, wt, offs, out)
