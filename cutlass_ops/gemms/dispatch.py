@@ -287,7 +287,7 @@ def _cutlass_route(decision: Decision, checked: inputs.CheckedGemm, key,
     swaps in its own pointers and scalars, which the signature (shapes, strides, dtypes,
     alignment, devices) keeps valid: the per-call host work is an output allocation, a struct
     copy and the launch."""
-    from custom_kernels.core.errors import InvalidConfigError
+    from custom_kernels.core.errors import InvalidConfigError, UnsafeCacheError
 
     choice = decision.choice
     assert choice is not None
@@ -301,8 +301,9 @@ def _cutlass_route(decision: Decision, checked: inputs.CheckedGemm, key,
 
         try:
             kernel, args = plan.prepare(choice.orient(checked), choice.config)
-        except InvalidConfigError as exc:
-            # A rule of the config the decision did not foresee: this signature goes to torch.
+        except (InvalidConfigError, UnsafeCacheError) as exc:
+            # A rule of the config the decision did not foresee, or a kernel cache that turned
+            # writable by others since the decision (cache_trust): this signature goes to torch.
             torch_route = _torch_route(Decision("torch", None, str(exc)), out_dtype, activation)
             _log_once(str(exc))
             if key is not None:
@@ -466,11 +467,21 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
             return _unfused_route(Decision("unfused", None, f"{decision.reason}; the plain GEMM "
                                            "runs with the epilogue in torch"), plain, activation)
         if decision.source == "torch":
+            decision = _unsafe_cache_reason(decision, device.arch)
             _log_once(decision.reason)
         return _torch_route(decision, out_dtype, activation)
     if decision.choice.backend == "dsl":
         return _dsl_route(decision, checked, key, activation)
     return _cutlass_route(decision, checked, key, activation)
+
+
+def _unsafe_cache_reason(decision: Decision, arch: str) -> Decision:
+    """Nothing built, because the kernel cache is writable by others (``loader.is_built`` then
+    counts nothing as built): say that, not "run cutlass-tune tune", which would not help."""
+    from custom_kernels.core import cache_dir, cache_trust
+
+    why = cache_trust.refusal(cache_dir.versioned_dir("artifacts", arch))
+    return decision if why is None else dataclasses.replace(decision, reason=why[0])
 
 
 def _ready(choice, problem: GemmProblem, is_built) -> bool:
