@@ -16,8 +16,16 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
   that ``ratio`` = the reference's GB over ours; each variant's peak without the other variants'
   weights (they share the GPU).
 Times are CUDA-event medians after warm-up, the variants interleaved repetition by repetition
-(the host's speed drifts over a run). Each variant's loss and logits are checked against eager's
-on the same inputs (bf16 tolerance). The GEMMs run what dispatch has: ``--tune quick``
+(the host's speed drifts over a run). Checks (``benchmarks/model_checks.py``, bounds from
+``custom_kernels.core.tolerances``), each against eager on the same inputs: a ``train`` row is
+correct when its variant's loss is within 1% of eager's and every parameter's gradient within
+the ``model gradients`` bound (``detail`` names the worst parameter); a ``prefill`` row when its
+logits are within 2e-2 of eager's (or no further than its reference's); a ``decode`` row when
+teacher-forced decoding (eager's generated tokens fed to both models one at a time through
+their KV caches) keeps every step's logits within the ``model logits`` bound (``detail`` has
+the steps' top-1 agreement, and ``generated_tokens_equal``: the share of generated tokens, the
+prompt excluded, on which the two ``generate()`` outputs agree); a ``peak memory`` row when the
+train step it measured passed its check. The GEMMs run what dispatch has: ``--tune quick``
 first tunes every GEMM the converted model runs (its Linears forward and backward, the decode
 batches, the chunked loss head). "ours" is ``convert``'s model: fused norms, our Linear, and the
 loss through the chunked head when labels are passed. Results are
@@ -45,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks import model_checks  # noqa: E402
 from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
@@ -80,19 +89,31 @@ def parameter_bytes(model) -> int:
 
 
 def measure_train(variants, ids, reps):
-    """Time and peak memory of each variant's train step. The times are interleaved repetition
+    """Check, time and peak memory of each variant's train step. The first step of each
+    variant is its check (``model_checks.check_train_step``) against eager's, which runs
+    first: eager's gradients are kept (the tensors themselves, no copy) until every variant is
+    checked. The times are interleaved repetition
     by repetition (tuning.timing's do_bench_interleaved), as decoding's: at small sizes a step
     is partly host-bound and the host's speed drifts, and sequential timing credits whoever ran
     on a quiet stretch or a cool GPU. The variants share the GPU, so a variant's peak (one step
     of its own, before the timing) is the allocator's peak less what the other variants'
-    weights and gradients hold: the figure the model alone would show (its weights, gradients,
-    activations and temporaries)."""
-    out, steps = {}, {}
+    weights and gradients (and eager's kept gradients) hold: the figure the model alone would
+    show (its weights, gradients, activations and temporaries)."""
+    if next(iter(variants)) != "eager":
+        raise ValueError("eager must be the first variant: the others are checked against it")
+    out, steps, reference = {}, {}, None
+    tolerance = model_checks.gradient_tolerance(variants["eager"])
     for name, model in variants.items():
         model.train()
         step = steps[name] = train_step(model, ids)
         loss = step().detach().float().item()
-        model.zero_grad(set_to_none=True)
+        grads = model_checks.gradients(model)
+        if reference is None:
+            reference = (loss, grads)
+        model.zero_grad(set_to_none=True)  # the gradients now belong to grads alone
+        check = model_checks.check_train_step(loss, grads, *reference, tolerance) \
+            if name != "eager" else None
+        del grads
         torch.cuda.synchronize()
         others = torch.cuda.memory_allocated() - parameter_bytes(model)
         torch.cuda.reset_peak_memory_stats()
@@ -100,12 +121,30 @@ def measure_train(variants, ids, reps):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - others
         model.zero_grad(set_to_none=True)
-        out[name] = {"loss": loss, "peak_gb": peak / 1e9}
+        out[name] = {"loss": loss, "peak_gb": peak / 1e9, "check": check}
+    del reference
     times = do_bench_interleaved(steps, warmup=1, reps=reps, flush_l2=False)
     for name, model in variants.items():
         out[name]["ms"] = times[name].median_ms
         model.zero_grad(set_to_none=True)
     return out
+
+
+def train_rows(train: dict, tokens: int) -> list:
+    """The train rows of the measured pairs, then the peak memory rows of ours against each
+    reference: each correct only when ours' (the row's first variant's) step passed its
+    check."""
+    rows = []
+    for a, b in pairs(train):
+        check = train[a]["check"]
+        rows.append(rate_row(f"train {a} vs {b}", tokens, train[a], train[b], b, check.ok,
+                             loss_ours=train[a]["loss"], loss_reference=train[b]["loss"],
+                             **check.detail()))
+    for reference in ("eager", "compile", "ours without fused loss"):
+        if reference in train:
+            rows.append(memory_row(train["ours"], train[reference], reference,
+                                   train["ours"]["check"].ok))
+    return rows
 
 
 def measure_prefill(variants, ids, reps):
@@ -224,12 +263,14 @@ def rate_row(case, tokens, ours, ref, ref_name, correct, **detail):
                        **detail}}
 
 
-def memory_row(ours, ref, ref_name):
+def memory_row(ours, ref, ref_name, correct: bool):
+    """``correct``: whether the train step whose peak this is passed its check (a peak of a
+    wrong step is no figure to keep)."""
     return {"case": f"peak memory train ours vs {ref_name}", "unit": "1/GB",
             "ours": round(1 / ours["peak_gb"], 5), "reference": round(1 / ref["peak_gb"], 5),
             "reference_name": ref_name, "ratio": round(ref["peak_gb"] / ours["peak_gb"], 4),
-            "correct": True, "detail": {"ours_gb": round(ours["peak_gb"], 2),
-                                        "reference_gb": round(ref["peak_gb"], 2)}}
+            "correct": correct, "detail": {"ours_gb": round(ours["peak_gb"], 2),
+                                           "reference_gb": round(ref["peak_gb"], 2)}}
 
 
 def pairs(have):
@@ -237,6 +278,34 @@ def pairs(have):
     wanted = [("ours", "eager"), ("ours", "compile"), ("ours+compile", "compile"),
               ("ours", "ours without fused loss")]
     return [(a, b) for a, b in wanted if a in have and b in have]
+
+
+def prefill_rows(prefill: dict, tokens: int) -> list:
+    errors = {k: relative_error(v["logits"], prefill["eager"]["logits"]) for k, v in
+              prefill.items()}
+    rows = []
+    for a, b in pairs(prefill):
+        # bf16 rounding over the layers moves the logits: a variant passes within 2e-2 of
+        # eager's, or no further from them than its reference (torch.compile's own reordering).
+        ok = errors[a] < 2e-2 or errors[a] <= 1.5 * errors[b]
+        rows.append(rate_row(f"prefill {a} vs {b}", tokens, prefill[a], prefill[b], b, ok,
+                             logits_error_vs_eager=round(errors[a], 5),
+                             reference_logits_error_vs_eager=round(errors[b], 5)))
+    return rows
+
+
+def decode_row(decode: dict, models: dict, batch: int, new_tokens: int) -> dict:
+    """The decode row of one batch: correct when teacher-forced decoding of eager's generated
+    tokens keeps ours' logits within bound at every step. Random weights leave near-ties among
+    the logits, so free-running greedy paths may part after one rounding difference: their
+    agreement (generated tokens only) is reported, not checked."""
+    check = model_checks.teacher_forced_decode(models["ours"], models["eager"],
+                                               decode["eager"]["tokens"], PROMPT)
+    same = model_checks.generated_agreement(decode["ours"]["tokens"],
+                                            decode["eager"]["tokens"], PROMPT)
+    return rate_row(f"decode batch {batch} ours vs eager", batch * new_tokens, decode["ours"],
+                    decode["eager"], "eager", check.ok, generated_tokens_equal=round(same, 4),
+                    **check.detail())
 
 
 def main() -> None:
@@ -294,40 +363,16 @@ def main() -> None:
         write_result(name, kept + rows, model="Llama-3-8B-shaped", **meta, **extra)
 
     if "train" in args.sections:
-        train = measure_train(variants, ids, args.reps)
-        for a, b in pairs(train):
-            loss_ok = abs(train[a]["loss"] - train[b]["loss"]) <= 1e-2 * abs(train[b]["loss"])
-            rows.append(rate_row(f"train {a} vs {b}", args.tokens, train[a], train[b], b,
-                                 loss_ok, loss_ours=train[a]["loss"],
-                                 loss_reference=train[b]["loss"]))
-        for reference in ("eager", "compile", "ours without fused loss"):
-            if reference in train:
-                rows.append(memory_row(train["ours"], train[reference], reference))
+        rows += train_rows(measure_train(variants, ids, args.reps), args.tokens)
         save()
     inference = {k: v for k, v in variants.items() if k != "ours without fused loss"}
     if "prefill" in args.sections:
-        prefill = measure_prefill(inference, ids, args.reps)
-    else:  # the decode rows' check: the logits of one forward each
-        prefill = measure_prefill({k: inference[k] for k in ("eager", "ours")}, ids, 0)
-    errors = {k: relative_error(v["logits"], prefill["eager"]["logits"]) for k, v in
-              prefill.items()}
-    for a, b in pairs(prefill) if "prefill" in args.sections else ():
-        # bf16 rounding over the layers moves the logits: a variant passes within 2e-2 of
-        # eager's, or no further from them than its reference (torch.compile's own reordering).
-        ok = errors[a] < 2e-2 or errors[a] <= 1.5 * errors[b]
-        rows.append(rate_row(f"prefill {a} vs {b}", args.tokens, prefill[a], prefill[b], b, ok,
-                             logits_error_vs_eager=round(errors[a], 5),
-                             reference_logits_error_vs_eager=round(errors[b], 5)))
-    save()
+        rows += prefill_rows(measure_prefill(inference, ids, args.reps), args.tokens)
+        save()
     decode_variants = {k: v for k, v in variants.items() if k in ("eager", "ours")}
     for batch in (1, 16) if "decode" in args.sections else ():
         decode = measure_decode(decode_variants, batch, args.new_tokens, max(5, args.reps // 2))
-        # Random weights leave near-ties among the logits, so greedy paths may part after a
-        # rounding difference: the check is the prefill logits'; the agreement is reported.
-        same = (decode["ours"]["tokens"] == decode["eager"]["tokens"]).float().mean().item()
-        rows.append(rate_row(f"decode batch {batch} ours vs eager", batch * args.new_tokens,
-                             decode["ours"], decode["eager"], "eager", errors["ours"] < 2e-2,
-                             greedy_tokens_equal=round(same, 4)))
+        rows.append(decode_row(decode, decode_variants, batch, args.new_tokens))
         save()
     print_table(["case", "ours", "reference", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])

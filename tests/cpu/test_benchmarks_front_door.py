@@ -114,3 +114,72 @@ def test_moe_routing_counts_sum_to_the_rows_and_zipf_is_skewed(routing):
     assert sum(counts) == 16384 * 8 and len(counts) == 256
     spread = max(counts) / (sum(counts) / len(counts))
     assert spread < 1.01 if routing == "uniform" else spread > 20
+
+
+def test_gemm_tuned_rows_say_kernel_or_whole_call_and_summarize_each_apart():
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks import gemm
+
+    kernel = gemm.labelled({"case": "bf16 M=16 N=4096 K=4096", "ratio": 1.08}, gemm.KERNEL)
+    assert kernel["case"] == "bf16 M=16 N=4096 K=4096, kernel"
+    # 2*16*4096*4096 FLOP in 0.02 ms: 26.8 TFLOP/s; in 0.04 ms: 13.4.
+    call = gemm.whole_call_row(16, 4096, 4096, 0.04, 0.02, True, input_sets=5)
+    assert call["case"] == "bf16 M=16 N=4096 K=4096, whole call"
+    assert (call["ours"], call["reference"]) == (13.4, 26.8)
+    assert call["ratio"] == round(call["ours"] / call["reference"], 4) == 0.5
+    assert call["detail"] == {"ours_ms": 0.04, "torch_ms": 0.02, "input_sets": 5}
+    untuned = gemm.labelled({"case": "bf16 M=128 N=4096 K=4096", "ratio": 0.0}, gemm.KERNEL)
+    rows = [kernel, call, untuned, gemm.whole_call_row(128, 4096, 4096, 0.02, 0.04, True)]
+    assert gemm.ratio_summary(rows, gemm.KERNEL) == {"geomean_ratio_kernel": 1.08,
+                                                     "min_ratio_kernel": 1.08}
+    assert rows[3]["ratio"] == round(214.7 / 107.4, 4)  # from the rounded TFLOP/s
+    assert gemm.ratio_summary(rows, gemm.WHOLE_CALL) == {
+        "geomean_ratio_whole_call": round((0.5 * rows[3]["ratio"]) ** 0.5, 4),
+        "min_ratio_whole_call": 0.5}
+
+
+@pytest.mark.parametrize("set_mb, l2_mb, sets", [(32, 50, 5), (60, 50, 3), (100, 50, 1),
+                                                 (117, 60, 3), (2000, 50, 1)])
+def test_gemm_whole_call_inputs_rotate_out_of_l2(set_mb, l2_mb, sets):
+    """The sets besides the current one hold at least twice the L2, as the flush buffer."""
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks import gemm
+
+    assert gemm.rotation_sets(set_mb << 20, l2_mb << 20) == sets
+    assert (sets - 1) * set_mb >= 2 * l2_mb or sets == 1 and set_mb >= 2 * l2_mb
+
+
+def test_e2e_memory_rows_carry_the_train_check_of_the_step_they_measured():
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks import e2e, model_checks
+
+    def measured(loss, worst):
+        grads = model_checks.GradientCheck("model.layers.0.mlp.up_proj.weight", worst, 0.05,
+                                           int(worst > 0.05), 10)
+        return {"ms": 10.0, "loss": loss, "peak_gb": 2.0,
+                "check": model_checks.TrainCheck(loss, 5.0, grads)}
+
+    for worst, ok in ((0.01, True), (1.0, False)):
+        train = {"eager": {"ms": 12.0, "loss": 5.0, "peak_gb": 3.0, "check": None},
+                 "ours": measured(5.01, worst)}
+        rows = e2e.train_rows(train, 1024)
+        assert [r["case"] for r in rows] == ["train ours vs eager",
+                                             "peak memory train ours vs eager"]
+        assert [r["correct"] for r in rows] == [ok, ok]
+        assert rows[0]["detail"]["grad_worst_parameter"] == "model.layers.0.mlp.up_proj.weight"
+        assert rows[0]["detail"]["grad_worst_relative_error"] == worst
+    # The loss alone no longer makes a row correct, nor does a loss 2% off pass.
+    train["ours"] = measured(5.1, 0.01)
+    assert [r["correct"] for r in e2e.train_rows(train, 1024)] == [False, False]
+
+
+def test_multigpu_tune_rows_are_correct_only_when_both_tunes_stored_every_shape():
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from benchmarks import multigpu
+
+    done = {"wall_s": 100.0, "workers": [], "untuned": []}
+    short = {**done, "wall_s": 60.0, "untuned": ["16x4096x4096"]}
+    assert multigpu.tune_row(2, "quick", "empty", done, {**done, "wall_s": 60.0})["correct"]
+    row = multigpu.tune_row(2, "quick", "empty", done, short)
+    assert not row["correct"] and row["detail"]["gpus_untuned"] == ["16x4096x4096"]
+    assert not multigpu.tune_row(2, "quick", "empty", short, done)["correct"]

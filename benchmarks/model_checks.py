@@ -1,0 +1,260 @@
+"""Checks that a model computes what a reference model computes (the e2e benchmark's converted
+model against eager), shared by ``benchmarks/e2e.py`` and its CPU tests. Pure torch: any device.
+
+Why not the loss alone: a random-weight model's loss sits near ln(vocabulary) whatever its
+layers do (a small Llama with every decoder layer skipped stays within 0.43% of it, with every
+MLP zeroed within 0.26%), so a 1% loss check passes a broken model. Its gradients and its
+per-step logits do not: a skipped layer's parameters get no gradient, a zeroed MLP's gate and up
+projections get zeros, and the logits after a skipped layer are off by order 1.
+
+- ``compare_gradients``: every parameter's gradient against the reference's, matched by name
+  (``canonical_parameters``), within the tolerance table's ``MODEL_GRADIENTS`` bound.
+- ``teacher_forced_decode``: the same tokens fed to both models one at a time through their KV
+  caches after a prompt; each step's logits within the ``MODEL_LOGITS`` bound, with the top-1
+  agreement reported beside it.
+- ``generated_agreement``: the share of generated tokens two ``generate()`` outputs agree on,
+  the prompt excluded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+
+import torch
+
+from custom_kernels.core.tolerances import (MODEL_GRADIENTS, MODEL_LOGITS, relative_error,
+                                            relative_tolerance)
+
+# Wrappers that prefix their module's parameter names: torch.compile's OptimizedModule
+# ("_orig_mod.") and DistributedDataParallel ("module."). convert() itself keeps every name
+# (cutlass_ops.nn.Linear is an nn.Linear, fused decoder layers keep their submodules, the fused
+# norms and experts keep their state_dict keys), so stripping these is the whole mapping.
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+class ParameterMismatch(ValueError):
+    """Two models whose parameters cannot be matched one to one by name."""
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the wrappers' prefixes, wherever they nest."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    return name
+
+
+def canonical_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters by canonical name; ParameterMismatch when two share one."""
+    out = {}
+    for name, parameter in model.named_parameters():
+        key = canonical_name(name)
+        if key in out:
+            raise ParameterMismatch(f"parameters {name!r} and another both map to {key!r}")
+        out[key] = parameter
+    return out
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Each parameter's gradient (None where it got none) by canonical name. The tensors are the
+    model's own: take them before ``zero_grad(set_to_none=True)``, which then leaves them to
+    the caller without a copy."""
+    return {name: None if p.grad is None else p.grad.detach()
+            for name, p in canonical_parameters(model).items()}
+
+
+def matched_names(got: dict, expected: dict) -> list[str]:
+    """The names of ``expected`` in order, once every name of either side has its match; a
+    ParameterMismatch naming the unmatched ones otherwise (a check that skipped them would pass
+    a model missing a layer)."""
+    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    if missing or extra:
+        raise ParameterMismatch(f"parameters without a match: {len(missing)} only in the "
+                                f"reference {missing[:5]}, {len(extra)} only in the model "
+                                f"checked {extra[:5]}")
+    return list(expected)
+
+
+def gradient_error(got: torch.Tensor | None, expected: torch.Tensor | None) -> float:
+    """The relative error of one gradient. A missing gradient counts as zeros (a parameter the
+    model no longer uses: error 1 against a real one); a gradient where the reference has none
+    or only zeros is infinitely wrong, unless it is zero too."""
+    if got is None and expected is None:
+        return 0.0
+    if expected is None or not bool(expected.any()):
+        nonzero = got is not None and bool(got.any())
+        return math.inf if nonzero else 0.0
+    if got is None:
+        got = torch.zeros_like(expected)
+    if got.shape != expected.shape:
+        raise ParameterMismatch(f"gradient of shape {tuple(got.shape)} against "
+                                f"{tuple(expected.shape)}")
+    return relative_error(got, expected)
+
+
+def _sort_key(error: float) -> float:
+    return math.inf if math.isnan(error) else error  # NaN is the worst, never hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientCheck:
+    worst_parameter: str
+    worst_error: float
+    tolerance: float
+    failing: int  # parameters over the tolerance (NaN included)
+    parameters: int
+
+    @property
+    def ok(self) -> bool:
+        return self.failing == 0
+
+    def detail(self) -> dict:
+        return {"grad_worst_parameter": self.worst_parameter,
+                "grad_worst_relative_error": round(self.worst_error, 6),
+                "grad_tolerance": self.tolerance, "grad_failing_parameters": self.failing,
+                "grad_parameters": self.parameters}
+
+
+def compare_gradients(got: dict, expected: dict, tolerance: float) -> GradientCheck:
+    """Every gradient of ``got`` against ``expected`` (both from ``gradients``)."""
+    names = matched_names(got, expected)
+    if not names:
+        raise ParameterMismatch("no parameters to compare")
+    errors = {name: gradient_error(got[name], expected[name]) for name in names}
+    worst = max(names, key=lambda name: _sort_key(errors[name]))
+    failing = sum(1 for e in errors.values() if not e <= tolerance)  # NaN fails
+    return GradientCheck(worst, errors[worst], tolerance, failing, len(names))
+
+
+def gradient_tolerance(model: torch.nn.Module) -> float:
+    """The tolerance table's bound for a whole model's gradients in its parameters' dtype."""
+    return relative_tolerance(next(model.parameters()).dtype, MODEL_GRADIENTS)
+
+
+def logits_tolerance(model: torch.nn.Module) -> float:
+    return relative_tolerance(next(model.parameters()).dtype, MODEL_LOGITS)
+
+
+def loss_within(loss: float, reference: float, relative: float = 1e-2) -> bool:
+    """The loss check the train rows had alone, kept beside the gradients: necessary, far from
+    sufficient (see the module docstring)."""
+    return abs(loss - reference) <= relative * abs(reference)
+
+
+# --- decoding ----------------------------------------------------------------------------------
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """How this transformers version names the KV cache argument ("cache" from 5.2x on,
+    "past_key_values" before; the old name is deprecated)."""
+    forward = getattr(type(model), "forward", model.forward)
+    parameters = inspect.signature(forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+class _Stepper:
+    """A causal LM fed a prompt, then one token at a time through its own KV cache."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.cache, self.keyword = model, None, _cache_keyword(model)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The last position's logits, float32, [batch, vocab]."""
+        kwargs = {} if self.cache is None else {self.keyword: self.cache}
+        out = self.model(input_ids=ids, use_cache=True, **kwargs)
+        cache = getattr(out, "cache", None)  # transformers 5.2x; "past_key_values" before
+        self.cache = cache if cache is not None else getattr(out, "past_key_values", None)
+        if self.cache is None:
+            raise RuntimeError(f"{type(self.model).__name__} returned no KV cache")
+        return out.logits[:, -1].float()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCheck:
+    step_errors: tuple[float, ...]  # step 0: after the prompt; step i: after i fed tokens
+    top1_agreement: float  # the share of (step, sequence) pairs whose argmax agrees
+    tolerance: float
+
+    @property
+    def worst_step(self) -> int:
+        return max(range(len(self.step_errors)), key=lambda i: _sort_key(self.step_errors[i]))
+
+    @property
+    def worst_error(self) -> float:
+        return self.step_errors[self.worst_step]
+
+    @property
+    def ok(self) -> bool:
+        return all(e <= self.tolerance for e in self.step_errors)  # NaN fails
+
+    def detail(self) -> dict:
+        return {"teacher_forced_steps": len(self.step_errors),
+                "teacher_forced_worst_step": self.worst_step,
+                "teacher_forced_worst_logits_error": round(self.worst_error, 6),
+                "teacher_forced_median_logits_error": round(
+                    sorted(self.step_errors)[len(self.step_errors) // 2], 6),
+                "teacher_forced_top1_agreement": round(self.top1_agreement, 4),
+                "logits_tolerance": self.tolerance}
+
+
+@torch.no_grad()
+def teacher_forced_decode(model: torch.nn.Module, reference: torch.nn.Module,
+                          tokens: torch.Tensor, prompt: int,
+                          tolerance: float | None = None) -> DecodeCheck:
+    """``tokens`` [batch, prompt + n] fed to both models, in lockstep: the prompt at once, then
+    tokens ``prompt .. prompt + n - 2`` one at a time through each model's KV cache, so both
+    predict every step from the same history (``generate()`` alone would let one rounding
+    difference send the two down different paths). Each step's logits are compared as they
+    come, so nothing of size steps x vocabulary is kept."""
+    if not 0 < prompt < tokens.shape[1]:
+        raise ValueError(f"prompt {prompt} must leave tokens to feed ({tokens.shape[1]} given)")
+    tolerance = logits_tolerance(reference) if tolerance is None else tolerance
+    ours, theirs = _Stepper(model), _Stepper(reference)
+    errors, agree = [], 0
+    for step in range(tokens.shape[1] - prompt):
+        ids = tokens[:, :prompt] if step == 0 else tokens[:, prompt + step - 1:prompt + step]
+        got, expected = ours(ids), theirs(ids)
+        errors.append(relative_error(got, expected))
+        agree += int((got.argmax(-1) == expected.argmax(-1)).sum())
+    return DecodeCheck(tuple(errors), agree / (len(errors) * tokens.shape[0]), tolerance)
+
+
+def generated_agreement(got: torch.Tensor, expected: torch.Tensor, prompt: int) -> float:
+    """The share of generated tokens (positions from ``prompt`` on) where two greedy outputs
+    agree; the prompt, identical by construction, is not counted."""
+    if got.shape != expected.shape or got.shape[1] <= prompt:
+        raise ValueError(f"outputs {tuple(got.shape)} and {tuple(expected.shape)} hold no "
+                         f"generated tokens after a prompt of {prompt}")
+    return (got[:, prompt:] == expected[:, prompt:]).float().mean().item()
+
+
+# --- a train step ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TrainCheck:
+    loss: float
+    reference_loss: float
+    gradients: GradientCheck
+
+    @property
+    def loss_ok(self) -> bool:
+        return loss_within(self.loss, self.reference_loss)
+
+    @property
+    def ok(self) -> bool:
+        return self.loss_ok and self.gradients.ok
+
+    def detail(self) -> dict:
+        return {"loss_eager": self.reference_loss, **self.gradients.detail()}
+
+
+def check_train_step(loss: float, grads: dict, reference_loss: float, reference_grads: dict,
+                     tolerance: float) -> TrainCheck:
+    """One train step (its loss and ``gradients``) against the reference model's on the same
+    inputs: the loss within 1% and every gradient within ``tolerance``."""
+    return TrainCheck(loss, reference_loss,
+                      compare_gradients(grads, reference_grads, tolerance))
