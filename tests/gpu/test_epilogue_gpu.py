@@ -16,7 +16,7 @@ from cutlass_ops.gemms import epilogues
 from cutlass_ops.nn import Linear
 from cutlass_ops.gemms.choice import swapped_operands
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]  # builds CUTLASS C++ kernels with nvcc
 
 PINGPONG = GemmConfig(kernel_schedule="pingpong", tile=(128, 128, 64))
 SMALL_M = GemmConfig(kernel_schedule="pingpong", tile=(64, 64, 128))  # for swapped runs

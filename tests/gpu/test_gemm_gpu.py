@@ -8,7 +8,7 @@ import torch
 import cutlass_ops
 from cutlass_ops import GemmConfig, UnsupportedInputError
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]  # builds CUTLASS C++ kernels with nvcc
 
 CONFIGS = {
     "pingpong": GemmConfig(kernel_schedule="pingpong", tile=(128, 128, 64)),

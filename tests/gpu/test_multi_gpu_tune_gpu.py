@@ -13,7 +13,7 @@ import torch
 
 from custom_kernels.core.version import __version__
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]  # builds CUTLASS C++ kernels with nvcc
 
 # Two shapes that share the quick strategy's kernels: compiled once, then both ways reuse them.
 SHAPES = ["16x4096x4096", "16x4096x14336"]

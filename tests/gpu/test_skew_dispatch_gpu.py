@@ -15,6 +15,7 @@ from cutlass_ops.gemms import dsl, grouped_build, grouped_runtime, skew_dispatch
 from cutlass_ops.gemms.grouped_build import GroupedConfig
 from cutlass_ops.gemms.skew_dispatch import SkewDispatch
 
+# The split kernel is NVRTC's; the cases with our C++ grouped kernel (CPP) build it with nvcc.
 pytestmark = pytest.mark.gpu
 needs_dsl = pytest.mark.skipif(dsl.unavailable() is not None, reason="no cutlass-ops[dsl]")
 
@@ -88,7 +89,8 @@ def test_the_split_launches_from_a_thread_whose_first_cuda_work_it_is():
     assert result[0][1].tolist() == offs.tolist()
 
 
-@pytest.mark.parametrize("config", [CPP, pytest.param(SHORT, marks=needs_dsl),
+@pytest.mark.parametrize("config", [pytest.param(CPP, marks=pytest.mark.nvcc),
+                                    pytest.param(SHORT, marks=needs_dsl),
                                     pytest.param(WIDE, marks=needs_dsl),
                                     pytest.param(WIDE + "-dynamic", marks=needs_dsl)],
                          ids=["cutlass", "dsl-short", "dsl-wide", "dsl-wide-dynamic"])
@@ -104,7 +106,7 @@ def test_a_kernel_on_all_empty_groups_writes_nothing(config):
 
 def pairs():
     return [pytest.param(lambda: SkewDispatch(CPP, dsl.DslConfig.from_name(SHORT), 2.0),
-                         marks=needs_dsl, id="cutlass+dsl"),
+                         marks=[needs_dsl, pytest.mark.nvcc], id="cutlass+dsl"),
             pytest.param(lambda: SkewDispatch(dsl.DslConfig.from_name(SHORT),
                                               dsl.DslConfig.from_name(WIDE), 2.0),
                          marks=needs_dsl, id="dsl+dsl"),
@@ -158,6 +160,7 @@ def test_one_cuda_graph_switches_kernels_as_the_routing_changes(make, monkeypatc
 
 
 @needs_dsl
+@pytest.mark.nvcc  # the winner's even kernel is our C++ grouped kernel
 def test_grouped_mm_dispatches_a_skew_dispatch_winner_with_gradients(monkeypatch):
     short = dsl.DslConfig.from_name(SHORT)
     forms = []

@@ -12,7 +12,7 @@ import cutlass_ops
 from cutlass_ops import GemmConfig, GemmOperands
 from cutlass_ops.nn import Linear
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]  # builds CUTLASS C++ kernels with nvcc
 
 DIM, HEADS, BATCH, SEQ = 512, 8, 2, 128
 

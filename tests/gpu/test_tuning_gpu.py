@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]  # builds CUTLASS C++ kernels with nvcc
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = ["96x2048x1024", "4096x2048x1024"]
