@@ -103,25 +103,23 @@ TUNED_REPS = 100
 def bench_tuned_shape(m, n, k):
     from cutlass_ops.gemms.build import compiles_in_process
     from tuning.backend import GpuSession
-    from custom_kernels.core.tuned_store import TuningCache
-    from cutlass_ops.gemms.choice import candidate_from_dict
+    from cutlass_ops.gemms.gemm_entries import gemm_cache
     from custom_kernels.core.device import current_scope
     from custom_kernels.core.tolerances import relative_error
 
     problem = cutlass_ops.GemmProblem(GemmOperands.make("bf16"), m, n, k)
-    entry = TuningCache(current_scope()).get(problem)
+    entry = gemm_cache(current_scope()).get(problem)
     case = f"bf16 M={m} N={n} K={k}"
-    if entry is None or not entry.get("winner"):
+    if entry is None or entry.winner is None:
         return {"case": case, "unit": "TFLOP/s", "ours": 0.0, "reference": 0.0,
                 "reference_name": "torch.matmul", "ratio": 0.0, "correct": False,
                 "detail": {"error": "not tuned: run cutlass-tune tune first"}}
-    choice = candidate_from_dict(entry["winner"])
+    choice = entry.winner
     session = GpuSession(problem, torch.cuda.current_device())
     x, w_t = session.a, session.b  # x (M x K) row-major, w_t = W^T (K x N) column-major
     decision = cutlass_ops.explain(x, w_t)
     compiles_before = compiles_in_process()
     error = session.verify(choice)
-    call_ms = do_bench(lambda: cutlass_ops.matmul(x, w_t)).median_ms
     call_err = relative_error(cutlass_ops.matmul(x, w_t), session.reference)
     # Interleaved repetition by repetition (see tuning.timing.do_bench_interleaved).
     final, torch_ms = session.compare_ms([choice], TUNED_REPS)
@@ -138,15 +136,14 @@ def bench_tuned_shape(m, n, k):
                    choice.name.endswith("-swap"),
                    # The best kernel of the other CUTLASS path in the same tune (its time
                    # there, beside torch when it was a finalist).
-                   "other_path_best": entry.get("other_backend_best"),
-                   "tune_seconds": entry.get("tune_seconds"),
-                   "build_seconds_total": entry.get("build_seconds_total"),
+                   "other_path_best": entry.field("other_backend_best"),
+                   "tune_seconds": entry.field("tune_seconds"),
+                   "build_seconds_total": entry.field("build_seconds_total"),
                    "ours_ms": round(ours_ms, 5), "torch_ms": round(torch_ms, 5),
                    "dispatch": {"source": decision.source, "runs": decision.choice.name
                                 if decision.choice else "torch.matmul",
                                 "reason": decision.reason},
-                   "matmul_call_tflops": round(tflops(m, n, k, call_ms), 1),
-                   "tuner_ms": entry["winner_ms"], "tuner_torch_ms": entry["torch_ms"],
+                   "tuner_ms": entry.winner_ms, "tuner_torch_ms": entry.torch_ms,
                    "compiled_in_this_process": compiles_in_process() - compiles_before,
                    "verify_error": error},
     }
@@ -158,9 +155,9 @@ def run_tune(shapes, strategy: str) -> dict:
     import time
 
     from custom_kernels.core.device import current_scope
-    from custom_kernels.core.tuned_store import TuningCache
+    from cutlass_ops.gemms.gemm_entries import gemm_cache
 
-    cache = TuningCache(current_scope())
+    cache = gemm_cache(current_scope())
     operands = GemmOperands.make("bf16")
     cold = not any(cache.get(cutlass_ops.GemmProblem(operands, m, n, k)) for m, n, k in shapes)
     command = [sys.executable, "-m", "tuning.cli", "tune",

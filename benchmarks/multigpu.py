@@ -89,7 +89,8 @@ def untuned_shapes(cache: str) -> list[str]:
     its row is not correct. An entry whose winner is torch.matmul counts: the tune decided."""
     import json
 
-    listed = subprocess.run([sys.executable, "-m", "tuning.cli", "list", "--json"], check=True,
+    listed = subprocess.run([sys.executable, "-m", "tuning.cli", "list", "--family", "gemm",
+                             "--json"], check=True,
                             env=dict(os.environ, CUTLASS_OPS_CACHE_DIR=cache),
                             capture_output=True, text=True)
     tuned = {row.get("shape") for row in json.loads(listed.stdout)}
