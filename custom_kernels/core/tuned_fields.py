@@ -9,6 +9,7 @@ passes for a time, no bool for an integer, and no number outside what a launcher
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from typing import Any, Callable, Mapping, TypeVar
@@ -26,6 +27,35 @@ MAX_LIST = 4096  # runners-up and failures kept per entry (an exhaustive tune's 
 
 class EntryRejected(ValueError):
     """A stored or imported tuning entry (or its file's scope) that fails its schema."""
+
+
+class StoredRecord:
+    """What every family's record (a frozen dataclass with ``winner``, ``winner_ms``,
+    ``torch_ms`` and ``stored`` fields) shares: ``stored`` is the entry as its schema accepted
+    it, what is written back and exported; the rest of the code reads the typed fields."""
+
+    @property
+    def winner_name(self) -> str | None:
+        return self.winner.name if self.winner is not None else None
+
+    @property
+    def speedup(self) -> float | None:
+        """torch's time over the winner's: above 1, the tuned kernel is faster."""
+        return self.torch_ms / self.winner_ms if self.winner_ms and self.torch_ms else None
+
+    def field(self, name: str) -> Any:
+        """A stored field the record does not type (``strategy``, ``tuned_at``, ...), checked
+        for JSON-safety only: for display."""
+        return self.stored.get(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(dict(self.stored))
+
+
+def own_key(key: str, problem: Any) -> None:
+    """An entry is stored under its own problem's name: dispatch looks it up by the key, the
+    CLI shows the problem, and the two must not tell different stories."""
+    require(key == problem.name, f"its key is not its problem's name ({problem.name})")
 
 
 def require(condition: bool, reason: str) -> None:

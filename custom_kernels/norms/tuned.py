@@ -23,7 +23,7 @@ _FIELDS = {"problem", "winner", "winner_ms", "heuristic", "heuristic_ms", "torch
 
 
 @dataclasses.dataclass(frozen=True)
-class NormEntry:
+class NormEntry(f.StoredRecord):
     key: str
     problem: nc.NormProblem
     winner: nc.NormConfig
@@ -34,23 +34,8 @@ class NormEntry:
     complete = True  # a norm tune has no time budget to cut it short
 
     @property
-    def winner_name(self) -> str:
-        return self.winner.name
-
-    @property
-    def speedup(self) -> Optional[float]:
-        """torch eager's time over the winner's."""
-        return self.torch_ms / self.winner_ms if self.torch_ms else None
-
-    @property
     def failures(self) -> dict[str, str]:
         return dict(self.stored.get("failures") or {})
-
-    def field(self, name: str) -> Any:
-        return self.stored.get(name)
-
-    def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(dict(self.stored))
 
 
 def parse_problem(value: Any) -> nc.NormProblem:
@@ -80,7 +65,7 @@ class NormSchema:
     def parse(self, key: str, raw: Any, scope: CacheScope) -> NormEntry:
         data = f.entry_fields(raw, _FIELDS)
         problem = parse_problem(data.get("problem"))
-        f.require(key == problem.name, f"its key is not its problem's name ({problem.name})")
+        f.own_key(key, problem)
         winner = parse_winner(data.get("winner"), problem)
         f.text(data, "heuristic", optional=True)
         for name in ("reference", "strategy"):

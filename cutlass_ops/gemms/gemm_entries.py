@@ -30,7 +30,7 @@ _FIELDS = {"problem", "winner", "winner_name", "backend", "other_backend_best", 
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmEntry:
+class GemmEntry(f.StoredRecord):
     key: str
     problem: GemmProblem
     winner: Optional[Winner]  # None: every candidate failed
@@ -48,26 +48,9 @@ class GemmEntry:
         return self.prefer == "cutlass" and self.winner is not None
 
     @property
-    def winner_name(self) -> Optional[str]:
-        return self.winner.name if self.winner is not None else None
-
-    @property
     def backend(self) -> Optional[str]:
         """Which CUTLASS path won: "cutlass" (C++) or "dsl"."""
         return self.winner.backend if self.winner is not None else None
-
-    @property
-    def speedup(self) -> Optional[float]:
-        """torch's time over the winner's: above 1, the tuned kernel is faster."""
-        return self.torch_ms / self.winner_ms if self.winner_ms else None
-
-    def field(self, name: str) -> Any:
-        """A stored field the record does not type (``strategy``, ``tuned_at``, ...), checked
-        for JSON-safety only: for display."""
-        return self.stored.get(name)
-
-    def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(dict(self.stored))
 
 
 def parse_problem(value: Any) -> GemmProblem:
@@ -106,7 +89,7 @@ class GemmSchema:
     def parse(self, key: str, raw: Any, scope: CacheScope) -> GemmEntry:
         data = f.entry_fields(raw, _FIELDS)
         problem = parse_problem(data.get("problem"))
-        f.require(key == problem.name, f"its key is not its problem's name ({problem.name})")
+        f.own_key(key, problem)
         winner = None if data.get("winner") is None else \
             parse_winner(data["winner"], problem, scope)
         prefer = f.text(data, "prefer", choices=("cutlass", "torch"), default="cutlass")

@@ -32,7 +32,7 @@ _FIELDS = {"problem", "winner", "backend", "other_backend_best", "winner_ms", "t
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupedEntry:
+class GroupedEntry(f.StoredRecord):
     key: str
     problem: GroupedProblem
     winner: Any  # GroupedConfig, DslConfig or SkewDispatch; None: every candidate failed
@@ -47,20 +47,6 @@ class GroupedEntry:
     @property
     def uses_kernel(self) -> bool:
         return self.prefer == "cutlass" and self.winner is not None
-
-    @property
-    def winner_name(self) -> Optional[str]:
-        return self.winner.name if self.winner is not None else None
-
-    @property
-    def speedup(self) -> Optional[float]:
-        return self.torch_ms / self.winner_ms if self.winner_ms else None
-
-    def field(self, name: str) -> Any:
-        return self.stored.get(name)
-
-    def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(dict(self.stored))
 
 
 def parse_problem(value: Any) -> GroupedProblem:
@@ -109,7 +95,7 @@ class GroupedSchema:
     def parse(self, key: str, raw: Any, scope: CacheScope) -> GroupedEntry:
         data = f.entry_fields(raw, _FIELDS)
         problem = parse_problem(data.get("problem"))
-        f.require(key == problem.name, f"its key is not its problem's name ({problem.name})")
+        f.own_key(key, problem)
         f.require(scope.compute_capability == 90, "grouped kernels are sm90 kernels; the "
                   f"scope's GPU is cc {scope.compute_capability}")
         name = f.text(data, "winner", optional=True)
