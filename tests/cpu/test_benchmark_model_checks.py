@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import model_checks  # noqa: E402
+from model_faults import skip_layer, zero_mlp  # noqa: E402
 
 VOCAB, PROMPT, FED = 256, 8, 8
 DTYPES = [torch.float32, torch.bfloat16]
@@ -30,20 +31,6 @@ def tiny_llama(dtype=torch.float32, layers=3):
 
 def tokens(batch=2, length=32):
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
-
-
-def skip_layer(model, index):
-    """Decoder layer ``index`` returns its input unchanged, in the form Hugging Face's layers
-    return their output (the hidden states); its parameters stay, with no gradient."""
-    model.model.layers[index].forward = lambda hidden_states, *args, **kwargs: hidden_states
-    return model
-
-
-def zero_mlp(model, index):
-    with torch.no_grad():
-        for p in model.model.layers[index].mlp.parameters():
-            p.zero_()
-    return model
 
 
 def train_step(model, ids):

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import model_checks  # noqa: E402
+from model_faults import skip_layer, zero_mlp  # noqa: E402
 
 VOCAB, LAYERS, PROMPT, NEW = 2048, 4, 32, 16
 
@@ -39,18 +40,6 @@ def models():
     report = cutlass_ops.convert(ours)
     assert all(decoder_blocks.is_fused(layer) for layer in ours.model.layers), str(report)
     return eager, ours
-
-
-def skip_layer(model, index):
-    model.model.layers[index].forward = lambda hidden_states, *args, **kwargs: hidden_states
-    return model
-
-
-def zero_mlp(model, index):
-    with torch.no_grad():
-        for p in model.model.layers[index].mlp.parameters():
-            p.zero_()
-    return model
 
 
 def train_check(model, eager):
