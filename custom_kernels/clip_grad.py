@@ -61,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from custom_kernels.core import elements
 from custom_kernels import jit, work_queue
 from custom_kernels.cooperative import (launch_cooperative, max_cooperative_grid,
                                         supports_cooperative_launch)
@@ -73,8 +74,7 @@ SOURCE = "clip_grad.cu"
 KERNELS = ("clip_grad_fused", "clip_grad_partials", "clip_grad_finish")
 BLOCK = 256
 NORM_CODES = {2.0: 2, 1.0: 1, math.inf: 0}
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+DTYPE_CODES = elements.float_codes()
 # Tasks per block the queue aims at (balance: the last tasks finish within one task of each
 # other), for a grid estimated at ESTIMATED_BLOCKS_PER_SM; chunk sizes are multiples of ALIGN.
 TASKS_PER_BLOCK = 32
@@ -126,7 +126,7 @@ def build_table(ptrs, numels, codes) -> tuple[list[int], int]:
 
 def result_dtype(codes) -> torch.dtype:
     """The dtype torch's clip_grad_norm_ returns: torch.stack promotes the per-tensor norms."""
-    return reduce(torch.promote_types, (CODE_DTYPES[c] for c in set(codes)))
+    return reduce(torch.promote_types, (elements.from_code(c).torch_dtype for c in set(codes)))
 
 
 def make_plan(ptrs, numels, codes, device: int) -> Plan:

@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from custom_kernels.core import elements
 from custom_kernels import jit
 from custom_kernels.core import fallback, int_limits
 from custom_kernels.core.errors import UnsupportedInputError
@@ -45,8 +46,7 @@ SCALE_KERNEL = "scale_by_device_scalar"
 SCALE_THREADS = 256
 # scale_ off the kernel: float32 copies of at most this many elements at a time (a bounded temp).
 SCALE_TORCH_BLOCK = 1 << 24
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-DTYPE_NAMES = {"float32": 0, "float16": 1, "bfloat16": 2}
+DTYPE_CODES = elements.float_codes()
 # Rows in flight (grid x row bytes) are kept under this share of L2, so that pass 2's re-read of
 # a row hits L2 (see the .cu file); at least one block per SM whatever the row size.
 L2_SHARE = 2 / 3
@@ -128,7 +128,7 @@ def compile_cross_entropy(dtype: str = "bfloat16", vocab: int = 128256, vec: boo
                           softcap: bool = False, arch: str = jit.DEFAULT_ARCH) -> Path:
     """The cubin ``_launch`` loads for logits of ``dtype`` and ``vocab`` columns (the vocabulary
     picks the block size) on ``arch``."""
-    code = DTYPE_NAMES[dtype]
+    code = elements.element(dtype).code
     size = 4 if code == 0 else 2
     return jit.compile_cubin(SOURCE, defines=_defines(code, vec, block_size(vocab, size, vec),
                                                       softcap),
@@ -137,7 +137,7 @@ def compile_cross_entropy(dtype: str = "bfloat16", vocab: int = 128256, vec: boo
 
 def compile_scale(dtype: str = "bfloat16", arch: str = jit.DEFAULT_ARCH) -> Path:
     """The cubin of ``scale_``'s kernel for tensors of ``dtype`` (float16 or bfloat16)."""
-    return jit.compile_cubin(SOURCE, defines=_defines(DTYPE_NAMES[dtype], True, SCALE_THREADS,
+    return jit.compile_cubin(SOURCE, defines=_defines(elements.element(dtype).code, True, SCALE_THREADS,
                                                       False),
                              name_expressions=(SCALE_KERNEL,), arch=arch)
 

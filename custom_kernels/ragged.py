@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from custom_kernels.core import elements
 from custom_kernels import jit, work_queue
 from custom_kernels.cooperative import max_cooperative_grid
 from custom_kernels.core import fallback
@@ -38,7 +39,7 @@ SOURCE = "ragged.cu"
 KERNEL = "ragged_segment_reduce"
 BLOCK = 256
 WARPS = BLOCK // 32
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES = elements.float_codes()
 # Tickets per block the queue aims at (balance) and the clamp of the rows per warp chunk (a
 # segment longer than a chunk is combined with atomics: fewer, longer chunks mean fewer).
 TICKETS_PER_BLOCK = 4
@@ -103,7 +104,7 @@ def _scratch(segments: int, d: int, device: int):
 
 def compile_ragged(dtype: str = "bfloat16", offset_bits: int = 64, vec: bool = True,
                    arch: str = jit.DEFAULT_ARCH) -> Path:
-    code = {"float32": 0, "float16": 1, "bfloat16": 2}[dtype]
+    code = elements.element(dtype).code
     return jit.compile_cubin(SOURCE, defines=_defines(code, offset_bits, vec),
                              name_expressions=(KERNEL,), arch=arch)
 

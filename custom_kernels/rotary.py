@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from custom_kernels.core import elements
 from custom_kernels import jit
 from custom_kernels.core import fallback
 from custom_kernels.core.eager import plain_eager
@@ -51,8 +52,7 @@ SOURCE = "rotary.cu"
 BLOCK = 128
 HEADS = 4  # heads per thread: its cos / sin registers serve them all, their loads fly together
 MAX_GRID_Y = 65535
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CODES = elements.float_codes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,9 +125,9 @@ def compile_rotary(dtype: str = "bfloat16", head_dim: int = 128, backward: bool 
     """The cubin that ``apply_rotary`` (``backward``: its gradient) runs for aligned tensors of
     ``dtype`` with heads of ``head_dim``. The head size is not compiled in (one cubin serves
     every size with the same vector width); it only picks the widest vector its half allows."""
-    itemsize = _DTYPE_NAMES[dtype].itemsize
+    itemsize = elements.element(dtype).bytes
     vw = vector_width(itemsize, head_dim // 2)
-    return jit.compile_cubin(SOURCE, defines=_defines(DTYPE_CODES[_DTYPE_NAMES[dtype]], vw),
+    return jit.compile_cubin(SOURCE, defines=_defines(elements.element(dtype).code, vw),
                              name_expressions=(kernel_name(backward),), arch=arch)
 
 

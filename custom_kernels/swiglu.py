@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from custom_kernels.core import elements
 from custom_kernels import jit
 from custom_kernels.core import fallback
 from custom_kernels.core.eager import plain_eager
@@ -48,8 +49,7 @@ SOURCE = "swiglu.cu"
 KERNELS = {False: "swiglu_fwd_kernel", True: "swiglu_bwd_kernel"}
 BLOCK = 256
 MAX_GRID_Y = 65535
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CODES = elements.float_codes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def compile_swiglu(dtype: str = "bfloat16", vec: bool = True, arch: str = jit.DE
     """The cubin that ``swiglu`` (``backward``: its gradient) runs for ``dtype`` with 16-byte
     accesses (``vec``) or one element an access. ``I`` is not compiled in: one cubin serves
     every size."""
-    return jit.compile_cubin(SOURCE, defines=_defines(DTYPE_CODES[_DTYPE_NAMES[dtype]], vec),
+    return jit.compile_cubin(SOURCE, defines=_defines(elements.element(dtype).code, vec),
                              name_expressions=(KERNELS[backward],), arch=arch)
 
 

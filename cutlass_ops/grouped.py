@@ -163,15 +163,15 @@ def _tuned(form: str, a: Tensor, b: Tensor, offs: Optional[Tensor]):
            None if offs is None else offs.shape)
     if key not in _tuned_by_signature:
         from cutlass_ops.gemms import grouped_build, grouped_entries
-        from cutlass_ops.gemms.grouped_runtime import (group_starts_aligned, integer_refusal,
-                                                        layout)
+        from cutlass_ops.gemms.grouped_runtime import (element_name, group_starts_aligned,
+                                                        integer_refusal, layout)
 
         config = None
+        element = element_name(a.dtype)
         too_large = integer_refusal(form, a, b, offs)
         if too_large is not None:
             fallback.log_once("cutlass_ops.grouped_mm uses torch._grouped_mm", too_large)
-        elif a.dtype in (torch.bfloat16, torch.float16) and group_starts_aligned(form, a, b):
-            element = "bf16" if a.dtype == torch.bfloat16 else "f16"
+        elif element is not None and group_starts_aligned(form, a, b):
             problem = grouped_build.GroupedProblem.of(form, a, b, offs, element, layout(a),
                                                       layout(b))
             config = grouped_entries.tuned_config(problem, a.device.index)

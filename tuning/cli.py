@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cutlass_ops.gemms.config import GemmOperands, GemmProblem
+from cutlass_ops.gemms.config import DType, GemmOperands, GemmProblem
+from custom_kernels.core.elements import FLOATS
 
 from tuning import cache_commands, tuned_families
 from tuning.cli_output import EXIT_FAILED, EXIT_OK, EXIT_USAGE
@@ -254,8 +255,10 @@ def _tune_grouped(args, problems: list | None = None) -> int:
     --backward dX and dW, over ROWS routed rows (tokens x top-k); or ``problems`` (--model's)."""
     from tuning import grouped_search
 
-    if args.dtype not in ("bf16", "f16"):
-        raise ValueError(f"grouped GEMMs are bf16 or f16, not {args.dtype}")
+    from cutlass_ops.gemms.grouped_build import ELEMENTS
+
+    if args.dtype not in ELEMENTS:
+        raise ValueError(f"grouped GEMMs are {' or '.join(ELEMENTS)}, not {args.dtype}")
     if problems is None:
         shapes = [grouped_search.parse(spec) for spec in args.grouped]
         if not args.tokens:
@@ -319,7 +322,8 @@ def cmd_bench(args) -> int:
 
 # ---- norms: the fused RMSNorm / LayerNorm kernels' launch configs ------------------------------
 
-_NORM_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+# The norms' element types: our names on the command line, torch's in the tuning keys.
+_NORM_DTYPES = {e.name: e.torch_name for e in FLOATS}
 
 
 def _norm_problems(args):
@@ -521,7 +525,7 @@ examples:
 
 The cache lives in the user cache directory; set CUTLASS_OPS_CACHE_DIR to move it."""
 
-_DTYPES = ["bf16", "f16", "f32"]
+_DTYPES = [d.value for d in DType]  # the plain GEMMs' element types
 _STRATEGY_HELP = ("how many configs to try: quick (a handful), default, exhaustive (every one "
                   "the rules allow); default: %(default)s")
 

@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 from cutlass_ops.gemms import dsl, dsl_grouped, grouped_build, skew_dispatch
 from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem
 from cutlass_ops.gemms.grouped_entries import GROUPED, grouped_cache
+from custom_kernels.core.elements import element
 from tuning import protocol
 
 STRATEGIES = ("quick", "default", "exhaustive")
@@ -242,7 +243,7 @@ class GroupedSession:
         from custom_kernels.core.tolerances import GEMM, relative_tolerance
 
         self.problem = p = problem
-        dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[p.element]
+        dtype = element(p.element).torch_dtype
         g = torch.Generator("cuda").manual_seed(0)
 
         def matrix(*shape, layout, scale=1.0):

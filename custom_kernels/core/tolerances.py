@@ -9,6 +9,8 @@ far below a wrong kernel's error. Torch-free at import.
 
 from __future__ import annotations
 
+from custom_kernels.core.elements import element
+
 GEMM = "gemm"
 NORMS = "norms"
 # A whole model against its eager self in the same dtype (benchmarks/model_checks.py): the
@@ -41,16 +43,15 @@ _BOUNDS = {
     "float16": {GEMM: 4e-3, NORMS: 5e-3, MODEL_LOGITS: 1e-2, MODEL_GRADIENTS: 1e-2},
     "float32": {GEMM: 5e-3, NORMS: 1e-4, MODEL_LOGITS: 1e-3, MODEL_GRADIENTS: 1e-3},  # GEMM: TF32
 }
-# Our DType enum's values (cutlass_ops.gemms.config.DType) and torch's dtype names.
-_ALIASES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "half": "float16",
-            "float": "float32"}
 
 
 def relative_tolerance(dtype, family: str = GEMM) -> float:
     """The bound for results of ``dtype`` (a DType, its value "bf16" / "f16" / "f32", a torch
     dtype or its name) from a kernel of ``family``."""
-    name = str(getattr(dtype, "value", dtype)).removeprefix("torch.")
-    name = _ALIASES.get(name, name)
+    try:
+        name = element(dtype).torch_name  # our names, torch's, torch dtypes: the one table
+    except ValueError:
+        name = None
     if name not in _BOUNDS:
         raise ValueError(f"no tolerance for dtype {dtype!r}; known: {sorted(_BOUNDS)}")
     column = _BOUNDS[name]

@@ -29,9 +29,12 @@ import dataclasses
 import math
 from typing import Iterator
 
+from custom_kernels.core.elements import FLOATS
+
 REDUCE_SOURCE = "norms.cu"  # holds norm_dw_reduce, which both backward kernels use
-DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The norm kernels' element types by torch name (the tuning keys' form), from the one table.
+DTYPE_CODES = {e.torch_name: e.code for e in FLOATS}
+DTYPE_SIZES = {e.torch_name: e.bytes for e in FLOATS}
 KINDS = ("rms", "ln")
 DIRECTIONS = ("fwd", "bwd")
 MIN_HIDDEN, MAX_HIDDEN = 1, 262144

@@ -42,10 +42,11 @@ from custom_kernels.launch import (allow_large_clusters, launch, max_active_bloc
                                    max_active_clusters, set_max_dynamic_shared, sm_count)
 from custom_kernels.core import fallback
 from custom_kernels.core.eager import PLAIN, plain_eager
+from custom_kernels.core.elements import FLOATS
 from custom_kernels.core.errors import UnsupportedInputError
 
 _log = logging.getLogger(__name__)
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPES = {e.torch_dtype: e.torch_name for e in FLOATS}  # torch dtype -> the norms' key
 
 
 # ---------------------------------------------------------------------------------------------

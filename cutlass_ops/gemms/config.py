@@ -12,9 +12,12 @@ import enum
 import re
 from typing import Any
 
+from custom_kernels.core.elements import element
+
 
 class DType(str, enum.Enum):
-    """Element types. F32 operands run on the tensor cores in TF32."""
+    """The element types of the plain GEMMs (names of ``custom_kernels.core.elements``, where
+    their facts live). F32 operands run on the tensor cores in TF32."""
 
     BF16 = "bf16"
     F16 = "f16"
@@ -22,7 +25,7 @@ class DType(str, enum.Enum):
 
     @property
     def bytes(self) -> int:
-        return 4 if self is DType.F32 else 2
+        return element(self).bytes
 
 
 class Layout(str, enum.Enum):

@@ -17,11 +17,16 @@ import sys
 import traceback
 from typing import Any
 
+from custom_kernels.core.elements import element
 from cutlass_ops.gemms.config import (EPILOGUE_TILE_AUTO_CPP, Activation, Arch, BiasMode, DType,
                                 Epilogue, EpilogueSchedule, GemmConfig, GemmOperands,
                                 KernelSchedule, Layout, TileScheduler)
 
-_DTYPES = {DType.BF16: "bf16", DType.F16: "f16", DType.F32: "f32"}
+def _cutlass_element(dtype: DType):
+    """``cutlass_library.DataType`` of an element type (the name in ``core.elements``)."""
+    import cutlass_library
+
+    return getattr(cutlass_library.DataType, element(dtype).cutlass)
 
 
 def _cutlass():
@@ -49,14 +54,13 @@ def _install_registry(arch: Arch) -> None:
 
 def _plan(operands: GemmOperands, arch: Arch):
     cutlass_cppgen, cutlass_library = _cutlass()
-    dt = cutlass_library.DataType
     lt = cutlass_library.LayoutType
-    element = {DType.BF16: dt.bf16, DType.F16: dt.f16, DType.F32: dt.f32}
+    cutlass_type = _cutlass_element
     layout = {Layout.ROW: lt.RowMajor, Layout.COL: lt.ColumnMajor}
     return cutlass_cppgen.op.Gemm(
-        element_A=element[operands.element_a], element_B=element[operands.element_b],
-        element_C=element[operands.element_c], element_D=element[operands.element_d],
-        element_accumulator=element[operands.element_accumulator],
+        element_A=cutlass_type(operands.element_a), element_B=cutlass_type(operands.element_b),
+        element_C=cutlass_type(operands.element_c), element_D=cutlass_type(operands.element_d),
+        element_accumulator=cutlass_type(operands.element_accumulator),
         layout_A=layout[operands.layout_a], layout_B=layout[operands.layout_b],
         layout_C=layout[operands.layout_c], cc=arch.cc, kernel_cc=arch.cc)
 
@@ -113,22 +117,21 @@ def _epilogue_visitor(operands: GemmOperands, arch: Arch):
     from cutlass_cppgen.backend.evt.ir.tensor import Tensor
 
     _patch_evt_frontend()
-    element = {DType.BF16: cutlass_library.DataType.bf16, DType.F16: cutlass_library.DataType.f16,
-               DType.F32: cutlass_library.DataType.f32}
+    cutlass_type = _cutlass_element
     batch, m, n = 2, 256, 512  # any sizes: only the layouts and broadcasts are read
 
     def matrix(dtype: DType, layout: Layout):
         stride = (m * n, n, 1) if layout is Layout.ROW else (m * n, 1, m)
-        return Tensor(element=element[dtype], shape=(batch, m, n), stride=stride)
+        return Tensor(element=cutlass_type(dtype), shape=(batch, m, n), stride=stride)
 
     epilogue = operands.epilogue
     examples = {"accum": matrix(operands.element_accumulator, Layout.ROW), "alpha": 1.0,
                 "D": matrix(operands.element_d, operands.layout_c)}
     if epilogue.bias is BiasMode.N:
-        examples["bias"] = Tensor(element=element[operands.element_d], shape=(1, 1, n),
+        examples["bias"] = Tensor(element=cutlass_type(operands.element_d), shape=(1, 1, n),
                                   stride=(n, n, 1))
     elif epilogue.bias is BiasMode.M:
-        examples["bias"] = Tensor(element=element[operands.element_d], shape=(1, m, 1),
+        examples["bias"] = Tensor(element=cutlass_type(operands.element_d), shape=(1, m, 1),
                                   stride=(m, 1, 1))
     if epilogue.residual:
         examples["beta"] = 1.0

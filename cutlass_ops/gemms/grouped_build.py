@@ -19,13 +19,14 @@ import time
 from pathlib import Path
 
 from custom_kernels.core import build_cache
+from custom_kernels.core.elements import element
 from cutlass_ops.gemms.build import (BUILD_TIMEOUT_S, cutlass_include_dirs, nvcc_flags,
                                      nvcc_path, nvcc_version)
 from cutlass_ops.gemms.config import Arch
 
 LAUNCHER = Path(__file__).resolve().parent / "csrc" / "grouped_launcher.cu"
 LIBRARY = "grouped.so"
-ELEMENTS = {"bf16": 0, "f16": 1}
+ELEMENTS = ("bf16", "f16")  # what the launcher is compiled for (custom_kernels.core.elements)
 _NAME = re.compile(r"grouped-(bf16|f16)-([tn])([tn])-(cooperative|pingpong)-t(\d+)x(\d+)x(\d+)"
                    r"-c(\d)x(\d)")
 
@@ -78,7 +79,7 @@ class GroupedConfig:
 
     def defines(self) -> tuple[str, ...]:
         tm, tn, tk = self.tile
-        return (f"GROUPED_ELEMENT={ELEMENTS[self.element]}",
+        return (f"GROUPED_ELEMENT={element(self.element).code}",
                 f"GROUPED_LAYOUT_A={0 if self.layout_a == 't' else 1}",
                 f"GROUPED_LAYOUT_B={0 if self.layout_b == 't' else 1}",
                 f"GROUPED_TILE_M={tm}", f"GROUPED_TILE_N={tn}", f"GROUPED_TILE_K={tk}",

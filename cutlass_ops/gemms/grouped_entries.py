@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 
 from cutlass_ops.gemms import dsl, dsl_grouped, skew_dispatch
 from cutlass_ops.gemms.dsl import DslConfig
-from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem
+from cutlass_ops.gemms.grouped_build import ELEMENTS, GroupedConfig, GroupedProblem
 from custom_kernels.core import tuned_fields as f
 from custom_kernels.core.tuned_store import CacheScope, TuningCache, family_dir
 
@@ -54,7 +54,7 @@ def parse_problem(value: Any) -> GroupedProblem:
     problem = f.parsed("problem", lambda: GroupedProblem.from_dict(data))
     f.require_canonical(data, problem.to_dict(), "problem")
     f.text(data, "form", choices=_FORMS)
-    f.text(data, "element", choices=("bf16", "f16"))
+    f.text(data, "element", choices=ELEMENTS)
     f.text(data, "layout_a", choices=("t", "n"))
     f.text(data, "layout_b", choices=("t", "n"))
     for name in ("groups", "m", "n", "k"):

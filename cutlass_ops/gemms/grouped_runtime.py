@@ -17,11 +17,11 @@ import torch
 
 from custom_kernels.core import int_limits
 from custom_kernels.core.errors import KernelLaunchError, UnsupportedInputError
-from cutlass_ops.gemms.grouped_build import GroupedConfig, build
+from cutlass_ops.gemms.grouped_build import ELEMENTS, GroupedConfig, build
+from custom_kernels.core.elements import element
 
 ABI_VERSION = 1
 FORMS = {"2d3d": 0, "2d2d": 1, "3d2d": 2, "3d3d": 3}
-_ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 class _Args(ctypes.Structure):
@@ -81,9 +81,20 @@ def layout(t: torch.Tensor) -> str:
 
 def config_for(a: torch.Tensor, b: torch.Tensor, **options) -> GroupedConfig:
     """The default kernel config for these operands' dtype and layouts."""
-    if a.dtype not in _ELEMENTS:
+    name = element_name(a.dtype)
+    if name is None:
         raise UnsupportedInputError(f"grouped GEMM kernels take bf16 or fp16, not {a.dtype}")
-    return GroupedConfig(_ELEMENTS[a.dtype], layout(a), layout(b), **options)
+    return GroupedConfig(name, layout(a), layout(b), **options)
+
+
+def element_name(dtype: torch.dtype) -> Optional[str]:
+    """The grouped kernels' name of a tensor's element type (``grouped_build.ELEMENTS``), or
+    None where no grouped kernel takes it."""
+    try:
+        name = element(dtype).name
+    except ValueError:
+        return None
+    return name if name in ELEMENTS else None
 
 
 def group_starts_aligned(form: str, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -104,7 +115,7 @@ def check_operands(config: GroupedConfig, a: torch.Tensor, b: torch.Tensor,
     """The kernel reads A and B and writes D as the element type and layouts it was compiled
     for, whatever the tensors hold: a mismatch (a tuning entry naming another type's kernel)
     would be a wrong answer, so it is refused here, at the last step before the launch."""
-    expected = {"bf16": torch.bfloat16, "f16": torch.float16}[config.element]
+    expected = element(config.element).torch_dtype
     wrong = {name: t.dtype for name, t in (("A", a), ("B", b), ("the output", out))
              if t.dtype != expected}
     if wrong:

@@ -20,6 +20,7 @@ from typing import Any
 from cutlass_ops.gemms.config import (Activation, Arch, BiasMode, DType, Epilogue, GemmOperands,
                                       GemmProblem, Layout)
 from custom_kernels.core import int_limits
+from custom_kernels.core.elements import element
 from custom_kernels.core.errors import UnsupportedInputError
 
 TMA_ALIGNMENT_BYTES = 16
@@ -31,13 +32,13 @@ STRIDE_TYPE = ctypes.c_int64
 
 
 def element_type(torch_dtype, name: str) -> DType:
-    import torch
-
-    table = {torch.bfloat16: DType.BF16, torch.float16: DType.F16, torch.float32: DType.F32}
-    if torch_dtype not in table:
+    """The GEMM element type of a tensor's dtype (``custom_kernels.core.elements``), where the
+    plain GEMMs take it."""
+    try:
+        return DType(element(torch_dtype).name)
+    except ValueError:
         raise UnsupportedInputError(f"{name} has dtype {torch_dtype}; supported: bfloat16, "
-                                    "float16, float32 (run as tf32)")
-    return table[torch_dtype]
+                                    "float16, float32 (run as tf32)") from None
 
 
 def dtype_of(tensor, name: str) -> DType:
@@ -45,9 +46,7 @@ def dtype_of(tensor, name: str) -> DType:
 
 
 def torch_dtype(dtype: DType):
-    import torch
-
-    return {DType.BF16: torch.bfloat16, DType.F16: torch.float16, DType.F32: torch.float32}[dtype]
+    return element(dtype).torch_dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@
 // The kernel is built here from CUTLASS's collective builders (a TMA warp-specialized ptr-array
 // mainloop and epilogue, pingpong or cooperative), specialised by macros the Python side passes on
 // the nvcc command line (cutlass_ops.gemms.grouped_build):
-//   GROUPED_ELEMENT   0 bf16, 1 fp16 (A, B and D; float32 accumulation)
+//   GROUPED_ELEMENT   2 bf16, 1 fp16 (A, B and D; float32 accumulation): the element codes of
+//                     custom_kernels.core.elements, as every kernel source takes them
 //   GROUPED_LAYOUT_A  0 row-major A (M x K, K contiguous), 1 column-major
 //   GROUPED_LAYOUT_B  0 row-major B (K x N, N contiguous), 1 column-major (nn.Linear's W as B)
 //   GROUPED_TILE_M / _N / _K, GROUPED_CLUSTER_M / _N, GROUPED_PINGPONG 0 / 1
@@ -32,7 +33,7 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #ifndef GROUPED_ELEMENT
-#define GROUPED_ELEMENT 0
+#define GROUPED_ELEMENT 2
 #endif
 #ifndef GROUPED_LAYOUT_A
 #define GROUPED_LAYOUT_A 0
@@ -77,7 +78,8 @@ enum Status : int {
   kBadArguments = 6,
 };
 
-using Element = cute::conditional_t<GROUPED_ELEMENT == 0, cutlass::bfloat16_t, cutlass::half_t>;
+static_assert(GROUPED_ELEMENT == 1 || GROUPED_ELEMENT == 2, "GROUPED_ELEMENT: 1 fp16, 2 bf16");
+using Element = cute::conditional_t<GROUPED_ELEMENT == 2, cutlass::bfloat16_t, cutlass::half_t>;
 using ElementAccumulator = float;
 using LayoutA = cute::conditional_t<GROUPED_LAYOUT_A == 0, cutlass::layout::RowMajor,
                                     cutlass::layout::ColumnMajor>;
