@@ -1,0 +1,70 @@
+"""``cutlass_ops.scaled_mm``: FP8 GEMMs with ``torch._scaled_mm``'s meaning, and the custom op
+``cutlass_ops::scaled_mm`` (a fake for ``torch.compile(fullgraph=True)``; no host sync, so a
+call can be captured in a CUDA graph).
+
+The recipe (tensorwise, rowwise, blockwise) is read from the scales' shapes as torch reads it;
+the inputs are checked by ``cutlass_ops.gemms.scaled_inputs`` (K-major FP8 operands, float32
+scales, alignment), and a refusal names the rule. Where the call runs:
+- on a GPU: ``torch._scaled_mm``, with one log line: this version builds no CUTLASS FP8 kernel
+  yet (issue 38's next step; how they will be emitted: docs/fp8_emission.md);
+- off a GPU (the CPU rule of ``custom_kernels.core.fallback``): the dequantized float32 product
+  (``scaled_inputs.reference``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from cutlass_ops.gemms import scaled_inputs
+from cutlass_ops.gemms.scaled_inputs import Recipe
+from custom_kernels.core import fallback
+
+ENTRY = "cutlass_ops.scaled_mm"
+
+
+def _torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum) -> Tensor:
+    fallback.log_once(f"{ENTRY} uses torch._scaled_mm",
+                      "no CUTLASS FP8 kernel is built into this version yet")
+    return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)
+
+
+@torch.library.custom_op("cutlass_ops::scaled_mm", mutates_args=())
+def scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
+                 bias: Optional[Tensor], out_dtype: torch.dtype, use_fast_accum: bool) -> Tensor:
+    """The checked call on its device (``scaled_mm`` has checked it)."""
+    return _torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+
+
+@scaled_mm_op.register_fake
+def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *,
+              bias: Optional[Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+              use_fast_accum: bool = False) -> Tensor:
+    """``(a * scale_a) @ (b * scale_b) + bias`` in ``out_dtype`` (bf16 or float32), for FP8 a
+    (M, K) row-major and b (K, N) column-major, as ``torch._scaled_mm`` (the recipe from the
+    scales' shapes: ``cutlass_ops.gemms.scaled_inputs``). ``use_fast_accum``: torch's flag
+    (FP8 tensor-core accumulation without periodic promotion to float32). Bad input raises
+    UnsupportedInputError naming the tensor and the rule."""
+    device = fallback.common_device(
+        {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "bias": bias}, ENTRY)
+    checked = scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    if device is not None and device.type != "cuda":
+        fallback.log_once(f"{ENTRY} computes the dequantized product in torch",
+                          f"the tensors are on {device}, not a CUDA device")
+        return scaled_inputs.reference(a, b, scale_a, scale_b, bias, out_dtype, checked.recipe)
+    return scaled_mm_op(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+
+
+def recipe(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Recipe:
+    """Which recipe ``scaled_mm`` reads from these scales (UnsupportedInputError if none)."""
+    return scaled_inputs.recipe_of(scale_a, scale_b, a.shape[0], b.shape[-1], a.shape[-1])
+
+
+__all__ = ["Recipe", "recipe", "scaled_mm", "scaled_mm_op"]
