@@ -28,19 +28,32 @@ ENTRY = "cutlass_ops.scaled_mm"
 def _torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum) -> Tensor:
     fallback.log_once(f"{ENTRY} uses torch._scaled_mm",
                       "no CUTLASS FP8 kernel is built into this version yet")
-    return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
-                            use_fast_accum=use_fast_accum)
+    # torch fuses a bias only into a tensorwise or rowwise bf16 output; elsewhere it refuses
+    # one, so the bias is added after (float32 outputs round once either way).
+    fused = bias is not None and out_dtype == torch.bfloat16 and _recipe(
+        a, b, scale_a, scale_b) is not Recipe.BLOCKWISE
+    out = torch._scaled_mm(a, b, scale_a, scale_b, bias=bias if fused else None,
+                           out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return out if bias is None or fused else out.add_(bias)
+
+
+def _recipe(a, b, scale_a, scale_b) -> Recipe:
+    return scaled_inputs.recipe_of(scale_a, scale_b, a.shape[0], b.shape[-1], a.shape[-1])
 
 
 @torch.library.custom_op("cutlass_ops::scaled_mm", mutates_args=())
 def scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
                  bias: Optional[Tensor], out_dtype: torch.dtype, use_fast_accum: bool) -> Tensor:
-    """The checked call on its device (``scaled_mm`` has checked it)."""
+    """A call on a CUDA device: every check (``scaled_inputs.check_scaled``), then the run."""
+    scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
     return _torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
 
 
 @scaled_mm_op.register_fake
 def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
+    # The checks a trace can make (all but the data pointers, which the op checks at run time).
+    scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
+                               pointers=False)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -52,10 +65,13 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *,
     scales' shapes: ``cutlass_ops.gemms.scaled_inputs``). ``use_fast_accum``: torch's flag
     (FP8 tensor-core accumulation without periodic promotion to float32). Bad input raises
     UnsupportedInputError naming the tensor and the rule."""
+    if torch.compiler.is_compiling():  # the op's fake checks the trace, the op the run
+        return scaled_mm_op(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
     device = fallback.common_device(
         {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "bias": bias}, ENTRY)
-    checked = scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
     if device is not None and device.type != "cuda":
+        checked = scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias,
+                                             out_dtype=out_dtype)
         fallback.log_once(f"{ENTRY} computes the dequantized product in torch",
                           f"the tensors are on {device}, not a CUDA device")
         return scaled_inputs.reference(a, b, scale_a, scale_b, bias, out_dtype, checked.recipe)
@@ -64,7 +80,7 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *,
 
 def recipe(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Recipe:
     """Which recipe ``scaled_mm`` reads from these scales (UnsupportedInputError if none)."""
-    return scaled_inputs.recipe_of(scale_a, scale_b, a.shape[0], b.shape[-1], a.shape[-1])
+    return _recipe(a, b, scale_a, scale_b)
 
 
 __all__ = ["Recipe", "recipe", "scaled_mm", "scaled_mm_op"]

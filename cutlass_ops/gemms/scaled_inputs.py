@@ -81,9 +81,11 @@ def recipe_of(scale_a, scale_b, m: int, n: int, k: int) -> Recipe:
         f"({m}, {blocks_k}) and ({blocks_k}, {-(-n // BLOCK)})")
 
 
-def check_scaled(a, b, scale_a, scale_b, *, bias=None, out_dtype=None) -> CheckedScaled:
+def check_scaled(a, b, scale_a, scale_b, *, bias=None, out_dtype=None,
+                 pointers: bool = True) -> CheckedScaled:
     """Every check of ``scaled_mm(a, b, scale_a, scale_b, bias=, out_dtype=)`` (module
-    docstring). The caller has applied the device rule (``custom_kernels.core.fallback``)."""
+    docstring); ``pointers=False`` leaves out ``check_pointers`` (while torch.compile traces).
+    The caller has applied the device rule (``custom_kernels.core.fallback``)."""
     import torch
 
     for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b),
@@ -99,6 +101,8 @@ def check_scaled(a, b, scale_a, scale_b, *, bias=None, out_dtype=None) -> Checke
                                     "and (K, N) matrices")
     (m, k), n = a.shape, b.shape[1]
     _check_k_major(a, b)
+    if pointers:
+        check_pointers(a, b)
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     if element(out_dtype).torch_name not in OUT_DTYPES:
         raise UnsupportedInputError(f"out_dtype {out_dtype}: scaled_mm writes bfloat16 or "
@@ -140,10 +144,18 @@ def _check_k_major(a, b) -> None:
                                     f"{tuple(b.stride())}: pass w.t() of a row-major (N, K) w")
     if k % ALIGN or n % ALIGN:
         raise UnsupportedInputError(f"K={k} and N={n} must be multiples of {ALIGN} for FP8")
-    for name, t, lead in (("a", a, a.stride(0)), ("b", b, b.stride(1))):
-        if t.data_ptr() % ALIGN or lead % ALIGN:
-            raise UnsupportedInputError(f"{name} must start at a {ALIGN}-byte aligned address "
-                                        f"with a leading stride a multiple of {ALIGN}")
+    for name, lead in (("a", a.stride(0)), ("b", b.stride(1))):
+        if lead % ALIGN:
+            raise UnsupportedInputError(f"{name}'s leading stride {lead} must be a multiple of "
+                                        f"{ALIGN}")
+
+
+def check_pointers(a, b) -> None:
+    """The operands' addresses 16-byte aligned (TMA). Apart from ``check_scaled``'s other checks
+    because torch.compile cannot trace a data pointer: the op checks them when it runs."""
+    for name, t in (("a", a), ("b", b)):
+        if t.data_ptr() % ALIGN:
+            raise UnsupportedInputError(f"{name} must start at a {ALIGN}-byte aligned address")
 
 
 def _check_scales(scale_a, scale_b, a) -> None:
@@ -186,4 +198,5 @@ def reference(a, b, scale_a, scale_b, bias=None, out_dtype=None,
     return out.to(torch.bfloat16 if out_dtype is None else out_dtype)
 
 
-__all__ = ["BLOCK", "CheckedScaled", "Recipe", "check_scaled", "recipe_of", "reference"]
+__all__ = ["BLOCK", "CheckedScaled", "Recipe", "check_pointers", "check_scaled", "recipe_of",
+           "reference"]

@@ -82,6 +82,7 @@ def test_bad_operands_are_refused_by_name():
     refused("multiples of 16", *operands(k=200), sa, sb)
     refused("16-byte aligned", a.view(-1)[1:].as_strided((64, 240), (256, 1)),
             b[:240], sa, sb)
+    refused("leading stride 250", a.view(-1).as_strided((64, 240), (250, 1)), b[:240], sa, sb)
     refused("out_dtype torch.float16", a, b, sa, sb, out_dtype=torch.float16)
     refused("b is a list", a, [1, 2], sa, sb)
 
@@ -123,6 +124,5 @@ def test_the_custom_op_has_a_fake_that_torch_compile_traces():
 def test_scaled_mm_compiles_without_a_graph_break():
     a, b = operands()
     sa, sb = scales(Recipe.ROWWISE)
-    compiled = torch.compile(scaled.scaled_mm_op, fullgraph=True, backend="eager")
-    got = compiled(a, b, sa, sb, None, torch.bfloat16, False)
-    torch.testing.assert_close(got, torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16))
+    compiled = torch.compile(cutlass_ops.scaled_mm, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(a, b, sa, sb), cutlass_ops.scaled_mm(a, b, sa, sb))

@@ -33,8 +33,7 @@ def quantized(recipe, m=1000, n=1536, k=2048):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_each_recipe_matches_the_dequantized_product(recipe, out_dtype):
     aq, b, sa, sb = quantized(recipe)
-    bias = torch.randn(b.shape[1], device="cuda").to(out_dtype) if recipe is not \
-        Recipe.BLOCKWISE else None  # torch._scaled_mm takes no bias with blockwise scales
+    bias = torch.randn(b.shape[1], device="cuda").to(out_dtype)
     got = cutlass_ops.scaled_mm(aq, b, sa, sb, bias=bias, out_dtype=out_dtype)
     expected = scaled_inputs.reference(aq, b, sa, sb, bias, torch.float32)
     assert got.dtype == out_dtype and relative_error(got, expected) < 1e-2
