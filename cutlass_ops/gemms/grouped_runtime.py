@@ -176,7 +176,7 @@ def run(config: GroupedConfig, form: str, a: torch.Tensor, b: torch.Tensor,
 def launch(config, form: str, a: torch.Tensor, b: torch.Tensor,
            offs: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """``run`` for a C++ ``GroupedConfig``, ``dsl_grouped.run`` for a DSL config, both kernels
-    of a ``skew_dispatch.SkewDispatch``: a tuned winner (``grouped_build.tuned_config``)."""
+    of a ``skew_dispatch.SkewDispatch``: a tuned winner (``grouped_entries.tuned_config``)."""
     from cutlass_ops.gemms import dsl_grouped, skew_dispatch
 
     if skew_dispatch.is_skew_dispatch(config):

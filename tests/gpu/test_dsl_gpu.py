@@ -103,7 +103,7 @@ def tuned_dsl_winner(tmp_path, monkeypatch):
     winner of x @ w^T, dispatch's caches emptied."""
     from cutlass_ops.gemms import dispatch, inputs
     from custom_kernels.core.device import current_scope
-    from custom_kernels.core.tuned_store import TuningCache
+    from cutlass_ops.gemms.gemm_entries import gemm_cache
 
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(dispatch, "_routes", {})
@@ -111,7 +111,7 @@ def tuned_dsl_winner(tmp_path, monkeypatch):
     x, w = random(512, 1024, scale=1 / 32), random(2048, 1024)
     problem = inputs.check_product(x, w.t()).problem
     winner = CONFIGS[0]
-    TuningCache(current_scope()).put(problem, {
+    gemm_cache(current_scope()).put(problem, {
         "winner": winner.to_dict(), "winner_name": winner.name, "backend": "dsl",
         "winner_ms": 0.01, "torch_ms": 0.011, "prefer": "cutlass", "problem": problem.to_dict()})
     return x, w, winner

@@ -10,7 +10,7 @@ import torch
 
 import cutlass_ops
 from cutlass_ops import grouped
-from cutlass_ops.gemms import dsl, dsl_grouped, grouped_build
+from cutlass_ops.gemms import dsl, dsl_grouped, grouped_entries
 from custom_kernels.core.tolerances import relative_error
 
 pytestmark = [pytest.mark.gpu,
@@ -108,7 +108,7 @@ def dsl_winner(monkeypatch):
     """Every grouped problem tuned to the DSL's first config; counts its launches."""
     calls = []
     run = dsl_grouped.run
-    monkeypatch.setattr(grouped_build, "tuned_config", lambda problem, device=None: CONFIGS[0])
+    monkeypatch.setattr(grouped_entries, "tuned_config", lambda problem, device=None: CONFIGS[0])
     monkeypatch.setattr(grouped, "_tuned_by_signature", {})
 
     def counted(*args):

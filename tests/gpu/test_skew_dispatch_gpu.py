@@ -11,7 +11,7 @@ import cutlass_ops
 from custom_kernels import routing_split
 from custom_kernels.core.tolerances import relative_error
 from cutlass_ops import grouped
-from cutlass_ops.gemms import dsl, grouped_build, grouped_runtime, skew_dispatch
+from cutlass_ops.gemms import dsl, grouped_build, grouped_entries, grouped_runtime, skew_dispatch
 from cutlass_ops.gemms.grouped_build import GroupedConfig
 from cutlass_ops.gemms.skew_dispatch import SkewDispatch
 
@@ -176,7 +176,7 @@ def test_grouped_mm_dispatches_a_skew_dispatch_winner_with_gradients(monkeypatch
         forms.append(form)
         return real(config, launch_one, form, *args)
 
-    monkeypatch.setattr(grouped_build, "tuned_config", winner)
+    monkeypatch.setattr(grouped_entries, "tuned_config", winner)
     monkeypatch.setattr(grouped, "_tuned_by_signature", {})
     monkeypatch.setattr(skew_dispatch, "launch", counted)
     x = rand(512, 256, scale=1 / 16).requires_grad_()
