@@ -22,6 +22,8 @@ class DType(str, enum.Enum):
     BF16 = "bf16"
     F16 = "f16"
     F32 = "f32"
+    E4M3 = "e4m3"  # FP8 operands: scaled GEMMs only (cutlass_ops.scaled_mm)
+    E5M2 = "e5m2"
 
     @property
     def bytes(self) -> int:
@@ -240,7 +242,9 @@ class GemmOperands:
     D = alpha * (A @ B) + beta * C, with A (M x K), B (K x N), C and D (M x N). C and D share one
     element type and layout. The accumulator is f32 (f16 is allowed for f16 operands). A fused
     ``epilogue`` (bias, activation, residual) is compiled in, so it is part of the kernel's and
-    the tuned problem's identity.
+    the tuned problem's identity. ``fast_accum`` (FP8 operands only): FP8 tensor-core
+    accumulation without CUTLASS's periodic promotion to float32 (torch._scaled_mm's
+    ``use_fast_accum``), which changes the results, so it is part of the identity too.
     """
 
     element_a: DType
@@ -255,8 +259,10 @@ class GemmOperands:
     alignment_b: int
     alignment_c: int
     epilogue: Epilogue = Epilogue()
+    fast_accum: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fast_accum", bool(self.fast_accum))
         if not isinstance(self.epilogue, Epilogue):
             object.__setattr__(self, "epilogue", Epilogue.from_dict(self.epilogue))
         for name in ("element_a", "element_b", "element_c", "element_d", "element_accumulator"):
@@ -299,18 +305,27 @@ class GemmOperands:
         aligns = f"align{self.alignment_a}x{self.alignment_b}x{self.alignment_c}"
         # The default epilogue adds nothing, so names (and cache keys) of plain GEMMs are stable.
         epilogue = f"_{self.epilogue.name}" if not self.epilogue.is_default else ""
-        return f"{types}_{self.layout_name}_{aligns}{epilogue}"
+        fast = "_fastaccum" if self.fast_accum else ""
+        return f"{types}_{self.layout_name}_{aligns}{epilogue}{fast}"
+
+    @property
+    def is_fp8(self) -> bool:
+        return element(self.element_a).is_fp8 or element(self.element_b).is_fp8
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
         if self.epilogue.is_default:  # plain GEMMs keep the dict (and the hashes) they had
             del out["epilogue"]
+        if not self.fast_accum:  # likewise every GEMM from before FP8
+            del out["fast_accum"]
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GemmOperands:
-        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "epilogue"}
-        return cls(**fields, epilogue=Epilogue.from_dict(data.get("epilogue")))
+        optional = ("epilogue", "fast_accum")  # absent from the dicts of GEMMs without them
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name not in optional}
+        return cls(**fields, epilogue=Epilogue.from_dict(data.get("epilogue")),
+                   fast_accum=data.get("fast_accum", False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -157,7 +157,7 @@ def tile_descriptions(operands: GemmOperands, arch: Arch) -> list[dict[str, Any]
     return sorted(out, key=lambda td: json.dumps(td, sort_keys=True))
 
 
-def _schedules(config: GemmConfig):
+def _schedules(config: GemmConfig, operands: GemmOperands):
     _, cutlass_library = _cutlass()
     ks = cutlass_library.KernelScheduleType
     es = cutlass_library.EpilogueScheduleType
@@ -168,6 +168,8 @@ def _schedules(config: GemmConfig):
         KernelSchedule.SM100_1SM: ks.TmaWarpSpecialized1SmSm100,
         KernelSchedule.SM100_2SM: ks.TmaWarpSpecialized2SmSm100,
     }[config.kernel_schedule]
+    if operands.fast_accum:  # FP8 without periodic promotion to float32 (space.violations)
+        kernel = getattr(ks, f"{kernel.name}FP8FastAccum")
     tma = config.epilogue_schedule is EpilogueSchedule.TMA
     epilogue = {
         KernelSchedule.PINGPONG: es.TmaWarpSpecialized if tma else es.NoSmemWarpSpecialized,
@@ -212,7 +214,7 @@ def emit(operands: GemmOperands, config: GemmConfig) -> str:
     from cutlass_cppgen.backend.gemm_operation import EmitGemmUniversalInstance3x
 
     plan = _plan(operands, config.arch)
-    kernel, epilogue, tile_scheduler = _schedules(config)
+    kernel, epilogue, tile_scheduler = _schedules(config, operands)
     base = plan.tile_descriptions()[0]
     td = base.clone_and_update({
         "threadblock_shape": cutlass_threadblock_shape(config),

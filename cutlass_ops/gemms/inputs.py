@@ -35,10 +35,16 @@ def element_type(torch_dtype, name: str) -> DType:
     """The GEMM element type of a tensor's dtype (``custom_kernels.core.elements``), where the
     plain GEMMs take it."""
     try:
-        return DType(element(torch_dtype).name)
+        found = element(torch_dtype)
     except ValueError:
+        found = None
+    if found is not None and found.is_fp8:
+        raise UnsupportedInputError(f"{name} has dtype {torch_dtype}: FP8 operands need their "
+                                    "scales, so they go through cutlass_ops.scaled_mm")
+    if found is None or found.name not in {d.value for d in DType}:
         raise UnsupportedInputError(f"{name} has dtype {torch_dtype}; supported: bfloat16, "
-                                    "float16, float32 (run as tf32)") from None
+                                    "float16, float32 (run as tf32)")
+    return DType(found.name)
 
 
 def dtype_of(tensor, name: str) -> DType:

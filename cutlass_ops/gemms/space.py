@@ -100,7 +100,8 @@ def violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
         why.append(f"kernel schedule {schedule.value} does not exist on {arch.value} "
                    f"(choose from {', '.join(s.value for s in _SCHEDULES[arch])})")
         return why
-    if operands.element_a is not operands.element_b:
+    why += _fp8_violations(operands, config)
+    if operands.element_a is not operands.element_b and not operands.is_fp8:
         why.append("A and B must have the same element type")
     if operands.element_accumulator is DType.F16 and operands.element_a is not DType.F16:
         why.append("an f16 accumulator needs f16 operands")
@@ -172,6 +173,31 @@ def violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
                                config.epilogue_schedule))
     if known:
         why.append(known)
+    return why
+
+
+_FP8 = (DType.E4M3, DType.E5M2)
+
+
+def _fp8_violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
+    """FP8's own rules (CUTLASS 4.2's sm90 builders; docs/fp8_emission.md)."""
+    if not operands.is_fp8:
+        return ["fast accumulation is an FP8 mode"] if operands.fast_accum else []
+    why = []
+    if operands.element_a not in _FP8 or operands.element_b not in _FP8:
+        why.append("FP8 takes two FP8 operands")
+    elif operands.element_a is operands.element_b is DType.E5M2:
+        why.append("e5m2 x e5m2 has no tensor-core instruction; one operand must be e4m3")
+    if operands.element_d in _FP8:
+        why.append("an FP8 GEMM writes bf16, f16 or f32, not FP8")
+    if operands.layout_a is not Layout.ROW or operands.layout_b is not Layout.COL:
+        why.append("FP8 wgmma reads K-major operands only: A row-major and B column-major")
+    if operands.element_accumulator is not DType.F32:
+        why.append("FP8 accumulates in f32")
+    if config.arch is not Arch.SM90A:
+        why.append("FP8 kernels are emitted for sm90a only")
+    if config.tile[2] != 128:
+        why.append(f"FP8 tiles span K = 128 elements (128 bytes), got {config.tile[2]}")
     return why
 
 
