@@ -5,8 +5,8 @@ call can be captured in a CUDA graph).
 The recipe (tensorwise, rowwise, blockwise) is read from the scales' shapes as torch reads it;
 the inputs are checked by ``cutlass_ops.gemms.scaled_inputs`` (K-major FP8 operands, float32
 scales, alignment), and a refusal names the rule. Where the call runs:
-- on a GPU: ``torch._scaled_mm``, with one log line: this version builds no CUTLASS FP8 kernel
-  yet (issue 38's next step; how they will be emitted: docs/fp8_emission.md);
+- on a GPU: a tuned CUTLASS FP8 kernel (``cutlass-tune tune --fp8 RECIPE SHAPES``), chosen by
+  ``cutlass_ops.gemms.scaled_dispatch``; else ``torch._scaled_mm``, with one log line saying why;
 - off a GPU (the CPU rule of ``custom_kernels.core.fallback``): the dequantized float32 product
   (``scaled_inputs.reference``).
 """
@@ -18,23 +18,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from cutlass_ops.gemms import scaled_inputs
+from cutlass_ops.gemms import scaled_dispatch, scaled_inputs
 from cutlass_ops.gemms.scaled_inputs import Recipe
 from custom_kernels.core import fallback
 
 ENTRY = "cutlass_ops.scaled_mm"
-
-
-def _torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum) -> Tensor:
-    fallback.log_once(f"{ENTRY} uses torch._scaled_mm",
-                      "no CUTLASS FP8 kernel is built into this version yet")
-    # torch fuses a bias only into a tensorwise or rowwise bf16 output; elsewhere it refuses
-    # one, so the bias is added after (float32 outputs round once either way).
-    fused = bias is not None and out_dtype == torch.bfloat16 and _recipe(
-        a, b, scale_a, scale_b) is not Recipe.BLOCKWISE
-    out = torch._scaled_mm(a, b, scale_a, scale_b, bias=bias if fused else None,
-                           out_dtype=out_dtype, use_fast_accum=use_fast_accum)
-    return out if bias is None or fused else out.add_(bias)
 
 
 def _recipe(a, b, scale_a, scale_b) -> Recipe:
@@ -45,8 +33,9 @@ def _recipe(a, b, scale_a, scale_b) -> Recipe:
 def scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
                  bias: Optional[Tensor], out_dtype: torch.dtype, use_fast_accum: bool) -> Tensor:
     """A call on a CUDA device: every check (``scaled_inputs.check_scaled``), then the run."""
-    scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
-    return _torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    checked = scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    route = scaled_dispatch.route(a, b, scale_a, scale_b, bias, checked, use_fast_accum)
+    return route.run(a, b, scale_a, scale_b, bias)
 
 
 @scaled_mm_op.register_fake

@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Protocol
 
 from cutlass_ops.gemms import epilogues
 from cutlass_ops.gemms.config import (Activation, BiasMode, DType, GemmConfig, GemmOperands,
-                                GemmProblem, Layout)
+                                      GemmProblem, Layout, Scaling)
 from custom_kernels.core.tolerances import GEMM, relative_tolerance
 from custom_kernels.core.tuned_store import CacheScope
 from cutlass_ops.gemms.choice import Choice
@@ -61,7 +61,11 @@ class GpuBackend:
 
         return prepare_many(items, jobs=self.jobs, on_done=on_done)
 
-    def session(self, problem: GemmProblem) -> GpuSession:
+    def session(self, problem: GemmProblem):
+        if problem.operands.scaling is not Scaling.NONE:  # cutlass_ops.scaled_mm's problems
+            from tuning.scaled_session import ScaledSession
+
+            return ScaledSession(problem, self.index)
         return GpuSession(problem, self.index)
 
 

@@ -30,6 +30,18 @@ class DType(str, enum.Enum):
         return element(self).bytes
 
 
+class Scaling(str, enum.Enum):
+    """How an FP8 GEMM's float32 scales reach its kernel (``torch._scaled_mm``'s recipes,
+    ``cutlass_ops.gemms.scaled_inputs``). ``TENSORWISE``: two device scalars, multiplied in the
+    epilogue; ``ROWWISE``: M and N vectors (a column and a row broadcast) in the epilogue;
+    ``BLOCKWISE``: 1x128 scales of A and 128x128 of B, applied in the mainloop per K block."""
+
+    NONE = "none"
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    BLOCKWISE = "blockwise"
+
+
 class Layout(str, enum.Enum):
     """Memory order of a 2-D operand: ROW (last dimension contiguous) or COL.
 
@@ -244,7 +256,8 @@ class GemmOperands:
     ``epilogue`` (bias, activation, residual) is compiled in, so it is part of the kernel's and
     the tuned problem's identity. ``fast_accum`` (FP8 operands only): FP8 tensor-core
     accumulation without CUTLASS's periodic promotion to float32 (torch._scaled_mm's
-    ``use_fast_accum``), which changes the results, so it is part of the identity too.
+    ``use_fast_accum``), which changes the results, so it is part of the identity too; and so is
+    ``scaling``, the FP8 recipe whose scales the kernel reads (``Scaling``).
     """
 
     element_a: DType
@@ -260,9 +273,11 @@ class GemmOperands:
     alignment_c: int
     epilogue: Epilogue = Epilogue()
     fast_accum: bool = False
+    scaling: Scaling = Scaling.NONE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fast_accum", bool(self.fast_accum))
+        object.__setattr__(self, "scaling", Scaling(self.scaling))
         if not isinstance(self.epilogue, Epilogue):
             object.__setattr__(self, "epilogue", Epilogue.from_dict(self.epilogue))
         for name in ("element_a", "element_b", "element_c", "element_d", "element_accumulator"):
@@ -306,7 +321,8 @@ class GemmOperands:
         # The default epilogue adds nothing, so names (and cache keys) of plain GEMMs are stable.
         epilogue = f"_{self.epilogue.name}" if not self.epilogue.is_default else ""
         fast = "_fastaccum" if self.fast_accum else ""
-        return f"{types}_{self.layout_name}_{aligns}{epilogue}{fast}"
+        scaling = f"_{self.scaling.value}" if self.scaling is not Scaling.NONE else ""
+        return f"{types}_{self.layout_name}_{aligns}{epilogue}{fast}{scaling}"
 
     @property
     def is_fp8(self) -> bool:
@@ -318,14 +334,17 @@ class GemmOperands:
             del out["epilogue"]
         if not self.fast_accum:  # likewise every GEMM from before FP8
             del out["fast_accum"]
+        if self.scaling is Scaling.NONE:
+            del out["scaling"]
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GemmOperands:
-        optional = ("epilogue", "fast_accum")  # absent from the dicts of GEMMs without them
+        optional = ("epilogue", "fast_accum", "scaling")  # absent from the dicts of GEMMs
         fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name not in optional}
         return cls(**fields, epilogue=Epilogue.from_dict(data.get("epilogue")),
-                   fast_accum=data.get("fast_accum", False))
+                   fast_accum=data.get("fast_accum", False),
+                   scaling=data.get("scaling", Scaling.NONE))
 
 
 @dataclasses.dataclass(frozen=True)

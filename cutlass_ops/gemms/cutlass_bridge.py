@@ -19,8 +19,8 @@ from typing import Any
 
 from custom_kernels.core.elements import element
 from cutlass_ops.gemms.config import (EPILOGUE_TILE_AUTO_CPP, Activation, Arch, BiasMode, DType,
-                                Epilogue, EpilogueSchedule, GemmConfig, GemmOperands,
-                                KernelSchedule, Layout, TileScheduler)
+                                      Epilogue, EpilogueSchedule, GemmConfig, GemmOperands,
+                                      KernelSchedule, Layout, Scaling, TileScheduler)
 
 def _cutlass_element(dtype: DType):
     """``cutlass_library.DataType`` of an element type (the name in ``core.elements``)."""
@@ -69,6 +69,32 @@ def _plan(operands: GemmOperands, arch: Arch):
 # ours, mapped below onto CUTLASS's GELU_taylor, which cutlass_cppgen has but does not name.
 _ACTIVATION_CALLS = {Activation.RELU: "relu", Activation.GELU: "gelu",
                      Activation.GELU_TANH: "gelu_tanh", Activation.SILU: "silu"}
+
+
+# The launcher's slot of each epilogue parameter that a leaf of the tree reads (EpilogueSlot in
+# csrc/gemm_launcher.cu); "accum" and "C" are fetches, not leaves.
+_SLOTS = {"alpha": 0, "beta": 1, "bias": 2, "scale_a": 3, "scale_b": 4}
+
+
+def scaled_epilogue_function(epilogue: Epilogue) -> str:
+    """The tree of a tensorwise or rowwise FP8 kernel: ``D = accum * scale_a * scale_b
+    (+ bias)``. Its leaves are visited in the order the expression names them, which
+    ``epilogue_slots`` tells the launcher."""
+    params, expr = ["accum", "scale_a", "scale_b"], "accum * scale_a * scale_b"
+    if epilogue.bias is BiasMode.N:
+        params.append("bias")
+        expr += " + bias"
+    return f"def epilogue({', '.join(params)}):\n    D = {expr}\n    return D\n"
+
+
+def epilogue_slots(operands: GemmOperands) -> str:
+    """The ``#define`` that lists a scaled tree's leaves' slots for the launcher (empty for the
+    alpha/beta/bias trees, which the launcher fills by kind)."""
+    if operands.scaling not in (Scaling.TENSORWISE, Scaling.ROWWISE):
+        return ""
+    source = scaled_epilogue_function(operands.epilogue)
+    params = source[source.index("(") + 1:source.index(")")].split(", ")[1:]
+    return "#define CUTLASS_OPS_EPILOGUE_SLOTS " + ", ".join(str(_SLOTS[p]) for p in params)
 
 
 def epilogue_function(epilogue: Epilogue) -> str:
@@ -127,6 +153,16 @@ def _epilogue_visitor(operands: GemmOperands, arch: Arch):
     epilogue = operands.epilogue
     examples = {"accum": matrix(operands.element_accumulator, Layout.ROW), "alpha": 1.0,
                 "D": matrix(operands.element_d, operands.layout_c)}
+    function = epilogue_function(epilogue)
+    if operands.scaling is Scaling.TENSORWISE:  # device scalars (Sm90ScalarBroadcast)
+        examples.update(scale_a=1.0, scale_b=1.0)
+        function = scaled_epilogue_function(epilogue)
+    elif operands.scaling is Scaling.ROWWISE:  # M values (column broadcast), N values (row)
+        examples["scale_a"] = Tensor(element=cutlass_type(DType.F32), shape=(1, m, 1),
+                                     stride=(m, 1, 1))
+        examples["scale_b"] = Tensor(element=cutlass_type(DType.F32), shape=(1, 1, n),
+                                     stride=(n, n, 1))
+        function = scaled_epilogue_function(epilogue)
     if epilogue.bias is BiasMode.N:
         examples["bias"] = Tensor(element=cutlass_type(operands.element_d), shape=(1, 1, n),
                                   stride=(n, n, 1))
@@ -136,7 +172,7 @@ def _epilogue_visitor(operands: GemmOperands, arch: Arch):
     if epilogue.residual:
         examples["beta"] = 1.0
         examples["C"] = matrix(operands.element_c, operands.layout_c)
-    return cutlass_cppgen.epilogue.trace(epilogue_function(epilogue), examples, cc=arch.cc)
+    return cutlass_cppgen.epilogue.trace(function, examples, cc=arch.cc)
 
 
 def tile_descriptions(operands: GemmOperands, arch: Arch) -> list[dict[str, Any]]:
@@ -210,8 +246,14 @@ def with_epilogue_tile(body: str, config: GemmConfig) -> str:
 
 
 def emit(operands: GemmOperands, config: GemmConfig) -> str:
-    """C++ declaring ``DeviceKernel`` for this config, with the includes it needs."""
+    """C++ declaring ``DeviceKernel`` for this config, with the includes it needs (blockwise FP8
+    kernels from cutlass_library: ``blockwise_emit``)."""
     from cutlass_cppgen.backend.gemm_operation import EmitGemmUniversalInstance3x
+
+    if operands.scaling is Scaling.BLOCKWISE:
+        from cutlass_ops.gemms import blockwise_emit
+
+        return with_epilogue_tile(blockwise_emit.emit(operands, config), config)
 
     plan = _plan(operands, config.arch)
     kernel, epilogue, tile_scheduler = _schedules(config, operands)
@@ -224,7 +266,7 @@ def emit(operands: GemmOperands, config: GemmConfig) -> str:
         "epilogue_schedule": epilogue,
         "tile_scheduler": tile_scheduler,
     })
-    if not operands.epilogue.is_default:
+    if not operands.epilogue.is_default or operands.scaling is not Scaling.NONE:
         plan.epilogue_visitor = _epilogue_visitor(operands, config.arch)
     operation = plan.construct(td, operands.alignment_a, operands.alignment_b, operands.alignment_c)
     emitter = EmitGemmUniversalInstance3x("_type")
@@ -234,7 +276,9 @@ def emit(operands: GemmOperands, config: GemmConfig) -> str:
         name = operation.device_op().procedural_name()
         body += ("\nusing DeviceKernel = "
                  f"cutlass::gemm::device::GemmUniversalAdapter<{name}_type>;\n")
-    return f"// cutlass-ops kernel {config.build_name} for {operands.name}\n{includes}{body}"
+    slots = epilogue_slots(operands)
+    return (f"// cutlass-ops kernel {config.build_name} for {operands.name}\n{includes}{body}"
+            + (f"\n{slots}\n" if slots else ""))
 
 
 def handle(request: dict[str, Any]) -> dict[str, Any]:

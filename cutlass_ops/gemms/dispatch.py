@@ -119,11 +119,17 @@ def online_mode() -> str:
     return mode if mode in ONLINE_MODES else "off"
 
 
+# Other entry points' memoized routes read the same cache (scaled_dispatch registers its own).
+RESET_HOOKS: list[Callable[[], None]] = []
+
+
 def reset() -> None:
     """Forgets memoized decisions (after a tune in this process, or a cache import)."""
     with _lock:
         _routes.clear()
     _entries_by_scope.clear()
+    for hook in RESET_HOOKS:
+        hook()
 
 
 def _log_once(reason: str, what: str = "cutlass_ops.matmul uses torch.matmul") -> None:

@@ -52,7 +52,7 @@ def run_bridge(request: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
         request_path.write_text(json.dumps(request))
         env = dict(os.environ)
         # The child must import this very package, wherever the parent found it.
-        package_parent = str(Path(__file__).resolve().parent.parent)
+        package_parent = str(Path(__file__).resolve().parents[2])  # holds cutlass_ops/
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
         proc = subprocess.run(
             [sys.executable, "-m", "cutlass_ops.gemms.cutlass_bridge", str(request_path),
@@ -68,7 +68,9 @@ def run_bridge(request: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
 
 
 _SHAPE = r"cute::Shape<cute::_(\d+),\s*cute::_(\d+),\s*cute::_(\d+)>"
-_MAINLOOP = re.compile(r"CollectiveMainloop\s*=.*?" + _SHAPE + r",\s*" + _SHAPE, re.S)
+# cutlass_cppgen names it CollectiveMainloop, cutlass_library (blockwise kernels) <name>_mainloop.
+_MAINLOOP = re.compile(r"(?:CollectiveMainloop|_mainloop)\s*=.*?" + _SHAPE + r",\s*" + _SHAPE,
+                       re.S)
 
 
 def check_emitted_shapes(source: str, config: GemmConfig) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from cutlass_ops.gemms import build, emit, runtime, space
-from cutlass_ops.gemms.config import Arch, BiasMode, GemmConfig, GemmOperands
+from cutlass_ops.gemms.config import Arch, BiasMode, GemmConfig, GemmOperands, Scaling
 from custom_kernels.core import cache_trust, fallback
 from custom_kernels.core.errors import CutlassOpsError, KernelLaunchError, UnsafeCacheError
 
@@ -127,20 +127,39 @@ def is_built(operands: GemmOperands, config: GemmConfig) -> bool:
 
 def expected_epilogue_slots(operands: GemmOperands) -> tuple[int, int]:
     """(scalars, bias pointers) a kernel for these operands must take: a plain kernel alpha and
-    beta; a fused one alpha, beta with a residual, and one bias pointer with a bias."""
-    epilogue = operands.epilogue
+    beta (a blockwise FP8 kernel's epilogue is plain too); a fused one alpha, beta with a
+    residual, and one bias pointer with a bias; a tensorwise or rowwise FP8 one no scalar (its
+    scales have slots of their own) and a bias pointer with a bias."""
+    epilogue, scaling = operands.epilogue, operands.scaling
+    bias = int(epilogue.bias is not BiasMode.NONE)
+    if scaling in (Scaling.TENSORWISE, Scaling.ROWWISE):
+        return 0, bias
     if epilogue.is_default:
         return 2, 0
-    return 1 + int(epilogue.residual), int(epilogue.bias is not BiasMode.NONE)
+    return 1 + int(epilogue.residual), bias
+
+
+def expected_scale_slots(operands: GemmOperands) -> tuple[int, int, int]:
+    """FP8 scales a kernel must read: (epilogue scalars, epilogue vectors, mainloop)."""
+    return {Scaling.NONE: (0, 0, 0), Scaling.TENSORWISE: (2, 0, 0),
+            Scaling.ROWWISE: (0, 2, 0), Scaling.BLOCKWISE: (0, 0, 2)}[operands.scaling]
 
 
 def check_epilogue_slots(operands: GemmOperands, kernel: runtime.LoadedKernel) -> None:
+    """Refuses a kernel whose launcher fills other epilogue values or scales than the operands
+    name: it would compute something else."""
     expected = expected_epilogue_slots(operands)
     if kernel.epilogue_slots != expected:
         raise KernelLaunchError(
             f"{kernel.name} for {operands.name}: the launcher fills {kernel.epilogue_slots} "
             f"(scalars, bias pointers) of the epilogue, the operands need {expected}; this "
             "kernel would compute something else, so it is refused")
+    expected = expected_scale_slots(operands)
+    if kernel.scale_slots != expected:
+        raise KernelLaunchError(
+            f"{kernel.name} for {operands.name}: the kernel reads {kernel.scale_slots} FP8 "
+            f"scales (epilogue scalars, epilogue vectors, mainloop), the operands' "
+            f"{operands.scaling.value} scaling needs {expected}; refused")
 
 
 def kernel_for(operands: GemmOperands, config: GemmConfig) -> runtime.LoadedKernel:

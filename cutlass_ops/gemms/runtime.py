@@ -17,7 +17,7 @@ from cutlass_ops.gemms.inputs import EXTENT_TYPE, STRIDE_TYPE
 from custom_kernels.core import cache_trust
 from custom_kernels.core.errors import KernelLaunchError
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _STATUS = {1: "the kernel cannot implement this problem", 2: "workspace too small",
            3: "initialization failed", 4: "launch failed", 5: "CUDA error"}
@@ -41,6 +41,7 @@ class GemmArgs(ctypes.Structure):
         ("device_id", ctypes.c_int32), ("sm_count", ctypes.c_int32),
         ("raster_order", ctypes.c_int32), ("swizzle", ctypes.c_int32), ("splits", ctypes.c_int32),
         ("bias", ctypes.c_void_p),
+        ("scale_a", ctypes.c_void_p), ("scale_b", ctypes.c_void_p),  # FP8 scales (ABI 3)
     ]
 
 
@@ -76,6 +77,10 @@ class LoadedKernel:
         lib.cutlass_ops_epilogue_slots(ctypes.byref(scalars), ctypes.byref(biases))
         # (scalars, bias pointers) the launcher fills in the epilogue's arguments
         self.epilogue_slots = (scalars.value, biases.value)
+        counts = [ctypes.c_int(0) for _ in range(3)]
+        lib.cutlass_ops_scale_slots(*(ctypes.byref(c) for c in counts))
+        # FP8 scales the kernel reads: (epilogue scalars, epilogue vectors, mainloop)
+        self.scale_slots = tuple(c.value for c in counts)
 
     def _raise(self, status: int) -> None:
         detail = self._lib.cutlass_ops_last_error().decode(errors="replace")

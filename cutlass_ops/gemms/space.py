@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 
-from cutlass_ops.gemms.config import (Arch, DType, EpilogueSchedule, GemmConfig, GemmOperands,
-                                KernelSchedule, Layout, TileScheduler)
+from cutlass_ops.gemms.config import (Activation, Arch, BiasMode, DType, EpilogueSchedule,
+                                      GemmConfig, GemmOperands, KernelSchedule, Layout, Scaling,
+                                      TileScheduler)
 from custom_kernels.core.errors import InvalidConfigError
 
 # Usable dynamic shared memory per CTA on sm90 and sm100 (228 KB less 1 KB reserved by the system).
@@ -182,8 +183,11 @@ _FP8 = (DType.E4M3, DType.E5M2)
 def _fp8_violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
     """FP8's own rules (CUTLASS 4.2's sm90 builders; docs/fp8_emission.md)."""
     if not operands.is_fp8:
-        return ["fast accumulation is an FP8 mode"] if operands.fast_accum else []
-    why = []
+        why = ["fast accumulation is an FP8 mode"] if operands.fast_accum else []
+        if operands.scaling is not Scaling.NONE:
+            why.append(f"{operands.scaling.value} scaling is for FP8 operands")
+        return why
+    why = _scaling_violations(operands, config)
     if operands.element_a not in _FP8 or operands.element_b not in _FP8:
         why.append("FP8 takes two FP8 operands")
     elif operands.element_a is operands.element_b is DType.E5M2:
@@ -198,6 +202,33 @@ def _fp8_violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
         why.append("FP8 kernels are emitted for sm90a only")
     if config.tile[2] != 128:
         why.append(f"FP8 tiles span K = 128 elements (128 bytes), got {config.tile[2]}")
+    return why
+
+
+def _scaling_violations(operands: GemmOperands, config: GemmConfig) -> list[str]:
+    """What each recipe's kernel can take (docs/fp8_emission.md). Tensorwise and rowwise scales
+    ride in an epilogue visitor tree that may add a bias along N and nothing else; blockwise
+    scales are applied in CUTLASS 4.2's FP8Blockwise mainloop, which promotes every 128-wide K
+    block (no fast accumulation), compiles with tile N 128 only (with 1x128 A scales tile N 256
+    fails a static_assert) and keeps the plain epilogue (the bias is added after it)."""
+    scaling, epilogue = operands.scaling, operands.epilogue
+    why = []
+    if scaling in (Scaling.TENSORWISE, Scaling.ROWWISE):
+        if epilogue.activation is not Activation.IDENTITY or epilogue.residual \
+                or epilogue.bias is BiasMode.M:
+            why.append(f"a {scaling.value} kernel's epilogue adds at most a bias along N")
+    elif scaling is Scaling.BLOCKWISE:
+        if not epilogue.is_default:
+            why.append("a blockwise kernel has no fused epilogue; the bias is added after it")
+        if operands.fast_accum:
+            why.append("blockwise kernels promote each 128-wide K block: no fast accumulation")
+        if config.tile[1] != 128:
+            why.append(f"blockwise kernels take tile N 128 (one 128x128 B scale per tile), got "
+                       f"{config.tile[1]}")
+        if config.tile[0] > 128:  # CUTLASS issue #3596: the cooperative blockwise mainloop
+            # reapplies an earlier M wave's A scales in tiles of several M scale blocks
+            why.append(f"blockwise kernels take tile M 64 or 128 here, got {config.tile[0]} "
+                       "(CUTLASS issue #3596)")
     return why
 
 

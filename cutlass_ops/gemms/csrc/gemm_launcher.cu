@@ -25,7 +25,7 @@
 namespace {
 
 // Bump when CutlassOpsGemmArgs or an entry point changes; Python refuses a mismatched artifact.
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;  // 3: the FP8 scale pointers
 
 enum CutlassOpsStatus : int {
   kOk = 0,
@@ -93,10 +93,14 @@ void set_splits(SchedulerArgs& scheduler, int splits) {
 }
 
 // The epilogue's arguments. A plain kernel's fusion (LinearCombination) has alpha and beta members.
-// A fused kernel's is an epilogue visitor tree traced by cutlass_cppgen from
-// D = activation(alpha * accum + bias) + beta * C: its arguments nest one level per node
-// (children first, then the node's own), which we fill by node kind in that order: the first scalar broadcast is alpha,
-// the second beta; a row or column broadcast is the bias; fetches and compute nodes take nothing.
+// A fused kernel's is an epilogue visitor tree traced by cutlass_cppgen from the emitter's
+// epilogue function: its arguments nest one level per node (children first, then the node's
+// own); fetches and compute nodes take nothing, and each leaf (a scalar, row or column
+// broadcast) takes one of the caller's values, its "slot". A kernel header that defines
+// CUTLASS_OPS_EPILOGUE_SLOTS lists the slots of its leaves in visit order (the emitter wrote the
+// function, so it knows them: the FP8 trees accum * scale_a * scale_b [+ bias]). Without one,
+// the alpha/beta/bias trees of D = activation(alpha * accum + bias) + beta * C are filled by
+// kind: the first scalar broadcast is alpha, the second beta, a row or column broadcast the bias.
 // Member detection for the argument structs below: has_<name><T>::value.
 #define CUTLASS_OPS_HAS_MEMBER(name)                                                      \
   template <class T, class = void>                                                        \
@@ -105,6 +109,7 @@ void set_splits(SchedulerArgs& scheduler, int splits) {
   struct has_##name<T, std::void_t<decltype(std::declval<T&>().name)>> : std::true_type {};
 CUTLASS_OPS_HAS_MEMBER(alpha)
 CUTLASS_OPS_HAS_MEMBER(scalars)
+CUTLASS_OPS_HAS_MEMBER(scalar_ptrs)
 CUTLASS_OPS_HAS_MEMBER(ptr_row)
 CUTLASS_OPS_HAS_MEMBER(ptr_col)
 CUTLASS_OPS_HAS_MEMBER(op_0)
@@ -113,12 +118,83 @@ CUTLASS_OPS_HAS_MEMBER(op_2)
 CUTLASS_OPS_HAS_MEMBER(op_3)
 #undef CUTLASS_OPS_HAS_MEMBER
 
+enum EpilogueSlot : int {
+  kSlotAlpha = 0,
+  kSlotBeta = 1,
+  kSlotBias = 2,     // M or N values of D's type
+  kSlotScaleA = 3,   // float32 in device memory: one value (scalar leaf) or M (column broadcast)
+  kSlotScaleB = 4,   // float32: one value or N (row broadcast)
+};
+
+#ifdef CUTLASS_OPS_EPILOGUE_SLOTS
+constexpr int kEpilogueSlots[] = {CUTLASS_OPS_EPILOGUE_SLOTS};
+constexpr int kEpilogueSlotCount = int(sizeof(kEpilogueSlots) / sizeof(kEpilogueSlots[0]));
+#endif
+
 struct EpilogueValues {
   float alpha, beta;
   const void* bias;
-  int scalars_filled;
-  int biases_filled;
+  const void* scale_a;
+  const void* scale_b;
+  int leaves;          // leaves visited
+  int scalars_filled;  // scalar leaves given alpha or beta
+  int biases_filled;   // broadcasts given the bias
+  int scalar_scales;   // scalar leaves given a scale's device pointer
+  int vector_scales;   // broadcasts given a scale vector
+  bool unmapped;       // a leaf with no slot, or a slot its kind cannot take
 };
+
+// The slot of the next leaf, from the header's list, else by kind (see above).
+inline int next_slot(EpilogueValues& values, bool scalar) {
+  int leaf = values.leaves++;
+#ifdef CUTLASS_OPS_EPILOGUE_SLOTS
+  (void)scalar;
+  return leaf < kEpilogueSlotCount ? kEpilogueSlots[leaf] : -1;
+#else
+  (void)leaf;
+  if (!scalar) return kSlotBias;
+  return values.scalars_filled == 0 ? kSlotAlpha : kSlotBeta;
+#endif
+}
+
+template <class Args>
+void fill_scalar_leaf(Args& args, EpilogueValues& values) {
+  using Scalar = std::remove_reference_t<decltype(args.scalars[0])>;
+  int slot = next_slot(values, true);
+  if (slot == kSlotAlpha || slot == kSlotBeta) {
+    args.scalars[0] = Scalar(slot == kSlotAlpha ? values.alpha : values.beta);
+    ++values.scalars_filled;
+    return;
+  }
+  if constexpr (has_scalar_ptrs<Args>::value) {
+    if (slot == kSlotScaleA || slot == kSlotScaleB) {
+      // Read on the device when the kernel runs: no host sync, and a graph replay reads the
+      // scales' current values.
+      args.scalars[0] = Scalar(1);
+      args.scalar_ptrs[0] =
+          static_cast<Scalar const*>(slot == kSlotScaleA ? values.scale_a : values.scale_b);
+      ++values.scalar_scales;
+      return;
+    }
+  }
+  values.unmapped = true;
+}
+
+template <class Pointer>
+Pointer broadcast_pointer(EpilogueValues& values) {
+  int slot = next_slot(values, false);
+  const void* pointer = nullptr;
+  if (slot == kSlotBias) {
+    pointer = values.bias;
+    ++values.biases_filled;
+  } else if (slot == kSlotScaleA || slot == kSlotScaleB) {
+    pointer = slot == kSlotScaleA ? values.scale_a : values.scale_b;
+    ++values.vector_scales;
+  } else {
+    values.unmapped = true;
+  }
+  return static_cast<Pointer>(pointer);
+}
 
 // A tree node's arguments hold its children's (then its own): as members op_0 .. op_3 for nodes of
 // up to four operations (CUTLASS specializes those), as a cute::tuple beyond.
@@ -132,33 +208,66 @@ void fill_visitor_tree(Args& args, EpilogueValues& values) {
   } else if constexpr (cute::is_tuple<Args>::value) {
     cute::for_each(args, [&](auto& child) { fill_visitor_tree(child, values); });
   } else if constexpr (has_scalars<Args>::value) {
-    using Scalar = std::remove_reference_t<decltype(args.scalars[0])>;
-    args.scalars[0] = Scalar(values.scalars_filled++ == 0 ? values.alpha : values.beta);
+    fill_scalar_leaf(args, values);
   } else if constexpr (has_ptr_row<Args>::value) {
-    args.ptr_row = static_cast<decltype(args.ptr_row)>(values.bias);
-    ++values.biases_filled;
+    args.ptr_row = broadcast_pointer<decltype(args.ptr_row)>(values);
   } else if constexpr (has_ptr_col<Args>::value) {
-    args.ptr_col = static_cast<decltype(args.ptr_col)>(values.bias);
-    ++values.biases_filled;
+    args.ptr_col = broadcast_pointer<decltype(args.ptr_col)>(values);
   }
+}
+
+EpilogueValues epilogue_values(float alpha, float beta, const void* bias, const void* scale_a,
+                               const void* scale_b) {
+  return EpilogueValues{alpha, beta, bias, scale_a, scale_b, 0, 0, 0, 0, 0, false};
 }
 
 // A template, so that only the branch for this kernel's epilogue is instantiated.
 template <class ThreadArgs>
-bool set_epilogue_arguments(ThreadArgs& thread, float alpha, float beta, const void* bias) {
+bool set_epilogue_arguments(ThreadArgs& thread, EpilogueValues values) {
   if constexpr (has_alpha<ThreadArgs>::value) {
-    thread.alpha = alpha;
-    thread.beta = beta;
+    thread.alpha = values.alpha;
+    thread.beta = values.beta;
     return true;
   } else {
-    EpilogueValues values{alpha, beta, bias, 0, 0};
     fill_visitor_tree(thread, values);
-    if (values.biases_filled && bias == nullptr) {
+    if (values.unmapped) {
+      set_error("epilogue", "a leaf of the visitor tree has no slot the launcher can fill");
+      return false;
+    }
+    if (values.biases_filled && values.bias == nullptr) {
       set_error("epilogue", "this kernel adds a bias, and no bias pointer was given");
+      return false;
+    }
+    if ((values.scalar_scales || values.vector_scales) &&
+        (values.scale_a == nullptr || values.scale_b == nullptr)) {
+      set_error("epilogue", "this kernel reads scale_a and scale_b, and one was not given");
       return false;
     }
     return true;
   }
+}
+
+// Blockwise FP8 kernels take their scales in the mainloop: the emitted header defines
+// CUTLASS_OPS_BLOCKWISE_SCALES and names its Sm90BlockwiseScaleConfig CutlassOpsScaleConfig,
+// whose layouts are compact (scale_a (M, K/128) column-major, scale_b the K-major (N/128, K/128)
+// buffer; the Python side checks the tensors' strides).
+template <class MainloopArgs>
+bool set_mainloop_scales(MainloopArgs& mainloop, const void* scale_a, const void* scale_b,
+                         int m, int n, int k, int l) {
+#ifdef CUTLASS_OPS_BLOCKWISE_SCALES
+  if (scale_a == nullptr || scale_b == nullptr) {
+    set_error("mainloop", "this blockwise kernel reads scale_a and scale_b, and one was not given");
+    return false;
+  }
+  auto shape = cute::make_shape(m, n, k, l);
+  mainloop.ptr_SFA = static_cast<decltype(mainloop.ptr_SFA)>(scale_a);
+  mainloop.layout_SFA = CutlassOpsScaleConfig::tile_atom_to_shape_SFA(shape);
+  mainloop.ptr_SFB = static_cast<decltype(mainloop.ptr_SFB)>(scale_b);
+  mainloop.layout_SFB = CutlassOpsScaleConfig::tile_atom_to_shape_SFB(shape);
+#else
+  (void)mainloop, (void)scale_a, (void)scale_b, (void)m, (void)n, (void)k, (void)l;
+#endif
+  return true;
 }
 
 template <class Stride>
@@ -189,6 +298,8 @@ struct CutlassOpsGemmArgs {
   int32_t swizzle;       // max swizzle size: 1, 2, 4 or 8
   int32_t splits;        // stream-K schedulers only: 1 lets CUTLASS decide, >1 forces split-K
   const void* bias;      // fused-bias kernels: M or N contiguous elements of D's type (ABI 2)
+  const void* scale_a;   // FP8 kernels (ABI 3): float32 in device memory: 1 value (tensorwise),
+  const void* scale_b;   // M / N (rowwise), or the blockwise scales (M, K/128) / (N/128, K/128)
 };
 
 __attribute__((visibility("default"))) int cutlass_ops_abi_version() { return kAbiVersion; }
@@ -205,21 +316,47 @@ __attribute__((visibility("default"))) int cutlass_ops_shared_storage_bytes() {
 __attribute__((visibility("default"))) void cutlass_ops_epilogue_slots(int* scalars,
                                                                        int* biases);
 
+// The FP8 scales the kernel reads: as device scalars in the epilogue (tensorwise), as vectors in
+// the epilogue (rowwise), or in the mainloop (blockwise). Python checks these at load too.
+__attribute__((visibility("default"))) void cutlass_ops_scale_slots(int* scalar_scales,
+                                                                    int* vector_scales,
+                                                                    int* mainloop_scales);
+
 }  // extern "C"
 
-void cutlass_ops_epilogue_slots(int* scalars, int* biases) {
+namespace {
+
+EpilogueValues filled_slots() {
+  static const char kNotNull = 0;
   typename DeviceKernel::Arguments arguments{};
+  EpilogueValues values = epilogue_values(1.0f, 1.0f, &kNotNull, &kNotNull, &kNotNull);
   using ThreadArgs = std::remove_reference_t<decltype(arguments.epilogue.thread)>;
   if constexpr (has_alpha<ThreadArgs>::value) {
-    *scalars = 2;
-    *biases = 0;
+    values.scalars_filled = 2;
   } else {
-    static const char kNotNull = 0;
-    EpilogueValues values{1.0f, 1.0f, &kNotNull, 0, 0};
     fill_visitor_tree(arguments.epilogue.thread, values);
-    *scalars = values.scalars_filled;
-    *biases = values.biases_filled;
   }
+  return values;
+}
+
+}  // namespace
+
+void cutlass_ops_epilogue_slots(int* scalars, int* biases) {
+  EpilogueValues values = filled_slots();
+  // A leaf the launcher cannot fill makes the counts disagree with every expectation.
+  *scalars = values.unmapped ? -1 : values.scalars_filled;
+  *biases = values.unmapped ? -1 : values.biases_filled;
+}
+
+void cutlass_ops_scale_slots(int* scalar_scales, int* vector_scales, int* mainloop_scales) {
+  EpilogueValues values = filled_slots();
+  *scalar_scales = values.scalar_scales;
+  *vector_scales = values.vector_scales;
+#ifdef CUTLASS_OPS_BLOCKWISE_SCALES
+  *mainloop_scales = 2;
+#else
+  *mainloop_scales = 0;
+#endif
 }
 
 namespace {
@@ -249,7 +386,11 @@ bool to_arguments(const CutlassOpsGemmArgs& in, typename DeviceKernel::Arguments
   out.epilogue.dC = stride_c;
   out.epilogue.ptr_D = static_cast<ElementD*>(in.d);
   out.epilogue.dD = stride_d;
-  if (!set_epilogue_arguments(out.epilogue.thread, in.alpha, in.beta, in.bias)) return false;
+  if (!set_epilogue_arguments(out.epilogue.thread, epilogue_values(in.alpha, in.beta, in.bias,
+                                                                    in.scale_a, in.scale_b)) ||
+      !set_mainloop_scales(out.mainloop, in.scale_a, in.scale_b, in.m, in.n, in.k, in.l)) {
+    return false;
+  }
 
   out.hw_info.device_id = in.device_id;
   out.hw_info.sm_count = in.sm_count;

@@ -1,0 +1,173 @@
+"""Dispatch of ``cutlass_ops.scaled_mm``: a tuned CUTLASS FP8 kernel, or ``torch._scaled_mm``.
+
+The decision is ``dispatch.decide``'s, on the scaled problem (``scaled_plan.problem_of``: the
+recipe and fast accumulation are part of its operands, so FP8 winners never mix with bf16 ones):
+an exact tuned shape, the nearest tuned shape of the same operands, or a built kernel our model
+ranks first; else ``torch._scaled_mm``, with one log line saying why (nothing tuned or built, a
+scale layout our kernels do not read, an unsafe cache). Never a compile on a call.
+
+The route is memoized per call signature (devices, dtypes, shapes, strides, alignment, the
+recipe, bias and fast accumulation), so a warm call costs a dictionary lookup, an output
+allocation, a copy of the checked launch arguments with this call's pointers, and the launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import torch
+
+from cutlass_ops.gemms import dispatch, scaled_plan
+from cutlass_ops.gemms.scaled_inputs import CheckedScaled, Recipe
+from custom_kernels.core import fallback
+
+ENTRY = "cutlass_ops.scaled_mm"
+_routes: dict[tuple, Route] = {}
+_lock = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    decision: dispatch.Decision
+    run: Callable[..., Any]  # run(a, b, scale_a, scale_b, bias) -> out
+
+    @property
+    def kind(self) -> str:
+        return "torch" if self.decision.choice is None else "cutlass"
+
+
+def _forget_routes() -> None:
+    with _lock:
+        _routes.clear()
+
+
+dispatch.RESET_HOOKS.append(_forget_routes)
+
+
+def reset() -> None:
+    """Forgets memoized routes and tuned entries (``dispatch.reset``: after a tune, an import)."""
+    dispatch.reset()
+
+
+def torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum: bool,
+                    recipe: Recipe):
+    """``torch._scaled_mm``. torch fuses a bias only into a tensorwise or rowwise bf16 output;
+    elsewhere it refuses one, so the bias is added after (float32 outputs round once either
+    way)."""
+    fused = bias is not None and out_dtype == torch.bfloat16 and recipe is not Recipe.BLOCKWISE
+    out = torch._scaled_mm(a, b, scale_a, scale_b, bias=bias if fused else None,
+                           out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return out if bias is None or fused else out.add_(bias)
+
+
+def _torch_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum: bool) -> Route:
+    fallback.log_once(f"{ENTRY} uses torch._scaled_mm", decision.reason)
+    out_dtype, recipe = checked.out_dtype, checked.recipe
+
+    def run(a, b, scale_a, scale_b, bias):
+        return torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum, recipe)
+
+    return Route(decision, run)
+
+
+def _cutlass_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum: bool,
+                   key) -> Route:
+    """The chosen kernel; its first call plans it on that call's tensors (load, can_implement,
+    workspace size), every call then launches a copy of those arguments with its own pointers."""
+    from custom_kernels.core.errors import CutlassOpsError
+
+    config = decision.choice.config
+    template: list = []
+    blockwise = checked.recipe is Recipe.BLOCKWISE
+
+    def run(a, b, scale_a, scale_b, bias):
+        if not template:
+            try:
+                launch = scaled_plan.plan(checked, config, a, b, scale_a, scale_b, bias,
+                                          fast_accum=fast_accum)
+            except CutlassOpsError as exc:  # a rule or cache state the decision did not see
+                route = _torch_route(dispatch.Decision("torch", None, str(exc)), checked,
+                                     fast_accum)
+                with _lock:
+                    _routes[key] = route
+                return route.run(a, b, scale_a, scale_b, bias)
+            template.append(launch)
+            return launch()
+        first = template[0]
+        out = torch.empty((checked.m, checked.n), dtype=checked.out_dtype, device=a.device)
+        args = type(first.args).from_buffer_copy(first.args)
+        args.a, args.b, args.c, args.d = a.data_ptr(), b.data_ptr(), out.data_ptr(), \
+            out.data_ptr()
+        args.scale_a, args.scale_b = scale_a.data_ptr(), scale_b.data_ptr()
+        if bias is not None and not blockwise:
+            args.bias = bias.data_ptr()
+        nbytes = first.workspace_bytes
+        workspace = torch.empty(nbytes, dtype=torch.uint8, device=a.device) if nbytes else None
+        first.kernel.run_checked(args, workspace.data_ptr() if nbytes else 0, nbytes,
+                                 dispatch._current_stream(a.device.index))
+        return out.add_(bias) if bias is not None and blockwise else out
+
+    return Route(decision, run)
+
+
+def _signature(a, b, scale_a, scale_b, bias, checked: CheckedScaled, fast_accum: bool) -> tuple:
+    aligned = (a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+               and scale_a.data_ptr() % 16 == 0)
+    return (a.device, a.dtype, b.dtype, a.shape, a.stride(), b.shape, b.stride(),
+            scale_a.shape, scale_a.stride(), scale_b.shape, scale_b.stride(),
+            checked.out_dtype, bias is not None, fast_accum, aligned)
+
+
+def decide(checked: CheckedScaled, fast_accum: bool, scale_a, scale_b) -> dispatch.Decision:
+    """Which kernel runs the call (see the module docstring)."""
+    from custom_kernels.core.device import current_scope, current_spec
+    from cutlass_ops.gemms.loader import is_built
+
+    if scale_a.device.type != "cuda":  # the op called directly on other tensors
+        return dispatch.Decision("torch", None, f"the tensors are on {scale_a.device}")
+    refusal = scaled_plan.layout_refusal(checked, scale_a, scale_b)
+    if refusal is not None:
+        return dispatch.Decision("torch", None, refusal)
+    problem = scaled_plan.problem_of(checked, fast_accum)
+    index = scale_a.device.index
+    spec = current_spec(index)
+    if spec.arch != "sm90a":
+        return dispatch.Decision("torch", None, f"our FP8 kernels are built for sm90a, this GPU "
+                                 f"is {spec.arch}")
+    operands = problem.operands
+    decision = dispatch.decide(
+        problem, dispatch._entries(current_scope(index)), spec,
+        lambda choice: not choice.swap_ab and is_built(operands, choice.config),
+        lambda: [c for c in dispatch.built_choices(operands, spec.arch) if not c.swap_ab])
+    if decision.choice is None and decision.source == "torch":
+        recipe = checked.recipe.value
+        return dispatch.Decision("torch", None, (
+            f"no tuned or built {recipe} FP8 kernel for {problem.name} on this GPU; run "
+            f"`cutlass-tune tune --fp8 {recipe} {checked.m}x{checked.n}x{checked.k}`"))
+    return decision
+
+
+def route(a, b, scale_a, scale_b, bias, checked: CheckedScaled, fast_accum: bool) -> Route:
+    key = _signature(a, b, scale_a, scale_b, bias, checked, fast_accum)
+    found = _routes.get(key)
+    if found is not None:
+        return found
+    decision = decide(checked, fast_accum, scale_a, scale_b)
+    made = (_torch_route(decision, checked, fast_accum) if decision.choice is None
+            else _cutlass_route(decision, checked, fast_accum, key))
+    with _lock:
+        return _routes.setdefault(key, made)
+
+
+def explain(a, b, scale_a, scale_b, *, bias=None, out_dtype=None,
+            use_fast_accum: bool = False) -> dispatch.Decision:
+    """What ``scaled_mm`` would run for these inputs, and why (runs nothing)."""
+    from cutlass_ops.gemms.scaled_inputs import check_scaled
+
+    checked = check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    return decide(checked, use_fast_accum, scale_a, scale_b)
+
+
+__all__ = ["Route", "decide", "explain", "reset", "route", "torch_scaled_mm"]
