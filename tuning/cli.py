@@ -34,6 +34,8 @@ _LAYOUT_LETTERS = {"t": "row", "n": "col"}  # BLAS-style: t row-major, n column-
 
 
 def _operands(args) -> GemmOperands:
+    if getattr(args, "fp8", None):
+        return _scaled_operands(args)
     layout = args.layout.lower()
     if len(layout) == 2:
         layout += "t"
@@ -44,6 +46,35 @@ def _operands(args) -> GemmOperands:
     return GemmOperands.make(args.dtype, layout_a=letters[layout[0]],
                              layout_b=letters[layout[1]], layout_c=letters[layout[2]],
                              out_dtype=args.out_dtype, epilogue=getattr(args, "epilogue", None))
+
+
+def _scaled_operands(args) -> GemmOperands:
+    """``--fp8 RECIPE``: the operands of ``cutlass_ops.scaled_mm`` (e4m3 A and B, K-major; D
+    bf16 unless --out-dtype f32; --epilogue bias fuses a bias; --fast-accum torch's flag)."""
+    from cutlass_ops.gemms.config import BiasMode, Epilogue
+    from cutlass_ops.gemms.scaled_plan import scaled_operands
+
+    epilogue = Epilogue.parse(args.epilogue)
+    if args.layout.lower() not in ("tn", "tnt") or args.dtype != "bf16" or \
+            epilogue.activation.value != "identity" or epilogue.residual or \
+            epilogue.bias is BiasMode.M:
+        raise ValueError("--fp8 tunes scaled_mm's GEMMs: FP8 A row-major and B column-major "
+                         "(layout tn), an optional bias, and --out-dtype bf16 or f32")
+    out = args.out_dtype or "bf16"
+    if out not in ("bf16", "f32"):
+        raise ValueError(f"--fp8 writes bf16 or f32, not {out}")
+    return scaled_operands(args.fp8, out_dtype=out, bias=epilogue.bias is BiasMode.N,
+                           fast_accum=args.fast_accum)
+
+
+def _fp8_model_problems(args, model) -> list[GemmProblem]:
+    """A model's Linear GEMMs as FP8 ones: forward, and with --backward dgrad and wgrad, each
+    TN in FP8 (their operands are quantized K-major), at the shapes the bf16 harvest finds."""
+    from tuning import shapes
+
+    operands = _scaled_operands(args)
+    found = shapes.model_problems(model, args.tokens, dtype="bf16", backward=args.backward)
+    return [GemmProblem(operands, p.m, p.n, p.k, p.batch) for p in found]
 
 
 def _problems(args) -> list[GemmProblem]:
@@ -63,8 +94,12 @@ def _problems(args) -> list[GemmProblem]:
             raise ValueError("--model needs --tokens (rows of activations per call, e.g. batch "
                              "x sequence length)")
         model = _load_model(args.model)
-        problems += shapes.model_problems(model, args.tokens, dtype=args.dtype,
-                                          out_dtype=args.out_dtype, backward=args.backward)
+        if getattr(args, "fp8", None):
+            problems += _fp8_model_problems(args, model)
+        else:
+            problems += shapes.model_problems(model, args.tokens, dtype=args.dtype,
+                                              out_dtype=args.out_dtype,
+                                              backward=args.backward)
     return list(dict.fromkeys(problems))
 
 
@@ -551,6 +586,11 @@ def _add_problem_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--epilogue", default="", help="a fused epilogue, D = act(AB + bias) + C: "
                    "a comma list of bias (per column, nn.Linear's), bias_m (per row), residual, "
                    "and one of relu, gelu, gelu_tanh, silu; e.g. bias,gelu_tanh")
+    p.add_argument("--fp8", choices=["tensorwise", "rowwise", "blockwise"],
+                   help="FP8 GEMMs of cutlass_ops.scaled_mm with this scaling recipe (e4m3 "
+                   "operands, layout tn, bf16 or --out-dtype f32 output)")
+    p.add_argument("--fast-accum", action="store_true",
+                   help="with --fp8: torch._scaled_mm's use_fast_accum (tensorwise, rowwise)")
 
 
 def _add_build_args(p: argparse.ArgumentParser) -> None:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from cutlass_ops.gemms.config import Activation, GemmConfig, GemmOperands, GemmProblem
+from cutlass_ops.gemms.config import Activation, GemmConfig, GemmOperands, GemmProblem, Scaling
 from cutlass_ops.gemms.inputs import CheckedGemm, transposed_layout as _flip
 
 
 def swapped_operands(operands: GemmOperands) -> GemmOperands:
     """The operands of D^T = B^T A^T: A and B trade places, transposing flips every layout, and a
-    fused bias changes the extent it runs along."""
+    fused bias changes the extent it runs along. Scaled FP8 operands have no swapped form
+    (``ranking.orientations`` offers none)."""
+    if operands.scaling is not Scaling.NONE:
+        raise ValueError(f"{operands.name}: scaled FP8 GEMMs run unswapped")
     return GemmOperands(
         element_a=operands.element_b, element_b=operands.element_a,
         element_c=operands.element_c, element_d=operands.element_d,

@@ -202,7 +202,10 @@ def built_choices(operands: GemmOperands, arch: str) -> list[Choice]:
 
     root = cache_dir.versioned_dir("artifacts", arch)
     out = []
-    for swap, ops in ((False, operands), (True, swapped_operands(operands))):
+    orientations = [(False, operands)]
+    if operands.scaling.value == "none":  # scaled FP8 kernels run unswapped
+        orientations.append((True, swapped_operands(operands)))
+    for swap, ops in orientations:
         prefix = ops.name + "-"
         for path in sorted(root.glob(prefix + "*")):
             if not path.is_dir() or not (path / "kernel.so").exists():

@@ -122,5 +122,10 @@ def rank(problem: GemmProblem, device: DeviceSpec, choices: list[Choice]) -> lis
 
 
 def orientations(problem: GemmProblem) -> tuple[bool, ...]:
-    """Swap-A/B is worth trying when M is the smaller extent (it never helps the other way)."""
+    """Swap-A/B is worth trying when M is the smaller extent (it never helps the other way).
+    Scaled FP8 problems run as given: their scales' roles are not symmetric in A and B."""
+    from cutlass_ops.gemms.config import Scaling
+
+    if problem.operands.scaling is not Scaling.NONE:
+        return (False,)
     return (False, True) if problem.m < problem.n else (False,)

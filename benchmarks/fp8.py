@@ -1,0 +1,199 @@
+"""Tuned FP8 GEMMs (``cutlass_ops.scaled_mm``) against ``torch._scaled_mm`` on the LLM shapes of
+``gemm.py``, per recipe: tensorwise, rowwise, blockwise (DeepSeek's 1x128 / 128x128 scales).
+
+e4m3 operands quantized from random data per recipe (``tuning.scaled_session.quantized_inputs``:
+scales that differ by row and block), bf16 output, the same operands and scales for both. Fast
+accumulation (torch's ``use_fast_accum``, what a forward pass uses) for tensorwise and rowwise;
+blockwise kernels promote every 128-wide K block on both sides. Two rows per shape:
+
+- ``scaled_mm <recipe> MxNxK``: the tuned kernel (the winner ``cutlass-tune tune --fp8`` stored,
+  even where dispatch prefers torch: ``detail.dispatch`` says what scaled_mm runs), its planned
+  launcher against torch._scaled_mm, both replayed from CUDA graphs with L2 flushed, interleaved
+  repetition by repetition; correct when within the GEMM bound of the dequantized float32
+  product (``scaled_inputs.reference``);
+- ``whole-call <recipe> MxNxK``: ``cutlass_ops.scaled_mm(...)`` called eagerly (checks, dispatch,
+  launch: host included) against ``torch._scaled_mm`` called the same way, inputs rotated out of
+  L2, interleaved; checked the same way.
+
+The file has each recipe's geometric mean and minimum ratio of both kinds. Writes
+benchmarks/results/fp8.json.
+
+    python benchmarks/fp8.py --tune quick      # tune each recipe first (child processes), timed
+    python benchmarks/fp8.py                   # the stored winners only
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import cutlass_ops  # noqa: E402
+from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from benchmarks.gemm import LLM_SHAPES, rotating, rotation_sets  # noqa: E402
+from tuning.timing import do_bench_interleaved  # noqa: E402
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+REPS = 100
+KERNEL, WHOLE_CALL = "scaled_mm", "whole-call"
+
+
+def tflops(m, n, k, ms):
+    return 2 * m * n * k / ms / 1e9
+
+
+def fast_accum(recipe: str, args) -> bool:
+    return recipe != "blockwise" and not args.no_fast_accum
+
+
+def problem(recipe: str, m: int, n: int, k: int, fast: bool):
+    from cutlass_ops.gemms.scaled_plan import scaled_problem
+
+    return scaled_problem(recipe, m, n, k, fast_accum=fast)
+
+
+def row(kind, recipe, m, n, k, ours_ms, torch_ms, correct, **detail) -> dict:
+    """A row: ``ratio`` is ours over torch's TFLOP/s as printed (BENCHMARKS.md)."""
+    ours = round(tflops(m, n, k, ours_ms), 1) if ours_ms else 0.0
+    reference = round(tflops(m, n, k, torch_ms), 1) if torch_ms else 0.0
+    return {"case": f"{kind} {recipe} {m}x{n}x{k}", "unit": "TFLOP/s", "ours": ours,
+            "reference": reference, "reference_name": "torch._scaled_mm",
+            "ratio": round(ours / reference, 4) if ours and reference else 0.0,
+            "correct": correct, "detail": {"ours_ms": ours_ms and round(ours_ms, 5),
+                                           "torch_ms": torch_ms and round(torch_ms, 5),
+                                           **detail}}
+
+
+def kernel_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
+    """The tuned kernel beside torch._scaled_mm, both from CUDA graphs, L2 flushed."""
+    from custom_kernels.core.device import current_scope
+    from cutlass_ops.gemms import scaled_dispatch
+    from cutlass_ops.gemms.gemm_entries import gemm_cache
+    from tuning.scaled_session import ScaledSession
+
+    p = problem(recipe, m, n, k, fast)
+    entry = gemm_cache(current_scope()).get(p)
+    if entry is None or entry.winner is None:
+        return row(KERNEL, recipe, m, n, k, 0.0, 0.0, False,
+                   error=f"not tuned: run cutlass-tune tune --fp8 {recipe} {m}x{n}x{k}")
+    session = ScaledSession(p, torch.cuda.current_device())
+    choice = entry.winner
+    error = session.verify(choice)
+    decision = scaled_dispatch.explain(session.a, session.b, session.scale_a, session.scale_b,
+                                       use_fast_accum=fast)
+    final, torch_ms = session.compare_ms([choice], REPS)
+    session.close()
+    return row(KERNEL, recipe, m, n, k, final[choice], torch_ms, error is None,
+               config=choice.name, fast_accum=fast, verify_error=error,
+               tuner_ms=entry.winner_ms, tuner_torch_ms=entry.torch_ms,
+               dispatch={"source": decision.source, "runs": decision.choice.name
+                         if decision.choice else "torch._scaled_mm",
+                         "reason": decision.reason})
+
+
+def whole_call_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
+    """``cutlass_ops.scaled_mm`` and ``torch._scaled_mm`` called eagerly, inputs rotated."""
+    from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
+    from cutlass_ops.gemms import scaled_dispatch, scaled_inputs
+    from cutlass_ops.gemms.scaled_inputs import Recipe
+    from tuning.scaled_session import quantized_inputs
+
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    count = rotation_sets(m * k + n * k + 2 * m * n, l2)
+    dtypes = (torch.float8_e4m3fn, torch.float8_e4m3fn)
+    sets = [quantized_inputs(Recipe(recipe), m, n, k, dtypes, "cuda", seed=i)
+            for i in range(count)]
+    ours_fn = lambda a, b, sa, sb: cutlass_ops.scaled_mm(a, b, sa, sb, use_fast_accum=fast)  # noqa: E731
+    torch_fn = lambda a, b, sa, sb: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16,  # noqa: E731
+                                                     use_fast_accum=fast)
+    reference = scaled_inputs.reference(*sets[0], out_dtype=torch.float32)
+    error = relative_error(ours_fn(*sets[0]), reference)
+    decision = scaled_dispatch.explain(*sets[0], use_fast_accum=fast)
+    times = do_bench_interleaved({"ours": rotating(ours_fn, sets),
+                                  "torch": rotating(torch_fn, sets)},
+                                 warmup=5, reps=REPS, flush_l2=False)
+    return row(WHOLE_CALL, recipe, m, n, k, times["ours"].median_ms, times["torch"].median_ms,
+               error < relative_tolerance(torch.bfloat16, GEMM),
+               relative_error=round(error, 6), input_sets=count, fast_accum=fast,
+               dispatch={"source": decision.source, "runs": decision.choice.name
+                         if decision.choice else "torch._scaled_mm"})
+
+
+def summary(rows: list) -> dict:
+    """Per recipe and kind, the geometric mean and minimum ratio (rows without a figure out),
+    and whether every row of that kind is correct."""
+    out = {}
+    for recipe in RECIPES:
+        for kind in (KERNEL, WHOLE_CALL):
+            mine = [r for r in rows if r["case"].startswith(f"{kind} {recipe} ")]
+            ratios = [r["ratio"] for r in mine if r["ratio"] > 0]
+            key = f"{recipe}_{kind.replace('-', '_')}"
+            out[f"geomean_ratio_{key}"] = (round(statistics.geometric_mean(ratios), 4)
+                                           if ratios else 0.0)
+            out[f"min_ratio_{key}"] = min(ratios, default=0.0)
+            out[f"all_correct_{key}"] = bool(mine) and all(r["correct"] for r in mine)
+    return out
+
+
+def run_tune(recipes, shapes, strategy: str, args) -> dict:
+    """``cutlass-tune tune --fp8 RECIPE`` of the shapes, one child process per recipe (as a
+    user runs it), each timed."""
+    out = {}
+    for recipe in recipes:
+        command = [sys.executable, "-m", "tuning.cli", "tune", "--fp8", recipe,
+                   *(f"{m}x{n}x{k}" for m, n, k in shapes), "--strategy", strategy,
+                   "--no-progress"]
+        if fast_accum(recipe, args):
+            command.append("--fast-accum")
+        start = time.perf_counter()
+        subprocess.run(command, check=True)
+        out[recipe] = {"seconds": round(time.perf_counter() - start, 1),
+                       "command": "cutlass-tune " + " ".join(command[3:])}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    parser.add_argument("--tune", choices=("quick", "default", "exhaustive"),
+                        help="first tune the shapes with this strategy (child processes)")
+    parser.add_argument("--no-fast-accum", action="store_true",
+                        help="tensorwise and rowwise with promoted accumulation")
+    parser.add_argument("--quick", action="store_true", help="every sixth shape only")
+    parser.add_argument("--print-shapes", action="store_true")
+    args = parser.parse_args()
+    shapes = LLM_SHAPES[::6] if args.quick else LLM_SHAPES
+    if args.print_shapes:
+        print(" ".join(f"{m}x{n}x{k}" for m, n, k in shapes))
+        return
+    require_gpu()
+    tune = run_tune(args.recipes, shapes, args.tune, args) if args.tune else None
+    rows = []
+    for recipe in args.recipes:
+        fast = fast_accum(recipe, args)
+        for m, n, k in shapes:
+            rows.append(kernel_row(recipe, m, n, k, fast))
+            rows.append(whole_call_row(recipe, m, n, k, fast))
+            print(f"{rows[-2]['case']}: {rows[-2]['ratio']} ({rows[-2]['correct']}); "
+                  f"{rows[-1]['case']}: {rows[-1]['ratio']}", flush=True)
+    print_table(["case", "ours TFLOP/s", "torch TFLOP/s", "ratio", "correct"],
+                [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])
+    totals = summary(rows)
+    for key, value in totals.items():
+        print(f"{key}: {value}")
+    name = "fp8_quick" if args.quick else "fp8"
+    path = write_result(name, rows, **totals, tune=tune,
+                        note="bf16 output; e4m3 x e4m3; fast accumulation for tensorwise and "
+                        "rowwise unless detail.fast_accum is false")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

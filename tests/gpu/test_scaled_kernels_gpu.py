@@ -1,0 +1,91 @@
+"""Our CUTLASS FP8 kernels behind cutlass_ops.scaled_mm: one kernel per recipe against the
+dequantized float32 product (scales that differ row by row and block by block, a bias, a float32
+output, promoted and fast accumulation), dispatch to a built kernel, CUDA graphs and
+torch.compile on that route, and the layouts our kernels refuse going to torch._scaled_mm."""
+
+import pytest
+import torch
+
+import cutlass_ops
+from cutlass_ops.gemms import scaled_dispatch, scaled_inputs, scaled_plan
+from cutlass_ops.gemms.config import GemmConfig
+from cutlass_ops.gemms.scaled_inputs import Recipe
+from custom_kernels.core.tolerances import relative_error
+from tuning.scaled_session import quantized_inputs
+
+pytestmark = pytest.mark.gpu
+E4M3 = (torch.float8_e4m3fn, torch.float8_e4m3fn)
+COOPERATIVE = GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 128))
+# (recipe, bias, out dtype, fast accumulation): one built kernel each (tests/gpu/prebuild.py).
+KERNELS = [(Recipe.TENSORWISE, True, torch.bfloat16, True),
+           (Recipe.ROWWISE, False, torch.bfloat16, True),
+           (Recipe.ROWWISE, True, torch.float32, False),
+           (Recipe.BLOCKWISE, False, torch.bfloat16, False)]
+
+
+def work():
+    """(operands, config) of every kernel here, for prebuild."""
+    return [(scaled_plan.scaled_operands(r, out_dtype=out, bias=bias, fast_accum=fast),
+             COOPERATIVE) for r, bias, out, fast in KERNELS]
+
+
+def inputs(recipe, m=1000, n=1536, k=2048, seed=0):
+    return quantized_inputs(recipe, m, n, k, E4M3, "cuda", seed=seed)
+
+
+@pytest.mark.parametrize("recipe,bias,out_dtype,fast", KERNELS)
+def test_each_recipe_kernel_matches_the_dequantized_product(recipe, bias, out_dtype, fast):
+    a, b, sa, sb = inputs(recipe)
+    bias_t = torch.randn(b.shape[1], device="cuda").to(out_dtype) if bias else None
+    checked = scaled_inputs.check_scaled(a, b, sa, sb, bias=bias_t, out_dtype=out_dtype)
+    launch = scaled_plan.plan(checked, COOPERATIVE, a, b, sa, sb, bias_t, fast_accum=fast)
+    got = launch()
+    expected = scaled_inputs.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
+    assert got.dtype == out_dtype and relative_error(got, expected) < 1e-2
+    # A scale read from the wrong row, column or block would be far off: flip one and see.
+    if recipe is not Recipe.TENSORWISE:
+        sa[0] *= 4
+        assert relative_error(launch(), expected) > 1e-3
+        sa[0] /= 4
+    torch_out = scaled_dispatch.torch_scaled_mm(a, b, sa, sb, bias_t, out_dtype, fast, recipe)
+    assert relative_error(got, torch_out.float()) < 1e-2
+
+
+@pytest.mark.parametrize("recipe", [Recipe.TENSORWISE, Recipe.BLOCKWISE])
+def test_dispatch_runs_a_built_kernel_in_graphs_and_under_compile(recipe):
+    fast = recipe is Recipe.TENSORWISE
+    bias = recipe is Recipe.TENSORWISE
+    a, b, sa, sb = inputs(recipe, 512, 1024, 1024, seed=1)
+    bias_t = torch.randn(1024, device="cuda", dtype=torch.bfloat16) if bias else None
+    scaled_dispatch.reset()
+    decision = scaled_dispatch.explain(a, b, sa, sb, bias=bias_t, use_fast_accum=fast)
+    assert decision.choice is not None and decision.source == "heuristic", decision
+    expected = scaled_inputs.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
+    out = cutlass_ops.scaled_mm(a, b, sa, sb, bias=bias_t, use_fast_accum=fast)
+    assert relative_error(out, expected) < 1e-2
+    compiled = torch.compile(lambda *t: cutlass_ops.scaled_mm(*t, bias=bias_t,
+                                                               use_fast_accum=fast),
+                             fullgraph=True)
+    assert relative_error(compiled(a, b, sa, sb), expected) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cutlass_ops.scaled_mm(a, b, sa, sb, bias=bias_t, use_fast_accum=fast)
+    sa.mul_(2)  # the kernel reads the scales on the device at each replay
+    graph.replay()
+    doubled = scaled_inputs.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
+    assert relative_error(captured, doubled) < 1e-2
+
+
+def test_layouts_our_kernels_do_not_read_go_to_torch():
+    a, b, sa, sb = inputs(Recipe.BLOCKWISE, 510, 1024, 1024, seed=2)  # M % 4 != 0
+    decision = scaled_dispatch.explain(a, b, sa, sb)
+    assert decision.choice is None and "M % 4" in decision.reason
+    expected = scaled_inputs.reference(a, b, sa, sb, out_dtype=torch.float32)
+    assert relative_error(cutlass_ops.scaled_mm(a, b, sa, sb), expected) < 1e-2
+    a, b, sa, sb = inputs(Recipe.BLOCKWISE, 512, 1024, 1024, seed=3)
+    padded = torch.empty(sa.shape[1], 520, device="cuda")[:, :512].t()  # stride (1, 520)
+    padded.copy_(sa)
+    decision = scaled_dispatch.explain(a, b, padded, sb)
+    assert decision.choice is None and "compact" in decision.reason
+    expected = scaled_inputs.reference(a, b, padded, sb, out_dtype=torch.float32)
+    assert relative_error(cutlass_ops.scaled_mm(a, b, padded, sb), expected) < 1e-2
