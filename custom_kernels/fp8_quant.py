@@ -35,28 +35,60 @@ granularity, extents the granularity cannot divide, an ``fp8_dtype`` other than 
 Empty input gives empty outputs with scales of ones.
 
 Where it runs: tensors off a CUDA device run ``torch_quantize`` (the CPU rule,
-``custom_kernels.core.fallback``; it is also the reference the tests compare the kernels with,
-bit for bit). On a GPU, the custom ops ``custom_kernels::fp8_quantize`` / ``fp8_quantize_pair``
-(fakes for ``torch.compile(fullgraph=True)``; no host sync, so a call can be captured in a CUDA
-graph), which for now also run ``torch_quantize`` on the device (amax and scale are device
-tensors: nothing is read back). The CUDA kernels (``csrc/fp8_quant.cu``) come next behind the
-same functions. Nothing is differentiable here: the outputs carry no gradient.
+``custom_kernels.core.fallback``; it is also the reference the GPU tests compare the kernels
+with, bit for bit). On a GPU, the kernels of ``csrc/fp8_quant.cu`` (NVRTC, compiled and loaded on
+first use) on torch's current stream with memory from torch's allocator: eagerly without
+torch's custom-op dispatch, under ``torch.compile(fullgraph=True)`` through the custom ops
+``custom_kernels::fp8_quantize`` / ``fp8_quantize_pair`` and their fakes. Nothing is read back
+to the host (amaxes and scales stay on the device), so a call can be captured in a CUDA graph
+(run it once before capturing) and replayed on new data, its scales recomputed. What runs:
 
-Read top-down: the custom ops, the public functions and their checks, then the torch reference.
+- ``row``, ``block_1x128``: one kernel, one read of ``x``: a team of threads a row (or a row's
+  128-column chunk) holds its values in registers (rows up to 2048 16-byte slots: 16384 bf16 or
+  8192 fp32 values; longer rows re-read the rest), reduces the amax, writes scale and ``q``.
+- ``tensor``: an amax kernel (atomicMax on the float bits of ``|x|`` into a zeroed device
+  word), then the quantize kernel reading it: two reads of ``x``.
+- ``transpose=True`` and ``block_128x128``: a 128x128 tile of ``x`` a block, read once into
+  shared memory with coalesced 16-byte loads, written as ``q`` rows or ``qt`` rows (each lane a
+  tile column: coalesced reads of shared memory, 16-byte stores along ``qt``'s rows). The
+  transposed ``row`` and ``tensor`` granularities run the amax kernel first (each column's
+  amax, or the tensor's); ``block_1x128`` and ``block_128x128`` reduce inside the tile.
+
+Loads are 16 bytes wide when ``C``, the row stride and the pointer allow, else one element an
+access. The kernels index in 64 bits: no int32 limit applies to ``R``, ``C`` or the row stride.
+Nothing is differentiable here: the outputs carry no gradient.
+
+Read top-down: the launcher, the compile function, the custom ops, the public functions and
+their checks, then the torch reference.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+from pathlib import Path
 
 import torch
 
+from custom_kernels import jit
 from custom_kernels.core import elements
 from custom_kernels.core import fallback
+from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
+from custom_kernels.launch import launch, set_max_dynamic_shared
 
+SOURCE = "fp8_quant.cu"
+AMAX_KERNEL, ROWS_KERNEL, TILES_KERNEL = ("fp8_amax_kernel", "fp8_quant_rows_kernel",
+                                          "fp8_quant_tiles_kernel")
 DTYPE_CODES = elements.float_codes()
-BLOCK_K = 128  # the extent of a block's side (block_1x128, block_128x128)
+BLOCK_K = 128  # the extent of a block's side (block_1x128, block_128x128), the kernels' tile
+BLOCK = 256  # threads of the amax and rows kernels
+TILE_THREADS = 256  # threads of the tile kernel (the .cu file's TILE_THREADS)
+NV = 8  # slots (16 bytes each) a thread of the rows kernel keeps in registers
+MAX_GRID = 1 << 20  # blocks of a 1-D grid; the kernels loop past it
+MAX_GRID_Y = 65535
+AMAX_BLOCKS = 2048  # about how many blocks the amax kernel spreads a tensor over
+AMAX_ALL, AMAX_ROWS, AMAX_COLS = 1, 2, 4  # which amaxes fp8_amax_kernel computes (bits of AMAX)
 
 
 class Granularity(str, enum.Enum):
@@ -88,17 +120,160 @@ def empty_scale(granularity: Granularity, rows: int, cols: int, device) -> torch
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+# The granularity's code in csrc/fp8_quant.cu (its MODE).
+MODE_CODES = {Granularity.TENSOR: 0, Granularity.ROW: 1, Granularity.BLOCK_1X128: 2,
+              Granularity.BLOCK_128X128: 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+def slot_elements(itemsize: int) -> int:
+    """Elements of a slot, the kernels' unit of access: 16 bytes of x."""
+    return 16 // itemsize
+
+
+def _defines(kernel: str, dtype_code: int, fp8_code: int, vec: bool, mode: int = 0,
+             amax: int = 0, write_q: bool = True, write_qt: bool = False) -> dict:
+    """The kernel's -D values (only those it reads, so that its cubins are not duplicated)."""
+    top = fp8_max(elements.from_code(fp8_code).torch_dtype)
+    defines = {"DTYPE": dtype_code, "VEC": int(vec), "BLOCK": BLOCK}
+    if kernel == AMAX_KERNEL:
+        defines["AMAX"] = amax
+        return defines
+    defines.update(FP8=fp8_code, FP8_MAX=f"{top:.1f}f")
+    if kernel == ROWS_KERNEL:
+        defines.update(MODE=mode, NV=NV)
+    else:
+        defines.update(MODE=mode, WRITE_Q=int(write_q), WRITE_QT=int(write_qt))
+    return defines
+
+
+def vector_ok(itemsize: int, cols: int, row_stride: int, pointer: int) -> bool:
+    """16-byte loads of x (and EPT-byte stores of q): the columns and the row stride multiples of
+    a slot, the pointer of 16 bytes. Otherwise one element an access."""
+    ept = slot_elements(itemsize)
+    return cols % ept == 0 and row_stride % ept == 0 and pointer % 16 == 0
+
+
+def rows_team(g: Granularity, itemsize: int, cols: int) -> int:
+    """log2 of the rows kernel's team (threads a group): a 128-column chunk takes one slot a
+    thread; a row the smallest power of two of threads covering its slots, at most BLOCK (each
+    then keeps up to NV slots in registers; longer rows are read again past that)."""
+    ept = slot_elements(itemsize)
+    slots = BLOCK_K // ept if g is Granularity.BLOCK_1X128 else -(-cols // ept)
+    return (min(BLOCK, 1 << max(slots - 1, 0).bit_length())).bit_length() - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(kernel: str, device: int, *key):
+    """The loaded kernel for ``_defines(kernel, *key)``; the tile kernel may take its whole
+    tile of shared memory (64 KB for float32)."""
+    loaded = jit.get_kernel(SOURCE, kernel, device=device, defines=_defines(kernel, *key))
+    if kernel == TILES_KERNEL:
+        set_max_dynamic_shared(loaded, BLOCK_K * BLOCK_K * 4, device)
+    return loaded
+
+
+def _run(x, g: Granularity, fp8_code: int, q, scale, qt, scale_t) -> None:
+    """Fills q / scale (the quantization of x) and qt / scale_t (of x.t()), either pair None:
+    rows kernel for q alone (tensor, row, block_1x128), tile kernel otherwise, after the amax
+    kernel for what no block sees whole (the tensor's amax; each column's, and each row's for
+    the pair, at row granularity). x: CUDA, 2-D, unit last stride, not empty."""
+    rows, cols = x.shape
+    vec = vector_ok(x.element_size(), cols, x.stride(0) if rows > 1 else 0, x.data_ptr())
+    dtype_code, device = DTYPE_CODES[x.dtype], x.device.index
+    flags = AMAX_ALL if g is Granularity.TENSOR else 0
+    if g is Granularity.ROW and qt is not None:
+        flags = AMAX_COLS | (AMAX_ROWS if q is not None else 0)
+    # the buffer lives until the launches below are queued (the allocator is stream-ordered)
+    buffer, amax = _run_amax(x, flags, vec, dtype_code, fp8_code) if flags else (None, (0, 0, 0))
+    mode = MODE_CODES[g]
+    if qt is None and g is not Granularity.BLOCK_128X128:
+        shift = rows_team(g, x.element_size(), cols)
+        group_cols = BLOCK_K if g is Granularity.BLOCK_1X128 else cols
+        teams = BLOCK >> shift
+        grid = min(-(-rows * (cols // group_cols) // teams), MAX_GRID)
+        kernel = _kernel(ROWS_KERNEL, device, dtype_code, fp8_code, vec, mode)
+        launch(kernel, x.data_ptr(), q.data_ptr(), scale.data_ptr(), amax[0], rows, cols,
+               x.stride(0), group_cols, shift, grid=grid, block=BLOCK, device=device)
+        return
+    kernel = _kernel(TILES_KERNEL, device, dtype_code, fp8_code, vec, mode, 0, q is not None,
+                     qt is not None)
+    tiles = -(-rows // BLOCK_K) * -(-cols // BLOCK_K)
+    pointers = [t.data_ptr() if t is not None else 0 for t in (q, qt, scale, scale_t)]
+    launch(kernel, x.data_ptr(), *pointers, *amax, rows, cols, x.stride(0),
+           grid=min(tiles, MAX_GRID), block=TILE_THREADS,
+           shared_mem=BLOCK_K * BLOCK_K * x.element_size(), device=device)
+
+
+def _run_amax(x, flags: int, vec: bool, dtype_code: int, fp8_code: int):
+    """(buffer, pointers into it: the tensor's amax, each row's, each column's; 0 where not
+    asked for): the |x| bits reduced with atomicMax into zeros, all on the device."""
+    rows, cols = x.shape
+    sizes = [1 if flags & AMAX_ALL else 0, rows if flags & AMAX_ROWS else 0,
+             cols if flags & AMAX_COLS else 0]
+    buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=x.device)
+    base, pointers = buffer.data_ptr(), []
+    for i, size in enumerate(sizes):
+        pointers.append(base + 4 * sum(sizes[:i]) if size else 0)
+    grid_x = -(-cols // (slot_elements(x.element_size()) * BLOCK))
+    rows_per_block = max(16, -(-rows * grid_x // AMAX_BLOCKS))
+    grid_y = min(-(-rows // rows_per_block), MAX_GRID_Y)
+    kernel = _kernel(AMAX_KERNEL, x.device.index, dtype_code, fp8_code, vec, 0, flags)
+    launch(kernel, x.data_ptr(), *pointers, rows, cols, x.stride(0), rows_per_block,
+           grid=(grid_x, grid_y), block=BLOCK, device=x.device.index)
+    return buffer, tuple(pointers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile (tensor-free, no GPU)
+# ---------------------------------------------------------------------------------------------
+
+def compile_fp8_quant(kernel: str = ROWS_KERNEL, dtype: str = "bfloat16", fp8: str = "e4m3",
+                      vec: bool = True, granularity: str = "row", *, amax: int = AMAX_ALL,
+                      write_q: bool = True, write_qt: bool = False,
+                      arch: str = jit.DEFAULT_ARCH) -> Path:
+    """The cubin of one of the three kernels (``AMAX_KERNEL``, ``ROWS_KERNEL``,
+    ``TILES_KERNEL``) for an input dtype, an FP8 type, 16-byte accesses or not, a granularity
+    (rows and tile kernels), the amaxes asked for (amax kernel) and the outputs written (tile
+    kernel). No extent is compiled in."""
+    key = (elements.element(dtype).code, elements.element(fp8).code, vec,
+           MODE_CODES[Granularity(granularity)], amax, write_q, write_qt)
+    return jit.compile_cubin(SOURCE, defines=_defines(kernel, *key), name_expressions=(kernel,),
+                             arch=arch)
+
+
 # ---------------------------------------------------------------------------------------------
 # Custom ops: real impl and fake impl next to each other (no autograd: FP8 carries no gradient)
 # ---------------------------------------------------------------------------------------------
 
 def _quantize_impl(x, g: Granularity, fp8_dtype, transpose: bool):
-    return torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=transpose)
+    """The kernels on a CUDA device; elsewhere (the op called with CPU tensors) the reference."""
+    if not x.is_cuda:
+        return torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=transpose)
+    q, scale = _empty_outputs(x, g, fp8_dtype, transpose)
+    if x.numel() == 0:
+        return q, scale.fill_(1.0)
+    fp8_code = elements.element(fp8_dtype).code
+    if transpose:
+        _run(x, g, fp8_code, None, None, q, scale)
+    else:
+        _run(x, g, fp8_code, q, scale, None, None)
+    return q, scale
 
 
 def _pair_impl(x, g: Granularity, fp8_dtype):
-    return (torch_quantize(x, g, fp8_dtype=fp8_dtype),
-            torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=True))
+    if not x.is_cuda:
+        return (torch_quantize(x, g, fp8_dtype=fp8_dtype),
+                torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=True))
+    (q, scale), (qt, scale_t) = (_empty_outputs(x, g, fp8_dtype, False),
+                                 _empty_outputs(x, g, fp8_dtype, True))
+    if x.numel() == 0:
+        return (q, scale.fill_(1.0)), (qt, scale_t.fill_(1.0))
+    _run(x, g, elements.element(fp8_dtype).code, q, scale, qt, scale_t)
+    return (q, scale), (qt, scale_t)
 
 
 @torch.library.custom_op("custom_kernels::fp8_quantize", mutates_args=())
@@ -147,21 +322,31 @@ def quantize(x: torch.Tensor, granularity, *, fp8_dtype: torch.dtype = torch.flo
     scales of ``granularity``; see the module docstring for the rule and the layouts. Tensors off
     a CUDA device run ``torch_quantize`` (logged once)."""
     g = _check(x, granularity, fp8_dtype, (transpose,), "quantize")
-    if fallback.off_cuda({"x": x}, "custom_kernels.fp8_quant.quantize", "torch_quantize"):
+    if not x.is_cuda and fallback.off_cuda({"x": x}, "custom_kernels.fp8_quant.quantize",
+                                           "torch_quantize"):
         return torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=transpose)
-    return torch.ops.custom_kernels.fp8_quantize(x, g.value, fp8_dtype, transpose)
+    if torch.compiler.is_compiling() or not plain_eager(x):  # the graph sees the op and its fake
+        return torch.ops.custom_kernels.fp8_quantize(x, g.value, fp8_dtype, transpose)
+    return _quantize_impl(x, g, fp8_dtype, transpose)  # eagerly: no custom-op dispatch (~15 us)
 
 
 def quantize_pair(x: torch.Tensor, granularity, *,
                   fp8_dtype: torch.dtype = torch.float8_e4m3fn):
-    """``((q, scale), (qt, scale_t))`` = ``(quantize(x, g), quantize(x, g, transpose=True))``,
-    both orientations' extents checked. Off a CUDA device, ``torch_quantize`` twice (logged
-    once); on a GPU, for now, the same on the device."""
+    """``((q, scale), (qt, scale_t))`` = ``(quantize(x, g), quantize(x, g, transpose=True))``
+    bit for bit, both orientations' extents checked (block_1x128 then needs R and C multiples
+    of 128). On a GPU, one tile kernel writes both q and qt from one read of x: block_1x128 and
+    block_128x128 reduce their amaxes inside each 128x128 tile (block_128x128's scale_t is then
+    ``scale.t()``'s values); tensor and row granularity first run an amax kernel (one more read
+    of x: the tensor's amax, or every row's and every column's at once), so two reads in all.
+    Off a CUDA device, ``torch_quantize`` twice (logged once)."""
     g = _check(x, granularity, fp8_dtype, (False, True), "quantize_pair")
-    if fallback.off_cuda({"x": x}, "custom_kernels.fp8_quant.quantize_pair", "torch_quantize"):
+    if not x.is_cuda and fallback.off_cuda({"x": x}, "custom_kernels.fp8_quant.quantize_pair",
+                                           "torch_quantize"):
         return _pair_impl(x, g, fp8_dtype)
-    q, scale, qt, scale_t = torch.ops.custom_kernels.fp8_quantize_pair(x, g.value, fp8_dtype)
-    return (q, scale), (qt, scale_t)
+    if torch.compiler.is_compiling() or not plain_eager(x):
+        q, scale, qt, scale_t = torch.ops.custom_kernels.fp8_quantize_pair(x, g.value, fp8_dtype)
+        return (q, scale), (qt, scale_t)
+    return _pair_impl(x, g, fp8_dtype)
 
 
 def _check(x, granularity, fp8_dtype, orientations, entry: str) -> Granularity:

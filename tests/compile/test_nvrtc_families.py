@@ -70,3 +70,15 @@ def test_routing_split_compiles(cache_root):
 
     path = routing_split.compile_routing_split()
     assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_quant_family_compiles(cache_root, dtype):
+    from custom_kernels import fp8_quant as f
+
+    paths = [f.compile_fp8_quant(f.AMAX_KERNEL, dtype, amax=f.AMAX_ROWS | f.AMAX_COLS)]
+    for fp8, vec in (("e4m3", True), ("e5m2", False)):  # 16-byte accesses; one element an access
+        paths += [f.compile_fp8_quant(f.ROWS_KERNEL, dtype, fp8, vec, "row"),
+                  f.compile_fp8_quant(f.TILES_KERNEL, dtype, fp8, vec, "block_1x128",
+                                      write_qt=True)]
+    assert all(p.stat().st_size > 0 and p.with_suffix(".json").is_file() for p in paths)

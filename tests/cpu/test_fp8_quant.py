@@ -321,3 +321,86 @@ def test_scaled_mm_of_quantized_operands_is_close_to_the_product(recipe):
                                   out_dtype=torch.float32)
     assert float((wrong - want).norm() / want.norm()) > 0.5  # the scales matter
     assert math.isfinite(err)
+
+
+# --- launcher pieces (no GPU: the plan recorded with stand-ins for the loader and launch) ------
+
+def test_vector_ok_and_teams():
+    assert fp8_quant.vector_ok(2, 4096, 4096, 256)
+    assert not fp8_quant.vector_ok(2, 4100, 4100, 256)  # columns
+    assert not fp8_quant.vector_ok(2, 4096, 4100, 256)  # row stride
+    assert not fp8_quant.vector_ok(2, 4096, 4096, 258)  # pointer
+    assert fp8_quant.vector_ok(4, 4100, 4100, 256) and not fp8_quant.vector_ok(4, 4102, 0, 0)
+    team = lambda g, itemsize, cols: 1 << fp8_quant.rows_team(g, itemsize, cols)
+    assert team(Granularity.BLOCK_1X128, 2, 4096) == 16
+    assert team(Granularity.BLOCK_1X128, 4, 128) == 32
+    assert team(Granularity.ROW, 2, 4096) == 256 and team(Granularity.ROW, 2, 100000) == 256
+    assert team(Granularity.ROW, 2, 8) == 1 and team(Granularity.ROW, 4, 24) == 8
+    assert team(Granularity.ROW, 2, 1000) == 128  # 125 slots
+    # a row of up to BLOCK * NV slots stays in registers: 16384 bf16 values
+    assert fp8_quant.BLOCK * fp8_quant.NV * fp8_quant.slot_elements(2) == 16384
+
+
+def kernel_parameters():
+    """{kernel name: its parameter count} read from csrc/fp8_quant.cu."""
+    import re
+
+    from custom_kernels import jit
+
+    source = (jit.CSRC / fp8_quant.SOURCE).read_text()
+    found = re.findall(r'extern "C" __global__ void __launch_bounds__\(\w+\)\s*(\w+)\(([^)]*)\)',
+                       source)
+    return {name: len(params.split(",")) for name, params in found}
+
+
+def test_the_source_agrees_with_the_launcher():
+    from custom_kernels import jit
+
+    source = (jit.CSRC / fp8_quant.SOURCE).read_text()
+    assert f"constexpr int TILE = {fp8_quant.BLOCK_K};" in source
+    assert f"constexpr int TILE_THREADS = {fp8_quant.TILE_THREADS};" in source
+    assert set(kernel_parameters()) == {fp8_quant.AMAX_KERNEL, fp8_quant.ROWS_KERNEL,
+                                        fp8_quant.TILES_KERNEL}
+
+
+@pytest.fixture
+def plan(monkeypatch):
+    """Stand-ins for the loader and launch: the list of (kernel, defines, arguments, grid,
+    block, shared memory) that ``_run`` would launch."""
+    seen = []
+    monkeypatch.setattr(fp8_quant, "_kernel",
+                        lambda kernel, device, *key: (kernel, fp8_quant._defines(kernel, *key)))
+    monkeypatch.setattr(fp8_quant, "launch", lambda kernel, *args, grid, block, shared_mem=0,
+                        device=None: seen.append((*kernel, args, grid, block, shared_mem)))
+    return seen
+
+
+@pytest.mark.parametrize("g", ALL)
+@pytest.mark.parametrize("what", ["q", "qt", "pair"])
+def test_the_plan(plan, g, what):
+    x = sample(256, 384)
+    q, s = fp8_quant._empty_outputs(x, g, E4M3, False)
+    qt, st = fp8_quant._empty_outputs(x, g, E4M3, True)
+    outputs = {"q": (q, s, None, None), "qt": (None, None, qt, st), "pair": (q, s, qt, st)}[what]
+    fp8_quant._run(x, g, 3, *outputs)
+    names = [p[0] for p in plan]
+    amax = g is Granularity.TENSOR or (g is Granularity.ROW and what != "q")
+    rows_kernel = what == "q" and g is not Granularity.BLOCK_128X128
+    assert names == [fp8_quant.AMAX_KERNEL] * amax + [
+        fp8_quant.ROWS_KERNEL if rows_kernel else fp8_quant.TILES_KERNEL]
+    counts = kernel_parameters()
+    for name, defines, args, grid, block, shared in plan:
+        assert len(args) == counts[name], name
+        assert all(isinstance(a, int) for a in args)  # pointers and 64-bit integers
+        assert defines["DTYPE"] == 2 and defines["VEC"] == 1
+    name, defines, args, grid, block, shared = plan[-1]
+    assert defines["MODE"] == fp8_quant.MODE_CODES[g] and defines["FP8_MAX"] == "448.0f"
+    if name == fp8_quant.TILES_KERNEL:
+        assert (defines["WRITE_Q"], defines["WRITE_QT"]) == (what != "qt", what != "q")
+        assert grid == 2 * 3 and block == 256 and shared == 128 * 128 * 2
+        q_, s_, qt_, st_ = outputs  # the kernel takes (x, q, qt, scale, scale_t, ...)
+        assert args[1:5] == tuple(t.data_ptr() if t is not None else 0 for t in (q_, qt_, s_, st_))
+    if amax:
+        flags = plan[0][1]["AMAX"]
+        assert flags == ({Granularity.TENSOR: 1}.get(g) or (4 if what == "qt" else 6))
+        assert "FP8" not in plan[0][1]  # one amax cubin serves both FP8 types
