@@ -359,6 +359,11 @@ def test_the_source_agrees_with_the_launcher():
     source = (jit.CSRC / fp8_quant.SOURCE).read_text()
     assert f"constexpr int TILE = {fp8_quant.BLOCK_K};" in source
     assert f"constexpr int TILE_THREADS = {fp8_quant.TILE_THREADS};" in source
+    from custom_kernels.core.elements import element  # the FP8 codes are the table's
+
+    e4m3, e5m2 = element(E4M3).code, element(E5M2).code
+    assert f"FP8 == {e5m2} ? __NV_E5M2 : __NV_E4M3" in source
+    assert f"FP8 {e4m3} e4m3 / {e5m2} e5m2" in source
     assert set(kernel_parameters()) == {fp8_quant.AMAX_KERNEL, fp8_quant.ROWS_KERNEL,
                                         fp8_quant.TILES_KERNEL}
 
