@@ -22,6 +22,9 @@ without a copy.
 The attention itself
 (SDPA, flash or eager, the KV cache, sliding windows) is the model's: the fused attention calls
 the same ``ALL_ATTENTION_FUNCTIONS`` interface with the same arguments.
+The merged and residual GEMMs are a module's ``GEMMS`` attribute where one is set
+(``cutlass_ops.fp8``'s FP8 GEMMs, which add the residual after the GEMM), else
+``cutlass_ops.fused_linear``'s.
 
 Nothing the user sees changes: the layer keeps its submodules, parameters and ``state_dict`` (Q,
 K and V stay three Parameters; ``fused_linear.pack`` only lays them out end to end in one storage
@@ -58,6 +61,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 PROBE_TOKENS = 16
 PROBE_TOLERANCE = 2e-2  # relative, on the layer's output: GEMMs of other shapes round otherwise
 RESIDUAL_NORMS = (RMSNorm, LayerNorm)  # ours: forward(x, residual) -> (norm(x + residual), sum)
+GEMMS = "_cutlass_ops_gemms"  # a module's own merged / residual GEMMs (cutlass_ops.fp8 sets it)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +78,7 @@ class FusedAttention:
         from custom_kernels.rotary import apply_rotary
 
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        qkv = fused_linear.merged_linear(hidden_states, [p.weight for p in projections],
+        qkv = _gemms(self).merged_linear(hidden_states, [p.weight for p in projections],
                                          fused_linear.merged_bias(projections),
                                          _merged_view(self))
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -124,7 +128,7 @@ class FusedMLP:
         from custom_kernels.swiglu import swiglu
 
         pair = (self.gate_proj, self.up_proj)
-        return swiglu(fused_linear.merged_linear(x, [p.weight for p in pair],
+        return swiglu(_gemms(self).merged_linear(x, [p.weight for p in pair],
                                                  fused_linear.merged_bias(pair),
                                                  _merged_view(self)))
 
@@ -168,10 +172,10 @@ class FusedDecoderLayer:
         if isinstance(norm, RESIDUAL_NORMS):  # h = o_proj(a) + hidden_states, then x = norm(h)
             x, h = norm(o(a), hidden_states)
         else:
-            h = fused_linear.linear_residual(a, o.weight, o.bias, hidden_states)
+            h = _gemms(self.self_attn).linear_residual(a, o.weight, o.bias, hidden_states)
             x = norm(h)
         down = mlp.down_proj
-        return fused_linear.linear_residual(mlp.activated(x), down.weight, down.bias, h)
+        return _gemms(mlp).linear_residual(mlp.activated(x), down.weight, down.bias, h)
 
 
 class _LayerGraphs:
@@ -242,16 +246,29 @@ def _hooked(layer) -> bool:
 def _weight_pointers(layer) -> tuple:
     """The addresses of every parameter the graphs read (a graph keeps addresses, not tensors:
     parameters moved or replaced invalidate it). A walk of the modules' own dicts: a quarter of
-    ``parameters()``'s cost, paid on every call."""
+    ``parameters()``'s cost, paid on every call. With GEMMs of its own (FP8: the graphs read
+    copies made from the weights' values), each parameter's version too: a weight changed in
+    place drops the graphs, and the next eager call refreshes the copies."""
+    versions = any(_gemms(m) is not fused_linear for m in (layer.self_attn, layer.mlp))
+
     def walk(module, out):
         for p in module._parameters.values():
             if p is not None:
                 out.append(p.data_ptr())
+                if versions:
+                    out.append(-1 if p.is_inference() else p._version)
         for child in module._modules.values():
             if child is not None:
                 walk(child, out)
         return out
     return tuple(walk(layer, []))
+
+
+def _gemms(module):
+    """The module's merged / residual GEMM functions: ``cutlass_ops.fused_linear``'s, or the
+    object an FP8 conversion set under ``GEMMS`` (``cutlass_ops.fp8.FusedGemms``, same
+    signatures)."""
+    return module.__dict__.get(GEMMS, fused_linear)
 
 
 def _merged_view(module) -> fused_linear.MergedView:

@@ -69,6 +69,7 @@ class Decision:
     kind: str
     converted: bool
     reason: str
+    fp8: str | None = None  # the FP8 recipe the layer runs (convert's ``fp8``), if any
 
 
 @dataclasses.dataclass
@@ -82,6 +83,11 @@ class ConversionReport:
     @property
     def skipped(self) -> dict[str, str]:
         return {d.name: d.reason for d in self.decisions if not d.converted}
+
+    @property
+    def fp8(self) -> dict[str, str]:
+        """The layers that run FP8, with their recipe."""
+        return {d.name: d.fp8 for d in self.decisions if d.fp8 is not None}
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} of {len(self.decisions)} layers"]
@@ -110,7 +116,8 @@ def _why_not(layer: nn.Linear) -> str | None:
 
 def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: bool = True,
             norms: bool = True, fused_loss: bool = True, fuse_blocks: bool = True,
-            experts: bool = True) -> ConversionReport:
+            experts: bool = True, fp8: str | None = None,
+            fp8_lm_head: bool = False) -> ConversionReport:
     """Swaps the model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place (sharing
     parameters), leaving unsupported ones alone. ``include``: names to consider (default all);
     ``exclude``: names to leave alone. With ``fuse_activations``, a ReLU / GELU / SiLU module
@@ -129,10 +136,42 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
     (``cutlass_ops.causal_mask``). With ``experts``, a mixture-of-experts experts module built
     like Hugging Face's (Mixtral, Qwen3-MoE: 3-D ``gate_up_proj`` / ``down_proj``, SiLU) runs as
     two grouped GEMMs and a SwiGLU kernel without its per-expert loop, after a probe
-    (``cutlass_ops.moe``). Returns what was done and why, per layer."""
+    (``cutlass_ops.moe``). With ``fp8`` ("tensorwise", "rowwise" or "blockwise"), then, the
+    Linear layers and the fused blocks' GEMMs that take the recipe run FP8 forward and backward
+    with bf16 master weights and the same state_dict, the LM head only with ``fp8_lm_head``
+    (``cutlass_ops.fp8``; the report names each layer's recipe or why not). Returns what was
+    done and why, per layer."""
+    if fp8 is not None:
+        from cutlass_ops.fp8 import recipes
+
+        recipes.get(fp8)  # an unknown recipe raises before anything changes
     with step_graphs.paused():  # the probes' calls leave no CUDA graphs behind
-        return _convert(model, include, exclude, fuse_activations, norms, fused_loss,
-                        fuse_blocks, experts)
+        report = _convert(model, include, exclude, fuse_activations, norms, fused_loss,
+                          fuse_blocks, experts)
+    if fp8 is None:
+        return report
+    from cutlass_ops.fp8.convert import convert_fp8
+
+    return _with_fp8(report, convert_fp8(model, fp8, lm_head=fp8_lm_head, include=include,
+                                         exclude=exclude, linear_types=(nn.Linear, Linear)))
+
+
+def _with_fp8(report: ConversionReport, choices) -> ConversionReport:
+    """The report with each layer's FP8 choice (``cutlass_ops.fp8.Choice``) folded in."""
+    by_name = {c.name: c for c in choices}
+    decisions = []
+    for d in report.decisions:
+        c = by_name.pop(d.name, None)
+        if c is None:
+            decisions.append(d)
+        elif c.recipe is None:
+            decisions.append(dataclasses.replace(d, reason=f"{d.reason}; not FP8: {c.reason}"))
+        else:
+            decisions.append(dataclasses.replace(d, converted=True, reason=c.reason,
+                                                 fp8=c.recipe))
+    decisions += [Decision(c.name, c.kind, c.recipe is not None, c.reason, c.recipe)
+                  for c in by_name.values()]
+    return ConversionReport(decisions)
 
 
 def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_blocks,

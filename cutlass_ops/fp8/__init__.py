@@ -1,0 +1,16 @@
+"""FP8 training and inference on Hopper (issue 38): FP8 Linear layers whose forward and backward
+GEMMs run through ``cutlass_ops.scaled_mm`` per a recipe (tensorwise, rowwise, blockwise), and
+the conversion that ``cutlass_ops.convert(model, fp8=...)`` delegates to. See README.md here.
+
+- ``recipes``: the three recipes (FP8 types, scale granularities per GEMM operand, layer rules);
+- ``linear``: ``fp8_linear``, the ``Linear`` module, the fused blocks' FP8 GEMMs, the weights'
+  FP8 copies for inference;
+- ``convert``: the module swap and its per-layer choices.
+"""
+
+from cutlass_ops.fp8.convert import Choice, convert_fp8
+from cutlass_ops.fp8.linear import FusedGemms, Linear, WeightCache, fp8_linear
+from cutlass_ops.fp8.recipes import RECIPES, Recipe
+
+__all__ = ["Choice", "convert_fp8", "fp8_linear", "Linear", "FusedGemms", "WeightCache",
+           "RECIPES", "Recipe"]

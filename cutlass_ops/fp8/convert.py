@@ -1,0 +1,153 @@
+"""The FP8 conversion: ``cutlass_ops.convert(model, fp8=recipe)`` runs the bf16 conversion, then
+``convert_fp8``, which makes FP8 (per ``cutlass_ops.fp8.recipes``) every Linear that takes the
+recipe and every fused decoder block whose seven projections all do, and says per layer what it
+chose and why (``Choice``; ``cutlass_ops.nn`` folds them into its report).
+
+- A Linear (``nn.Linear``, or one of the ``linear_types`` the caller names: convert's own
+  ``cutlass_ops.nn.Linear``, whose fused activation carries over) becomes
+  ``cutlass_ops.fp8.Linear`` sharing its parameters: same names, values, dtypes, state_dict.
+- A fused decoder block (``cutlass_ops.decoder_blocks``) gets ``FusedGemms`` for its merged
+  QKV, o_proj, merged gate+up and down_proj GEMMs (the residual adds then run in torch after
+  the GEMM), and its seven projections become FP8 Linears too (a call of the module itself, as
+  o_proj's beside our fused norm, is FP8 as well). All or nothing: a block one of whose
+  projections cannot take the recipe keeps bf16 GEMMs throughout.
+- Refused, with the reason: weights that are not bf16/fp16, in/out features not multiples of 16
+  (128 for blockwise), a CUDA device that is not sm90, names the caller excluded; the LM head
+  (``get_output_embeddings()``, else a Linear named ``lm_head``) stays bf16 unless
+  ``lm_head=True``.
+Off a GPU the FP8 layers compute the same quantization with the products in float32
+(``cutlass_ops.scaled_mm``'s reference, the CPU rule), so a converted model runs anywhere and the
+conversion can be checked on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from cutlass_ops import decoder_blocks
+from cutlass_ops.fp8 import recipes
+from cutlass_ops.fp8.linear import FusedGemms, Linear
+from cutlass_ops.fp8.recipes import Recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One layer's FP8 outcome: ``recipe`` its name, or None when the layer stays 16-bit."""
+
+    name: str
+    kind: str
+    recipe: Optional[str]
+    reason: str
+
+
+def convert_fp8(model: nn.Module, recipe: Recipe | str, *, lm_head: bool = False,
+                include=None, exclude=(), linear_types: tuple = (nn.Linear,)) -> list[Choice]:
+    """Makes ``model``'s Linear layers and fused decoder blocks FP8 per ``recipe`` in place,
+    where they take it (module docstring); returns a Choice per layer considered. Layers the
+    caller excluded, and Linears of other types than ``linear_types`` (subclasses with forwards
+    of their own), are left alone without a Choice."""
+    recipe = recipes.get(recipe)
+    head = _lm_head(model)
+    choices: list[Choice] = []
+    in_blocks: set = set()
+    for name, module in list(model.named_modules()):
+        if decoder_blocks.is_fused(module) and not _excluded(name, include, exclude):
+            choices += _convert_block(model, name, module, recipe)
+            in_blocks.update(f"{name}.{child}" for child in _block_linears(module))
+    for name, module in list(model.named_modules()):
+        if type(module) not in linear_types or not name or name in in_blocks or \
+                _excluded(name, include, exclude):
+            continue
+        kind = type(module).__name__
+        if module is head and not lm_head:
+            choices.append(Choice(name, kind, None, "the LM head stays bf16 (fp8_lm_head=True "
+                                  "makes it FP8)"))
+            continue
+        why = refusal(module, recipe)
+        if why is not None:
+            choices.append(Choice(name, kind, None, why))
+            continue
+        _swap(model, name, Linear.from_linear(module, recipe))
+        reason = _converted_reason(module.weight, recipe)
+        if module is head:
+            reason += _head_note(model)
+        choices.append(Choice(name, kind, recipe.name, reason))
+    return choices
+
+
+def refusal(layer: nn.Linear, recipe: Recipe) -> str | None:
+    """Why ``layer`` cannot run FP8 per ``recipe``, or None."""
+    weight = layer.weight
+    if weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) != (9, 0):
+        return (f"{torch.cuda.get_device_name(weight.device)} is not an sm90 GPU: FP8 layers "
+                "need one")
+    return recipe.refusal(layer.in_features, layer.out_features, weight.dtype)
+
+
+def _converted_reason(weight, recipe: Recipe) -> str:
+    where = "" if weight.device.type == "cuda" else (
+        f" (weights on {weight.device}: the FP8 products computed in float32 there)")
+    return f"FP8 {recipe.name} forward and backward{where}"
+
+
+def _head_note(model) -> str:
+    if "_cutlass_ops_original_forward" in vars(model):  # cutlass_ops.lm_loss routed the loss
+        return ("; with labels the fused head and loss (cutlass_ops.lm_loss) read its weight "
+                "in bf16")
+    return ""
+
+
+def _block_linears(layer) -> dict:
+    """The block's projections by their names under the layer."""
+    out = {f"self_attn.{n}": getattr(layer.self_attn, n) for n in decoder_blocks.ATTENTION_LINEARS}
+    out.update({f"mlp.{n}": getattr(layer.mlp, n) for n in decoder_blocks.MLP_LINEARS})
+    return out
+
+
+def _convert_block(model, name: str, layer, recipe: Recipe) -> list[Choice]:
+    """A fused decoder block's GEMMs made FP8, all or none; a Choice for it and each
+    projection."""
+    linears = _block_linears(layer)
+    why = next((f"{child}: {r}" for child, lin in linears.items()
+                for r in (refusal(lin, recipe),) if r is not None), None)
+    kind = type(layer).__name__
+    if why is not None:
+        return [Choice(name, kind, None, why)] + [
+            Choice(f"{name}.{child}", type(lin).__name__, None,
+                   f"its decoder block's GEMMs stay 16-bit ({why})")
+            for child, lin in linears.items()]
+    for module in (layer.self_attn, layer.mlp):
+        module.__dict__[decoder_blocks.GEMMS] = FusedGemms(recipe)
+    choices = [Choice(name, kind, recipe.name, (
+        f"fused block with FP8 {recipe.name} GEMMs (merged QKV, o_proj, merged gate+up, "
+        "down_proj; forward and backward), the residual adds after the GEMMs in torch"))]
+    for child, lin in linears.items():
+        _swap(model, f"{name}.{child}", Linear.from_linear(lin, recipe))
+        choices.append(Choice(f"{name}.{child}", type(lin).__name__, recipe.name,
+                              _converted_reason(lin.weight, recipe) + " in its fused block"))
+    return choices
+
+
+def _lm_head(model) -> Optional[nn.Module]:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        head = None
+    return head if isinstance(head, nn.Linear) else getattr(model, "lm_head", None)
+
+
+def _excluded(name: str, include, exclude) -> bool:
+    return include is not None and name not in include or name in exclude
+
+
+def _swap(model, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, new)
+
+
+__all__ = ["Choice", "convert_fp8", "refusal"]

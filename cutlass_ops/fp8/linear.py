@@ -1,0 +1,464 @@
+"""FP8 Linear layers: ``fp8_linear(x, weights, bias, recipe)`` computes ``x @ cat(weights)^T +
+bias`` (one GEMM for several weights, as ``cutlass_ops.fused_linear.merged_linear``) with its
+forward and both backward GEMMs through ``cutlass_ops.scaled_mm``, each operand quantized as the
+recipe says (``cutlass_ops.fp8.recipes``; quantization by ``custom_kernels.fp8_quant``):
+
+    forward  y  = x W^T    a = x quantized along K,         b = W (N, K) along K
+    dgrad    dx = dy W     a = dy along N,                  b = W^T (K, N), quantized from W
+    wgrad    dW = dy^T x   a = dy^T (N, M) along tokens,    b = x^T (K, M), quantized from x
+
+The forward quantizes x^T beside x (one pass where the recipe uses one granularity for both:
+``quantize_pair``) and keeps it for the wgrad instead of x (one byte an element for two); token
+counts the wgrad cannot reduce over (a multiple of 16, of 128 for blockwise) are padded with zero
+rows there. The weight is read as the Parameter it is, on every call: bf16 master weights,
+nothing else in the state_dict, and FSDP2's gathered weight is what the forward reads.
+
+**Weights' FP8 copies.** A call that trains the weights quantizes them afresh (forward: W;
+backward: W^T). A call that does not (gradients off, or frozen weights) takes them from the
+layer's ``WeightCache``, made on first use and refreshed when a weight changes, which it knows
+by each weight's data pointer and version counter (every in-place write through autograd's view
+of a tensor bumps it: optimizer steps, ``load_state_dict``, ``with no_grad(): w.copy_()``) and by
+a count of optimizer steps taken in this process (which also covers weights written under
+``torch.autograd._unsafe_preserve_version_counter``, as FSDP2's all-gather writes). Writes
+through ``.data`` escape both: call ``cache.clear()``. Inference tensors have no version counter:
+their FP8 copies are made at every call. A refresh writes into the copies' own memory, so a CUDA
+graph that read them stays valid.
+Under torch.compile the weights are quantized inside the compiled graph at every call: a
+compiled graph checks its guards (the parameters' identity, shapes, dtypes, strides), never a
+weight's values or version, so it could not tell when a kept copy went stale. In a CUDA graph
+captured eagerly, a fresh copy is read by address (and the cache then never frees it), a stale
+or missing one is quantized inside the graph: our decode-step graphs (``cutlass_ops.step_graphs``)
+key their graphs on the weights' versions and capture again after a change; a graph of your own
+replays the copies it was captured with until an eager call refreshes them.
+
+Three paths as ``cutlass_ops.ops.linear_fast``: custom ops with fakes while torch.compile traces
+(``cutlass_ops::fp8_linear`` and its backward, ``register_autograd``), an autograd.Function
+eagerly when gradients are needed, a direct call otherwise. ``Linear`` is the module,
+``FusedGemms`` the merged and residual GEMMs of a fused decoder block.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from cutlass_ops import fused_linear
+from cutlass_ops.fp8 import recipes
+from cutlass_ops.fp8.recipes import Operand, Recipe
+from cutlass_ops.gemms import epilogues
+from cutlass_ops.gemms.config import Activation
+from cutlass_ops.scaled import scaled_mm
+from custom_kernels.core.eager import PLAIN, fast_autograd
+from custom_kernels.core.errors import UnsupportedInputError
+from custom_kernels.fp8_quant import empty_scale, quantize, quantize_pair
+
+# ---------------------------------------------------------------------------------------------
+# Operands and GEMMs (no autograd)
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows(t: Tensor) -> Tensor:
+    t = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _quantize(t: Tensor, operand: Operand, transpose: bool = False):
+    return quantize(t, operand.granularity, fp8_dtype=operand.dtype, transpose=transpose)
+
+
+def _padded(rows: Tensor, multiple: int) -> Tensor:
+    """``rows`` with zero rows added up to a multiple of ``multiple``."""
+    extra = -rows.shape[0] % multiple
+    return rows if extra == 0 else torch.nn.functional.pad(rows, (0, 0, 0, extra))
+
+
+def _nothing(like: Tensor):
+    """The kept x^T of a call that keeps none."""
+    return (like.new_empty(0, dtype=torch.float8_e4m3fn), like.new_empty(0, dtype=torch.float32))
+
+
+def _pairable(one: Operand, other: Operand) -> bool:
+    return one.granularity == other.granularity and one.fp8 == other.fp8
+
+
+def _gemm(a, scale_a, b_rows, scale_b_rows, gemm, dtype, bias=None) -> Tensor:
+    """``scaled_mm`` of ``a`` (M, K) and the matrix whose rows are ``b_rows`` (N, K) (passed
+    K-major as ``b_rows.t()``, its scales transposed alike), in ``dtype``: bf16 directly, fp16
+    through a float32 output (scaled_mm writes bf16 or float32)."""
+    out = dtype if dtype == torch.bfloat16 else torch.float32
+    y = scaled_mm(a, b_rows.t(), scale_a, scale_b_rows.t(),
+                  bias=None if bias is None else bias.to(out), out_dtype=out,
+                  use_fast_accum=gemm.fast_accum)
+    return y if y.dtype == dtype else y.to(dtype)
+
+
+def _activations(rows: Tensor, recipe: Recipe, keep: bool):
+    """(x_q, x_s, xt_q, xt_s): x for the forward, x^T for the wgrad when ``keep`` (the tokens
+    padded to the recipe's multiple)."""
+    a, b = recipe.forward.a, recipe.wgrad.b
+    if not keep:
+        return (*_quantize(rows, a), *_nothing(rows))
+    if _pairable(a, b) and rows.shape[0] % recipe.token_multiple == 0:
+        (q, s), (qt, st) = quantize_pair(rows, a.granularity, fp8_dtype=a.dtype)
+        return q, s, qt, st
+    return (*_quantize(rows, a), *_quantize(_padded(rows, recipe.token_multiple), b, True))
+
+
+def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Recipe, keep: bool,
+             weight_fp8=None):
+    """(y, xt_q, xt_s): y = x W^T + b; x^T quantized for the wgrad when ``keep`` (else empty).
+    ``weight_fp8``: W's forward operand (q, scale) when the caller has it."""
+    rows = _rows(x)
+    wq, ws = weight_fp8 if weight_fp8 is not None else _quantize(weight, recipe.forward.b)
+    xq, xs, xtq, xts = _activations(rows, recipe, keep)
+    y = _gemm(xq, xs, wq, ws, recipe.forward, x.dtype, bias)
+    return y.view(*x.shape[:-1], weight.shape[0]), xtq, xts
+
+
+def _backward(grad: Tensor, xt, recipe: Recipe, need_x: bool, need_w: bool, weight_dtype,
+              weight_t: Callable[[], tuple]):
+    """(dx, dW), None where not needed. ``xt``: the forward's kept (xt_q, xt_s); ``weight_t()``
+    gives W^T's dgrad operand (q, scale)."""
+    dy = _rows(grad)
+    a_x, a_w = recipe.dgrad.a, recipe.wgrad.a
+    if need_w and xt[0].numel() == 0 and dy.numel() > 0:
+        raise UnsupportedInputError("fp8_linear's wgrad needs the x^T its forward keeps: the "
+                                    "forward ran with keep=False")
+    whole = dy.shape[0] % recipe.token_multiple == 0
+    if need_x and need_w and whole and _pairable(a_x, a_w):
+        (dq, ds), (dtq, dts) = quantize_pair(dy, a_x.granularity, fp8_dtype=a_x.dtype)
+    else:
+        dq, ds = _quantize(dy, a_x) if need_x else (None, None)
+        dtq, dts = _quantize(_padded(dy, recipe.token_multiple), a_w, True) if need_w else \
+            (None, None)
+    grad_x = grad_w = None
+    if need_x:
+        wtq, wts = weight_t()
+        grad_x = _gemm(dq, ds, wtq, wts, recipe.dgrad, grad.dtype)
+        grad_x = grad_x.view(*grad.shape[:-1], wtq.shape[0])
+    if need_w:
+        grad_w = _gemm(dtq, dts, xt[0], xt[1], recipe.wgrad, weight_dtype)
+    return grad_x, grad_w
+
+
+def _check_call(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor],
+                recipe: Recipe) -> None:
+    """The rules of a call (shapes, dtypes), with the recipe's layer rules on the merged
+    weight; UnsupportedInputError naming the one broken."""
+    k = weights[0].shape[1] if weights[0].dim() == 2 else -1
+    if any(w.dim() != 2 or w.shape[1] != k for w in weights) or x.shape[-1] != k:
+        raise UnsupportedInputError(
+            f"fp8_linear: x {tuple(x.shape)} does not match the weights "
+            f"{[tuple(w.shape) for w in weights]} (each (out_features, in_features))")
+    dtype = weights[0].dtype
+    recipe.check(k, sum(w.shape[0] for w in weights), dtype)
+    if x.dtype != dtype or any(w.dtype != dtype for w in weights):
+        raise UnsupportedInputError(f"fp8_linear: x is {x.dtype} and the weights "
+                                    f"{sorted({str(w.dtype) for w in weights})}: an FP8 linear "
+                                    "takes x in its weights' dtype")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != sum(w.shape[0] for w in weights)):
+        raise UnsupportedInputError(f"fp8_linear: bias {tuple(bias.shape)} is not one value per "
+                                    "output feature")
+
+
+# ---------------------------------------------------------------------------------------------
+# The weights' FP8 copies for calls that do not train them
+# ---------------------------------------------------------------------------------------------
+
+_optimizer_steps = [0, None]  # steps taken by any torch optimizer in this process, the hook
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _optimizer_steps[0] += 1
+
+
+def optimizer_steps() -> int:
+    """Optimizer steps taken since the first call (the hook is registered then, not at
+    import)."""
+    if _optimizer_steps[1] is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _optimizer_steps[1] = register_optimizer_step_post_hook(_count_step)
+    return _optimizer_steps[0]
+
+
+def _key(weights: Sequence[Tensor], recipe: Recipe):
+    """What the copies of ``weights`` depend on, or None when it cannot be known (inference
+    tensors, tensor subclasses)."""
+    parts = []
+    for w in weights:
+        if type(w) not in PLAIN or w.is_inference():
+            return None
+        parts.append((w.data_ptr(), w._version, tuple(w.shape)))
+    return (recipe.name, optimizer_steps(), weights[0].device, weights[0].dtype, *parts)
+
+
+class WeightCache:
+    """The FP8 copies of one weight, or of one merged GEMM's weights: the forward operand (W)
+    and, when a call needs the input's gradient, the dgrad operand (W^T). See the module
+    docstring for when they are refreshed."""
+
+    def __init__(self):
+        self._key = None
+        self._copies: dict[str, tuple] = {}
+        self._fresh: set = set()
+        self.captured = False  # read by a CUDA graph: never freed, refreshed in place only
+
+    def __deepcopy__(self, memo):
+        return WeightCache()  # a copied module makes its own
+
+    def __reduce__(self):
+        return WeightCache, ()
+
+    def get(self, which: str, weights: Sequence[Tensor], merged: Tensor, recipe: Recipe):
+        """(q, scale) of ``merged`` (the weights as one) for ``which``: "forward" (W) or
+        "dgrad" (W^T)."""
+        key = _key(weights, recipe)
+        capturing = merged.is_cuda and torch.cuda.is_current_stream_capturing()
+        if key is not None and key == self._key and which in self._fresh:
+            self.captured = self.captured or capturing
+            return self._copies[which]
+        operand = recipe.forward.b if which == "forward" else recipe.dgrad.b
+        fresh = _quantize(merged, operand, transpose=which == "dgrad")
+        if key is None or capturing:  # not keepable, or memory of the graph's own pool
+            return fresh
+        if key != self._key:
+            self._key, self._fresh = key, set()
+        old = self._copies.get(which)
+        if old is not None and all(o.shape == f.shape and o.dtype == f.dtype and
+                                   o.device == f.device for o, f in zip(old, fresh)):
+            for o, f in zip(old, fresh):
+                o.copy_(f)
+            fresh = old
+        self._copies[which] = fresh
+        self._fresh.add(which)
+        return fresh
+
+    def clear(self) -> None:
+        """Frees the copies (a training call does: it quantizes afresh), unless a CUDA graph
+        read them."""
+        if not self.captured and self._copies:
+            self._copies.clear()
+            self._fresh = set()
+            self._key = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops (torch.compile): forward, backward, their fakes and the autograd formula
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("cutlass_ops::fp8_linear", mutates_args=())
+def fp8_linear_op(x: Tensor, weights: list[Tensor], bias: Optional[Tensor], recipe: str,
+                  keep: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(x @ cat(weights).T + bias, x^T's FP8 operand and scales for the wgrad (empty unless
+    ``keep``)), the weights quantized in the call."""
+    return _op_forward(x, weights, bias, recipe, keep)
+
+
+def _op_forward(x, weights, bias, recipe, keep):
+    found = recipes.get(recipe)
+    _check_call(x, weights, bias, found)
+    with torch.no_grad():
+        return _forward(x, fused_linear.concatenated(weights), bias, found, keep)
+
+
+@fp8_linear_op.register_fake
+def _(x, weights, bias, recipe, keep):
+    found = recipes.get(recipe)
+    _check_call(x, weights, bias, found)
+    k, n = weights[0].shape[1], sum(w.shape[0] for w in weights)
+    y = x.new_empty((*x.shape[:-1], n))
+    if not keep:
+        return (y, *_nothing(x))
+    tokens = x.numel() // k
+    tokens = tokens + (-tokens % found.token_multiple)
+    b = found.wgrad.b
+    return (y, x.new_empty((k, tokens), dtype=b.dtype),
+            empty_scale(b.granularity, k, tokens, x.device))
+
+
+@torch.library.custom_op("cutlass_ops::fp8_linear_backward", mutates_args=())
+def fp8_linear_backward_op(grad: Tensor, xt_q: Tensor, xt_s: Tensor, weights: list[Tensor],
+                           recipe: str, need_x: bool, need_w: bool) -> tuple[Tensor, Tensor]:
+    """(dx, dW of the merged weight); an empty tensor for the one not needed."""
+    found = recipes.get(recipe)
+    with torch.no_grad():
+        grad_x, grad_w = _backward(
+            grad, (xt_q, xt_s), found, need_x, need_w, weights[0].dtype,
+            lambda: _quantize(fused_linear.concatenated(weights), found.dgrad.b, True))
+    return (grad_x if grad_x is not None else grad.new_empty(0),
+            grad_w if grad_w is not None else grad.new_empty(0))
+
+
+@fp8_linear_backward_op.register_fake
+def _(grad, xt_q, xt_s, weights, recipe, need_x, need_w):
+    k, n = weights[0].shape[1], sum(w.shape[0] for w in weights)
+    return (grad.new_empty((*grad.shape[:-1], k)) if need_x else grad.new_empty(0),
+            weights[0].new_empty((n, k)) if need_w else grad.new_empty(0))
+
+
+def _op_setup(ctx, inputs, output) -> None:
+    x, weights, bias, recipe, keep = inputs
+    _, xt_q, xt_s = output
+    ctx.save_for_backward(xt_q, xt_s, *weights)
+    ctx.mark_non_differentiable(xt_q, xt_s)
+    ctx.recipe, ctx.has_bias = recipe, bias is not None
+
+
+def _split(grad_w: Optional[Tensor], weights: Sequence[Tensor]) -> list:
+    if grad_w is None:
+        return [None] * len(weights)
+    return list(grad_w.split([w.shape[0] for w in weights]))
+
+
+def _op_backward(ctx, grad, *_):
+    xt_q, xt_s, *weights = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[1])
+    grad_x, grad_w = fp8_linear_backward_op(grad, xt_q, xt_s, weights, ctx.recipe, need_x,
+                                            need_w)
+    grad_b = _rows(grad).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return (grad_x if need_x else None, _split(grad_w if need_w else None, weights), grad_b,
+            None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager autograd
+# ---------------------------------------------------------------------------------------------
+
+class _EagerFp8Linear(torch.autograd.Function):
+    """``merged``: the weights as one (a view when packed; detached). The weights are kept for
+    the dgrad (as nn.Linear keeps its own; under FSDP2 the gathered ones), x^T's FP8 operand for
+    the wgrad."""
+
+    @staticmethod
+    def forward(ctx, x, bias, recipe, cache, merged, *weights):
+        need_w = any(ctx.needs_input_grad[5:])
+        fp8 = cache.get("forward", weights, merged, recipe) if cache is not None and \
+            not need_w else None
+        y, xt_q, xt_s = _forward(x, merged, bias, recipe, need_w, fp8)
+        ctx.save_for_backward(xt_q, xt_s, *weights)
+        ctx.recipe, ctx.cache, ctx.has_bias = recipe, cache, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        xt_q, xt_s, *weights = ctx.saved_tensors
+        need_x, need_b, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
+            any(ctx.needs_input_grad[5:])
+        recipe, cache = ctx.recipe, ctx.cache
+
+        def weight_t():
+            merged = fused_linear.concatenated(weights)
+            if cache is not None and not need_w:
+                return cache.get("dgrad", weights, merged, recipe)
+            return _quantize(merged, recipe.dgrad.b, True)
+
+        with torch.no_grad():
+            grad_x, grad_w = _backward(grad, (xt_q, xt_s), recipe, need_x, need_w,
+                                       weights[0].dtype, weight_t)
+            grad_b = _rows(grad).sum(0) if ctx.has_bias and need_b else None
+        return (grad_x, grad_b, None, None, None, *_split(grad_w, weights))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions and modules
+# ---------------------------------------------------------------------------------------------
+
+def fp8_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = None,
+               recipe: Recipe | str = "rowwise", *, cache: Optional[WeightCache] = None,
+               view: Optional[fused_linear.MergedView] = None) -> Tensor:
+    """``x @ cat(weights).T + bias`` through FP8 GEMMs per ``recipe`` (forward and backward;
+    several weights as one GEMM), with autograd to ``x``, each weight and the bias. ``cache``:
+    the weights' FP8 copies for calls that do not train them (module docstring); ``view``: the
+    caller's ``fused_linear.MergedView`` of packed weights. UnsupportedInputError for shapes or
+    dtypes the recipe does not take."""
+    recipe = recipes.get(recipe)
+    weights = list(weights)
+    grad = torch.is_grad_enabled()
+    train = grad and any(w.requires_grad for w in weights)
+    if torch.compiler.is_compiling():
+        return fp8_linear_op(x, weights, bias, recipe.name, train)[0]
+    _check_call(x, weights, bias, recipe)
+    merged = view(weights) if view is not None else fused_linear.merged_view(weights)
+    merged = merged.detach() if merged is not None else \
+        torch.cat([w.detach() for w in weights])
+    if cache is not None and train:
+        cache.clear()
+    if train or grad and (x.requires_grad or bias is not None and bias.requires_grad):
+        return _EagerFp8Linear.apply(x, bias, recipe, cache, merged, *weights)
+    fp8 = cache.get("forward", weights, merged, recipe) if cache is not None else None
+    return _forward(x, merged, bias, recipe, False, fp8)[0]
+
+
+class Linear(nn.Linear):
+    """torch.nn.Linear whose three GEMMs run FP8 per ``recipe`` ("tensorwise", "rowwise" or
+    "blockwise"; ``cutlass_ops.fp8.recipes``), with an optional activation after the GEMM
+    (identity, relu, gelu, gelu_tanh, silu; applied in torch). Same parameters and state_dict
+    as nn.Linear (bf16 or fp16 master weights); the weights' FP8 copies for calls that do not
+    train them live in ``fp8_weights``, which is no state."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, *, recipe: Recipe | str = "rowwise", activation: str = "identity"):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = recipes.get(recipe)
+        self.recipe.check(in_features, out_features, self.weight.dtype)
+        self.activation = Activation(activation).value
+        self.fp8_weights = WeightCache()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = fp8_linear(x, (self.weight,), self.bias, self.recipe, cache=self.fp8_weights)
+        return epilogues.activate(y, self.activation)
+
+    def extra_repr(self) -> str:
+        fused = f", activation={self.activation}" if self.activation != "identity" else ""
+        return super().extra_repr() + f", recipe={self.recipe.name}{fused}"
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear, recipe: Recipe | str,
+                    activation: Optional[str] = None) -> Linear:
+        """An FP8 Linear sharing ``layer``'s parameters (no copy: optimizers keep working);
+        the activation is ``layer``'s (a cutlass_ops.nn.Linear's fused one) unless given."""
+        recipe = recipes.get(recipe)
+        recipe.check(layer.in_features, layer.out_features, layer.weight.dtype)
+        new = cls(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                  device="meta", dtype=layer.weight.dtype, recipe=recipe,
+                  activation=activation or getattr(layer, "activation", "identity"))
+        new.weight = layer.weight
+        new.bias = layer.bias
+        new.train(layer.training)
+        return new
+
+
+class FusedGemms:
+    """The merged and residual GEMMs of a fused decoder block (``cutlass_ops.decoder_blocks``
+    calls them with ``cutlass_ops.fused_linear``'s signatures) in FP8: the residual is added
+    after the GEMM, in torch (the bf16 block adds it in the GEMM's epilogue). One per module
+    (the attention: QKV and o_proj; the MLP: gate+up and down_proj), with their weights' FP8
+    copies."""
+
+    def __init__(self, recipe: Recipe | str):
+        self.recipe = recipes.get(recipe)
+        self.merged_weights = WeightCache()
+        self.residual_weights = WeightCache()
+
+    def __deepcopy__(self, memo):
+        return FusedGemms(self.recipe)
+
+    def merged_linear(self, x: Tensor, weights: Sequence[Tensor],
+                      bias: Optional[Tensor] = None,
+                      view: Optional[fused_linear.MergedView] = None) -> Tensor:
+        return fp8_linear(x, weights, bias, self.recipe, cache=self.merged_weights, view=view)
+
+    def linear_residual(self, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                        residual: Tensor) -> Tensor:
+        return fp8_linear(x, (weight,), bias, self.recipe, cache=self.residual_weights) + \
+            residual
+
+
+fast_autograd("cutlass_ops::fp8_linear", eager=_op_forward, backward=_op_backward,
+              setup_context=_op_setup, eager_grads=False)
+
+__all__ = ["fp8_linear", "fp8_linear_op", "fp8_linear_backward_op", "Linear", "FusedGemms",
+           "WeightCache", "optimizer_steps"]

@@ -1,0 +1,332 @@
+"""cutlass_ops.fp8 on the CPU: the recipes' table and rules, the FP8 linear's forward, dgrad and
+wgrad against a dequantized float32 reference written here (each operand quantized along its
+reduction, with the granularity the recipe names), token counts that need the wgrad's padding,
+merged weights, fp16, the weights' FP8 copies for inference (reuse, refresh, limits), the
+custom ops under torch.compile(fullgraph=True), and the refusals."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cutlass_ops.fp8 import linear as fp8_linear_module
+from cutlass_ops.fp8 import recipes
+from cutlass_ops.fp8.linear import Linear, fp8_linear
+from custom_kernels.core.errors import UnsupportedInputError
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = ["tensorwise", "rowwise", "blockwise"]
+
+# The reference's own table: the block (rows, cols) of each operand read as a matrix whose rows
+# run along the GEMM's reduction (None: the whole extent), and the gradients' FP8 type.
+SPEC = {
+    "tensorwise": dict(x=(None, None), w=(None, None), dy=(None, None), xt=(None, None),
+                       grad=E5M2),
+    "rowwise": dict(x=(1, None), w=(1, None), dy=(1, None), xt=(1, None), grad=E4M3),
+    "blockwise": dict(x=(1, 128), w=(128, 128), dy=(1, 128), xt=(128, 128), grad=E4M3),
+}
+# Each output row against its reference row: our outputs round to bf16 once (2^-9), a wrong
+# granularity, orientation or FP8 type moves the quantized values by percents.
+BOUND = 1e-2
+
+
+def dequantized(t, block, dtype=E4M3):
+    """``t`` through ``dtype`` and back, one scale (amax / the type's largest) per ``block``
+    (rows, cols) of ``t``; partial blocks at the ends are blocks of their own."""
+    t = t.float()
+    rows, cols = t.shape
+    br = rows if block[0] is None else block[0]
+    bc = cols if block[1] is None else block[1]
+    padded = F.pad(t, (0, -cols % bc, 0, -rows % br))
+    blocks = padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc)
+    top = torch.finfo(dtype).max
+    scale = blocks.abs().amax(dim=(1, 3), keepdim=True) / top
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = (blocks / scale).clamp(-top, top).to(dtype).float() * scale
+    return q.reshape(padded.shape)[:rows, :cols]
+
+
+def reference(spec, x, w, bias, dy):
+    """(y, dx, dW) in float32 from the dequantized operands of each GEMM."""
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    y = dequantized(x2, spec["x"]) @ dequantized(w, spec["w"]).t()
+    if bias is not None:
+        y = y + bias.float()
+    dx = dequantized(dy2, spec["dy"], spec["grad"]) @ dequantized(w.t(), spec["w"]).t()
+    dw = dequantized(dy2.t(), spec["dy"], spec["grad"]) @ dequantized(x2.t(), spec["xt"]).t()
+    return y, dx, dw
+
+
+def row_error(got, want) -> float:
+    """The largest relative error of a row (rows of very different sizes are each checked)."""
+    got, want = (t.detach().reshape(-1, t.shape[-1]).float() for t in (got, want))
+    return float(((got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)).max())
+
+
+def operand(rows, cols, generator, dtype=torch.bfloat16):
+    """Random values whose rows and 128-column blocks differ in size by up to 2^6 (within e4m3's
+    range: a scale per row or block changes which values round how, nothing underflows)."""
+    t = torch.randn(rows, cols, generator=generator)
+    t *= 2.0 ** (6 * torch.rand(rows, 1, generator=generator) - 3)
+    blocks = 2.0 ** (6 * torch.rand(1, -(-cols // 128), generator=generator) - 3)
+    t *= blocks.repeat_interleave(128, dim=1)[:, :cols]
+    return t.to(dtype)
+
+
+def run_linear(recipe, tokens, k=256, n=384, dtype=torch.bfloat16, bias=True):
+    generator = torch.Generator().manual_seed(tokens + k + n)
+    x = operand(tokens, k, generator, dtype).reshape(2, tokens // 2, k).requires_grad_()
+    w = operand(n, k, generator, dtype).requires_grad_()
+    b = operand(1, n, generator, dtype)[0].requires_grad_() if bias else None
+    dy = operand(tokens, n, generator, dtype).reshape(2, tokens // 2, n)
+    y = fp8_linear(x, [w], b, recipe)
+    y.backward(dy)
+    return x, w, b, dy, y
+
+
+@pytest.fixture(autouse=True)
+def quiet(warnings):
+    yield  # the CPU rule's log lines, once per test, kept out of the output
+
+
+# ---- the recipes ------------------------------------------------------------------------------
+
+def test_the_recipes_table():
+    for name, spec in SPEC.items():
+        r = recipes.get(name)
+        assert r.name == name
+        assert r.forward.a.dtype == r.forward.b.dtype == r.dgrad.b.dtype == r.wgrad.b.dtype == E4M3
+        assert r.dgrad.a.dtype == r.wgrad.a.dtype == spec["grad"]
+        assert (r.forward.a.tensor, r.forward.b.tensor, r.dgrad.a.tensor, r.dgrad.b.tensor,
+                r.wgrad.a.tensor, r.wgrad.b.tensor) == ("x", "W", "dy", "W^T", "dy^T", "x^T")
+        assert not r.dgrad.fast_accum and not r.wgrad.fast_accum
+        assert r.forward.fast_accum == (name != "blockwise")
+        assert r.feature_multiple == r.token_multiple == (128 if name == "blockwise" else 16)
+        assert name.startswith("tensor") == ("e5m2" in r.gradients)
+    blockwise = recipes.get("blockwise")
+    assert (blockwise.forward.a.granularity, blockwise.forward.b.granularity,
+            blockwise.wgrad.a.granularity, blockwise.wgrad.b.granularity) == (
+        "block_1x128", "block_128x128", "block_1x128", "block_128x128")
+    assert {g.granularity for gemm in (recipes.get("rowwise").forward,
+                                       recipes.get("rowwise").wgrad) for g in (gemm.a, gemm.b)} \
+        == {"row"}
+
+
+@pytest.mark.parametrize("name, shape, dtype, words", [
+    ("rowwise", (100, 256), torch.bfloat16, "multiples of 16"),
+    ("tensorwise", (256, 200), torch.float16, "multiples of 16"),
+    ("blockwise", (256, 192), torch.bfloat16, "multiples of 128"),
+    ("rowwise", (256, 256), torch.float32, "float32 weights"),
+])
+def test_layer_rules_refuse_with_the_reason(name, shape, dtype, words):
+    r = recipes.get(name)
+    assert words in r.refusal(*shape, dtype)
+    with pytest.raises(UnsupportedInputError, match=words):
+        Linear(*shape, dtype=dtype, recipe=name)
+    assert r.refusal(256, 384 if name != "blockwise" else 512, torch.bfloat16) is None
+
+
+def test_an_unknown_recipe_is_refused_naming_the_known_ones():
+    with pytest.raises(UnsupportedInputError, match="tensorwise, rowwise, blockwise"):
+        recipes.get("fp4")
+
+
+# ---- numerics against the dequantized reference -----------------------------------------------
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("tokens", [256, 200])  # 200: the wgrad's tokens padded (16 and 128)
+def test_forward_and_backward_match_the_dequantized_reference(recipe, tokens):
+    x, w, b, dy, y = run_linear(recipe, tokens)
+    ref_y, ref_dx, ref_dw = reference(SPEC[recipe], x.detach(), w.detach(), b.detach(), dy)
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert row_error(y, ref_y) < BOUND
+    assert row_error(x.grad, ref_dx) < BOUND
+    assert row_error(w.grad, ref_dw) < BOUND
+    torch.testing.assert_close(b.grad.float(), dy.float().sum((0, 1)), rtol=1e-2, atol=1e-2)
+    # Not the bf16 product: the operands really went through FP8.
+    exact = F.linear(x.detach().float(), w.detach().float(), b.detach().float())
+    assert row_error(y, exact) > 3 * BOUND / 10
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_reference_check_tells_the_recipes_apart(recipe):
+    """Another recipe's quantization misses the bound on every GEMM: the check above can
+    fail for a wrong granularity, orientation or FP8 type."""
+    x, w, b, dy, y = run_linear(recipe, 256)
+    for other in RECIPES:
+        if other == recipe:
+            continue
+        ref_y, ref_dx, ref_dw = reference(SPEC[other], x.detach(), w.detach(), b.detach(), dy)
+        assert row_error(y, ref_y) > 2 * BOUND, other
+        assert row_error(x.grad, ref_dx) > 2 * BOUND, other
+        assert row_error(w.grad, ref_dw) > 2 * BOUND, other
+
+
+def test_fp16_layers_compute_through_a_float32_output():
+    x, w, b, dy, y = run_linear("rowwise", 64, dtype=torch.float16)
+    ref_y, ref_dx, ref_dw = reference(SPEC["rowwise"], x.detach(), w.detach(), b.detach(), dy)
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.float16
+    assert row_error(y, ref_y) < BOUND / 4  # fp16 rounds 8x finer than bf16
+    assert row_error(x.grad, ref_dx) < BOUND / 4 and row_error(w.grad, ref_dw) < BOUND / 4
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_merged_weights_are_one_gemm_of_their_concatenation(recipe):
+    generator = torch.Generator().manual_seed(3)
+    x = operand(128, 256, generator).requires_grad_()
+    parts = [operand(n, 256, generator).requires_grad_() for n in (128, 256)]
+    whole = torch.cat([p.detach() for p in parts]).requires_grad_()
+    dy = operand(128, 384, generator)
+    y = fp8_linear(x, parts, None, recipe)
+    y.backward(dy)
+    x2 = x.detach().clone().requires_grad_()
+    y2 = fp8_linear(x2, [whole], None, recipe)
+    y2.backward(dy)
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+    assert torch.equal(torch.cat([p.grad for p in parts]), whole.grad)
+
+
+def test_frozen_weights_get_only_the_input_gradient():
+    generator = torch.Generator().manual_seed(4)
+    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="blockwise")
+    lin.weight.requires_grad_(False)
+    x = operand(64, 256, generator).requires_grad_()
+    dy = operand(64, 128, generator)
+    lin(x).backward(dy)
+    ref = reference(SPEC["blockwise"], x.detach(), lin.weight, lin.bias.detach(), dy)
+    assert lin.weight.grad is None and row_error(x.grad, ref[1]) < BOUND
+    assert lin.fp8_weights._copies.keys() == {"forward", "dgrad"}  # frozen: the kept copies
+
+
+# ---- the module ---------------------------------------------------------------------------------
+
+def test_the_module_keeps_nn_linear_state_and_shares_parameters():
+    plain = torch.nn.Linear(256, 128, dtype=torch.bfloat16)
+    ours = Linear.from_linear(plain, "rowwise", activation="silu")
+    assert ours.weight is plain.weight and ours.bias is plain.bias
+    assert ours.state_dict().keys() == plain.state_dict().keys()
+    assert "recipe=rowwise, activation=silu" in repr(ours)
+    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours(x), F.silu(fp8_linear(x, [plain.weight], plain.bias, "rowwise")))
+
+
+# ---- the weights' FP8 copies ----------------------------------------------------------------
+
+def counting(monkeypatch):
+    calls = []
+    original = fp8_linear_module.quantize
+
+    def spy(t, *args, **kwargs):
+        calls.append(tuple(t.shape))
+        return original(t, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_linear_module, "quantize", spy)
+    return calls
+
+
+def test_inference_reuses_the_weight_copy_and_refreshes_it_in_place(monkeypatch):
+    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    calls = counting(monkeypatch)
+    with torch.no_grad():
+        first = lin(x)
+        copy_q = lin.fp8_weights._copies["forward"][0]
+        assert calls == [(128, 256), (16, 256)]  # the weight, then x
+        assert torch.equal(lin(x), first) and calls[2:] == [(16, 256)]  # x only
+        lin.weight.mul_(2)  # an in-place write bumps the version: refreshed
+        again = lin(x)
+    assert lin.fp8_weights._copies["forward"][0] is copy_q  # the same memory, new values
+    fresh = fp8_linear(x, [lin.weight.detach()], lin.bias.detach(), "rowwise")
+    assert torch.equal(again, fresh) and not torch.equal(again, first)
+
+
+def test_a_write_the_version_misses_is_caught_by_the_next_optimizer_step():
+    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="tensorwise")
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        first = lin(x)
+        lin.weight.data.mul_(2)  # through .data: no version bump (documented)
+        assert torch.equal(lin(x), first)
+    other = torch.nn.Parameter(torch.zeros(3))
+    other.grad = torch.ones(3)
+    torch.optim.SGD([other], lr=0.1).step()  # any optimizer step invalidates the copies
+    with torch.no_grad():
+        fresh = fp8_linear(x, [lin.weight], lin.bias, "tensorwise")
+        assert torch.equal(lin(x), fresh) and not torch.equal(fresh, first)
+
+
+def test_training_calls_quantize_afresh_and_free_the_copies(monkeypatch):
+    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin(x)
+    assert lin.fp8_weights._copies
+    calls = counting(monkeypatch)
+    lin(x.requires_grad_()).sum().backward()
+    assert not lin.fp8_weights._copies
+    assert calls.count((128, 256)) == 2  # W for the forward, W^T (from W) for the dgrad
+
+
+def test_inference_tensors_are_quantized_at_every_call():
+    with torch.inference_mode():
+        lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
+        y = lin(torch.randn(16, 256, dtype=torch.bfloat16))
+    assert y.shape == (16, 128) and not lin.fp8_weights._copies
+
+
+def test_a_copied_module_starts_without_copies():
+    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
+    with torch.no_grad():
+        lin(torch.randn(16, 256, dtype=torch.bfloat16))
+    twin = copy.deepcopy(lin)
+    assert not twin.fp8_weights._copies and twin.fp8_weights is not lin.fp8_weights
+
+
+# ---- torch.compile ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_compiled_fullgraph_matches_eager_forward_and_backward(recipe):
+    lin = Linear(256, 384, dtype=torch.bfloat16, recipe=recipe)
+    x = torch.randn(2, 100, 256, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 100, 384, dtype=torch.bfloat16)
+    y = lin(x)
+    y.backward(dy)
+    expected = (y.detach(), x.grad, lin.weight.grad, lin.bias.grad)
+    x.grad = None
+    lin.zero_grad()
+    compiled = torch.compile(lin, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    y.backward(dy)
+    for got, want in zip((y.detach(), x.grad, lin.weight.grad, lin.bias.grad), expected):
+        assert torch.equal(got, want)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), expected[0])
+
+
+def test_the_custom_op_passes_opcheck():
+    x = torch.randn(32, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+    for keep in (True, False):
+        torch.library.opcheck(fp8_linear_module.fp8_linear_op, (x, [w], None, "rowwise", keep),
+                              test_utils=("test_schema", "test_faketensor",
+                                          "test_autograd_registration"))
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+def test_calls_that_do_not_fit_are_refused():
+    w = torch.randn(128, 256, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedInputError, match="x in its weights' dtype"):
+        fp8_linear(torch.randn(4, 256), [w], None, "rowwise")
+    with pytest.raises(UnsupportedInputError, match="does not match the weights"):
+        fp8_linear(torch.randn(4, 128, dtype=torch.bfloat16), [w], None, "rowwise")
+    with pytest.raises(UnsupportedInputError, match="one value per output feature"):
+        fp8_linear(torch.randn(4, 256, dtype=torch.bfloat16), [w],
+                   torch.zeros(3, dtype=torch.bfloat16), "rowwise")
+    with pytest.raises(UnsupportedInputError, match="multiples of 128"):
+        fp8_linear(torch.randn(4, 256, dtype=torch.bfloat16), [w[:64]], None, "blockwise")
+    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise").float()
+    with pytest.raises(UnsupportedInputError, match="float32 weights"):
+        lin(torch.randn(4, 256))
