@@ -29,13 +29,18 @@ def _recipe(a, b, scale_a, scale_b) -> Recipe:
     return scaled_inputs.recipe_of(scale_a, scale_b, a.shape[0], b.shape[-1], a.shape[-1])
 
 
-@torch.library.custom_op("cutlass_ops::scaled_mm", mutates_args=())
-def scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
-                 bias: Optional[Tensor], out_dtype: torch.dtype, use_fast_accum: bool) -> Tensor:
-    """A call on a CUDA device: every check (``scaled_inputs.check_scaled``), then the run."""
+def _run(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum) -> Tensor:
+    """A call on a CUDA device: every check (``scaled_inputs.check_scaled``) the first time a
+    signature is seen, then the route dispatch chose for it."""
     checked = scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
     route = scaled_dispatch.route(a, b, scale_a, scale_b, bias, checked, use_fast_accum)
     return route.run(a, b, scale_a, scale_b, bias)
+
+
+@torch.library.custom_op("cutlass_ops::scaled_mm", mutates_args=())
+def scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
+                 bias: Optional[Tensor], out_dtype: torch.dtype, use_fast_accum: bool) -> Tensor:
+    return _run(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
 
 
 @scaled_mm_op.register_fake
@@ -56,6 +61,11 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *,
     UnsupportedInputError naming the tensor and the rule."""
     if torch.compiler.is_compiling():  # the op's fake checks the trace, the op the run
         return scaled_mm_op(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    # Eagerly, a signature seen before skips the checks and the op's dispatch (host time is
+    # most of a small FP8 GEMM's time).
+    known = scaled_dispatch.known_route(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    if known is not None:
+        return known.run(a, b, scale_a, scale_b, bias)
     device = fallback.common_device(
         {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "bias": bias}, ENTRY)
     if device is not None and device.type != "cuda":
@@ -64,7 +74,7 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *,
         fallback.log_once(f"{ENTRY} computes the dequantized product in torch",
                           f"the tensors are on {device}, not a CUDA device")
         return scaled_inputs.reference(a, b, scale_a, scale_b, bias, out_dtype, checked.recipe)
-    return scaled_mm_op(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    return _run(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
 
 
 def recipe(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Recipe:

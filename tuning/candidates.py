@@ -16,7 +16,7 @@ import math
 
 from cutlass_ops.gemms import space
 from cutlass_ops.gemms.config import (Arch, EpilogueSchedule, GemmConfig, GemmOperands, GemmProblem,
-                                KernelSchedule, RasterOrder, TileScheduler)
+                                KernelSchedule, RasterOrder, Scaling, TileScheduler)
 from cutlass_ops.gemms import ranking as model
 from cutlass_ops.gemms.ranking import fits_shape, orientations, rank  # noqa: F401 (part of this module's API)
 from cutlass_ops.gemms.choice import Choice
@@ -146,6 +146,12 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
         picked += list(dict.fromkeys(c for c in suggested if c in allowed))[: max(1, limit // 3)]
 
     seeds = [c for c in measured_seeds(problem) if c in allowed]
+    if problem.operands.scaling is not Scaling.NONE:
+        # FP8: the tiles FP8 kernels are known to run well with come first, all of them (the
+        # model was fitted to bf16 kernels), then the model's picks within the strategy's limit.
+        fp8 = [c for c in fp8_seeds(problem) if c in allowed and fits_shape(problem, c)]
+        limit = max(limit, len(fp8))
+        seeds = fp8 + seeds
 
     def take(candidates, quota, key=None):
         seen = {key(c) for c in picked} if key else set()
@@ -221,6 +227,35 @@ def measured_seeds(problem: GemmProblem) -> list[Choice]:
             Choice(GemmConfig(kernel_schedule=KernelSchedule.COOPERATIVE, tile=(128, 128, 64)),
                    not swap)]
     return []
+
+
+def fp8_seeds(problem: GemmProblem) -> list[Choice]:
+    """Kernels for scaled FP8 problems (tile K 128, unswapped), searched before the model's:
+    pingpong 128x128 and cooperative 128x256 / 256x128 tiles with 2-CTA clusters above M 128
+    (the shapes vLLM's and CUTLASS's own sm90 FP8 dispatch settle on), pingpong 64-row tiles
+    with long clusters at small M, and, for blockwise scaling (tile N 128, tile M at most 128,
+    promoted accumulation), cooperative 128x128 with and without stream-K."""
+    pp, coop = KernelSchedule.PINGPONG, KernelSchedule.COOPERATIVE
+    persistent, stream_k = TileScheduler.PERSISTENT, TileScheduler.STREAM_K
+    if problem.operands.scaling is Scaling.BLOCKWISE:
+        shapes = [(coop, (128, 128), (1, 1), persistent), (coop, (128, 128), (2, 1), persistent),
+                  (coop, (128, 128), (1, 2), persistent), (coop, (128, 128), (1, 1), stream_k),
+                  (coop, (128, 128), (2, 1), stream_k), (pp, (64, 128), (1, 1), persistent),
+                  (pp, (64, 128), (2, 1), persistent), (pp, (64, 128), (1, 2), persistent),
+                  (pp, (128, 128), (1, 1), persistent), (pp, (128, 128), (2, 1), persistent)]
+    elif problem.m <= 128:
+        shapes = [(pp, (64, 128), (2, 1), persistent), (pp, (64, 128), (1, 2), persistent),
+                  (pp, (64, 128), (1, 1), persistent), (pp, (64, 64), (1, 8), persistent),
+                  (pp, (64, 64), (1, 4), persistent), (pp, (64, 256), (1, 2), persistent),
+                  (coop, (128, 128), (1, 2), persistent)]
+    else:
+        shapes = [(pp, (128, 128), (2, 1), persistent), (pp, (128, 128), (1, 2), persistent),
+                  (pp, (128, 128), (1, 1), persistent), (coop, (128, 256), (2, 1), persistent),
+                  (coop, (128, 256), (1, 2), persistent), (coop, (128, 256), (1, 1), persistent),
+                  (coop, (256, 128), (1, 2), persistent), (coop, (256, 128), (2, 1), persistent)]
+    return [Choice(GemmConfig(kernel_schedule=schedule, tile=(tm, tn, 128),
+                              cluster=(cm, cn, 1), tile_scheduler=scheduler))
+            for schedule, (tm, tn), (cm, cn), scheduler in shapes]
 
 
 def base_choice(choice: Choice, operands: GemmOperands) -> Choice:

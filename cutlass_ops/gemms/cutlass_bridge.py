@@ -13,6 +13,7 @@ result holds plain data only. The parent side is ``cutlass_ops.gemms.emit``.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import traceback
 from typing import Any
@@ -245,6 +246,25 @@ def with_epilogue_tile(body: str, config: GemmConfig) -> str:
     return body.replace(EPILOGUE_TILE_AUTO_CPP, config.epilogue_tile_cpp)
 
 
+_DESCRIPTOR_TILE = re.compile(r"(EpilogueDescriptor<\s*)cute::Shape<_\d+, _\d+, _\d+>")
+
+
+def with_cta_descriptor(body: str, config: GemmConfig) -> str:
+    """cutlass_cppgen 4.2 gives a visitor tree's EpilogueDescriptor its ``threadblock_shape``,
+    which is the cluster's tile (``cutlass_threadblock_shape``), not the CTA's. The broadcast
+    nodes size their shared memory by it (a 128x128 tile in a 2x2 cluster kept buffers for
+    256x256), and a tile such as 64x160 in a 2x2 cluster names ``_320``, which cute does not
+    define. The epilogue works on the CTA tile: write that one."""
+    if "EpilogueDescriptor<" not in body:
+        return body
+    tm, tn, tk = config.tile
+    body, count = _DESCRIPTOR_TILE.subn(
+        rf"\1cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>", body, count=1)
+    if count != 1:
+        raise ValueError("no EpilogueDescriptor tile shape in cutlass_cppgen's source")
+    return body
+
+
 def emit(operands: GemmOperands, config: GemmConfig) -> str:
     """C++ declaring ``DeviceKernel`` for this config, with the includes it needs (blockwise FP8
     kernels from cutlass_library: ``blockwise_emit``)."""
@@ -271,7 +291,8 @@ def emit(operands: GemmOperands, config: GemmConfig) -> str:
     operation = plan.construct(td, operands.alignment_a, operands.alignment_b, operands.alignment_c)
     emitter = EmitGemmUniversalInstance3x("_type")
     includes = "".join(f'#include "{header}"\n' for header in emitter.includes)
-    body = with_epilogue_tile(emitter.emit(operation.device_op()), config)
+    body = with_cta_descriptor(with_epilogue_tile(emitter.emit(operation.device_op()), config),
+                               config)
     if "using DeviceKernel" not in body:  # the visitor template declares the kernel type only
         name = operation.device_op().procedural_name()
         body += ("\nusing DeviceKernel = "
