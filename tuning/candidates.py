@@ -149,7 +149,8 @@ def select(problem: GemmProblem, device: DeviceSpec, strategy: Strategy | str, *
     if problem.operands.scaling is not Scaling.NONE:
         # FP8: the tiles FP8 kernels are known to run well with come first, all of them (the
         # model was fitted to bf16 kernels), then the model's picks within the strategy's limit.
-        fp8 = [c for c in fp8_seeds(problem) if c in allowed and fits_shape(problem, c)]
+        fp8 = [c for c in fp8_seeds(problem) if fits_shape(problem, c)
+               and not space.violations(problem.operands, c.config)]
         limit = max(limit, len(fp8))
         seeds = fp8 + seeds
 
@@ -233,7 +234,8 @@ def fp8_seeds(problem: GemmProblem) -> list[Choice]:
     """Kernels for scaled FP8 problems (tile K 128, unswapped), searched before the model's:
     pingpong 128x128 and cooperative 128x256 / 256x128 tiles with 2-CTA clusters above M 128
     (the shapes vLLM's and CUTLASS's own sm90 FP8 dispatch settle on), pingpong 64-row tiles
-    with long clusters at small M, and, for blockwise scaling (tile N 128, tile M at most 128,
+    with long clusters at small M, stream-K cooperative tiles where K is long beside M x N, and,
+    for blockwise scaling (tile N 128, tile M at most 128,
     promoted accumulation), cooperative 128x128 with and without stream-K."""
     pp, coop = KernelSchedule.PINGPONG, KernelSchedule.COOPERATIVE
     persistent, stream_k = TileScheduler.PERSISTENT, TileScheduler.STREAM_K
@@ -247,12 +249,13 @@ def fp8_seeds(problem: GemmProblem) -> list[Choice]:
         shapes = [(pp, (64, 128), (2, 1), persistent), (pp, (64, 128), (1, 2), persistent),
                   (pp, (64, 128), (1, 1), persistent), (pp, (64, 64), (1, 8), persistent),
                   (pp, (64, 64), (1, 4), persistent), (pp, (64, 256), (1, 2), persistent),
-                  (coop, (128, 128), (1, 2), persistent)]
+                  (coop, (128, 128), (1, 2), persistent), (coop, (128, 128), (1, 1), stream_k)]
     else:
         shapes = [(pp, (128, 128), (2, 1), persistent), (pp, (128, 128), (1, 2), persistent),
                   (pp, (128, 128), (1, 1), persistent), (coop, (128, 256), (2, 1), persistent),
                   (coop, (128, 256), (1, 2), persistent), (coop, (128, 256), (1, 1), persistent),
-                  (coop, (256, 128), (1, 2), persistent), (coop, (256, 128), (2, 1), persistent)]
+                  (coop, (256, 128), (1, 2), persistent), (coop, (256, 128), (2, 1), persistent),
+                  (coop, (128, 128), (1, 1), stream_k), (coop, (128, 256), (1, 1), stream_k)]
     return [Choice(GemmConfig(kernel_schedule=schedule, tile=(tm, tn, 128),
                               cluster=(cm, cn, 1), tile_scheduler=scheduler))
             for schedule, (tm, tn), (cm, cn), scheduler in shapes]

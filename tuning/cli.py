@@ -68,13 +68,28 @@ def _scaled_operands(args) -> GemmOperands:
 
 
 def _fp8_model_problems(args, model) -> list[GemmProblem]:
-    """A model's Linear GEMMs as FP8 ones: forward, and with --backward dgrad and wgrad, each
-    TN in FP8 (their operands are quantized K-major), at the shapes the bf16 harvest finds."""
+    """The FP8 GEMMs ``convert(model, fp8=RECIPE)`` runs (``cutlass_ops.fp8.recipes``): each
+    Linear's forward, and with --backward its dgrad and wgrad, with the recipe's element types
+    and accumulation, at the shapes of the model's (fused) Linear GEMMs on --tokens rows (the
+    wgrad's reduction over tokens padded as the layer pads it)."""
+    from cutlass_ops.fp8 import recipes
+    from cutlass_ops.gemms.scaled_plan import scaled_operands
     from tuning import shapes
 
-    operands = _scaled_operands(args)
-    found = shapes.model_problems(model, args.tokens, dtype="bf16", backward=args.backward)
-    return [GemmProblem(operands, p.m, p.n, p.k, p.batch) for p in found]
+    recipe = recipes.get(args.fp8)
+    forward = {(m, n, k) for (m, n, k, batch), layout, _ in
+               shapes.harvest_linear_gemms(model, args.tokens) if layout.startswith("tn")}
+    problems = []
+    for m, n, k in sorted(forward):
+        tokens = m + -m % recipe.token_multiple
+        gemms = [(recipe.forward, (m, n, k))]
+        if args.backward:
+            gemms += [(recipe.dgrad, (m, k, n)), (recipe.wgrad, (n, k, tokens))]
+        for gemm, (gm, gn, gk) in gemms:
+            operands = scaled_operands(args.fp8, element_a=gemm.a.fp8, element_b=gemm.b.fp8,
+                                       fast_accum=gemm.fast_accum)
+            problems.append(GemmProblem(operands, gm, gn, gk))
+    return problems
 
 
 def _problems(args) -> list[GemmProblem]:
@@ -588,7 +603,8 @@ def _add_problem_args(p: argparse.ArgumentParser, model: bool = True) -> None:
                    "and one of relu, gelu, gelu_tanh, silu; e.g. bias,gelu_tanh")
     p.add_argument("--fp8", choices=["tensorwise", "rowwise", "blockwise"],
                    help="FP8 GEMMs of cutlass_ops.scaled_mm with this scaling recipe (e4m3 "
-                   "operands, layout tn, bf16 or --out-dtype f32 output)")
+                   "operands, layout tn, bf16 or --out-dtype f32 output); with --model, the "
+                   "GEMMs convert(model, fp8=RECIPE) runs, with the recipe's types")
     p.add_argument("--fast-accum", action="store_true",
                    help="with --fp8: torch._scaled_mm's use_fast_accum (tensorwise, rowwise)")
 

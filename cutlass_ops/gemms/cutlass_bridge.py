@@ -205,7 +205,10 @@ def _schedules(config: GemmConfig, operands: GemmOperands):
         KernelSchedule.SM100_1SM: ks.TmaWarpSpecialized1SmSm100,
         KernelSchedule.SM100_2SM: ks.TmaWarpSpecialized2SmSm100,
     }[config.kernel_schedule]
-    if operands.fast_accum:  # FP8 without periodic promotion to float32 (space.violations)
+    # FP8 without periodic promotion to float32 (space.violations). cutlass_cppgen 4.2 accepts
+    # stream-K only beside the plain cooperative schedule: such a kernel is emitted with it and
+    # given its fast-accumulation schedule after (``with_fast_accum_stream_k``).
+    if operands.fast_accum and config.tile_scheduler is not TileScheduler.STREAM_K:
         kernel = getattr(ks, f"{kernel.name}FP8FastAccum")
     tma = config.epilogue_schedule is EpilogueSchedule.TMA
     epilogue = {
@@ -265,6 +268,23 @@ def with_cta_descriptor(body: str, config: GemmConfig) -> str:
     return body
 
 
+_COOPERATIVE_SCHEDULE = re.compile(r"cutlass::gemm::KernelTmaWarpSpecializedCooperative(?=\W)")
+
+
+def with_fast_accum_stream_k(body: str, operands: GemmOperands, config: GemmConfig) -> str:
+    """A stream-K FP8 kernel with fast accumulation: the emitted mainloop's plain cooperative
+    schedule becomes its FP8FastAccum form (a subclass of it, which CUTLASS's stream-K
+    scheduler takes as it takes the plain one)."""
+    if not (operands.fast_accum and config.tile_scheduler is TileScheduler.STREAM_K):
+        return body
+    body, count = _COOPERATIVE_SCHEDULE.subn(
+        "cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum", body)
+    if count != 1:
+        raise ValueError(f"expected one cooperative kernel schedule in the emitted source, "
+                         f"found {count}")
+    return body
+
+
 def emit(operands: GemmOperands, config: GemmConfig) -> str:
     """C++ declaring ``DeviceKernel`` for this config, with the includes it needs (blockwise FP8
     kernels from cutlass_library: ``blockwise_emit``)."""
@@ -293,6 +313,7 @@ def emit(operands: GemmOperands, config: GemmConfig) -> str:
     includes = "".join(f'#include "{header}"\n' for header in emitter.includes)
     body = with_cta_descriptor(with_epilogue_tile(emitter.emit(operation.device_op()), config),
                                config)
+    body = with_fast_accum_stream_k(body, operands, config)
     if "using DeviceKernel" not in body:  # the visitor template declares the kernel type only
         name = operation.device_op().procedural_name()
         body += ("\nusing DeviceKernel = "

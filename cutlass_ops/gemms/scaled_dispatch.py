@@ -72,6 +72,32 @@ def _torch_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum
     return Route(decision, run)
 
 
+def _padded_route(checked: CheckedScaled, fast_accum: bool) -> Route:
+    """Blockwise scaling with M not a multiple of 4, which neither our kernels (scale_a's TMA
+    load) nor torch._scaled_mm (cuBLAS: not supported) take: the rows are padded to a multiple
+    of 4 (zeros in a, ones in scale_a: a copy of both), the padded call is dispatched as any
+    other, and its first M rows returned."""
+    from cutlass_ops.gemms import scaled_inputs
+
+    pad = -checked.m % 4
+    fallback.log_once(f"{ENTRY} pads blockwise rows",
+                      f"M={checked.m} is not a multiple of 4: a and scale_a are copied with "
+                      f"{pad} more rows")
+
+    def run(a, b, scale_a, scale_b, bias):
+        padded_a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+        # scale_a (M, K/128) column-major: pad the rows of its (K/128, M) transpose.
+        columns = scale_a.t()
+        padded_scale = torch.cat([columns, columns.new_ones(columns.shape[0], pad)], 1).t()
+        padded = scaled_inputs.check_scaled(padded_a, b, padded_scale, scale_b, bias=bias,
+                                            out_dtype=checked.out_dtype)
+        out = route(padded_a, b, padded_scale, scale_b, bias, padded, fast_accum).run(
+            padded_a, b, padded_scale, scale_b, bias)
+        return out[:checked.m]
+
+    return Route(dispatch.Decision("torch", None, "blockwise M padded to a multiple of 4"), run)
+
+
 def _cutlass_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum: bool,
                    key) -> Route:
     """The chosen kernel; its first call plans it on that call's tensors (load, can_implement,
@@ -167,6 +193,9 @@ def route(a, b, scale_a, scale_b, bias, checked: CheckedScaled, fast_accum: bool
     found = _routes.get(key)
     if found is not None:
         return found
+    if checked.recipe is Recipe.BLOCKWISE and checked.m % 4 and scale_a.device.type == "cuda":
+        with _lock:
+            return _routes.setdefault(key, _padded_route(checked, fast_accum))
     decision = decide(checked, fast_accum, scale_a, scale_b)
     made = (_torch_route(decision, checked, fast_accum) if decision.choice is None
             else _cutlass_route(decision, checked, fast_accum, key))

@@ -67,7 +67,7 @@ def layout_refusal(checked: CheckedScaled, scale_a, scale_b) -> str | None:
             return (f"blockwise scales must be compact: scale_a strides (1, {m}), scale_b "
                     f"(1, {blocks_k}); got {tuple(scale_a.stride())} and "
                     f"{tuple(scale_b.stride())}")
-        if m % 4:
+        if m % 4:  # scaled_dispatch pads such calls
             return f"blockwise kernels load scale_a by TMA, which needs M % 4 == 0, got M={m}"
         if scale_a.data_ptr() % 16:
             return "blockwise scale_a must start at a 16-byte aligned address (TMA)"

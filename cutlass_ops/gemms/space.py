@@ -213,9 +213,6 @@ def _scaling_violations(operands: GemmOperands, config: GemmConfig) -> list[str]
     fails a static_assert) and keeps the plain epilogue (the bias is added after it)."""
     scaling, epilogue = operands.scaling, operands.epilogue
     why = []
-    if operands.fast_accum and config.tile_scheduler is TileScheduler.STREAM_K:
-        why.append("stream-K with FP8 fast accumulation: cutlass_cppgen 4.2 accepts stream-K "
-                   "with the plain cooperative schedule only")
     if scaling in (Scaling.TENSORWISE, Scaling.ROWWISE):
         if epilogue.activation is not Activation.IDENTITY or epilogue.residual \
                 or epilogue.bias is BiasMode.M:

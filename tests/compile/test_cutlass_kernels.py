@@ -108,6 +108,46 @@ def test_a_tile_split_into_narrower_wgmmas_does_not_build(monkeypatch):
     assert "wgmma is narrower than the tile" in open(error.log_path).read()
 
 
+# One kernel per FP8 recipe, built side by side (CI's smoke set): the slot list of a scaled
+# tree, the blockwise emission and each recipe's launcher path compile, load and report the scales
+# the operands need (loader.check_epilogue_slots).
+FP8_KERNELS = {
+    "tensorwise": (dict(bias=True, fast_accum=True),
+                   GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 128),
+                              tile_scheduler="streamk")),
+    "rowwise": (dict(fast_accum=True),
+                GemmConfig(kernel_schedule="pingpong", tile=(64, 160, 128), cluster=(2, 2, 1))),
+    "blockwise": ({}, GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 128))),
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_built():
+    from cutlass_ops.gemms.loader import prepare_many
+    from cutlass_ops.gemms.scaled_plan import scaled_operands
+
+    work = {recipe: (scaled_operands(recipe, **options), config)
+            for recipe, (options, config) in FP8_KERNELS.items()}
+    built = prepare_many(list(work.values()), jobs=2)
+    return {recipe: (key, built[key]) for recipe, key in work.items()}
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("recipe", list(FP8_KERNELS))
+def test_an_fp8_kernel_of_each_recipe_compiles_and_loads(fp8_built, recipe):
+    from cutlass_ops.gemms.loader import check_epilogue_slots
+
+    (operands, config), artifact = fp8_built[recipe]
+    assert not isinstance(artifact, Exception), artifact
+    kernel = runtime.load(str(artifact.library), config.build_name)
+    check_epilogue_slots(operands, kernel)  # raises unless the launcher fills the right slots
+    source = (artifact.library.parent / "cutlass_ops_kernel.h").read_text()
+    expected = {"tensorwise": "KernelTmaWarpSpecializedCooperativeFP8FastAccum",
+                "rowwise": "KernelTmaWarpSpecializedPingpongFP8FastAccum",
+                "blockwise": "KernelTmaWarpSpecializedCooperativeFP8Blockwise"}[recipe]
+    assert expected in source and 0 < kernel.shared_storage_bytes <= 232448
+
+
 def test_an_fp8_fast_accumulation_kernel_compiles_and_loads():
     """e4m3 x e4m3 -> bf16 through the same emission and launcher (issue 38's first kernel:
     the scale pointers of the launcher's next ABI are not in yet; alpha carries one scale)."""
