@@ -152,6 +152,8 @@ def run_tune(recipes, shapes, strategy: str, args) -> dict:
                    "--no-progress"]
         if fast_accum(recipe, args):
             command.append("--fast-accum")
+        if args.force:
+            command.append("--force")
         start = time.perf_counter()
         subprocess.run(command, check=True)
         out[recipe] = {"seconds": round(time.perf_counter() - start, 1),
@@ -164,6 +166,8 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
     parser.add_argument("--tune", choices=("quick", "default", "exhaustive"),
                         help="first tune the shapes with this strategy (child processes)")
+    parser.add_argument("--force", action="store_true",
+                        help="with --tune: tune the shapes again even where the cache has them")
     parser.add_argument("--no-fast-accum", action="store_true",
                         help="tensorwise and rowwise with promoted accumulation")
     parser.add_argument("--quick", action="store_true", help="every sixth shape only")
