@@ -15,7 +15,9 @@ blockwise kernels promote every 128-wide K block on both sides. Two rows per sha
   launch: host included) against ``torch._scaled_mm`` called the same way, inputs rotated out of
   L2, interleaved; checked the same way.
 
-The file has each recipe's geometric mean and minimum ratio of both kinds. Writes
+The file has each recipe's geometric mean and minimum ratio of both kinds, and of what scaled_mm
+dispatches after the tune (``*_dispatched``: the kernel rows' ratio where dispatch runs the
+tuned kernel, 1 where the tune found torch._scaled_mm faster and dispatch runs it). Writes
 benchmarks/results/fp8.json.
 
     python benchmarks/fp8.py --tune quick      # tune each recipe first (child processes), timed
@@ -139,6 +141,15 @@ def summary(rows: list) -> dict:
                                            if ratios else 0.0)
             out[f"min_ratio_{key}"] = min(ratios, default=0.0)
             out[f"all_correct_{key}"] = bool(mine) and all(r["correct"] for r in mine)
+        # What scaled_mm runs after the tune, on the kernel rows' GPU times: the tuned kernel
+        # where dispatch takes it, torch._scaled_mm (ratio 1) where the tune found torch faster.
+        kernel_rows = [r for r in rows if r["case"].startswith(f"{KERNEL} {recipe} ")
+                       and r["ratio"] > 0]
+        dispatched = [r["ratio"] if r["detail"]["dispatch"]["runs"] != "torch._scaled_mm"
+                      else 1.0 for r in kernel_rows]
+        out[f"geomean_ratio_{recipe}_dispatched"] = (
+            round(statistics.geometric_mean(dispatched), 4) if dispatched else 0.0)
+        out[f"min_ratio_{recipe}_dispatched"] = min(dispatched, default=0.0)
     return out
 
 

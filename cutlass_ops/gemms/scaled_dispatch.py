@@ -72,30 +72,41 @@ def _torch_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum
     return Route(decision, run)
 
 
-def _padded_route(checked: CheckedScaled, fast_accum: bool) -> Route:
-    """Blockwise scaling with M not a multiple of 4, which neither our kernels (scale_a's TMA
-    load) nor torch._scaled_mm (cuBLAS: not supported) take: the rows are padded to a multiple
-    of 4 (zeros in a, ones in scale_a: a copy of both), the padded call is dispatched as any
-    other, and its first M rows returned."""
+def _blockwise_copy_reason(checked: CheckedScaled, scale_a, scale_b) -> str | None:
+    """Why a blockwise call is run on copies of its inputs (else None): M not a multiple of 4,
+    which neither our kernels (scale_a's TMA load) nor torch._scaled_mm (cuBLAS: not supported)
+    take, or scales with padded leading strides, which our kernels do not read."""
+    if checked.recipe is not Recipe.BLOCKWISE or scale_a.device.type != "cuda":
+        return None
+    if checked.m % 4:
+        return (f"M={checked.m} is not a multiple of 4: a and scale_a are copied with "
+                f"{-checked.m % 4} more rows")
+    return scaled_plan.layout_refusal(checked, scale_a, scale_b)
+
+
+def _copying_route(checked: CheckedScaled, fast_accum: bool, reason: str) -> Route:
+    """A blockwise call on copies (``_blockwise_copy_reason``): rows padded to a multiple of 4
+    (zeros in a, ones in scale_a), both scales compact; the copy is dispatched as any other call
+    and its first M rows returned."""
     from cutlass_ops.gemms import scaled_inputs
 
     pad = -checked.m % 4
-    fallback.log_once(f"{ENTRY} pads blockwise rows",
-                      f"M={checked.m} is not a multiple of 4: a and scale_a are copied with "
-                      f"{pad} more rows")
+    fallback.log_once(f"{ENTRY} copies blockwise inputs", reason)
 
     def run(a, b, scale_a, scale_b, bias):
-        padded_a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+        if pad:
+            a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
         # scale_a (M, K/128) column-major: pad the rows of its (K/128, M) transpose.
         columns = scale_a.t()
-        padded_scale = torch.cat([columns, columns.new_ones(columns.shape[0], pad)], 1).t()
-        padded = scaled_inputs.check_scaled(padded_a, b, padded_scale, scale_b, bias=bias,
-                                            out_dtype=checked.out_dtype)
-        out = route(padded_a, b, padded_scale, scale_b, bias, padded, fast_accum).run(
-            padded_a, b, padded_scale, scale_b, bias)
-        return out[:checked.m]
+        scale_a = torch.cat([columns, columns.new_ones(columns.shape[0], pad)], 1).t()
+        scale_b = scale_b.t().contiguous().t()
+        again = scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias,
+                                           out_dtype=checked.out_dtype)
+        out = route(a, b, scale_a, scale_b, bias, again, fast_accum).run(
+            a, b, scale_a, scale_b, bias)
+        return out[:checked.m] if pad else out
 
-    return Route(dispatch.Decision("torch", None, "blockwise M padded to a multiple of 4"), run)
+    return Route(dispatch.Decision("copy", None, reason), run)
 
 
 def _cutlass_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum: bool,
@@ -193,9 +204,10 @@ def route(a, b, scale_a, scale_b, bias, checked: CheckedScaled, fast_accum: bool
     found = _routes.get(key)
     if found is not None:
         return found
-    if checked.recipe is Recipe.BLOCKWISE and checked.m % 4 and scale_a.device.type == "cuda":
+    copy_reason = _blockwise_copy_reason(checked, scale_a, scale_b)
+    if copy_reason is not None:
         with _lock:
-            return _routes.setdefault(key, _padded_route(checked, fast_accum))
+            return _routes.setdefault(key, _copying_route(checked, fast_accum, copy_reason))
     decision = decide(checked, fast_accum, scale_a, scale_b)
     made = (_torch_route(decision, checked, fast_accum) if decision.choice is None
             else _cutlass_route(decision, checked, fast_accum, key))
@@ -209,6 +221,9 @@ def explain(a, b, scale_a, scale_b, *, bias=None, out_dtype=None,
     from cutlass_ops.gemms.scaled_inputs import check_scaled
 
     checked = check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    copy_reason = _blockwise_copy_reason(checked, scale_a, scale_b)
+    if copy_reason is not None:  # the copies are dispatched in turn
+        return dispatch.Decision("copy", None, copy_reason)
     return decide(checked, use_fast_accum, scale_a, scale_b)
 
 

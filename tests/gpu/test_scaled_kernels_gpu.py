@@ -80,7 +80,7 @@ def test_dispatch_runs_a_built_kernel_in_graphs_and_under_compile(recipe):
     assert relative_error(captured, doubled) < 1e-2
 
 
-def test_layouts_our_kernels_do_not_read_go_to_torch():
+def test_blockwise_inputs_our_kernels_do_not_read_run_on_copies():
     # M % 4 != 0: neither our kernels nor cuBLAS take it; the rows are padded to 512.
     a, b, sa, sb = inputs(Recipe.BLOCKWISE, 510, 1024, 1024, seed=2)
     decision = scaled_dispatch.explain(a, b, sa, sb)
@@ -91,7 +91,7 @@ def test_layouts_our_kernels_do_not_read_go_to_torch():
     a, b, sa, sb = inputs(Recipe.BLOCKWISE, 512, 1024, 1024, seed=3)
     padded = torch.empty(sa.shape[1], 520, device="cuda")[:, :512].t()  # stride (1, 520)
     padded.copy_(sa)
-    decision = scaled_dispatch.explain(a, b, padded, sb)
+    decision = scaled_dispatch.explain(a, b, padded, sb)  # our kernels read copies of them
     assert decision.choice is None and "compact" in decision.reason
     expected = scaled_inputs.reference(a, b, padded, sb, out_dtype=torch.float32)
     assert relative_error(cutlass_ops.scaled_mm(a, b, padded, sb), expected) < 1e-2
