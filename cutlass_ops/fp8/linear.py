@@ -85,13 +85,17 @@ def _pairable(one: Operand, other: Operand) -> bool:
 
 def _gemm(a, scale_a, b_rows, scale_b_rows, gemm, dtype, bias=None) -> Tensor:
     """``scaled_mm`` of ``a`` (M, K) and the matrix whose rows are ``b_rows`` (N, K) (passed
-    K-major as ``b_rows.t()``, its scales transposed alike), in ``dtype``: bf16 directly, fp16
-    through a float32 output (scaled_mm writes bf16 or float32)."""
-    out = dtype if dtype == torch.bfloat16 else torch.float32
-    y = scaled_mm(a, b_rows.t(), scale_a, scale_b_rows.t(),
-                  bias=None if bias is None else bias.to(out), out_dtype=out,
-                  use_fast_accum=gemm.fast_accum)
-    return y if y.dtype == dtype else y.to(dtype)
+    K-major as ``b_rows.t()``, its scales transposed alike), in ``dtype``. The GEMM writes bf16,
+    the one output every recipe of ``torch._scaled_mm`` takes (rowwise writes nothing else); an
+    fp16 layer casts it and adds its bias after (FP8 operands carry 3 or 2 mantissa bits: bf16's
+    8 do not limit the result)."""
+    fused = bias if dtype == torch.bfloat16 else None
+    y = scaled_mm(a, b_rows.t(), scale_a, scale_b_rows.t(), bias=fused,
+                  out_dtype=torch.bfloat16, use_fast_accum=gemm.fast_accum)
+    if dtype == torch.bfloat16:
+        return y
+    y = y.to(dtype)
+    return y if bias is None else y.add_(bias)
 
 
 def _activations(rows: Tensor, recipe: Recipe, keep: bool):
