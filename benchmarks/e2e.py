@@ -15,6 +15,12 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
 - ``peak memory train ours vs eager`` (and vs compile, vs ours without fused loss): unit 1/GB, so
   that ``ratio`` = the reference's GB over ours; each variant's peak without the other variants'
   weights (they share the GPU).
+- FP8 (issue 38; ``benchmarks/e2e_fp8.py`` says how): ``train ours fp8 vs ours bf16``,
+  ``prefill ours fp8 vs ours bf16``, ``peak memory train ours fp8 vs ours bf16`` and ``train ours
+  fp8 vs torchao float8``, "ours fp8" the best of ``convert(model, fp8=recipe)`` per recipe
+  (named in ``detail``), torchao float8 and Liger-Kernel each measured in a process of its own
+  (``--only-variant``), their figures in ``detail.peers``. FP8 checks are bounded by the
+  recipe's float32 emulation (``benchmarks/fp8_emulation.py``), not by the bf16 bounds.
 Times are CUDA-event medians after warm-up, the variants interleaved repetition by repetition
 (the host's speed drifts over a run). Checks (``benchmarks/model_checks.py``, bounds from
 ``custom_kernels.core.tolerances``), each against eager on the same inputs: a ``train`` row is
@@ -35,11 +41,15 @@ run copies the rows of an e2e_quick.json written by the same code into its ``det
 (``two_layers``), so run ``--quick`` first.
 
     python benchmarks/e2e.py [--quick] [--tune quick] [--layers 8] [--tokens 4096]
-        [--sections train prefill decode]
+        [--sections train prefill decode] [--fp8-only | --no-fp8] [--recipes ...] [--peers ...]
+        [--peers-only] [--peer-dir build/e2e_peers] [--peer-timeout 540]
 
 A whole run with the compiled variants takes more than seven minutes (torch.compile's warm-ups
 of two 8-layer models, for training and for inference); ``--sections`` splits it across runs of
-the same code, each adding its rows to the file.
+the same code, each adding its rows to the file. The peers run first, one process at a time,
+and their results stay in ``--peer-dir`` for later runs of the same code and sizes: ``--peers-only``
+runs them alone, so that a later ``--fp8-only`` run (eager, ours, ours fp8 per recipe; train and
+prefill; the file's other rows kept) fits one command.
 """
 
 from __future__ import annotations
@@ -54,7 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks import model_checks  # noqa: E402
-from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from benchmarks.common import (print_table, require_gpu, rows_of_same_run,  # noqa: E402
+                               write_result)
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
 
@@ -88,45 +99,80 @@ def parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measure_train(variants, ids, reps):
+def token_ids(tokens: int):
+    """The benchmark's tokens: ``SEQUENCES`` sequences, seeded (every process draws the same)."""
+    return torch.randint(0, 128256, (SEQUENCES, tokens // SEQUENCES), device="cuda",
+                         generator=torch.Generator("cuda").manual_seed(0))
+
+
+def first_step(model, step):
+    """One train step's loss and gradients (``model_checks.gradients``), the model's own
+    gradient tensors handed over: the model is left with none."""
+    loss = step().detach().float().item()
+    grads = model_checks.gradients(model)
+    model.zero_grad(set_to_none=True)  # the gradients now belong to grads alone
+    return loss, grads
+
+
+def peak_gb(model, step) -> float:
+    """The allocator's peak over one step, less what the other models on the GPU hold (their
+    weights, gradients and kept references): the figure the model alone would show."""
+    torch.cuda.synchronize()
+    others = torch.cuda.memory_allocated() - parameter_bytes(model)
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - others
+    model.zero_grad(set_to_none=True)
+    return peak / 1e9
+
+
+def measure_train(variants, ids, reps, tolerances=None, fragile=()):
     """Check, time and peak memory of each variant's train step. The first step of each
     variant is its check (``model_checks.check_train_step``) against eager's, which runs
     first: eager's gradients are kept (the tensors themselves, no copy) until every variant is
-    checked. The times are interleaved repetition
+    checked. ``tolerances``: a variant's gradient bound where it is not eager's dtype's, as a
+    figure, per-parameter bounds, or a function of eager's (loss, gradients) returning either
+    (called once, after eager's step, before any other variant's: the FP8 variants' emulations).
+    ``fragile``: variants whose failure to run a step is a result ({"error": why}, left out of
+    the timing), not a crash. The times are interleaved repetition
     by repetition (tuning.timing's do_bench_interleaved), as decoding's: at small sizes a step
     is partly host-bound and the host's speed drifts, and sequential timing credits whoever ran
     on a quiet stretch or a cool GPU. The variants share the GPU, so a variant's peak (one step
-    of its own, before the timing) is the allocator's peak less what the other variants'
-    weights and gradients (and eager's kept gradients) hold: the figure the model alone would
-    show (its weights, gradients, activations and temporaries)."""
+    of its own, before the timing; ``peak_gb``) leaves out the other variants' weights and
+    gradients and eager's kept gradients."""
     if next(iter(variants)) != "eager":
         raise ValueError("eager must be the first variant: the others are checked against it")
-    out, steps, reference = {}, {}, None
-    tolerance = model_checks.gradient_tolerance(variants["eager"])
-    for name, model in variants.items():
+    eager = variants["eager"]
+    eager.train()
+    steps = {"eager": train_step(eager, ids)}
+    reference = first_step(eager, steps["eager"])
+    out = {"eager": {"loss": reference[0], "peak_gb": peak_gb(eager, steps["eager"]),
+                     "check": None}}
+    bounds = {name: (tolerances or {}).get(name, model_checks.gradient_tolerance(eager))
+              for name in variants if name != "eager"}
+    bounds = {name: b(*reference) if callable(b) else b for name, b in bounds.items()}
+    for name, model in list(variants.items())[1:]:
         model.train()
-        step = steps[name] = train_step(model, ids)
-        loss = step().detach().float().item()
-        grads = model_checks.gradients(model)
-        if reference is None:
-            reference = (loss, grads)
-        model.zero_grad(set_to_none=True)  # the gradients now belong to grads alone
-        check = model_checks.check_train_step(loss, grads, *reference, tolerance) \
-            if name != "eager" else None
+        steps[name] = train_step(model, ids)
+        try:
+            loss, grads = first_step(model, steps[name])
+        except Exception as error:  # noqa: BLE001
+            if name not in fragile:
+                raise
+            model.zero_grad(set_to_none=True)
+            del steps[name]
+            out[name] = {"error": f"its first train step raised {type(error).__name__}: "
+                                  f"{error}"[:500]}
+            continue
+        check = model_checks.check_train_step(loss, grads, *reference, bounds[name])
         del grads
-        torch.cuda.synchronize()
-        others = torch.cuda.memory_allocated() - parameter_bytes(model)
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - others
-        model.zero_grad(set_to_none=True)
-        out[name] = {"loss": loss, "peak_gb": peak / 1e9, "check": check}
+        out[name] = {"loss": loss, "peak_gb": peak_gb(model, steps[name]), "check": check}
     del reference
     times = do_bench_interleaved(steps, warmup=1, reps=reps, flush_l2=False)
-    for name, model in variants.items():
+    for name in steps:
         out[name]["ms"] = times[name].median_ms
-        model.zero_grad(set_to_none=True)
+        variants[name].zero_grad(set_to_none=True)
     return out
 
 
@@ -147,20 +193,33 @@ def train_rows(train: dict, tokens: int) -> list:
     return rows
 
 
-def measure_prefill(variants, ids, reps):
-    """Each variant's prefill time (none with ``reps`` 0), interleaved as the train steps'
-    (a small model's forward is host-bound), and its last logits."""
-    out, calls = {}, {}
+def prefill_logits(model, ids):
+    """The inference forward's last 16 positions' logits, float32 (what the checks compare)."""
+    model.eval()
     with torch.no_grad():
-        for name, model in variants.items():
-            model.eval()
-            logits = model(input_ids=ids).logits
-            out[name] = {"ms": None, "logits": logits[:, -16:].float()}
-            calls[name] = lambda model=model: model(input_ids=ids)
-        if reps:
+        return model(input_ids=ids).logits[:, -16:].float()
+
+
+def measure_prefill(variants, ids, reps, fragile=()):
+    """Each variant's prefill time (none with ``reps`` 0), interleaved as the train steps'
+    (a small model's forward is host-bound), and its last logits. ``fragile`` as in
+    ``measure_train``."""
+    out, calls = {}, {}
+    for name, model in variants.items():
+        try:
+            logits = prefill_logits(model, ids)
+        except Exception as error:  # noqa: BLE001
+            if name not in fragile:
+                raise
+            out[name] = {"error": f"its prefill raised {type(error).__name__}: {error}"[:500]}
+            continue
+        out[name] = {"ms": None, "logits": logits}
+        calls[name] = lambda model=model: model(input_ids=ids)
+    if reps:
+        with torch.no_grad():
             times = do_bench_interleaved(calls, warmup=2, reps=reps, flush_l2=False)
-            for name in variants:
-                out[name]["ms"] = times[name].median_ms
+        for name in calls:
+            out[name]["ms"] = times[name].median_ms
     return out
 
 
@@ -179,6 +238,13 @@ def kept_rows(name: str, meta: dict, sections: set) -> list:
     if sections >= set(SECTIONS):
         return []
     return [r for r in rows_of_same_run(name, meta) if section_of(r["case"]) not in sections]
+
+
+def replaced_rows(old: list, rows: list) -> list:
+    """The rows of ``old`` (the result file's, of the same code and model) that no row of
+    ``rows`` replaces: a run of some variants only (``--fp8-only``) keeps the others' rows."""
+    cases = {r["case"] for r in rows}
+    return [r for r in old if r["case"] not in cases]
 
 
 def two_layer_run() -> dict | None:
@@ -237,6 +303,16 @@ def train_problems(model, tokens: int) -> list:
     return model_problems(model, tokens, backward=True, loss_chunk_rows=chunk)
 
 
+def fp8_problems(model, args) -> list:
+    """The FP8 GEMMs ``convert(model, fp8=recipe)`` trains with on the train tokens, for each
+    of ``args.recipes`` (what ``cutlass-tune tune --fp8 RECIPE --model ... --backward`` tunes)."""
+    from tuning.cli import _fp8_model_problems
+
+    return [problem for recipe in getattr(args, "recipes", ()) for problem in
+            _fp8_model_problems(argparse.Namespace(fp8=recipe, tokens=args.tokens,
+                                                   backward=True), model)]
+
+
 def tune(model, args) -> None:
     """Tunes what the converted model runs: ``train_problems`` on the train / prefill tokens,
     and the forward at each decode batch."""
@@ -248,6 +324,7 @@ def tune(model, args) -> None:
     problems = train_problems(model, args.tokens)
     for batch in (1, 16):
         problems += model_problems(model, batch)
+    problems += fp8_problems(model, args)
     report = run_tune(list(dict.fromkeys(problems)), backend=GpuBackend(), strategy=args.tune)
     print(f"tuned {len(problems)} GEMMs: compiled {report.built} kernels in "
           f"{report.build_seconds:.0f} s, measured in {report.measure_seconds:.0f} s", flush=True)
@@ -263,10 +340,10 @@ def rate_row(case, tokens, ours, ref, ref_name, correct, **detail):
                        **detail}}
 
 
-def memory_row(ours, ref, ref_name, correct: bool):
+def memory_row(ours, ref, ref_name, correct: bool, case: str | None = None):
     """``correct``: whether the train step whose peak this is passed its check (a peak of a
     wrong step is no figure to keep)."""
-    return {"case": f"peak memory train ours vs {ref_name}", "unit": "1/GB",
+    return {"case": case or f"peak memory train ours vs {ref_name}", "unit": "1/GB",
             "ours": round(1 / ours["peak_gb"], 5), "reference": round(1 / ref["peak_gb"], 5),
             "reference_name": ref_name, "ratio": round(ref["peak_gb"] / ours["peak_gb"], 4),
             "correct": correct, "detail": {"ours_gb": round(ours["peak_gb"], 2),
@@ -282,7 +359,7 @@ def pairs(have):
 
 def prefill_rows(prefill: dict, tokens: int) -> list:
     errors = {k: relative_error(v["logits"], prefill["eager"]["logits"]) for k, v in
-              prefill.items()}
+              prefill.items() if "logits" in v}
     rows = []
     for a, b in pairs(prefill):
         # bf16 rounding over the layers moves the logits: a variant passes within 2e-2 of
@@ -308,7 +385,9 @@ def decode_row(decode: dict, models: dict, batch: int, new_tokens: int) -> dict:
                     **check.detail())
 
 
-def main() -> None:
+def parse_args(argv=None):
+    from benchmarks.e2e_fp8 import PEERS, RECIPES
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, 1024 tokens, 32 new")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
@@ -319,17 +398,56 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
     parser.add_argument("--no-loss-baseline", action="store_true",
                         help="skip the converted model without the fused loss (train rows)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                        help="what to measure (default all); the rows of the others are kept "
-                             "from the result file when it holds the same code and model")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
+                        help="what to measure (default all; train prefill with --fp8-only); the "
+                             "rows of the others are kept from the result file when it holds "
+                             "the same code and model")
     parser.add_argument("--tune", choices=["quick", "default", "exhaustive"],
                         help="first tune the model's GEMMs (train, prefill and decode rows, and "
-                             "the chunked loss head) with this strategy")
-    args = parser.parse_args()
-    require_gpu()
+                             "the chunked loss head; the FP8 recipes' GEMMs too) with this "
+                             "strategy")
+    fp8 = parser.add_argument_group("FP8 (issue 38; benchmarks/e2e_fp8.py)")
+    fp8.add_argument("--fp8-only", action="store_true",
+                     help="only the FP8 rows' variants: eager, ours, ours fp8 per recipe, and "
+                          "the torchao peers; train and prefill; the file's other rows of the "
+                          "same code are kept")
+    fp8.add_argument("--no-fp8", action="store_true", help="no FP8 variants, no peers")
+    fp8.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES),
+                     help="our FP8 recipes to measure (default all)")
+    fp8.add_argument("--peers", nargs="+", choices=[*PEERS, "none"], default=None,
+                     help="peers measured in their own processes (default all; torchao's with "
+                          "--fp8-only)")
+    fp8.add_argument("--peers-only", action="store_true",
+                     help="only run the peers into --peer-dir (for a later run to reuse)")
+    fp8.add_argument("--peer-dir", default=str(Path(__file__).resolve().parent.parent / "build"
+                                               / "e2e_peers"),
+                     help="where peers write their results and logs; a result there of the "
+                          "same code, model, tokens and reps is reused (default build/e2e_peers)")
+    fp8.add_argument("--fresh-peers", action="store_true", help="rerun peers with a result")
+    fp8.add_argument("--peer-timeout", type=float, default=540,
+                     help="seconds a peer's process may take (default 540)")
+    fp8.add_argument("--only-variant", choices=PEERS, help=argparse.SUPPRESS)
+    fp8.add_argument("--json", help=argparse.SUPPRESS)  # --only-variant's result file
+    args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.tokens, args.new_tokens = 2, 1024, 32
+    if args.sections is None:
+        args.sections = ["train", "prefill"] if args.fp8_only else list(SECTIONS)
+    if args.no_fp8:
+        args.recipes, args.peers = [], ["none"]
+    if args.peers is None:
+        args.peers = [p for p in PEERS if p.startswith("torchao")] if args.fp8_only else \
+            list(PEERS)
+    args.peers = [p for p in args.peers if p != "none"]
+    return args
+
+
+def build_variants(args):
+    """The variants measured in this process (eager first), convert's bf16 report, and the FP8
+    variants' (reasons of those missing, conversions)."""
     import cutlass_ops
+
+    from benchmarks import e2e_fp8
 
     eager = llama(args.layers)
     if args.tune:
@@ -337,37 +455,68 @@ def main() -> None:
     ours = copy.deepcopy(eager)
     report = cutlass_ops.convert(ours)
     variants = {"eager": eager, "ours": ours}
-    if not args.no_loss_baseline:
+    if not args.fp8_only and not args.no_loss_baseline:
         # The converted model without the chunked loss head: what the fused loss is measured
         # against (its time and its memory).
         unfused_loss = copy.deepcopy(eager)
         cutlass_ops.convert(unfused_loss, fused_loss=False)
         variants["ours without fused loss"] = unfused_loss
-    if not args.no_compile:
+    models, missing, conversions = e2e_fp8.fp8_variants(eager, args.recipes)
+    variants.update(models)
+    if not args.fp8_only and not args.no_compile:
         variants["compile"] = torch.compile(eager)
         variants["ours+compile"] = torch.compile(ours)
-    ids = torch.randint(0, 128256, (SEQUENCES, args.tokens // SEQUENCES), device="cuda",
-                        generator=torch.Generator("cuda").manual_seed(0))
+    return variants, report, missing, conversions
+
+
+def main() -> None:
+    args = parse_args()
+    from benchmarks import e2e_fp8
+
+    require_gpu()
+    if args.only_variant:
+        raise SystemExit(e2e_fp8.peer_main(args))
+    measured = {"train", "prefill"} & set(args.sections)
+    peers = e2e_fp8.run_peers(args.peers, args, Path(args.peer_dir), args.peer_timeout,
+                              args.fresh_peers) if measured or args.peers_only else {}
+    if args.peers_only:
+        return
+    variants, report, missing, conversions = build_variants(args)
+    fragile = set(conversions)
+    ids = token_ids(args.tokens)
     name = "e2e_quick" if args.quick else "e2e"
     meta = {"layers": args.layers, "tokens": args.tokens, "new_tokens": args.new_tokens,
             "converted": len(report.converted), "skipped": len(report.skipped),
             "conversion": str(report).splitlines()[0]}
-    kept = kept_rows(name, meta, set(args.sections))
+    # The file's rows of the same code and model that this run does not measure: the other
+    # sections' (each run of --sections adds its own), or with --fp8-only every row it does not
+    # write again.
+    old = rows_of_same_run(name, meta) if args.fp8_only else \
+        kept_rows(name, meta, set(args.sections))
     rows = []
-
-    # The full run carries the 2-layer run of the same code (run --quick first) in its detail.
-    two_layers = None if args.quick else two_layer_run()
+    two_layers = None if args.quick else two_layer_run()  # run --quick first
 
     def save():
+        kept = replaced_rows(old, rows) if args.fp8_only else old
         extra = {"detail": {"two_layers": two_layers}} if two_layers else {}
         write_result(name, kept + rows, model="Llama-3-8B-shaped", **meta, **extra)
 
+    emulations = e2e_fp8.Emulations(variants["eager"], ids)
     if "train" in args.sections:
-        rows += train_rows(measure_train(variants, ids, args.reps), args.tokens)
+        tolerances = {n: emulations.tolerances(n.rsplit(" ", 1)[1]) for n in conversions}
+        train = measure_train(variants, ids, args.reps, tolerances, fragile)
+        train.update({n: {"error": why} for n, why in missing.items()})
+        rows += train_rows(train, args.tokens)
+        if args.recipes:
+            rows += e2e_fp8.train_rows(train, peers, args.tokens, args.recipes)
         save()
     inference = {k: v for k, v in variants.items() if k != "ours without fused loss"}
     if "prefill" in args.sections:
-        rows += prefill_rows(measure_prefill(inference, ids, args.reps), args.tokens)
+        prefill = measure_prefill(inference, ids, args.reps, fragile)
+        prefill.update({n: {"error": why} for n, why in missing.items()})
+        rows += prefill_rows(prefill, args.tokens)
+        if args.recipes:
+            rows += e2e_fp8.prefill_rows(prefill, args.tokens, args.recipes, emulations, peers)
         save()
     decode_variants = {k: v for k, v in variants.items() if k in ("eager", "ours")}
     for batch in (1, 16) if "decode" in args.sections else ():
@@ -377,6 +526,8 @@ def main() -> None:
     print_table(["case", "ours", "reference", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])
     print(report.__str__().splitlines()[0])
+    for variant, line in {**conversions, **missing}.items():
+        print(f"{variant}: {line}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ projections get zeros, and the logits after a skipped layer are off by order 1.
   agreement reported beside it.
 - ``generated_agreement``: the share of generated tokens two ``generate()`` outputs agree on,
   the prompt excluded.
+- FP8 models: ``fp8_gradient_tolerances`` bounds each parameter by the error the recipe's float32
+  emulation has against the same reference (``custom_kernels.core.tolerances`` says why no
+  fixed bound works); a parameter that lost its gradient fails whatever the bound.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import math
 
 import torch
 
-from custom_kernels.core.tolerances import (MODEL_GRADIENTS, MODEL_LOGITS, relative_error,
+from custom_kernels.core.tolerances import (FP8_MODEL_MARGINS, MODEL_GRADIENTS, MODEL_LOGITS,
+                                            fp8_model_tolerance, relative_error,
                                             relative_tolerance)
 
 # Wrappers that prefix their module's parameter names: torch.compile's OptimizedModule
@@ -103,37 +107,70 @@ def _sort_key(error: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class GradientCheck:
-    worst_parameter: str
+    worst_parameter: str  # the closest to its bound (the largest error under one bound)
     worst_error: float
-    tolerance: float
-    failing: int  # parameters over the tolerance (NaN included)
+    tolerance: float  # the worst parameter's bound
+    failing: int  # parameters over their bound (NaN included), or without a gradient
     parameters: int
+    bound: str = ""  # how the bound was set, where it is not one figure for all
 
     @property
     def ok(self) -> bool:
         return self.failing == 0
 
     def detail(self) -> dict:
-        return {"grad_worst_parameter": self.worst_parameter,
-                "grad_worst_relative_error": round(self.worst_error, 6),
-                "grad_tolerance": self.tolerance, "grad_failing_parameters": self.failing,
-                "grad_parameters": self.parameters}
+        out = {"grad_worst_parameter": self.worst_parameter,
+               "grad_worst_relative_error": round(self.worst_error, 6),
+               "grad_tolerance": round(self.tolerance, 6),
+               "grad_failing_parameters": self.failing, "grad_parameters": self.parameters}
+        return {**out, "grad_bound": self.bound} if self.bound else out
 
 
-def compare_gradients(got: dict, expected: dict, tolerance: float) -> GradientCheck:
-    """Every gradient of ``got`` against ``expected`` (both from ``gradients``)."""
+def _lost(got: torch.Tensor | None, expected: torch.Tensor | None) -> bool:
+    """A gradient the model no longer computes (none, or zeros) where the reference has one:
+    wrong under any bound, however wide (an FP8 bound may pass an error of 1)."""
+    return expected is not None and bool(expected.any()) and (got is None or not bool(got.any()))
+
+
+def compare_gradients(got: dict, expected: dict, tolerance) -> GradientCheck:
+    """Every gradient of ``got`` against ``expected`` (both from ``gradients``), within
+    ``tolerance``: one figure, or one per parameter name (``fp8_gradient_tolerances``)."""
     names = matched_names(got, expected)
     if not names:
         raise ParameterMismatch("no parameters to compare")
+    bounds = tolerance if isinstance(tolerance, dict) else dict.fromkeys(names, tolerance)
+    missing = [name for name in names if name not in bounds]
+    if missing:
+        raise ParameterMismatch(f"no tolerance for {len(missing)} parameters {missing[:5]}")
     errors = {name: gradient_error(got[name], expected[name]) for name in names}
-    worst = max(names, key=lambda name: _sort_key(errors[name]))
-    failing = sum(1 for e in errors.values() if not e <= tolerance)  # NaN fails
-    return GradientCheck(worst, errors[worst], tolerance, failing, len(names))
+    worst = max(names, key=lambda name: _sort_key(errors[name] / bounds[name]))
+    failing = sum(1 for name in names if not errors[name] <= bounds[name]  # NaN fails
+                  or _lost(got[name], expected[name]))
+    bound = "" if not isinstance(tolerance, dict) else getattr(tolerance, "rule", "")
+    return GradientCheck(worst, errors[worst], bounds[worst], failing, len(names), bound)
 
 
 def gradient_tolerance(model: torch.nn.Module) -> float:
     """The tolerance table's bound for a whole model's gradients in its parameters' dtype."""
     return relative_tolerance(next(model.parameters()).dtype, MODEL_GRADIENTS)
+
+
+class Tolerances(dict):
+    """Per-parameter bounds (name -> bound) that say how they were set (``rule``)."""
+
+    rule = ""
+
+
+def fp8_gradient_tolerances(emulated: dict[str, float], dtype=torch.bfloat16) -> Tolerances:
+    """Each parameter's bound for an FP8 model's gradients, from the errors the recipe's
+    float32 emulation (``benchmarks.fp8_emulation``) has against the same reference: the
+    tolerance table's FP8 margin times that error, or the ``dtype`` model bound where wider."""
+    out = Tolerances({name: fp8_model_tolerance(error, dtype, MODEL_GRADIENTS)
+                      for name, error in emulated.items()})
+    out.rule = (f"per parameter max({relative_tolerance(dtype, MODEL_GRADIENTS)}, "
+                f"{FP8_MODEL_MARGINS[MODEL_GRADIENTS]} x the FP8 recipe's float32 "
+                f"emulation's error); a lost gradient always fails")
+    return out
 
 
 def logits_tolerance(model: torch.nn.Module) -> float:
