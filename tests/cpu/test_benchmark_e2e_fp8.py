@@ -301,3 +301,14 @@ def test_fp8_only_selects_the_fp8_variants_and_torchao_peers():
     assert full.peers == list(e2e_fp8.PEERS) and full.sections == list(e2e.SECTIONS)
     assert e2e.parse_args(["--no-fp8"]).peers == [] == e2e.parse_args(["--no-fp8"]).recipes
     assert e2e.parse_args(["--fp8-only", "--peers", "none"]).peers == []
+
+
+def test_tune_lists_each_recipe_s_fp8_gemms():
+    """--tune tunes what convert(model, fp8=recipe) runs: forward, dgrad and wgrad per Linear
+    shape, with each recipe's scaling (cutlass-tune --fp8 --model's list)."""
+    model = tiny_llama(layers=1)
+    problems = e2e.fp8_problems(model, SimpleNamespace(recipes=["rowwise", "blockwise"],
+                                                       tokens=256))
+    scalings = {p.operands.scaling.value for p in problems}
+    assert scalings == {"rowwise", "blockwise"} and len(problems) % 3 == 0
+    assert e2e.fp8_problems(model, SimpleNamespace(recipes=[], tokens=256)) == []
