@@ -27,7 +27,13 @@ eagerly, under ``torch.compile(fullgraph=True)`` (the custom ops ``custom_kernel
 the kernel is compiled and loaded on first use). Tensors off a CUDA device run ``torch_swiglu``
 (the CPU rule, ``custom_kernels.core.fallback``).
 
-Read top-down: the launcher, the compile function, the custom ops, the public function, then
+``swiglu_fp8(gate_up, granularity)`` (issue 38, quantization where the data already is) returns
+``(y, q, scale)``: ``y`` as ``swiglu`` computes it and, from the same kernel, its FP8
+quantization, equal to ``fp8_quant.quantize(y, granularity)`` bit for bit ("row" or
+"block_1x128"; its docstring says more), for down_proj's FP8 GEMM; the op is
+``custom_kernels::swiglu_fp8_fwd``.
+
+Read top-down: the launchers, the compile functions, the custom ops, the public functions, then
 the torch fallback and the fp32 reference.
 """
 
@@ -43,13 +49,21 @@ from custom_kernels import jit
 from custom_kernels.core import fallback
 from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
+from custom_kernels.fp8_quant import Granularity, empty_scale, rows_team, torch_quantize
 from custom_kernels.launch import launch
 
 SOURCE = "swiglu.cu"
 KERNELS = {False: "swiglu_fwd_kernel", True: "swiglu_bwd_kernel"}
-BLOCK = 256
+FP8_KERNEL = "swiglu_fp8_kernel"
+BLOCK = 256  # also the FP8 kernel's, whose teams fp8_quant.rows_team sizes for 256 threads
 MAX_GRID_Y = 65535
+MAX_GRID = 1 << 20  # blocks of the FP8 kernel's 1-D grid; it loops past that
+NV = 8  # 16-byte slots of y an FP8 kernel thread keeps in registers
 DTYPE_CODES = elements.float_codes()
+# The granularities the FP8 kernel writes, and their codes (its MODE).
+FP8_MODES = {Granularity.ROW: 1, Granularity.BLOCK_1X128: 2}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_MULTIPLE = 16  # of I: an FP8 GEMM's K
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +116,34 @@ def _launch(backward: bool, rows: int, inter: int, tensors) -> None:
            block=BLOCK, device=device)
 
 
+def _fp8_defines(dtype_code: int, vec: bool, mode: int, fp8_code: int) -> dict:
+    return {**_defines(dtype_code, vec), "FP8": fp8_code, "MODE": mode, "NV": NV}
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_kernel(dtype_code: int, vec: bool, mode: int, fp8_code: int, device: int):
+    return jit.get_kernel(SOURCE, FP8_KERNEL, device=device,
+                          defines=_fp8_defines(dtype_code, vec, mode, fp8_code))
+
+
+def _launch_fp8(gu2, y2, q2, scale, g: Granularity) -> None:
+    """gu2 [rows, 2I] (unit last stride, not empty), y2 (or None) and q2 [rows, I] contiguous:
+    a team of threads a row (or a row's 128 columns), as fp8_quant's rows kernel."""
+    rows, width = gu2.shape
+    inter = width // 2
+    vec = vector_ok(gu2.element_size(), inter, (gu2.stride(0) if rows > 1 else 0,),
+                    (gu2.data_ptr(),))
+    shift = rows_team(g, gu2.element_size(), inter)
+    group_cols = 128 if g is Granularity.BLOCK_1X128 else inter
+    grid = min(-(-rows * (inter // group_cols) // (BLOCK >> shift)), MAX_GRID)
+    device = gu2.device.index
+    kernel = _fp8_kernel(DTYPE_CODES[gu2.dtype], vec, FP8_MODES[g],
+                         elements.element(q2.dtype).code, device)
+    launch(kernel, gu2.data_ptr(), y2.data_ptr() if y2 is not None else 0, q2.data_ptr(),
+           scale.data_ptr(), rows, inter, gu2.stride(0), group_cols, shift, grid=grid,
+           block=BLOCK, device=device)
+
+
 # ---------------------------------------------------------------------------------------------
 # Compile (tensor-free, no GPU)
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +155,16 @@ def compile_swiglu(dtype: str = "bfloat16", vec: bool = True, arch: str = jit.DE
     every size."""
     return jit.compile_cubin(SOURCE, defines=_defines(elements.element(dtype).code, vec),
                              name_expressions=(KERNELS[backward],), arch=arch)
+
+
+def compile_swiglu_fp8(dtype: str = "bfloat16", vec: bool = True, granularity: str = "row",
+                       fp8: str = "e4m3", arch: str = jit.DEFAULT_ARCH) -> Path:
+    """The cubin that ``swiglu_fp8`` runs for ``dtype``, 16-byte accesses or not, a granularity
+    and an FP8 type; no extent is compiled in."""
+    defines = _fp8_defines(elements.element(dtype).code, vec,
+                           FP8_MODES[_fp8_granularity(granularity, "compile_swiglu_fp8")],
+                           elements.element(fp8).code)
+    return jit.compile_cubin(SOURCE, defines=defines, name_expressions=(FP8_KERNEL,), arch=arch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +238,60 @@ def _backward(ctx, dy):
 torch.library.register_autograd("custom_kernels::swiglu_fwd", _backward, setup_context=_setup)
 
 
+def _fp8_impl(gate_up, g: Granularity, fp8_dtype, write_y: bool):
+    """(y or None, q, scale) from the kernel (CUDA tensors)."""
+    width = gate_up.shape[-1]
+    inter = width // 2
+    shape = (*gate_up.shape[:-1], inter)
+    rows = gate_up.numel() // width
+    y = torch.empty(shape, dtype=gate_up.dtype, device=gate_up.device) if write_y else None
+    q = torch.empty(shape, dtype=fp8_dtype, device=gate_up.device)
+    scale = empty_scale(g, rows, inter, gate_up.device)
+    if rows:
+        _launch_fp8(_rows(gate_up, width), y.view(-1, inter) if y is not None else None,
+                    q.view(-1, inter), scale, g)
+    return y, q, scale
+
+
+@torch.library.custom_op("custom_kernels::swiglu_fp8_fwd", mutates_args=())
+def swiglu_fp8_fwd(gate_up: torch.Tensor, granularity: str, fp8_dtype: torch.dtype,
+                   write_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``silu(gate) * up`` or an empty tensor, its FP8 quantization q, the scales)."""
+    g = _check_fp8(gate_up, granularity, fp8_dtype, "custom_kernels::swiglu_fp8_fwd")
+    impl = _fp8_impl if gate_up.is_cuda else torch_swiglu_fp8
+    y, q, scale = impl(gate_up, g, fp8_dtype, write_y)
+    return (y if y is not None else gate_up.new_empty(0)), q, scale
+
+
+@swiglu_fp8_fwd.register_fake
+def _(gate_up, granularity, fp8_dtype, write_y):
+    g = _check_fp8(gate_up, granularity, fp8_dtype, "custom_kernels::swiglu_fp8_fwd")
+    inter = gate_up.shape[-1] // 2
+    shape = (*gate_up.shape[:-1], inter)
+    return (gate_up.new_empty(shape if write_y else (0,)),
+            gate_up.new_empty(shape, dtype=fp8_dtype),
+            empty_scale(g, gate_up.numel() // gate_up.shape[-1], inter, gate_up.device))
+
+
+def _fp8_setup(ctx, inputs, output):
+    gate_up = inputs[0]
+    _y, q, scale = output
+    ctx.save_for_backward(gate_up)
+    ctx.mark_non_differentiable(q, scale)
+
+
+def _fp8_backward(ctx, dy, _d_q, _d_scale):
+    (gate_up,) = ctx.saved_tensors
+    want = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    if dy is None or tuple(dy.shape) != want:  # no y written: nothing flows back
+        return torch.zeros_like(gate_up), None, None, None
+    return torch.ops.custom_kernels.swiglu_bwd(dy, gate_up), None, None, None
+
+
+torch.library.register_autograd("custom_kernels::swiglu_fp8_fwd", _fp8_backward,
+                                setup_context=_fp8_setup)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public function
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +331,88 @@ class _EagerSwiGLU(torch.autograd.Function):
     def backward(ctx, dy):
         (gate_up,) = ctx.saved_tensors
         return _bwd_impl(dy, gate_up)
+
+
+def swiglu_fp8(gate_up: torch.Tensor, granularity="row", *,
+               fp8_dtype: torch.dtype = torch.float8_e4m3fn, write_y: bool = True):
+    """``(y, q, scale)``: ``y = swiglu(gate_up)`` (the same bits) and its FP8 quantization from
+    the same kernel: ``q`` ([..., I], ``fp8_dtype`` e4m3 or e5m2, contiguous) and ``scale``
+    equal ``fp8_quant.quantize(y.reshape(-1, I), granularity)`` bit for bit, so that down_proj's
+    FP8 GEMM reads ``q`` instead of quantizing ``y`` in a pass of its own. ``granularity``:
+    "row" (``scale`` (rows, 1)) or "block_1x128" (``scale`` (rows, I / 128) column-major; I a
+    multiple of 128); I a multiple of 16 (an FP8 GEMM's K). "tensor" needs every row's amax
+    before any value is quantized: refused (quantize ``y`` with ``fp8_quant.quantize``).
+
+    ``y`` is not needed by SwiGLU's own backward (it recomputes from ``gate_up``); it is the
+    input of down_proj, whose autograd and wgrad (``y`` transposed, quantized along the tokens)
+    need it when training. ``write_y=False`` skips it (``None`` comes back), for calls that need
+    no gradient (inference). Gradients flow to ``gate_up`` through ``y`` as in ``swiglu``;
+    ``q`` and ``scale`` carry none. Tensors off a CUDA device run ``torch_swiglu`` then
+    ``fp8_quant.torch_quantize`` (logged once)."""
+    _check(gate_up)
+    g = _check_fp8(gate_up, granularity, fp8_dtype, "swiglu_fp8")
+    wants_grad = torch.is_grad_enabled() and gate_up.requires_grad
+    if wants_grad and not write_y:
+        raise UnsupportedInputError("swiglu_fp8: write_y=False writes no differentiable "
+                                    "output; call it under torch.no_grad() or keep y")
+    if not gate_up.is_cuda and fallback.off_cuda({"gate_up": gate_up}, "swiglu_fp8",
+                                                  "torch_swiglu and torch_quantize"):
+        return torch_swiglu_fp8(gate_up, g, fp8_dtype, write_y)
+    if torch.compiler.is_compiling() or not plain_eager(gate_up):
+        y, q, scale = torch.ops.custom_kernels.swiglu_fp8_fwd(gate_up, g.value, fp8_dtype,
+                                                              write_y)
+        return (y if write_y else None), q, scale
+    if wants_grad:
+        return _EagerSwiGLUFp8.apply(gate_up, g, fp8_dtype)
+    return _fp8_impl(gate_up, g, fp8_dtype, write_y)
+
+
+class _EagerSwiGLUFp8(torch.autograd.Function):
+    """Eager autograd of ``swiglu_fp8``: the backward is ``swiglu``'s."""
+
+    @staticmethod
+    def forward(ctx, gate_up, g, fp8_dtype):
+        y, q, scale = _fp8_impl(gate_up, g, fp8_dtype, True)
+        ctx.save_for_backward(gate_up)
+        ctx.mark_non_differentiable(q, scale)
+        ctx.set_materialize_grads(False)
+        return y, q, scale
+
+    @staticmethod
+    def backward(ctx, dy, _d_q, _d_scale):
+        (gate_up,) = ctx.saved_tensors
+        if dy is None:
+            return torch.zeros_like(gate_up), None, None
+        return _bwd_impl(dy, gate_up), None, None
+
+
+def _check_fp8(gate_up, granularity, fp8_dtype, entry: str) -> Granularity:
+    """The FP8 output's rules (``_check_tensor``'s first), on every device."""
+    _check_tensor(gate_up, entry)
+    g = _fp8_granularity(granularity, entry)
+    if not (isinstance(fp8_dtype, torch.dtype) and fp8_dtype in FP8_DTYPES):
+        raise UnsupportedInputError(f"{entry}: fp8_dtype must be torch.float8_e4m3fn or "
+                                    f"torch.float8_e5m2, not {fp8_dtype}")
+    inter = gate_up.shape[-1] // 2
+    multiple = 128 if g is Granularity.BLOCK_1X128 else FP8_MULTIPLE
+    if inter % multiple:
+        why = "its 128-column blocks" if multiple == 128 else "an FP8 GEMM's K"
+        raise UnsupportedInputError(f"{entry}: granularity {g.value!r} needs I (half the last "
+                                    f"dimension) a multiple of {multiple} ({why}), got {inter}")
+    return g
+
+
+def _fp8_granularity(granularity, entry: str) -> Granularity:
+    try:
+        g = Granularity(granularity)
+    except ValueError:
+        g = None
+    if g not in FP8_MODES:
+        raise UnsupportedInputError(
+            f"{entry}: granularity {granularity!r} is not written by the SwiGLU kernel (it "
+            f"writes 'row' and 'block_1x128'); 'tensor' needs the whole tensor's amax before "
+            f"any value is quantized: quantize y with custom_kernels.fp8_quant.quantize instead")
+    return g
 
 
 def _check(gate_up) -> None:
@@ -274,6 +462,16 @@ def torch_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     autograd (the very rounding the kernel reproduces)."""
     inter = gate_up.shape[-1] // 2
     return torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+
+
+def torch_swiglu_fp8(gate_up: torch.Tensor, granularity="row", fp8_dtype=torch.float8_e4m3fn,
+                     write_y: bool = True):
+    """``swiglu_fp8`` in torch (inputs assumed checked): ``torch_swiglu`` (with autograd), then
+    ``fp8_quant.torch_quantize`` of its result."""
+    y = torch_swiglu(gate_up)
+    q, scale = torch_quantize(y.detach().reshape(-1, y.shape[-1]), granularity,
+                              fp8_dtype=fp8_dtype)
+    return (y if write_y else None), q.view(y.shape), scale
 
 
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:

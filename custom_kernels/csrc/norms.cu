@@ -22,6 +22,7 @@
 // (sums the workspace over units into dW/dB in the weight's type; deterministic).
 
 #include "norm_rows.cuh"
+#include "norm_fp8.cuh"  // NORM_FP8: the FP8 output beside y (nothing without it)
 
 // ---------------------------------------------------------------------------------------------
 // Forward
@@ -103,7 +104,7 @@ __global__ void NORM_FWD_BOUNDS norm_fwd(
     const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
     const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
-    long long res_stride, float eps) {
+    long long res_stride, float eps NORM_FP8_PARAMS) {
   constexpr int R = kRowsPerThread;
   constexpr bool kMayOverrun = kSubWarpRows || R > 1;  // rows of a warp may end past `rows`
   // LayerNorm reduces (sum, sum of squares)
@@ -176,8 +177,9 @@ __global__ void NORM_FWD_BOUNDS norm_fwd(
     }
     stats[i] = row_statistics<kCache>(red, s[i], shift, get_hi, hidden, rank, lane, eps);
   }
-  // Past the last shuffle: rows past the end store nothing from here on.
-  if constexpr (kMayOverrun) {
+  // Past the last shuffle: rows past the end store nothing from here on. (The FP8 output
+  // reduces again: those rows go on, storing nothing.)
+  if constexpr (kMayOverrun && !NORM_FP8) {
     if (!active[0]) return;  // nor any later row of this thread
   }
 #pragma unroll
@@ -195,13 +197,22 @@ __global__ void NORM_FWD_BOUNDS norm_fwd(
     load(v, w + col);
     return v;
   };
+#if !NORM_FP8
   auto get_b = [&](int, int col) {
     VW v;
     load(v, b + col);
     return v;
   };
+#endif
   // Each weight (and bias) vector is loaded once for all of this thread's rows.
+#if NORM_FP8
+#pragma unroll
+  for (int i = 0; i < R; ++i) yr[i] = y != nullptr ? yr[i] : nullptr;  // null: no y wanted
+  write_fp8_rows(yr, active, row, red, get_h, get_w, stats, q_out, q_scale, rows, hidden, rank,
+                 lane);
+#else
   write_normalized_rows(yr, active, get_h, get_w, get_b, stats, hidden, rank, lane);
+#endif
 }
 
 #endif  // NORM_HAS_PART(0)

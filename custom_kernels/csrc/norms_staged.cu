@@ -26,6 +26,7 @@
 // The backward with a warp per row reuses it for the block's dW/dB partials once the rows are done.
 
 #include "norm_rows.cuh"
+#include "norm_fp8.cuh"  // NORM_FP8: the FP8 output beside y (nothing without it)
 
 static_assert(kVec * sizeof(In) == 16, "the staged kernels copy 16-byte vectors of x");
 static_assert(!kSubWarpRows && kRowsPerThread == 1,
@@ -256,7 +257,7 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
     const In* __restrict__ x, const In* __restrict__ res, const W* __restrict__ w,
     const W* __restrict__ b, Out* __restrict__ y, In* res_out, float* __restrict__ mean_out,
     float* __restrict__ rstd_out, long long rows, int hidden, long long x_stride,
-    long long res_stride, float eps) {
+    long long res_stride, float eps NORM_FP8_PARAMS) {
   extern __shared__ __align__(128) unsigned char staging[];
   // LayerNorm reduces (sum, sum of squares)
   __shared__ __align__(128) RedT red_smem[kRedSlots];
@@ -341,9 +342,18 @@ __global__ void __launch_bounds__(kThreads) norm_fwd_staged(
       if constexpr (kLN) mean_out[row] = stats.x;
     }
     auto get_w = [&](int it, int col) { return weight.get(it, col); };
+#if NORM_FP8
+    Out* const yr[1] = {y != nullptr ? y + row * static_cast<long long>(hidden) : nullptr};
+    const bool active[1] = {true};
+    const long long rows_here[1] = {row};
+    const float2 row_stats[1] = {stats};
+    write_fp8_rows(yr, active, rows_here, red, [&](int, int it, int col) { return get_h(it, col); },
+                   get_w, row_stats, q_out, q_scale, rows, hidden, rank, lane);
+#else
     auto get_b = [&](int it, int col) { return bias.get(it, col); };
     write_normalized_row(y + row * static_cast<long long>(hidden), get_h, get_w, get_b, stats,
                          hidden, rank, lane);
+#endif
     stage = next_stage(stage);
   }
   cp_async_wait<0>();

@@ -126,3 +126,122 @@ swiglu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ gu, T* __restr
     ck::store(q + inter, du);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// FP8 output (compiled with FP8 defined): y = silu(g) * u as the forward kernel rounds it, and q,
+// y quantized to FP8 with float32 dequantization scales, equal to
+// custom_kernels.fp8_quant.quantize(y, granularity) bit for bit (fp8_common.cuh has the rule).
+// MODE 1: a scale per row, scale[r]; MODE 2: per 128 columns, scale[(c / 128) * rows + r]
+// (column-major (rows, I / 128)). As fp8_quant.cu's rows kernel: a team of 1 << shift threads
+// owns a group (a row, or a row's 128 columns; group_cols its width), computes its y a 16-byte
+// slot at a time (EPT elements; VEC: 16-byte loads of each half, else one element an access,
+// zeros past the group), keeps up to NV slots a thread in registers (longer rows compute the
+// rest again from gu), reduces the amax across the team, writes the scale and q. y (contiguous
+// [rows, I]) is written when not null; q is [rows, I] contiguous.
+// Defines: FP8 3 e4m3 / 4 e5m2, MODE, NV; DTYPE, VEC, BLOCK as above.
+// ---------------------------------------------------------------------------------------------
+#ifdef FP8
+#include "fp8_common.cuh"
+
+#ifndef MODE
+#define MODE 1
+#endif
+#ifndef NV
+#define NV 8
+#endif
+
+namespace swiglu {
+
+constexpr int EPT = 16 / static_cast<int>(sizeof(T));  // elements of a slot
+using VS = ck::Vec<T, EPT>;
+
+// silu(g) * u: swiglu_fwd_kernel's operations (IEEE, each rounding as there: the same bits).
+__device__ __forceinline__ T swiglu_value(float g, float u) {
+  const float act = round_t(__fdiv_rn(g, one_plus_exp_neg(g)));
+  return ck::from_float<T>(__fmul_rn(act, u));
+}
+
+// y of the slot at column c of a group (gate at `gate`, up `inter` elements after it).
+__device__ __forceinline__ VS y_slot(const T* gate, long long inter, long long c,
+                                     long long extent) {
+  VS g, u, out;
+  if constexpr (VEC) {
+    ck::load(g, gate + c);
+    ck::load(u, gate + inter + c);
+  } else {
+#pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+      const bool in = c + j < extent;
+      g.v[j] = in ? gate[c + j] : ck::from_float<T>(0.0f);
+      u.v[j] = in ? gate[inter + c + j] : ck::from_float<T>(0.0f);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < EPT; ++j) out.v[j] = swiglu_value(ck::elem_float(g, j), ck::elem_float(u, j));
+  return out;
+}
+
+template <class E>
+__device__ __forceinline__ void store_elems(E* row, long long c, long long extent,
+                                            const ck::Vec<E, EPT>& v) {
+  if constexpr (VEC) {
+    ck::store(row + c, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < EPT; ++j)
+      if (c + j < extent) row[c + j] = v.v[j];
+  }
+}
+
+}  // namespace swiglu
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+swiglu_fp8_kernel(const T* __restrict__ gu, T* __restrict__ y, unsigned char* __restrict__ q,
+                  float* __restrict__ scale, long long rows, long long inter, long long ld_gu,
+                  long long group_cols, long long shift) {
+  __shared__ unsigned red[BLOCK / 32];
+  const int team = 1 << shift;
+  const int lane = threadIdx.x & (team - 1);
+  const int teams = BLOCK >> shift;
+  const long long per_row = inter / group_cols;
+  const long long groups = rows * per_row;
+  const long long step = static_cast<long long>(team) * EPT;
+  for (long long base = static_cast<long long>(blockIdx.x) * teams; base < groups;
+       base += static_cast<long long>(gridDim.x) * teams) {  // uniform over the block
+    const long long gid = base + (threadIdx.x >> shift);
+    const bool active = gid < groups;
+    const long long r = active ? gid / per_row : 0, g = active ? gid % per_row : 0;
+    const T* src = gu + r * ld_gu + g * group_cols;
+    T* dst_y = y != nullptr ? y + r * inter + g * group_cols : nullptr;
+    unsigned char* dst_q = q + r * inter + g * group_cols;
+    VS keep[NV];
+    unsigned m = 0;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const long long c = k * step + lane * EPT;
+      if (active && c < group_cols) {
+        keep[k] = y_slot(src, inter, c, group_cols);
+        if (dst_y != nullptr) store_elems(dst_y, c, group_cols, keep[k]);
+        m = max(m, ck::vec_abs_max(keep[k]));
+      }
+    }
+    for (long long c = NV * step + lane * EPT; active && c < group_cols; c += step) {
+      const VS v = y_slot(src, inter, c, group_cols);
+      if (dst_y != nullptr) store_elems(dst_y, c, group_cols, v);
+      m = max(m, ck::vec_abs_max(v));
+    }
+    const float s = ck::fp8_scale<FP8>(ck::team_max<BLOCK>(m, team, red));
+    if (active && lane == 0) scale[MODE == 2 ? g * rows + r : r] = s;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const long long c = k * step + lane * EPT;
+      if (active && c < group_cols)
+        store_elems(dst_q, c, group_cols, ck::fp8_quantize<FP8>(keep[k], s));
+    }
+    for (long long c = NV * step + lane * EPT; active && c < group_cols; c += step) {
+      const VS v = y_slot(src, inter, c, group_cols);  // computed again from gu (L2)
+      store_elems(dst_q, c, group_cols, ck::fp8_quantize<FP8>(v, s));
+    }
+  }
+}
+#endif  // FP8

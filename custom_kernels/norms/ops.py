@@ -150,9 +150,11 @@ def _bwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, residual, c
                                reduce_kernel=reduce_kernel)
 
 
-def _plan(problem: nc.NormProblem, cfg: nc.NormConfig, device: int, persistent: bool) -> _Plan:
+def _plan(problem: nc.NormProblem, cfg: nc.NormConfig, device: int, persistent: bool,
+          defines: Optional[dict] = None) -> _Plan:
+    """``defines``: in place of ``cfg.defines(problem)`` (the FP8 output's, ``norms.fp8``)."""
     kernel = jit.get_kernel(cfg.source, cfg.kernel_name(problem.direction),
-                            defines=cfg.defines(problem), device=device)
+                            defines=defines or cfg.defines(problem), device=device)
     shared_mem = cfg.shared_mem(problem)
     set_max_dynamic_shared(kernel, shared_mem, device)
     if cfg.cluster > 8:
