@@ -82,3 +82,19 @@ def test_fp8_quant_family_compiles(cache_root, dtype):
                   f.compile_fp8_quant(f.TILES_KERNEL, dtype, fp8, vec, "block_1x128",
                                       write_qt=True)]
     assert all(p.stat().st_size > 0 and p.with_suffix(".json").is_file() for p in paths)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_fp8_outputs_compile(cache_root, dtype):
+    """The RMSNorm and SwiGLU kernels that also write FP8 (each granularity, both FP8 types;
+    the staged and the direct norm kernels; SwiGLU with and without 16-byte accesses)."""
+    from custom_kernels import swiglu
+    from custom_kernels.norms import fp8
+
+    paths = [fp8.compile_rms_norm_fp8(4096, dtype, "row", "e4m3", residual=True),
+             fp8.compile_rms_norm_fp8(4096, dtype, "block_1x128", "e5m2"),
+             fp8.compile_rms_norm_fp8(256, dtype, "block_1x128", config="t64_r8_c1_v"
+                                      + ("4" if dtype == "float32" else "8")),
+             swiglu.compile_swiglu_fp8(dtype, True, "row", "e4m3"),
+             swiglu.compile_swiglu_fp8(dtype, False, "block_1x128", "e5m2")]
+    assert all(p.stat().st_size > 0 and p.with_suffix(".json").is_file() for p in paths)
