@@ -53,6 +53,18 @@ class RMSNorm(torch.nn.RMSNorm):
 
     _fallback_message = "cutlass_ops.nn.RMSNorm uses torch.nn.RMSNorm"
 
+    def forward_fp8(self, x: torch.Tensor, granularity, residual: Optional[torch.Tensor] = None,
+                    *, fp8_dtype: torch.dtype = torch.float8_e4m3fn, write_y: bool = True):
+        """``custom_kernels.norms.rms_norm_fp8`` with this module's weight, eps and out_dtype:
+        ``(y, q, scale)``, or ``(y, q, scale, new_residual)`` with a residual; ``y`` is
+        ``forward``'s. Input the kernel refuses raises (no torch fallback here: the caller
+        quantizes ``forward``'s output instead)."""
+        from custom_kernels.norms.fp8 import rms_norm_fp8
+
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return rms_norm_fp8(x, self._kernel_weight(), eps, granularity, residual,
+                            fp8_dtype=fp8_dtype, out_dtype=self.out_dtype, write_y=write_y)
+
     def _kernel_weight(self):
         return self.weight  # a module attribute lookup costs about as much as the check
 

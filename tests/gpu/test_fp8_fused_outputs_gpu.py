@@ -358,3 +358,19 @@ def test_scaled_mm_reads_q_and_scales_as_they_are(recipe):
     out = cutlass_ops.scaled_mm(q, qw.t(), scale, sw.t(), out_dtype=torch.bfloat16)
     assert relative_error(out.float(), y.float() @ w.float().t()) < 0.06
     assert_quantized(q, scale, y, g_act)  # the operands quantize(y) would have given
+
+
+@pytest.mark.parametrize("cls", ["RMSNorm", "OffsetRMSNorm"])
+def test_module_forward_fp8(cls):
+    """The norm modules' FP8 entry (what a fused block calls): y is forward's, q and the scales
+    its quantization (Gemma's offset weight: a float32 weight into the kernel)."""
+    module = getattr(norms, cls)(4096, eps=1e-5, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        module.weight.uniform_(-0.5, 1.5)
+    x, res = data(300, 4096), data(300, 4096)
+    for g in GRANULARITIES:
+        y, q, scale, h = module.forward_fp8(x, g, res)
+        want_y, want_h = module(x, res)
+        assert_bits(y, want_y)
+        assert_bits(h, want_h)
+        assert_quantized(q, scale, y, g)
