@@ -15,6 +15,9 @@
 // NORM_VEC > 1 requires every pointer 16-byte aligned and hidden and the row strides multiples of
 // NORM_VEC (the Python side checks).
 //
+// NORM_FP8 (RMSNorm forward; norm_fp8.cuh): the kernel also writes y quantized to FP8 and its
+// scales (per row, or per 128 columns), from the values it rounds to Out for y.
+//
 // Kernels: norm_fwd (one row per block/cluster, or one row per warp or per 8 or 16 lanes of a
 // warp: grid = row groups),
 // norm_bwd (persistent: a fixed grid of row units walks the rows, accumulating dW/dB partials

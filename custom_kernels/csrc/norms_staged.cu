@@ -16,6 +16,8 @@
 // only after the same thread has read it. Per-row statistics for the backward pass are copied
 // by lane 0 of each warp and shared with __syncwarp.
 //
+// NORM_FP8 (RMSNorm forward; norm_fp8.cuh): the forward also writes y in FP8 and its scales.
+//
 // Dynamic shared memory (the host computes the same sizes, custom_kernels/norm_config.py):
 //   stats:   kStages * kWarps float2s, rounded up to an even count (backward only)
 //   streams: kStages * kSlotsPerStage vectors each; forward x (and residual), backward x, dy
