@@ -141,7 +141,7 @@ def test_a_converted_model_fuses_its_blocks_and_trains_like_bf16(recipe):
         losses.append(loss.item())
     assert abs(losses[0] - losses[1]) < 2e-2 * losses[1]
     theirs = dict(bf16.named_parameters())
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters():  # emulated on a CPU: worst 0.15 (q/k projections)
         assert relative_error(p.grad, theirs[name].grad) < 0.25, name
 
 
