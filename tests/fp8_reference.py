@@ -1,7 +1,16 @@
 """The FP8 linear's reference for the tests (tests/cpu/test_fp8_linear.py and its GPU twin):
 each GEMM's operands quantized and dequantized along their reduction with the block the recipe
 names, written here apart from cutlass_ops.fp8 (its own table, no transposed layouts, no
-padding: partial blocks are blocks of their own), and the random operands it is checked on."""
+padding: partial blocks are blocks of their own), and the random operands it is checked on.
+
+The reference runs on the CPU whatever the tensors' device: its quantization follows the
+library's rule to the bit (float32 amax, ``scale = amax / fp8_max`` and ``m / scale`` as IEEE
+float32 divisions, round-to-nearest-even cast), its products are float64. On a CUDA device
+``t / 448.0`` (a Python number) is computed as ``t * (1 / 448)``, one ulp off for some amaxes;
+bf16 values then often land exactly on an FP8 rounding tie (a row of amax 2.625 = 21/8 sends
+2.15625 to 368, halfway between 352 and 384), which the ulp breaks the other way: a reference
+computed so on the GPU differed from correct layers by up to 3% a row (one FP8 step, 6%, on
+many of a row's values)."""
 
 import torch
 import torch.nn.functional as F
@@ -17,41 +26,65 @@ SPEC = {
     "rowwise": dict(x=(1, None), w=(1, None), dy=(1, None), xt=(1, None), grad=E4M3),
     "blockwise": dict(x=(1, 128), w=(128, 128), dy=(1, 128), xt=(128, 128), grad=E4M3),
 }
-# Each output row against its reference row: our outputs round to bf16 once (2^-9), a wrong
-# granularity, orientation or FP8 type moves the quantized values by percents.
+# Each output row against its reference row. What separates a correct layer from the reference:
+# its bf16 output (one rounding, 2^-9 an element: 0.002-0.0025 a row here), and on a GPU the
+# GEMM's accumulation (its order; the tensorwise and rowwise forwards' fast accumulation keeps
+# about 14 bits an add, DeepSeek-V3's measure: a few 1e-4 a row at K <= 384). A wrong
+# granularity, orientation or FP8 type moves many quantized values by an FP8 step: from 1.5e-2
+# to 9e-2 a row on these operands at 200 and 256 tokens (``wrong_specs``; tests check it).
 BOUND = 1e-2
+# Which outputs (y, dx, dW) each entry of a spec reaches.
+REACHES = {"x": (0,), "w": (0, 1), "dy": (1, 2), "xt": (2,), "grad": (1, 2)}
+BLOCKS = [(None, None), (1, None), (None, 1), (1, 128), (128, 1), (128, 128)]
 
 
 def dequantized(t, block, dtype=E4M3):
     """``t`` through ``dtype`` and back, one scale (amax / the type's largest) per ``block``
-    (rows, cols) of ``t``; partial blocks at the ends are blocks of their own."""
-    t = t.float()
+    (rows, cols) of ``t``; partial blocks at the ends are blocks of their own. Quantized on the
+    CPU in float32 with the library's IEEE divisions (module docstring), returned in float64
+    (exact: an FP8 value times a float32 scale)."""
+    t = t.detach().cpu().float()
     rows, cols = t.shape
     br = rows if block[0] is None else block[0]
     bc = cols if block[1] is None else block[1]
     padded = F.pad(t, (0, -cols % bc, 0, -rows % br))
     blocks = padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc)
-    top = torch.finfo(dtype).max
+    top = torch.tensor(torch.finfo(dtype).max, dtype=torch.float32)  # a tensor: IEEE division
     scale = blocks.abs().amax(dim=(1, 3), keepdim=True) / top
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = (blocks / scale).clamp(-top, top).to(dtype).float() * scale
+    q = (blocks / scale).clamp(-top, top).to(dtype).double() * scale.double()
     return q.reshape(padded.shape)[:rows, :cols]
 
 
 def reference(spec, x, w, bias, dy):
-    """(y, dx, dW) in float32 from the dequantized operands of each GEMM."""
+    """(y, dx, dW) in float64 on the CPU from the dequantized operands of each GEMM."""
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     y = dequantized(x2, spec["x"]) @ dequantized(w, spec["w"]).t()
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.detach().cpu().double()
     dx = dequantized(dy2, spec["dy"], spec["grad"]) @ dequantized(w.t(), spec["w"]).t()
     dw = dequantized(dy2.t(), spec["dy"], spec["grad"]) @ dequantized(x2.t(), spec["xt"]).t()
     return y, dx, dw
 
 
+def wrong_specs(recipe):
+    """(what, spec, outputs): ``SPEC[recipe]`` with one entry changed (each other block of
+    ``BLOCKS``: another granularity or the transposed orientation; the other FP8 type for the
+    gradients) and the indices of the outputs (y, dx, dW) the change reaches."""
+    spec = SPEC[recipe]
+    for name, outputs in REACHES.items():
+        if name == "grad":
+            choices = [E5M2 if spec["grad"] == E4M3 else E4M3]
+        else:
+            choices = [block for block in BLOCKS if block != spec[name]]
+        for choice in choices:
+            yield f"{name}={choice}", {**spec, name: choice}, outputs
+
+
 def row_error(got, want) -> float:
-    """The largest relative error of a row (rows of very different sizes are each checked)."""
-    got, want = (t.detach().reshape(-1, t.shape[-1]).float() for t in (got, want))
+    """The largest relative error of a row (rows of very different sizes are each checked), in
+    float64 on the CPU."""
+    got, want = (t.detach().reshape(-1, t.shape[-1]).cpu().double() for t in (got, want))
     return float(((got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)).max())
 
 

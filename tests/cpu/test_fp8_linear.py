@@ -1,6 +1,7 @@
 """cutlass_ops.fp8 on the CPU: the recipes' table and rules, the FP8 linear's forward, dgrad and
-wgrad against a dequantized float32 reference written apart (each operand quantized along its
-reduction, with the granularity the recipe names), token counts that need the wgrad's padding,
+wgrad against a dequantized reference written apart (each operand quantized along its
+reduction, with the granularity the recipe names; float64 products), which one wrong entry of
+the recipe misses, token counts that need the wgrad's padding,
 merged weights, fp16, the weights' FP8 copies for inference (reuse, refresh, limits), the
 custom ops under torch.compile(fullgraph=True), and the refusals. The reference:
 tests/fp8_reference.py."""
@@ -17,7 +18,7 @@ from cutlass_ops.fp8.linear import Linear, fp8_linear
 from custom_kernels.core.errors import UnsupportedInputError
 
 from fp8_reference import (BOUND, E4M3, RECIPES, SPEC, operand, reference, row_error,  # noqa: E402
-                           run_linear)
+                           run_linear, wrong_specs)
 
 
 @pytest.fixture(autouse=True)
@@ -96,6 +97,18 @@ def test_the_reference_check_tells_the_recipes_apart(recipe):
         assert row_error(y, ref_y) > 2 * BOUND, other
         assert row_error(x.grad, ref_dx) > 2 * BOUND, other
         assert row_error(w.grad, ref_dw) > 2 * BOUND, other
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("tokens", [256, 200])
+def test_the_reference_check_fails_for_one_wrong_entry(recipe, tokens):
+    """One operand's block, orientation or the gradients' FP8 type changed in the reference:
+    an output it reaches misses the bound (the GPU twin checks the same)."""
+    x, w, b, dy, y = run_linear(recipe, tokens)
+    outputs = (y, x.grad, w.grad)
+    for what, spec, reached in wrong_specs(recipe):
+        refs = reference(spec, x.detach(), w.detach(), b.detach(), dy)
+        assert max(row_error(outputs[i], refs[i]) for i in reached) > BOUND, what
 
 
 def test_fp16_layers_compute_through_a_bf16_output():

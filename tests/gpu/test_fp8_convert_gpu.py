@@ -1,10 +1,11 @@
 """FP8 layers and convert(model, fp8=...) on an sm90 GPU: each recipe's forward, dgrad and wgrad
-against the dequantized float32 reference (tests/fp8_reference.py) and within FP8's error of
-the bf16 product; torch.compile(fullgraph=True) of a layer and of a converted model's train
-step; CUDA graphs (the weights' FP8 copies read by a captured graph, refreshed in place; a graph
-captured before any copy quantizes inside itself); generate() with and without the decode step
-graphs, after the weights change in place too; a converted model's train step against the bf16
-one; FSDP2 at world size 1 against one process."""
+against the dequantized reference (tests/fp8_reference.py: on the CPU, the library's
+quantization rule, float64 products), which one wrong granularity, orientation or FP8 type
+misses, and within FP8's error of the bf16 product; torch.compile(fullgraph=True) of a layer and
+of a converted model's train step; CUDA graphs (the weights' FP8 copies read by a captured
+graph, refreshed in place; a graph captured before any copy quantizes inside itself); generate()
+with and without the decode step graphs, after the weights change in place too; a converted
+model's train step against the bf16 one; FSDP2 at world size 1 against one process."""
 
 import copy
 
@@ -14,7 +15,7 @@ import torch
 import cutlass_ops
 from cutlass_ops.fp8.linear import Linear, fp8_linear
 from custom_kernels.core.tolerances import relative_error
-from fp8_reference import BOUND, RECIPES, SPEC, reference, row_error, run_linear
+from fp8_reference import BOUND, RECIPES, SPEC, reference, row_error, run_linear, wrong_specs
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -35,6 +36,18 @@ def test_each_recipe_matches_the_dequantized_reference(recipe, tokens):
     assert row_error(x.grad, ref_dx) < BOUND
     assert row_error(w.grad, ref_dw) < BOUND
     torch.testing.assert_close(b.grad.float(), dy.float().sum((0, 1)), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("tokens", [256, 200])
+def test_the_reference_check_fails_for_a_wrong_granularity_orientation_or_type(recipe, tokens):
+    """The check above is not loose: the reference with one operand's block, orientation or
+    the gradients' FP8 type changed misses the bound on an output it reaches."""
+    x, w, b, dy, y = run_linear(recipe, tokens, device="cuda")
+    outputs = (y, x.grad, w.grad)
+    for what, spec, reached in wrong_specs(recipe):
+        refs = reference(spec, x.detach(), w.detach(), b.detach(), dy)
+        assert max(row_error(outputs[i], refs[i]) for i in reached) > BOUND, what
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
