@@ -14,7 +14,12 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
   ``fused_loss=False`` (the head and loss as Hugging Face computes them);
 - ``peak memory train ours vs eager`` (and vs compile, vs ours without fused loss): unit 1/GB, so
   that ``ratio`` = the reference's GB over ours; each variant's peak without the other variants'
-  weights (they share the GPU).
+  weights (they share the GPU). ``detail`` breaks each peak down (``peak_memory``): parameters,
+  gradients, the rest, and the forward's own peak. No variant can peak below its parameters plus
+  all its gradients (every gradient is alive when the embedding's is written, backward's last
+  op): at ``--quick``'s 2 layers and 1024 tokens that floor, 2 x 2.974 = 5.948 GB, is above
+  every eager-mode variant's activation peak, so they all read 5.95-5.96 GB and the rows say so
+  (``detail.at_the_floor``); ``forward_peak_gb`` still tells them apart.
 - FP8 (issue 38; ``benchmarks/e2e_fp8.py`` says how): ``train ours fp8 vs ours bf16``,
   ``prefill ours fp8 vs ours bf16``, ``peak memory train ours fp8 vs ours bf16`` and ``train ours
   fp8 vs torchao float8``, "ours fp8" the best of ``convert(model, fp8=recipe)`` per recipe
@@ -114,17 +119,51 @@ def first_step(model, step):
     return loss, grads
 
 
-def peak_gb(model, step) -> float:
+def gradient_bytes(model) -> int:
+    return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+               if p.grad is not None)
+
+
+# The share of its peak by which an entry's ``peak_gb`` may exceed its parameters and gradients
+# and still be read as the floor (``memory_row``'s ``at_the_floor``): the last gradient's
+# temporaries (0.008 GB of 5.956 in a fake-tensor trace of eager at 2 layers and 1024 tokens),
+# not activations.
+FLOOR_SLACK = 0.01
+
+
+def peak_memory(model, step) -> dict:
     """The allocator's peak over one step, less what the other models on the GPU hold (their
-    weights, gradients and kept references): the figure the model alone would show."""
+    weights, gradients and kept references): the figure the model alone would show, in GB
+    (1e9), with its breakdown: ``parameters_gb``, ``gradients_gb`` (those the step left),
+    ``above_parameters_and_gradients_gb`` (the peak less both: about 0 when the peak is the end
+    of backward, every gradient alive, rather than activations), and ``forward_peak_gb`` (the
+    peak up to the end of the model's forward, its loss included: parameters and activations,
+    no gradient; None where no forward hook fired). The peak is reset right before the step,
+    so each call measures its own step whatever ran before it."""
     torch.cuda.synchronize()
-    others = torch.cuda.memory_allocated() - parameter_bytes(model)
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - others
+    parameters = parameter_bytes(model)
+    others = torch.cuda.memory_allocated() - parameters
+    marks = {}
+
+    def after_forward(module, args, output):
+        # The allocator's figures are the host's: no synchronization needed here.
+        marks.setdefault("forward", torch.cuda.max_memory_allocated())
+
+    hook = model.register_forward_hook(after_forward)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - others
+    finally:
+        hook.remove()
+    gradients = gradient_bytes(model)
     model.zero_grad(set_to_none=True)
-    return peak / 1e9
+    forward = marks.get("forward")
+    return {"peak_gb": peak / 1e9, "parameters_gb": parameters / 1e9,
+            "gradients_gb": gradients / 1e9,
+            "above_parameters_and_gradients_gb": (peak - parameters - gradients) / 1e9,
+            "forward_peak_gb": None if forward is None else (forward - others) / 1e9}
 
 
 def measure_train(variants, ids, reps, tolerances=None, fragile=()):
@@ -139,15 +178,16 @@ def measure_train(variants, ids, reps, tolerances=None, fragile=()):
     by repetition (tuning.timing's do_bench_interleaved), as decoding's: at small sizes a step
     is partly host-bound and the host's speed drifts, and sequential timing credits whoever ran
     on a quiet stretch or a cool GPU. The variants share the GPU, so a variant's peak (one step
-    of its own, before the timing; ``peak_gb``) leaves out the other variants' weights and
-    gradients and eager's kept gradients."""
+    of its own, before the timing; ``peak_memory``, its breakdown in ``memory``) leaves out the
+    other variants' weights and gradients and eager's kept gradients."""
     if next(iter(variants)) != "eager":
         raise ValueError("eager must be the first variant: the others are checked against it")
     eager = variants["eager"]
     eager.train()
     steps = {"eager": train_step(eager, ids)}
     reference = first_step(eager, steps["eager"])
-    out = {"eager": {"loss": reference[0], "peak_gb": peak_gb(eager, steps["eager"]),
+    memory = peak_memory(eager, steps["eager"])
+    out = {"eager": {"loss": reference[0], "peak_gb": memory["peak_gb"], "memory": memory,
                      "check": None}}
     bounds = {name: (tolerances or {}).get(name, model_checks.gradient_tolerance(eager))
               for name in variants if name != "eager"}
@@ -167,7 +207,9 @@ def measure_train(variants, ids, reps, tolerances=None, fragile=()):
             continue
         check = model_checks.check_train_step(loss, grads, *reference, bounds[name])
         del grads
-        out[name] = {"loss": loss, "peak_gb": peak_gb(model, steps[name]), "check": check}
+        memory = peak_memory(model, steps[name])
+        out[name] = {"loss": loss, "peak_gb": memory["peak_gb"], "memory": memory,
+                     "check": check}
     del reference
     times = do_bench_interleaved(steps, warmup=1, reps=reps, flush_l2=False)
     for name in steps:
@@ -340,14 +382,43 @@ def rate_row(case, tokens, ours, ref, ref_name, correct, **detail):
                        **detail}}
 
 
+def memory_breakdown(entry: dict) -> dict | None:
+    """An entry's ``peak_memory`` breakdown, rounded for a row's detail (None without one)."""
+    memory = entry.get("memory")
+    if not memory:
+        return None
+    return {k: None if v is None else round(v, 3) for k, v in memory.items()}
+
+
+def at_the_floor(entry: dict) -> bool | None:
+    """Whether the entry's peak is its parameters plus its gradients (within ``FLOOR_SLACK`` of
+    the peak): the end of backward, where every variant of the same weights lands, activations
+    below it."""
+    above = (entry.get("memory") or {}).get("above_parameters_and_gradients_gb")
+    return None if above is None else above <= FLOOR_SLACK * entry["peak_gb"]
+
+
 def memory_row(ours, ref, ref_name, correct: bool, case: str | None = None):
     """``correct``: whether the train step whose peak this is passed its check (a peak of a
-    wrong step is no figure to keep)."""
+    wrong step is no figure to keep). ``detail`` has both breakdowns (``peak_memory``), and
+    ``at_the_floor`` when both peaks are their parameters plus gradients, with the forward
+    peaks' ratio: what still tells the two apart there."""
+    detail = {"ours_gb": round(ours["peak_gb"], 2), "reference_gb": round(ref["peak_gb"], 2)}
+    breakdowns = memory_breakdown(ours), memory_breakdown(ref)
+    if all(breakdowns):
+        detail.update(ours_memory=breakdowns[0], reference_memory=breakdowns[1])
+        if at_the_floor(ours) and at_the_floor(ref):
+            detail["at_the_floor"] = (
+                "both peaks are their parameters plus gradients (the end of backward, every "
+                "gradient alive), above either's activation peak: equal for equal weights, "
+                "whatever the step keeps; forward_peak_ratio compares the rest")
+        forwards = ours["memory"].get("forward_peak_gb"), ref["memory"].get("forward_peak_gb")
+        if all(forwards):
+            detail["forward_peak_ratio"] = round(forwards[1] / forwards[0], 4)
     return {"case": case or f"peak memory train ours vs {ref_name}", "unit": "1/GB",
             "ours": round(1 / ours["peak_gb"], 5), "reference": round(1 / ref["peak_gb"], 5),
             "reference_name": ref_name, "ratio": round(ref["peak_gb"] / ours["peak_gb"], 4),
-            "correct": correct, "detail": {"ours_gb": round(ours["peak_gb"], 2),
-                                           "reference_gb": round(ref["peak_gb"], 2)}}
+            "correct": correct, "detail": detail}
 
 
 def pairs(have):

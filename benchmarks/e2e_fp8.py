@@ -24,7 +24,8 @@ processes of their own, and the rows that compare them.
 Rows (``ours fp8`` is the fastest correct recipe of the row, else the fastest measured, named
 in ``detail.recipe`` with every recipe's figures in ``detail.recipes`` and the peers' in
 ``detail.peers``): ``train ours fp8 vs ours bf16``, ``peak memory train ours fp8 vs ours bf16``
-(the train row's recipe), ``train ours fp8 vs torchao float8`` (the reference: the faster torchao
+(the train row's recipe; each recipe's peak broken down in ``detail.recipes``, as
+``e2e.peak_memory`` says), ``train ours fp8 vs torchao float8`` (the reference: the faster torchao
 recipe), ``prefill ours fp8 vs ours bf16``. A row without its figures has ``ours`` or
 ``reference`` null, ``ratio`` null, ``correct`` false and ``detail.missing`` saying why.
 """
@@ -151,11 +152,15 @@ def _train_summary(entry: dict) -> dict:
     if "ms" not in entry:
         return {"error": entry.get("error", "not measured")}
     check = entry["check"]
-    return {"ms": round(entry["ms"], 3), "peak_gb": round(entry["peak_gb"], 2),
-            "loss": entry["loss"], "correct": check.ok,
-            "grad_worst_parameter": check.gradients.worst_parameter,
-            "grad_worst_relative_error": round(check.gradients.worst_error, 6),
-            "grad_tolerance": round(check.gradients.tolerance, 6)}
+    summary = {"ms": round(entry["ms"], 3), "peak_gb": round(entry["peak_gb"], 2),
+               "loss": entry["loss"], "correct": check.ok,
+               "grad_worst_parameter": check.gradients.worst_parameter,
+               "grad_worst_relative_error": round(check.gradients.worst_error, 6),
+               "grad_tolerance": round(check.gradients.tolerance, 6)}
+    memory = e2e.memory_breakdown(entry)
+    if memory:
+        summary["memory"] = memory
+    return summary
 
 
 def peer_summaries(peers: dict, section: str) -> dict:
@@ -422,8 +427,10 @@ def measure_peer(variant: str, args) -> dict:
     ours_loss, ours_grads = e2e.first_step(model, step)
     check = model_checks.check_train_step(ours_loss, ours_grads, loss, grads, tolerance)
     del ours_grads, grads
-    peak = e2e.peak_gb(model, step)
-    result["train"] = {"ms": round(_time(step, args.reps), 3), "peak_gb": round(peak, 2),
+    memory = e2e.peak_memory(model, step)
+    result["train"] = {"ms": round(_time(step, args.reps), 3),
+                       "peak_gb": round(memory["peak_gb"], 2),
+                       "memory": e2e.memory_breakdown({"memory": memory}),
                        "loss": ours_loss, "correct": check.ok, **check.detail()}
     model.zero_grad(set_to_none=True)
     logits = e2e.prefill_logits(model, ids)

@@ -121,11 +121,11 @@ def cpu_timing(monkeypatch):
         return {k: SimpleNamespace(median_ms=order.setdefault(k, 10.0 - len(order)))
                 for k in fns}
 
-    def peak_gb(model, step):
+    def peak_memory(model, step):
         step()
         model.zero_grad(set_to_none=True)
-        return 1.0
-    monkeypatch.setattr(e2e, "peak_gb", peak_gb)
+        return {"peak_gb": 1.0}
+    monkeypatch.setattr(e2e, "peak_memory", peak_memory)
     monkeypatch.setattr(e2e, "do_bench_interleaved", bench)
     return order
 
