@@ -31,6 +31,11 @@ or missing one is quantized inside the graph: our decode-step graphs (``cutlass_
 key their graphs on the weights' versions and capture again after a change; a graph of your own
 replays the copies it was captured with until an eager call refreshes them.
 
+**An FP8 input given** (``x_fp8=(q, scale)``): a kernel that wrote ``x`` also wrote its forward
+operand (``custom_kernels.norms.rms_norm_fp8``, ``custom_kernels.swiglu.swiglu_fp8``: row and
+block_1x128 granularity, equal to ``quantize(x)`` bit for bit); the forward reads it instead of
+quantizing ``x`` again, and a training call still quantizes x^T for the wgrad.
+
 Three paths as ``cutlass_ops.ops.linear_fast``: custom ops with fakes while torch.compile traces
 (``cutlass_ops::fp8_linear`` and its backward, ``register_autograd``), an autograd.Function
 eagerly when gradients are needed, a direct call otherwise. ``Linear`` is the module,
@@ -52,7 +57,8 @@ from cutlass_ops.gemms.config import Activation
 from cutlass_ops.scaled import scaled_mm
 from custom_kernels.core.eager import PLAIN, fast_autograd
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.fp8_quant import empty_scale, quantize, quantize_pair
+from custom_kernels.fp8_quant import (Granularity, empty_scale, quantize, quantize_pair,
+                                      scale_shape)
 
 # ---------------------------------------------------------------------------------------------
 # Operands and GEMMs (no autograd)
@@ -98,10 +104,14 @@ def _gemm(a, scale_a, b_rows, scale_b_rows, gemm, dtype, bias=None) -> Tensor:
     return y if bias is None else y.add_(bias)
 
 
-def _activations(rows: Tensor, recipe: Recipe, keep: bool):
-    """(x_q, x_s, xt_q, xt_s): x for the forward, x^T for the wgrad when ``keep`` (the tokens
-    padded to the recipe's multiple)."""
+def _activations(rows: Tensor, recipe: Recipe, keep: bool, x_fp8=None):
+    """(x_q, x_s, xt_q, xt_s): x for the forward (``x_fp8``'s when given), x^T for the wgrad
+    when ``keep`` (the tokens padded to the recipe's multiple)."""
     a, b = recipe.forward.a, recipe.wgrad.b
+    if x_fp8 is not None:
+        xt = _quantize(_padded(rows, recipe.token_multiple), b, True) if keep else \
+            _nothing(rows)
+        return x_fp8[0].reshape(rows.shape), x_fp8[1], *xt
     if not keep:
         return (*_quantize(rows, a), *_nothing(rows))
     if _pairable(a, b) and rows.shape[0] % recipe.token_multiple == 0:
@@ -111,12 +121,12 @@ def _activations(rows: Tensor, recipe: Recipe, keep: bool):
 
 
 def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Recipe, keep: bool,
-             weight_fp8=None):
+             weight_fp8=None, x_fp8=None):
     """(y, xt_q, xt_s): y = x W^T + b; x^T quantized for the wgrad when ``keep`` (else empty).
-    ``weight_fp8``: W's forward operand (q, scale) when the caller has it."""
+    ``weight_fp8``: W's forward operand (q, scale) when the caller has it; ``x_fp8``: x's."""
     rows = _rows(x)
     wq, ws = weight_fp8 if weight_fp8 is not None else _quantize(weight, recipe.forward.b)
-    xq, xs, xtq, xts = _activations(rows, recipe, keep)
+    xq, xs, xtq, xts = _activations(rows, recipe, keep, x_fp8)
     y = _gemm(xq, xs, wq, ws, recipe.forward, x.dtype, bias)
     return y.view(*x.shape[:-1], weight.shape[0]), xtq, xts
 
@@ -148,7 +158,7 @@ def _backward(grad: Tensor, xt, recipe: Recipe, need_x: bool, need_w: bool, weig
 
 
 def _check_call(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor],
-                recipe: Recipe) -> None:
+                recipe: Recipe, x_fp8=None) -> None:
     """The rules of a call (shapes, dtypes), with the recipe's layer rules on the merged
     weight; UnsupportedInputError naming the one broken."""
     k = weights[0].shape[1] if weights[0].dim() == 2 else -1
@@ -165,6 +175,23 @@ def _check_call(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor],
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != sum(w.shape[0] for w in weights)):
         raise UnsupportedInputError(f"fp8_linear: bias {tuple(bias.shape)} is not one value per "
                                     "output feature")
+    if x_fp8 is not None:
+        _check_x_fp8(x, x_fp8, recipe.forward.a)
+
+
+def _check_x_fp8(x: Tensor, x_fp8, a: Operand) -> None:
+    """``x_fp8`` must be x's forward operand as the recipe quantizes it: q of x's shape and
+    the recipe's FP8 type, the scales of its granularity."""
+    q, scale = x_fp8
+    k = x.shape[-1]
+    want = scale_shape(a.granularity, x.numel() // k if k else 0, k)
+    if q.shape != x.shape or q.dtype != a.dtype or scale.dtype != torch.float32 or \
+            tuple(scale.shape) != want:
+        raise UnsupportedInputError(
+            f"fp8_linear: x_fp8 is q {tuple(q.shape)} {q.dtype} with scales "
+            f"{tuple(scale.shape)} {scale.dtype}; this recipe's forward reads x "
+            f"{tuple(x.shape)} as {a.dtype} with float32 {a.granularity.value} scales "
+            f"{want}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,23 +282,33 @@ class WeightCache:
 
 @torch.library.custom_op("cutlass_ops::fp8_linear", mutates_args=())
 def fp8_linear_op(x: Tensor, weights: list[Tensor], bias: Optional[Tensor], recipe: str,
-                  keep: bool) -> tuple[Tensor, Tensor, Tensor]:
+                  keep: bool, x_q: Optional[Tensor] = None,
+                  x_s: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(x @ cat(weights).T + bias, x^T's FP8 operand and scales for the wgrad (empty unless
-    ``keep``)), the weights quantized in the call."""
-    return _op_forward(x, weights, bias, recipe, keep)
+    ``keep``)), the weights quantized in the call; ``x_q`` and ``x_s``: x's forward operand
+    when a kernel wrote it (both or neither)."""
+    return _op_forward(x, weights, bias, recipe, keep, x_q, x_s)
 
 
-def _op_forward(x, weights, bias, recipe, keep):
+def _given(x_q, x_s):
+    if (x_q is None) != (x_s is None):
+        raise UnsupportedInputError("fp8_linear: x_q and x_s come together (x's FP8 operand "
+                                    "and its scales) or not at all")
+    return (x_q, x_s) if x_q is not None else None
+
+
+def _op_forward(x, weights, bias, recipe, keep, x_q=None, x_s=None):
     found = recipes.get(recipe)
-    _check_call(x, weights, bias, found)
+    x_fp8 = _given(x_q, x_s)
+    _check_call(x, weights, bias, found, x_fp8)
     with torch.no_grad():
-        return _forward(x, fused_linear.concatenated(weights), bias, found, keep)
+        return _forward(x, fused_linear.concatenated(weights), bias, found, keep, x_fp8=x_fp8)
 
 
 @fp8_linear_op.register_fake
-def _(x, weights, bias, recipe, keep):
+def _(x, weights, bias, recipe, keep, x_q=None, x_s=None):
     found = recipes.get(recipe)
-    _check_call(x, weights, bias, found)
+    _check_call(x, weights, bias, found, _given(x_q, x_s))
     k, n = weights[0].shape[1], sum(w.shape[0] for w in weights)
     y = x.new_empty((*x.shape[:-1], n))
     if not keep:
@@ -304,7 +341,7 @@ def _(grad, xt_q, xt_s, weights, recipe, need_x, need_w):
 
 
 def _op_setup(ctx, inputs, output) -> None:
-    x, weights, bias, recipe, keep = inputs
+    x, weights, bias, recipe, keep = inputs[:5]
     _, xt_q, xt_s = output
     ctx.save_for_backward(xt_q, xt_s, *weights)
     ctx.mark_non_differentiable(xt_q, xt_s)
@@ -324,7 +361,7 @@ def _op_backward(ctx, grad, *_):
                                             need_w)
     grad_b = _rows(grad).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return (grad_x if need_x else None, _split(grad_w if need_w else None, weights), grad_b,
-            None, None)
+            None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,14 +371,14 @@ def _op_backward(ctx, grad, *_):
 class _EagerFp8Linear(torch.autograd.Function):
     """``merged``: the weights as one (a view when packed; detached). The weights are kept for
     the dgrad (as nn.Linear keeps its own; under FSDP2 the gathered ones), x^T's FP8 operand for
-    the wgrad."""
+    the wgrad. ``x_fp8``: x's forward operand (q, scale) when a kernel wrote it, or None."""
 
     @staticmethod
-    def forward(ctx, x, bias, recipe, cache, merged, *weights):
-        need_w = any(ctx.needs_input_grad[5:])
+    def forward(ctx, x, bias, recipe, cache, x_fp8, merged, *weights):
+        need_w = any(ctx.needs_input_grad[6:])
         fp8 = cache.get("forward", weights, merged, recipe) if cache is not None and \
             not need_w else None
-        y, xt_q, xt_s = _forward(x, merged, bias, recipe, need_w, fp8)
+        y, xt_q, xt_s = _forward(x, merged, bias, recipe, need_w, fp8, x_fp8)
         ctx.save_for_backward(xt_q, xt_s, *weights)
         ctx.recipe, ctx.cache, ctx.has_bias = recipe, cache, bias is not None
         return y
@@ -350,7 +387,7 @@ class _EagerFp8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         xt_q, xt_s, *weights = ctx.saved_tensors
         need_x, need_b, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
-            any(ctx.needs_input_grad[5:])
+            any(ctx.needs_input_grad[6:])
         recipe, cache = ctx.recipe, ctx.cache
 
         def weight_t():
@@ -363,7 +400,7 @@ class _EagerFp8Linear(torch.autograd.Function):
             grad_x, grad_w = _backward(grad, (xt_q, xt_s), recipe, need_x, need_w,
                                        weights[0].dtype, weight_t)
             grad_b = _rows(grad).sum(0) if ctx.has_bias and need_b else None
-        return (grad_x, grad_b, None, None, None, *_split(grad_w, weights))
+        return (grad_x, grad_b, None, None, None, None, *_split(grad_w, weights))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,28 +409,31 @@ class _EagerFp8Linear(torch.autograd.Function):
 
 def fp8_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = None,
                recipe: Recipe | str = "rowwise", *, cache: Optional[WeightCache] = None,
-               view: Optional[fused_linear.MergedView] = None) -> Tensor:
+               view: Optional[fused_linear.MergedView] = None, x_fp8=None) -> Tensor:
     """``x @ cat(weights).T + bias`` through FP8 GEMMs per ``recipe`` (forward and backward;
     several weights as one GEMM), with autograd to ``x``, each weight and the bias. ``cache``:
     the weights' FP8 copies for calls that do not train them (module docstring); ``view``: the
-    caller's ``fused_linear.MergedView`` of packed weights. UnsupportedInputError for shapes or
-    dtypes the recipe does not take."""
+    caller's ``fused_linear.MergedView`` of packed weights; ``x_fp8``: ``(q, scale)``, x's
+    forward operand as the recipe quantizes it, when a kernel that wrote x wrote it too (no
+    gradient flows through it; x keeps its own). UnsupportedInputError for shapes or dtypes the
+    recipe does not take."""
     recipe = recipes.get(recipe)
     weights = list(weights)
     grad = torch.is_grad_enabled()
     train = grad and any(w.requires_grad for w in weights)
     if torch.compiler.is_compiling():
-        return fp8_linear_op(x, weights, bias, recipe.name, train)[0]
-    _check_call(x, weights, bias, recipe)
+        x_q, x_s = x_fp8 if x_fp8 is not None else (None, None)
+        return fp8_linear_op(x, weights, bias, recipe.name, train, x_q, x_s)[0]
+    _check_call(x, weights, bias, recipe, x_fp8)
     merged = view(weights) if view is not None else fused_linear.merged_view(weights)
     merged = merged.detach() if merged is not None else \
         torch.cat([w.detach() for w in weights])
     if cache is not None and train:
         cache.clear()
     if train or grad and (x.requires_grad or bias is not None and bias.requires_grad):
-        return _EagerFp8Linear.apply(x, bias, recipe, cache, merged, *weights)
+        return _EagerFp8Linear.apply(x, bias, recipe, cache, x_fp8, merged, *weights)
     fp8 = cache.get("forward", weights, merged, recipe) if cache is not None else None
-    return _forward(x, merged, bias, recipe, False, fp8)[0]
+    return _forward(x, merged, bias, recipe, False, fp8, x_fp8)[0]
 
 
 class Linear(nn.Linear):
@@ -435,30 +475,42 @@ class Linear(nn.Linear):
         return new
 
 
+# The granularities a kernel that writes an activation can also quantize it at (each group
+# within one row: the norm and SwiGLU kernels hold a row); a tensor's amax needs a grid-wide pass.
+WRITTEN_GRANULARITIES = (Granularity.ROW, Granularity.BLOCK_1X128)
+
+
 class FusedGemms:
     """The merged and residual GEMMs of a fused decoder block (``cutlass_ops.decoder_blocks``
-    calls them with ``cutlass_ops.fused_linear``'s signatures) in FP8: the residual is added
-    after the GEMM, in torch (the bf16 block adds it in the GEMM's epilogue). One per module
-    (the attention: QKV and o_proj; the MLP: gate+up and down_proj), with their weights' FP8
-    copies."""
+    calls them with ``cutlass_ops.fused_linear``'s signatures, plus ``x_fp8``) in FP8: the
+    residual is added after the GEMM, in torch (the bf16 block adds it in the GEMM's epilogue).
+    One per module (the attention: QKV and o_proj; the MLP: gate+up and down_proj), with their
+    weights' FP8 copies. ``input_fp8``: (granularity, FP8 dtype) of the activation operand the
+    forward GEMMs read, when the kernel writing an activation can write it too (rowwise and
+    blockwise recipes), else None (tensorwise)."""
 
     def __init__(self, recipe: Recipe | str):
         self.recipe = recipes.get(recipe)
         self.merged_weights = WeightCache()
         self.residual_weights = WeightCache()
+        a = self.recipe.forward.a
+        self.input_fp8 = (a.granularity, a.dtype) if a.granularity in WRITTEN_GRANULARITIES \
+            else None
 
     def __deepcopy__(self, memo):
         return FusedGemms(self.recipe)
 
     def merged_linear(self, x: Tensor, weights: Sequence[Tensor],
                       bias: Optional[Tensor] = None,
-                      view: Optional[fused_linear.MergedView] = None) -> Tensor:
-        return fp8_linear(x, weights, bias, self.recipe, cache=self.merged_weights, view=view)
+                      view: Optional[fused_linear.MergedView] = None, *,
+                      x_fp8=None) -> Tensor:
+        return fp8_linear(x, weights, bias, self.recipe, cache=self.merged_weights, view=view,
+                          x_fp8=x_fp8)
 
     def linear_residual(self, x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                        residual: Tensor) -> Tensor:
-        return fp8_linear(x, (weight,), bias, self.recipe, cache=self.residual_weights) + \
-            residual
+                        residual: Tensor, *, x_fp8=None) -> Tensor:
+        return fp8_linear(x, (weight,), bias, self.recipe, cache=self.residual_weights,
+                          x_fp8=x_fp8) + residual
 
 
 fast_autograd("cutlass_ops::fp8_linear", eager=_op_forward, backward=_op_backward,

@@ -1,9 +1,9 @@
 """cutlass_ops.fp8 on the CPU: the recipes' table and rules, the FP8 linear's forward, dgrad and
-wgrad against a dequantized reference written apart (each operand quantized along its
-reduction, with the granularity the recipe names; float64 products), which one wrong entry of
-the recipe misses, token counts that need the wgrad's padding,
-merged weights, fp16, the weights' FP8 copies for inference (reuse, refresh, limits), the
-custom ops under torch.compile(fullgraph=True), and the refusals. The reference:
+wgrad against a dequantized reference written apart (each operand quantized along its reduction,
+with the granularity the recipe names; float64 products), which one wrong entry of the recipe
+misses, token counts that need the wgrad's padding, merged weights, fp16, an FP8 input given by
+the kernel that wrote x (x_fp8), the weights' FP8 copies for inference (reuse, refresh, limits),
+the custom ops under torch.compile(fullgraph=True), and the refusals. The reference:
 tests/fp8_reference.py."""
 
 import copy
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from cutlass_ops.fp8 import linear as fp8_linear_module
 from cutlass_ops.fp8 import recipes
 from cutlass_ops.fp8.linear import Linear, fp8_linear
+from custom_kernels import fp8_quant
 from custom_kernels.core.errors import UnsupportedInputError
 
 from fp8_reference import (BOUND, E4M3, RECIPES, SPEC, operand, reference, row_error,  # noqa: E402
@@ -232,6 +233,59 @@ def test_a_copied_module_starts_without_copies():
     assert not twin.fp8_weights._copies and twin.fp8_weights is not lin.fp8_weights
 
 
+# ---- an FP8 input a kernel wrote ----------------------------------------------------------------
+
+def given_input(x, recipe):
+    """x's forward operand as a norm or SwiGLU kernel writes it: quantize(x) of the recipe's
+    granularity, q in x's shape."""
+    a = recipes.get(recipe).forward.a
+    q, scale = fp8_quant.quantize(x.detach().reshape(-1, x.shape[-1]), a.granularity,
+                                  fp8_dtype=a.dtype)
+    return q.view(x.shape), scale
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("tokens", [256, 200])
+def test_a_given_fp8_input_replaces_the_forward_quantization_bit_for_bit(recipe, tokens,
+                                                                         monkeypatch):
+    """x_fp8 equal to quantize(x): the same outputs and gradients; the forward quantizes only
+    x^T (for the wgrad), or nothing of x without gradients."""
+    x, w, b, dy, y = run_linear(recipe, tokens)
+    calls = []
+    quantize, pair = fp8_linear_module.quantize, fp8_linear_module.quantize_pair
+    monkeypatch.setattr(fp8_linear_module, "quantize", lambda t, *a, **k: calls.append(
+        ("quantize", t, k)) or quantize(t, *a, **k))
+    monkeypatch.setattr(fp8_linear_module, "quantize_pair", lambda t, *a, **k: calls.append(
+        ("pair", t, k)) or pair(t, *a, **k))
+    x2 = x.detach().clone().requires_grad_()
+    w2, b2 = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    y2 = fp8_linear(x2, [w2], b2, recipe, x_fp8=given_input(x2, recipe))
+    of_x = [(kind, k) for kind, t, k in calls if t.shape != w2.shape]
+    assert of_x == [("quantize", {"fp8_dtype": E4M3, "transpose": True})]
+    y2.backward(dy)
+    for got, want in zip((y2, x2.grad, w2.grad, b2.grad), (y, x.grad, w.grad, b.grad)):
+        assert torch.equal(got, want)
+    calls.clear()
+    with torch.no_grad():
+        assert torch.equal(fp8_linear(x2, [w2], b2, recipe, x_fp8=given_input(x2, recipe)), y)
+    assert [t.shape for _, t, _ in calls] == [w2.shape]  # the weight alone
+
+
+def test_a_given_fp8_input_must_be_the_recipes_operand():
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    w = torch.randn(128, 256, dtype=torch.bfloat16)
+    q, scale = given_input(x, "rowwise")
+    for bad, words in [((q.to(torch.float8_e5m2), scale), "float8_e5m2"),
+                       ((q[:16], scale[:16]), "x_fp8 is q"),
+                       ((q, given_input(x, "blockwise")[1]), "row scales")]:
+        with pytest.raises(UnsupportedInputError, match=words):
+            fp8_linear(x, [w], None, "rowwise", x_fp8=bad)
+    with pytest.raises(UnsupportedInputError, match="block_1x128 scales"):
+        fp8_linear(x, [w], None, "blockwise", x_fp8=(q, scale))
+    with pytest.raises(UnsupportedInputError, match="come together"):
+        fp8_linear_module.fp8_linear_op(x, [w], None, "rowwise", False, q, None)
+
+
 # ---- torch.compile ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
@@ -260,6 +314,30 @@ def test_the_custom_op_passes_opcheck():
         torch.library.opcheck(fp8_linear_module.fp8_linear_op, (x, [w], None, "rowwise", keep),
                               test_utils=("test_schema", "test_faketensor",
                                           "test_autograd_registration"))
+        # With an FP8 input too; not test_schema, whose mutation check multiplies the inputs
+        # (no CPU kernel for FP8 tensors).
+        torch.library.opcheck(fp8_linear_module.fp8_linear_op,
+                              (x, [w], None, "rowwise", keep, *given_input(x, "rowwise")),
+                              test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_a_compiled_call_with_a_given_fp8_input_matches_eager(recipe):
+    x = torch.randn(2, 64, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+
+    def call(x, w):
+        return fp8_linear(x, [w], None, recipe, x_fp8=given_input(x, recipe))
+
+    results = []
+    for f in (call, torch.compile(call, fullgraph=True, backend="aot_eager")):
+        x.grad = w.grad = None
+        y = f(x, w)
+        y.backward(dy)
+        results.append((y.detach(), x.grad, w.grad))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
 
 
 # ---- refusals ---------------------------------------------------------------------------------
