@@ -24,7 +24,12 @@ The attention itself
 the same ``ALL_ATTENTION_FUNCTIONS`` interface with the same arguments.
 The merged and residual GEMMs are a module's ``GEMMS`` attribute where one is set
 (``cutlass_ops.fp8``'s FP8 GEMMs, which add the residual after the GEMM), else
-``cutlass_ops.fused_linear``'s.
+``cutlass_ops.fused_linear``'s. In an FP8 block whose recipe quantizes activations per row or
+per 1x128 block, the kernels before the GEMMs also write the GEMMs' FP8 input (the same bits
+as quantizing their output): both norms (ours, called without hooks; ``RMSNorm.forward_fp8``)
+for QKV and gate+up, the SwiGLU kernel (``swiglu_fp8``) for down_proj. o_proj still quantizes
+the attention's output itself, and tensorwise blocks quantize every input (a tensor's amax
+needs a pass over all of it first).
 
 Nothing the user sees changes: the layer keeps its submodules, parameters and ``state_dict`` (Q,
 K and V stay three Parameters; ``fused_linear.pack`` only lays them out end to end in one storage
@@ -46,9 +51,11 @@ import sys
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from cutlass_ops import fused_linear, step_graphs
 from custom_kernels.core.tolerances import relative_error
+from custom_kernels.norms import ops as norm_ops
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
 LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
@@ -73,14 +80,15 @@ class FusedAttention:
     kernel. ``project`` computes q, k and v, ``attend_projected`` the cache update and the
     attention; both stop before ``o_proj``, so the fused layer can handle the residual."""
 
-    def project(self, hidden_states, position_embeddings):
-        """(q, k, v) as [B, H, S, D] (q and k rotated) from the normalized hidden states."""
+    def project(self, hidden_states, position_embeddings, x_fp8=None):
+        """(q, k, v) as [B, H, S, D] (q and k rotated) from the normalized hidden states;
+        ``x_fp8``: their FP8 operand (q, scale) for an FP8 QKV GEMM, when the norm wrote it."""
         from custom_kernels.rotary import apply_rotary
 
         projections = (self.q_proj, self.k_proj, self.v_proj)
         qkv = _gemms(self).merged_linear(hidden_states, [p.weight for p in projections],
                                          fused_linear.merged_bias(projections),
-                                         _merged_view(self))
+                                         _merged_view(self), **_fp8_input(x_fp8))
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = (t.view(hidden_shape) for t in
                    qkv.split([p.out_features for p in projections], dim=-1))
@@ -124,13 +132,32 @@ class FusedAttention:
 class FusedMLP:
     """``down(silu(gate(x)) * up(x))`` with gate and up as one GEMM and SwiGLU as one kernel."""
 
-    def activated(self, x):
+    def gate_up(self, x, x_fp8=None):
+        """``x @ [Wgate; Wup]^T`` as one GEMM; ``x_fp8``: x's FP8 operand when the norm wrote
+        it."""
+        pair = (self.gate_proj, self.up_proj)
+        return _gemms(self).merged_linear(x, [p.weight for p in pair],
+                                          fused_linear.merged_bias(pair), _merged_view(self),
+                                          **_fp8_input(x_fp8))
+
+    def activated(self, x, x_fp8=None):
         from custom_kernels.swiglu import swiglu
 
-        pair = (self.gate_proj, self.up_proj)
-        return swiglu(_gemms(self).merged_linear(x, [p.weight for p in pair],
-                                                 fused_linear.merged_bias(pair),
-                                                 _merged_view(self)))
+        return swiglu(self.gate_up(x, x_fp8))
+
+    def residual_forward(self, x, residual, x_fp8=None):
+        """``forward(x) + residual``, the residual added in down_proj's GEMM (after it, FP8).
+        In an FP8 MLP whose recipe takes it, the SwiGLU kernel also writes down_proj's FP8
+        input."""
+        from custom_kernels.swiglu import swiglu, swiglu_fp8
+
+        gemms, down = _gemms(self), self.down_proj
+        gate_up = self.gate_up(x, x_fp8)
+        fp8 = getattr(gemms, "input_fp8", None)
+        if fp8 is None:
+            return gemms.linear_residual(swiglu(gate_up), down.weight, down.bias, residual)
+        y, q, scale = swiglu_fp8(gate_up, fp8[0], fp8_dtype=fp8[1])
+        return gemms.linear_residual(y, down.weight, down.bias, residual, x_fp8=(q, scale))
 
     def forward(self, x):
         return self.down_proj(self.activated(x))
@@ -164,18 +191,30 @@ class FusedDecoderLayer:
 
     def before_attention(self, hidden_states, position_embeddings):
         """(q, k, v) of the layer input: the input norm, the QKV GEMM, the rotary kernel."""
-        return self.self_attn.project(self.input_layernorm(hidden_states), position_embeddings)
+        attention, norm = self.self_attn, self.input_layernorm
+        fp8 = _norm_fp8(norm, attention, hidden_states)
+        if fp8 is None:
+            return attention.project(norm(hidden_states), position_embeddings)
+        x, q, scale = norm.forward_fp8(hidden_states, fp8[0], fp8_dtype=fp8[1])
+        return attention.project(x, position_embeddings, x_fp8=(q, scale))
 
     def after_attention(self, a, hidden_states):
         """The layer output from the attention output ``a`` and the layer input."""
         mlp, o, norm = self.mlp, self.self_attn.o_proj, self.post_attention_layernorm
+        x_fp8 = None
         if isinstance(norm, RESIDUAL_NORMS):  # h = o_proj(a) + hidden_states, then x = norm(h)
-            x, h = norm(o(a), hidden_states)
+            attended = o(a)
+            fp8 = _norm_fp8(norm, mlp, attended, hidden_states)
+            if fp8 is None:
+                x, h = norm(attended, hidden_states)
+            else:
+                x, q, scale, h = norm.forward_fp8(attended, fp8[0], hidden_states,
+                                                  fp8_dtype=fp8[1])
+                x_fp8 = (q, scale)
         else:
             h = _gemms(self.self_attn).linear_residual(a, o.weight, o.bias, hidden_states)
             x = norm(h)
-        down = mlp.down_proj
-        return _gemms(mlp).linear_residual(mlp.activated(x), down.weight, down.bias, h)
+        return mlp.residual_forward(x, h, x_fp8)
 
 
 class _LayerGraphs:
@@ -235,8 +274,6 @@ def _graphed_modules(layer):
 
 def _hooked(layer) -> bool:
     """Hooks on a module a graph calls would run at capture only: such a layer runs eagerly."""
-    from torch.nn.modules import module as torch_module
-
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     return any(m is not None and (m._forward_hooks or m._forward_pre_hooks)
@@ -269,6 +306,29 @@ def _gemms(module):
     object an FP8 conversion set under ``GEMMS`` (``cutlass_ops.fp8.FusedGemms``, same
     signatures)."""
     return module.__dict__.get(GEMMS, fused_linear)
+
+
+def _fp8_input(x_fp8) -> dict:
+    """The GEMM's keyword for an FP8 input the caller has (none otherwise: fused_linear's
+    GEMMs take no such argument)."""
+    return {} if x_fp8 is None else {"x_fp8": x_fp8}
+
+
+def _norm_fp8(norm, module, x, residual=None):
+    """(granularity, FP8 dtype) of the input ``module``'s FP8 GEMMs read when ``norm`` can
+    write it beside its output for this call, else None (the norm's plain call): ``module``'s
+    GEMMs take one (``FusedGemms.input_fp8``), the norm has ``forward_fp8`` (our RMSNorm) and
+    no hooks (``forward_fp8`` is not ``__call__``), and its kernel takes the inputs (off a GPU
+    the reference runs, as for ``norm(x)``)."""
+    fp8 = getattr(_gemms(module), "input_fp8", None)
+    if fp8 is None or not hasattr(norm, "forward_fp8") or norm.weight is None or \
+            len(norm.normalized_shape) != 1:
+        return None
+    if norm._forward_hooks or norm._forward_pre_hooks or \
+            torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return None
+    why = norm_ops.refusal("rms", x, norm.weight, None, residual, norm.out_dtype)
+    return fp8 if why is None or isinstance(why, norm_ops.OffCuda) else None
 
 
 def _merged_view(module) -> fused_linear.MergedView:

@@ -1,9 +1,11 @@
-"""cutlass_ops.convert(model, fp8=...) on the CPU (the FP8 layers quantize as on a GPU and
-multiply in float32): the report's recipe or reason per layer, the LM head's option, include /
-exclude, an unknown recipe refused before anything changes, fp8=None unchanged, the state_dict
-and parameters kept, fused decoder blocks running FP8 GEMMs (all or nothing; their decode
-graphs keyed on parameter versions), training, generate() making the weights' copies once, and
-an FSDP2 step at world size 1 against the same step in one process."""
+"""cutlass_ops.convert(model, fp8=...) on the CPU (the FP8 layers quantize as on a GPU and multiply
+in float32): the report's recipe or reason per layer, the LM head's option, include / exclude,
+an unknown recipe refused before anything changes, fp8=None unchanged, the state_dict and
+parameters kept, fused decoder blocks running FP8 GEMMs (all or nothing; their decode graphs
+keyed on parameter versions; their norms and SwiGLU writing the GEMMs' FP8 inputs, the same bits
+as the blocks quantizing them, eagerly, compiled and in generate()), training, generate() making
+the weights' copies once, and an FSDP2 step at world size 1 against the same step in one
+process."""
 
 import copy
 
@@ -12,11 +14,13 @@ import torch
 from torch import nn
 
 import cutlass_ops
-from cutlass_ops import decoder_blocks
+from cutlass_ops import decoder_blocks, norm_probe
 from cutlass_ops.fp8 import linear as fp8_linear_module
 from cutlass_ops.fp8 import FusedGemms, Linear, convert_fp8
+from custom_kernels import swiglu as swiglu_module
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.core.tolerances import relative_error
+from custom_kernels.norms.modules import RMSNorm
 
 transformers = pytest.importorskip("transformers")
 
@@ -174,6 +178,108 @@ def test_fused_blocks_run_their_gemms_fp8_like_the_fp8_linears(recipe, monkeypat
         assert relative_error(p.grad.float(), grads[name].grad.float()) < 0.15, name
 
 
+def fp8_blocks(recipe, layers=2):
+    """tiny_llama with our RMSNorms (as convert makes them on a GPU), fused blocks and FP8
+    GEMMs."""
+    model = tiny_llama(layers=layers)
+    for layer in model.model.layers:
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            setattr(layer, name, norm_probe.drop_in(getattr(layer, name)))
+    convert_fp8(fused(model), recipe)
+    return model
+
+
+def quantizing_themselves(model):
+    """A copy of ``model`` whose blocks quantize every GEMM input in a pass of its own."""
+    twin = copy.deepcopy(model)
+    for layer in twin.model.layers:
+        for module in (layer.self_attn, layer.mlp):
+            module.__dict__[decoder_blocks.GEMMS].input_fp8 = None
+    return twin
+
+
+def fp8_writers(monkeypatch, tokens):
+    """Spies: the calls of RMSNorm.forward_fp8 and swiglu_fp8, and the activations (``tokens``
+    rows) fp8_linear quantizes for a forward GEMM (weights and transposes left out)."""
+    calls = {"norm": 0, "swiglu": 0, "forward operands": 0}
+    norm_fp8, swiglu_fp8 = RMSNorm.forward_fp8, swiglu_module.swiglu_fp8
+    quantize, pair = fp8_linear_module.quantize, fp8_linear_module.quantize_pair
+
+    def count(key, original):
+        def spy(*args, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        return spy
+
+    def forward_operand(original):
+        def spy(t, *args, transpose=False, **kwargs):
+            if not transpose and t.shape[0] == tokens:
+                calls["forward operands"] += 1
+            return original(t, *args, **kwargs) if original is pair else \
+                original(t, *args, transpose=transpose, **kwargs)
+        return spy
+
+    monkeypatch.setattr(RMSNorm, "forward_fp8", count("norm", norm_fp8))
+    monkeypatch.setattr(swiglu_module, "swiglu_fp8", count("swiglu", swiglu_fp8))
+    monkeypatch.setattr(fp8_linear_module, "quantize", forward_operand(quantize))
+    monkeypatch.setattr(fp8_linear_module, "quantize_pair", forward_operand(pair))
+    return calls
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_blocks_read_the_fp8_outputs_of_their_norms_and_swiglu(recipe, monkeypatch):
+    """Rowwise and blockwise blocks: both norms write the QKV and gate+up GEMMs' FP8 input, the
+    SwiGLU kernel down_proj's; o_proj alone quantizes its input. The same bits as the blocks
+    that quantize every input themselves (q and scale are quantize(y)'s), forward and
+    backward. Tensorwise blocks quantize every input (a tensor's amax needs a pass of its
+    own)."""
+    model = fp8_blocks(recipe)
+    twin = quantizing_themselves(model)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    calls = fp8_writers(monkeypatch, tokens=2 * 64)
+    with torch.no_grad():
+        logits = model(ids).logits
+    fused = recipe != "tensorwise"
+    assert calls == {"norm": 4 * fused, "swiglu": 2 * fused,
+                     "forward operands": 2 if fused else 8}
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, logits)
+    if not fused:
+        return
+    losses = [m(input_ids=ids, labels=ids).loss for m in (model, twin)]
+    assert torch.equal(losses[0], losses[1])
+    for loss in losses:
+        loss.backward()
+    grads = dict(twin.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name].grad), name
+
+
+def test_a_norm_with_hooks_keeps_its_call(monkeypatch):
+    model = fp8_blocks("rowwise", layers=1)
+    seen = []
+    model.model.layers[0].input_layernorm.register_forward_hook(
+        lambda module, args, out: seen.append(out.shape))
+    calls = fp8_writers(monkeypatch, tokens=16)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 16)))
+    assert seen == [(1, 16, 256)] and calls["norm"] == 1  # the post-attention norm's
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_fp8_blocks_generate_like_blocks_quantizing_themselves(recipe):
+    model = fp8_blocks(recipe)
+    twin = quantizing_themselves(model)
+    ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        ours, theirs = model.generate(ids, **kwargs), twin.generate(ids, **kwargs)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for a, b in zip(ours.logits, theirs.logits):
+        assert torch.equal(a, b)
+
+
 def test_a_block_with_a_projection_the_recipe_refuses_stays_16_bit():
     model = fused(tiny_llama(head_dim=64))  # k_proj and v_proj 256 -> 64
     choices = {c.name: c for c in convert_fp8(model, "blockwise")}
@@ -201,9 +307,13 @@ def test_a_block_refused_names_the_projection():
         choices["model.layers.1.mlp.gate_proj"].reason
 
 
-def test_a_compiled_fused_fp8_model_matches_eager():
-    model = fused(tiny_llama())
-    convert_fp8(model, "rowwise")
+@pytest.mark.parametrize("norms", ["Hugging Face's", "ours (FP8 outputs)"])
+def test_a_compiled_fused_fp8_model_matches_eager(norms):
+    if norms == "Hugging Face's":
+        model = fused(tiny_llama())
+        convert_fp8(model, "rowwise")
+    else:
+        model = fp8_blocks("rowwise")
     twin = copy.deepcopy(model)
     compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))

@@ -5,7 +5,9 @@ misses, and within FP8's error of the bf16 product; torch.compile(fullgraph=True
 of a converted model's train step; CUDA graphs (the weights' FP8 copies read by a captured
 graph, refreshed in place; a graph captured before any copy quantizes inside itself); generate()
 with and without the decode step graphs, after the weights change in place too; a converted
-model's train step against the bf16 one; FSDP2 at world size 1 against one process."""
+model's train step against the bf16 one; the blocks' norms and SwiGLU writing their GEMMs' FP8
+inputs, bit for bit against blocks quantizing them, in a forward, a train step and generate()
+through the decode graphs (blockwise at M % 4 != 0); FSDP2 at world size 1 against one process."""
 
 import copy
 
@@ -13,8 +15,11 @@ import pytest
 import torch
 
 import cutlass_ops
+from cutlass_ops import decoder_blocks
 from cutlass_ops.fp8.linear import Linear, fp8_linear
+from custom_kernels import swiglu as swiglu_module
 from custom_kernels.core.tolerances import relative_error
+from custom_kernels.norms.modules import RMSNorm
 from fp8_reference import BOUND, RECIPES, SPEC, reference, row_error, run_linear, wrong_specs
 
 pytestmark = pytest.mark.gpu
@@ -219,6 +224,78 @@ def test_generate_after_the_weights_change_in_place_matches_a_fresh_conversion()
     assert torch.equal(after.sequences, expected.sequences)
     for a, b in zip(after.logits, expected.logits):
         assert relative_error(a, b) < 1e-2
+
+
+# ---- the norms' and SwiGLU's FP8 outputs ----------------------------------------------------
+
+def quantizing_themselves(model):
+    """A copy of ``model`` whose blocks quantize every GEMM input in a pass of its own."""
+    twin = copy.deepcopy(model)
+    for layer in twin.model.layers:
+        for module in (layer.self_attn, layer.mlp):
+            module.__dict__[decoder_blocks.GEMMS].input_fp8 = None
+    return twin
+
+
+def fp8_writers(monkeypatch):
+    """Counts of RMSNorm.forward_fp8 and swiglu_fp8 calls (Python calls: not graph replays)."""
+    calls = {"norm": 0, "swiglu": 0}
+
+    def count(key, original):
+        def spy(*args, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        return spy
+
+    monkeypatch.setattr(RMSNorm, "forward_fp8", count("norm", RMSNorm.forward_fp8))
+    monkeypatch.setattr(swiglu_module, "swiglu_fp8", count("swiglu", swiglu_module.swiglu_fp8))
+    return calls
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_fp8_blocks_read_their_norms_and_swiglus_fp8_outputs_bit_for_bit(recipe, monkeypatch):
+    """Both norms write the QKV and gate+up GEMMs' FP8 input, the SwiGLU kernel down_proj's:
+    the same logits and loss as blocks quantizing every input themselves (q and scale are
+    quantize(y)'s bit for bit, y the plain kernels'); gradients the same but for the attention
+    backward's own summation order."""
+    model, _ = tiny_llama(recipe)
+    twin = quantizing_themselves(model)
+    ids = torch.randint(0, 1024, (2, 128), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(4))
+    calls = fp8_writers(monkeypatch)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        assert calls == {"norm": 4, "swiglu": 2}
+        assert torch.equal(twin(input_ids=ids).logits, logits)
+    assert calls == {"norm": 4, "swiglu": 2}
+    losses = []
+    for m in (model, twin):
+        m.train()
+        losses.append(m(input_ids=ids, labels=ids).loss)
+        losses[-1].backward()
+    assert torch.equal(losses[0], losses[1])
+    theirs = dict(twin.named_parameters())
+    for name, p in model.named_parameters():
+        assert relative_error(p.grad, theirs[name].grad) < 1e-2, name
+
+
+@pytest.mark.parametrize("recipe, prompt", [("rowwise", (2, 12)), ("blockwise", (2, 12)),
+                                            ("blockwise", (1, 13))])
+def test_fp8_blocks_generate_with_decode_graphs_like_blocks_quantizing_themselves(
+        recipe, prompt, monkeypatch):
+    """generate() through the decode step graphs, the FP8 outputs inside them; blockwise at
+    token counts scaled_mm pads (prefill M 13, decode M 1 and 2: M % 4 != 0)."""
+    model, _ = tiny_llama(recipe)
+    twin = quantizing_themselves(model)
+    ids = torch.randint(0, 1024, prompt, device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(5))
+    calls = fp8_writers(monkeypatch)
+    ours = generate(model, ids)
+    assert graph_count(model) > 0 and calls["norm"] > 0 and calls["swiglu"] > 0
+    theirs = generate(twin, ids)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for a, b in zip(ours.logits, theirs.logits):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not torch.distributed.is_nccl_available(), reason="no NCCL")
