@@ -31,7 +31,8 @@ SPEC = {
 # GEMM's accumulation (its order; the tensorwise and rowwise forwards' fast accumulation keeps
 # about 14 bits an add, DeepSeek-V3's measure: a few 1e-4 a row at K <= 384). A wrong
 # granularity, orientation or FP8 type moves many quantized values by an FP8 step: from 1.5e-2
-# to 9e-2 a row on these operands at 200 and 256 tokens (``wrong_specs``; tests check it).
+# (x's row against its 1x128 blocks, K 256) to 0.17 a row on these operands at 200 and 256
+# tokens (``wrong_specs``; tests check it).
 BOUND = 1e-2
 # Which outputs (y, dx, dW) each entry of a spec reaches.
 REACHES = {"x": (0,), "w": (0, 1), "dy": (1, 2), "xt": (2,), "grad": (1, 2)}
