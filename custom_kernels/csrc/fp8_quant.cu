@@ -39,7 +39,7 @@
 // pointer allow 16-byte loads (else one element an access; q's stores follow); BLOCK threads
 // (rows and amax kernels; the tile kernel runs TILE_THREADS); NV; AMAX; WRITE_Q / WRITE_QT.
 // Scalar parameters are 64-bit, as cuda.core packs Python ints; indices are 64-bit throughout.
-#include "norm_common.cuh"
+#include "fp8_common.cuh"  // the group maxima; norm_common.cuh's vectors and element types
 #include <cuda_fp8.h>
 
 #ifndef DTYPE
@@ -87,7 +87,9 @@ struct alignas(EPT) Bytes {
   unsigned char b[EPT];
 };
 
-__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+using ck::abs_bits;
+using ck::lanes_max;
+using ck::team_max;
 
 __device__ __forceinline__ float scale_of(unsigned amax) {
   const float s = __fdiv_rn(__uint_as_float(amax), FP8_MAX);
@@ -140,28 +142,6 @@ __device__ __forceinline__ void store_slot(unsigned char* row, long long c, long
     for (int j = 0; j < EPT; ++j)
       if (c + j < extent) row[c + j] = b.b[j];
   }
-}
-
-// The max over `width` (a power of two, at most 32) consecutive lanes, in each of them.
-__device__ __forceinline__ unsigned lanes_max(unsigned v, int width) {
-  for (int off = width >> 1; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-}
-
-// The max over a team of `team` consecutive threads (a power of two, at most THREADS), in each;
-// every thread of the block calls it (`red`: THREADS / 32 words of shared memory).
-template <int THREADS>
-__device__ __forceinline__ unsigned team_max(unsigned v, int team, unsigned* red) {
-  v = lanes_max(v, team < 32 ? team : 32);
-  if (team <= 32) return v;
-  const int warp = threadIdx.x >> 5;
-  __syncthreads();  // the previous call's reads are done
-  if ((threadIdx.x & 31) == 0) red[warp] = v;
-  __syncthreads();
-  const int warps = team >> 5, first = warp & ~(warps - 1);
-  v = 0;
-  for (int w = 0; w < warps; ++w) v = max(v, red[first + w]);
-  return v;
 }
 
 }  // namespace fp8q
