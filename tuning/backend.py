@@ -18,6 +18,7 @@ from custom_kernels.core.tolerances import GEMM, relative_tolerance
 from custom_kernels.core.tuned_store import CacheScope
 from cutlass_ops.gemms.choice import Choice
 from custom_kernels.core.device import DeviceSpec
+from tuning.graph_session import GraphTimedSession
 from tuning.protocol import Session, check
 
 
@@ -79,7 +80,7 @@ def _random_matrix(rows: int, cols: int, batch: int, layout: Layout, dtype, devi
     return t if batch > 1 else t[0]
 
 
-class GpuSession:
+class GpuSession(GraphTimedSession):
     """One GEMM problem's session (``tuning.protocol.Session``): random inputs, a fused
     epilogue's operands, the float32 reference and torch's same call. Times are replays of each
     call captured in a CUDA graph: GPU time without the host's launch cost."""
@@ -159,12 +160,6 @@ class GpuSession:
             return f"launch: {type(exc).__name__}: {exc}"[:400]
         return check([self.out], [self.reference], self.tolerance)
 
-    def time_ms(self, choice: Choice, reps: int) -> float:
-        from tuning.timing import do_bench
-
-        return do_bench(self._launcher(choice), warmup=3, reps=reps, graph=True,
-                        device=self.device).median_ms
-
     def _torch_call(self) -> Callable:
         import torch
 
@@ -183,21 +178,6 @@ class GpuSession:
             return y if c is None else y.add_(c, alpha=beta)
 
         return unfused
-
-    def torch_ms(self, reps: int) -> float:
-        from tuning.timing import do_bench
-
-        return do_bench(self._torch_call(), warmup=3, reps=reps, graph=True,
-                        device=self.device).median_ms
-
-    def compare_ms(self, choices: list[Choice], reps: int) -> tuple[dict[Choice, float], float]:
-        from tuning.timing import do_bench_interleaved
-
-        fns: dict = {choice: self._launcher(choice) for choice in choices}
-        fns["torch"] = self._torch_call()
-        timings = do_bench_interleaved(fns, reps=reps, graph=True, device=self.device)
-        torch_ms = timings.pop("torch").median_ms
-        return {choice: t.median_ms for choice, t in timings.items()}, torch_ms
 
     def close(self) -> None:
         self._launchers.clear()

@@ -5,7 +5,7 @@ Inputs are quantized from random float32 data per the problem's recipe (scales t
 by row and block by block, so that a kernel reading the wrong scale fails verification). The
 reference is the dequantized float32 product (``scaled_inputs.reference``); torch's call is
 ``torch._scaled_mm`` on the same operands and scales. Times are CUDA-graph replays, as for
-every GEMM.
+every GEMM (``graph_session.GraphTimedSession``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Callable
 from cutlass_ops.gemms.config import BiasMode, GemmProblem
 from cutlass_ops.gemms.scaled_inputs import BLOCK, Recipe
 from custom_kernels.core.tolerances import GEMM, relative_tolerance
+from tuning.graph_session import GraphTimedSession
 from tuning.protocol import check
 
 
@@ -60,8 +61,8 @@ def _cast(x, fp8_dtype):
     return x.clamp(-limit, limit).to(fp8_dtype)
 
 
-class ScaledSession:
-    """One scaled problem's session (``tuning.protocol.Session``)."""
+class ScaledSession(GraphTimedSession):
+    """One scaled problem's session (``tuning.protocol.Session``; timed as every GEMM's)."""
 
     def __init__(self, problem: GemmProblem, device_index: int):
         import torch
@@ -121,27 +122,6 @@ class ScaledSession:
         a, b, sa, sb, bias = self.a, self.b, self.scale_a, self.scale_b, self.bias
         out_dtype, fast, recipe = self.out.dtype, self.fast_accum, self.recipe
         return lambda: torch_scaled_mm(a, b, sa, sb, bias, out_dtype, fast, recipe)
-
-    def time_ms(self, choice, reps: int) -> float:
-        from tuning.timing import do_bench
-
-        return do_bench(self._launcher(choice), warmup=3, reps=reps, graph=True,
-                        device=self.device).median_ms
-
-    def torch_ms(self, reps: int) -> float:
-        from tuning.timing import do_bench
-
-        return do_bench(self._torch_call(), warmup=3, reps=reps, graph=True,
-                        device=self.device).median_ms
-
-    def compare_ms(self, choices: list, reps: int) -> tuple[dict, float]:
-        from tuning.timing import do_bench_interleaved
-
-        fns: dict = {choice: self._launcher(choice) for choice in choices}
-        fns["torch"] = self._torch_call()
-        timings = do_bench_interleaved(fns, reps=reps, graph=True, device=self.device)
-        torch_ms = timings.pop("torch").median_ms
-        return {choice: t.median_ms for choice, t in timings.items()}, torch_ms
 
     def close(self) -> None:
         self._launchers.clear()
