@@ -136,8 +136,17 @@ class GemmFamily:
         return self.backend.session(problem)
 
     def derived(self, problem: GemmProblem, ranked: list[Choice]) -> list[Choice]:
-        """The run-time variants of the best few kernels (no new build)."""
-        kernels = [c for c in ranked if isinstance(c, Choice)][:self.strategy.varied_kernels]
+        """The run-time variants of the best few kernels (no new build). For scaled FP8
+        problems, also those of the best stream-K kernel wherever it ranked: its first-round
+        time is CUTLASS's own split count, and the forced splits are what small-M, long-K
+        shapes need (the H200 tune measured torch 1.2x faster there without them)."""
+        choices = [c for c in ranked if isinstance(c, Choice)]
+        kernels = choices[:self.strategy.varied_kernels]
+        if problem.operands.scaling.value != "none":
+            stream_k = next((c for c in choices if c.config.tile_scheduler.value == "streamk"),
+                            None)
+            if stream_k is not None and stream_k not in kernels:
+                kernels.append(stream_k)
         return [variant for choice in kernels
                 for variant in candidates.variants(problem, choice, self.device)[1:]]
 

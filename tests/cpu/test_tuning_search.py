@@ -225,3 +225,29 @@ def test_a_cpp_winner_names_the_best_dsl_kernel_and_the_extra_absent_offers_none
          use_heuristics=False, force=True)
     assert all(c.backend == "cutlass" for c in backend.verified)
     assert stored(gemm_cache(SCOPE, tmp_path), problems()[1])["other_backend_best"] is None
+
+
+def test_a_scaled_tune_times_the_stream_k_kernels_splits_wherever_it_ranked(tmp_path):
+    """FP8 problems compile the FP8 seeds only, unswapped, and round 2 times the forced split
+    counts of the best stream-K kernel even when round 1 ranked it low (its first time is
+    CUTLASS's own split count)."""
+    from cutlass_ops.gemms.scaled_plan import scaled_problem
+
+    from tuning_fakes import FakeSession
+
+    class SlowUnsplitStreamK(FakeSession):  # last in round 1 unless its splits are forced
+        def time_ms(self, choice, reps):
+            ms = super().time_ms(choice, reps)
+            config = choice.config
+            return ms * 5 if config.tile_scheduler.value == "streamk" and config.splits == 1 \
+                else ms
+
+    backend = FakeBackend()
+    backend.session = lambda problem: SlowUnsplitStreamK(backend, problem)
+    problem = scaled_problem("blockwise", 16, 4096, 14336)
+    tune([problem], backend=backend, strategy="quick", cache=gemm_cache(SCOPE, tmp_path),
+         use_heuristics=False)
+    assert backend.built and all(ops == problem.operands for ops, _ in backend.built)
+    split_variants = [c for c in backend.timed
+                      if c.config.tile_scheduler.value == "streamk" and c.config.splits > 1]
+    assert split_variants and not any(c.swap_ab for c in backend.timed)
