@@ -165,8 +165,8 @@ def known_route(a, b, scale_a, scale_b, bias, out_dtype, fast_accum: bool) -> Ro
     """The memoized route of a call whose signature was checked before, else None: the eager
     fast path (a dictionary lookup instead of the checks)."""
     if not all(isinstance(t, torch.Tensor) for t in (a, b, scale_a, scale_b)) or \
-            bias is not None and not isinstance(bias, torch.Tensor):
-        return None
+            bias is not None and not isinstance(bias, torch.Tensor) or not a.is_cuda:
+        return None  # off a GPU, scaled_mm computes the reference (the CPU rule)
     return _routes.get(_signature(a, b, scale_a, scale_b, bias, out_dtype, fast_accum))
 
 

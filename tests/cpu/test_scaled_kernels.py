@@ -142,10 +142,12 @@ def test_dispatch_off_a_gpu_names_the_device_and_memoizes_the_route():
     assert scaled_dispatch.known_route(a, b, sa, sb, None, torch.bfloat16, False) is None
     checked = check_scaled(a, b, sa, sb)
     made = scaled_dispatch.route(a, b, sa, sb, None, checked, False)
-    assert scaled_dispatch.known_route(a, b, sa, sb, None, torch.bfloat16, False) is made
-    assert scaled_dispatch.known_route(a, b, sa, sb, None, torch.float32, False) is None
-    scaled_dispatch.reset()  # dispatch.reset() forgets scaled routes too
+    key = scaled_dispatch._signature(a, b, sa, sb, None, torch.bfloat16, False)
+    assert scaled_dispatch._routes[key] is made
+    # The eager fast path serves CUDA tensors only: off a GPU, scaled_mm computes the reference.
     assert scaled_dispatch.known_route(a, b, sa, sb, None, torch.bfloat16, False) is None
+    scaled_dispatch.reset()  # dispatch.reset() forgets scaled routes too
+    assert key not in scaled_dispatch._routes
 
 
 def test_cli_fp8_operands_and_refusals():
