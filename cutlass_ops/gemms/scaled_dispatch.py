@@ -100,10 +100,12 @@ def _copying_route(checked: CheckedScaled, fast_accum: bool, reason: str) -> Rou
         columns = scale_a.t()
         scale_a = torch.cat([columns, columns.new_ones(columns.shape[0], pad)], 1).t()
         scale_b = scale_b.t().contiguous().t()
-        again = scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias,
-                                           out_dtype=checked.out_dtype)
-        out = route(a, b, scale_a, scale_b, bias, again, fast_accum).run(
-            a, b, scale_a, scale_b, bias)
+        copied = known_route(a, b, scale_a, scale_b, bias, checked.out_dtype, fast_accum)
+        if copied is None:  # the copies' first call: checked once, as any call
+            again = scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias,
+                                               out_dtype=checked.out_dtype)
+            copied = route(a, b, scale_a, scale_b, bias, again, fast_accum)
+        out = copied.run(a, b, scale_a, scale_b, bias)
         return out[:checked.m] if pad else out
 
     return Route(dispatch.Decision("copy", None, reason), run)
