@@ -379,6 +379,26 @@ def _is_fp8(fp8_dtype) -> bool:
         return False
 
 
+# A kernel that writes an FP8 copy of its own output (the fused RMSNorm's, the SwiGLU's) writes
+# rows whose length is the K of the GEMM that reads them: a multiple of 16 (16-byte FP8 rows), of
+# 128 for 1x128 blocks.
+FUSED_ROW_MULTIPLE = 16
+
+
+def check_fused_output(entry: str, g: Granularity, fp8_dtype, length: int, what: str) -> None:
+    """The rules such a kernel's FP8 output shares: an FP8 type of the element table, and rows
+    (``length`` elements: ``what``) a multiple of ``FUSED_ROW_MULTIPLE``, or of 128 for
+    ``block_1x128``. UnsupportedInputError naming the rule otherwise."""
+    if not _is_fp8(fp8_dtype):
+        raise UnsupportedInputError(f"{entry}: fp8_dtype must be torch.float8_e4m3fn or "
+                                    f"torch.float8_e5m2, not {fp8_dtype}")
+    multiple = 128 if g is Granularity.BLOCK_1X128 else FUSED_ROW_MULTIPLE
+    if length % multiple:
+        why = "its 128-column blocks" if multiple == 128 else "an FP8 GEMM's K"
+        raise UnsupportedInputError(f"{entry}: granularity {g.value!r} needs {what} a multiple "
+                                    f"of {multiple} ({why}), got {length}")
+
+
 def _granularity(granularity, entry: str) -> Granularity:
     try:
         return Granularity(granularity)

@@ -49,7 +49,8 @@ from custom_kernels import jit
 from custom_kernels.core import fallback
 from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.fp8_quant import Granularity, empty_scale, rows_team, torch_quantize
+from custom_kernels.fp8_quant import (Granularity, check_fused_output, empty_scale, rows_team,
+                                      torch_quantize)
 from custom_kernels.launch import launch
 
 SOURCE = "swiglu.cu"
@@ -62,8 +63,6 @@ NV = 8  # 16-byte slots of y an FP8 kernel thread keeps in registers
 DTYPE_CODES = elements.float_codes()
 # The granularities the FP8 kernel writes, and their codes (its MODE).
 FP8_MODES = {Granularity.ROW: 1, Granularity.BLOCK_1X128: 2}
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_MULTIPLE = 16  # of I: an FP8 GEMM's K
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,15 +389,7 @@ def _check_fp8(gate_up, granularity, fp8_dtype, entry: str) -> Granularity:
     """The FP8 output's rules (``_check_tensor``'s first), on every device."""
     _check_tensor(gate_up, entry)
     g = _fp8_granularity(granularity, entry)
-    if not (isinstance(fp8_dtype, torch.dtype) and fp8_dtype in FP8_DTYPES):
-        raise UnsupportedInputError(f"{entry}: fp8_dtype must be torch.float8_e4m3fn or "
-                                    f"torch.float8_e5m2, not {fp8_dtype}")
-    inter = gate_up.shape[-1] // 2
-    multiple = 128 if g is Granularity.BLOCK_1X128 else FP8_MULTIPLE
-    if inter % multiple:
-        why = "its 128-column blocks" if multiple == 128 else "an FP8 GEMM's K"
-        raise UnsupportedInputError(f"{entry}: granularity {g.value!r} needs I (half the last "
-                                    f"dimension) a multiple of {multiple} ({why}), got {inter}")
+    check_fused_output(entry, g, fp8_dtype, gate_up.shape[-1] // 2, "I (half the last dimension)")
     return g
 
 

@@ -45,15 +45,14 @@ from custom_kernels import jit
 from custom_kernels.core import elements
 from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.fp8_quant import Granularity, empty_scale, torch_quantize
+from custom_kernels.fp8_quant import (Granularity, check_fused_output, empty_scale,
+                                      torch_quantize)
 from custom_kernels.launch import launch
 from custom_kernels.norms import config as nc
 from custom_kernels.norms import ops
 
 # The granularities the kernels write, and their codes (csrc/norm_fp8.cuh's NORM_FP8).
 MODE_CODES = {Granularity.ROW: 1, Granularity.BLOCK_1X128: 2}
-MIN_MULTIPLE = 16  # of hidden: an FP8 GEMM's K
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,15 +270,7 @@ class _EagerNormFp8(torch.autograd.Function):
 def _check_fp8(x, granularity, fp8_dtype, entry: str) -> Granularity:
     """The FP8 output's rules (after the norm's own), on every device."""
     g = _granularity(granularity, entry)
-    if not (isinstance(fp8_dtype, torch.dtype) and fp8_dtype in FP8_DTYPES):
-        raise UnsupportedInputError(f"{entry}: fp8_dtype must be torch.float8_e4m3fn or "
-                                    f"torch.float8_e5m2, not {fp8_dtype}")
-    hidden = x.shape[-1]
-    multiple = 128 if g is Granularity.BLOCK_1X128 else MIN_MULTIPLE
-    if hidden % multiple:
-        why = "its 128-column blocks" if multiple == 128 else "an FP8 GEMM's K"
-        raise UnsupportedInputError(f"{entry}: granularity {g.value!r} needs hidden (the last "
-                                    f"dimension) a multiple of {multiple} ({why}), got {hidden}")
+    check_fused_output(entry, g, fp8_dtype, x.shape[-1], "hidden (the last dimension)")
     return g
 
 
