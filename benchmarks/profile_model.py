@@ -10,7 +10,7 @@ with the most own time; then microseconds per call of each fused-layer piece. Wr
 under benchmarks/results (a diagnostic, not a result); ``--out DIR`` keeps the pstats dumps.
 
     python benchmarks/profile_model.py [--decode] [--kernels] [--layers 8] [--batch 1 16]
-        [--new-tokens 32] [--out DIR]
+        [--new-tokens 32] [--out DIR] [--fp8 tensorwise|rowwise|blockwise]
 """
 
 from __future__ import annotations
@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="the host profile of decoding")
     parser.add_argument("--kernels", action="store_true",
                         help="GPU time by kernel of a prefill and a train step")
+    parser.add_argument("--fp8", choices=("tensorwise", "rowwise", "blockwise"),
+                        help="convert with this FP8 recipe (convert(model, fp8=RECIPE))")
     args = parser.parse_args()
     if not (args.decode or args.kernels):
         args.decode = args.kernels = True
@@ -174,7 +176,7 @@ def main() -> None:
 
     eager = llama(args.layers).eval()
     ours = copy.deepcopy(eager)
-    print(str(cutlass_ops.convert(ours)).splitlines()[0])
+    print(str(cutlass_ops.convert(ours, fp8=args.fp8)).splitlines()[0])
     if args.kernels:
         kernels(eager, ours, args.top, args.out)
     if not args.decode:

@@ -17,13 +17,14 @@ elements share a scale, and the scale's layout:
 
 ``q`` is (rows, cols) row-major contiguous in ``fp8_dtype`` (``float8_e4m3fn``, largest 448, or
 ``float8_e5m2``, 57344). The rule, in float32 (bf16 and fp16 values widen exactly):
-``amax`` = the largest ``|m|`` of the group; ``scale = amax / fp8_max`` (IEEE division, one
-rounding), or 1.0 where that is 0 (an all-zero group, an empty one, or float32 values below
-about 6e-43 whose quotient underflows); ``q = fp8(clamp(m / scale, -fp8_max, fp8_max))``
-(IEEE division, then torch's round-to-nearest-even cast). ``scale`` is the dequantization
-multiplier, ``m ~= q.float() * scale``, float32. Non-finite input does not crash: a NaN makes
-its group's amax and scale NaN and every q of the group NaN; an infinity makes the scale inf,
-the group's finite values quantize to 0 and the infinity to NaN.
+``amax`` = the largest ``|m|`` of the group; ``inv = fp8_max / amax`` (IEEE division, once a
+group), 1.0 where amax is 0 (an all-zero group, an empty one), the largest float32 where the
+quotient overflows (amax below about 1e-36); ``q = fp8(clamp(m * inv, -fp8_max, fp8_max))``
+(one rounded product, then torch's round-to-nearest-even cast); ``scale = 1 / inv`` (IEEE), the
+dequantization multiplier, ``m ~= q.float() * scale``, float32. (torchao's rule; a product an
+element, not a quotient, keeps the kernels at memory speed.) Non-finite input does not crash: a
+NaN makes its group's amax, inv and scale NaN and every q of the group NaN; an infinity makes
+inv 0 and the scale inf, the group's finite values quantize to 0 and the infinity to NaN.
 
 ``quantize_pair(x, granularity, fp8_dtype=...)`` returns ``((q, scale), (qt, scale_t))``, the
 quantization of ``x`` and of ``x.t()`` (the backward's K-major operands), both orientations'
@@ -436,10 +437,12 @@ def torch_quantize(x: torch.Tensor, granularity, *,
     top = fp8_max(fp8_dtype)
     blocks = _blocks(m, g)  # m viewed so that each group's elements share the kept dims
     amax = blocks.abs().amax(dim=_group_dims(g), keepdim=True)
-    scale = amax / torch.full((), top, dtype=torch.float32, device=m.device)
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = (blocks / scale).clamp(-top, top).to(fp8_dtype).view(rows, cols)
-    return q, _scale_layout(scale, g, rows, cols)
+    inv = torch.full((), top, dtype=torch.float32, device=m.device) / amax
+    inv = torch.where(amax == 0, torch.ones_like(inv), inv)
+    biggest = torch.finfo(torch.float32).max
+    inv = torch.where(inv > biggest, torch.full_like(inv, biggest), inv)  # NaN stays NaN
+    q = (blocks * inv).clamp(-top, top).to(fp8_dtype).view(rows, cols)
+    return q, _scale_layout(torch.reciprocal(inv), g, rows, cols)
 
 
 def _blocks(m: torch.Tensor, g: Granularity) -> torch.Tensor:

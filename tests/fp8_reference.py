@@ -4,9 +4,10 @@ names, written here apart from cutlass_ops.fp8 (its own table, no transposed lay
 padding: partial blocks are blocks of their own), and the random operands it is checked on.
 
 The reference runs on the CPU whatever the tensors' device: its quantization follows the
-library's rule to the bit (float32 amax, ``scale = amax / fp8_max`` and ``m / scale`` as IEEE
-float32 divisions, round-to-nearest-even cast), its products are float64. On a CUDA device
-``t / 448.0`` (a Python number) is computed as ``t * (1 / 448)``, one ulp off for some amaxes;
+library's rule to the bit (float32 amax, ``inv = fp8_max / amax`` an IEEE float32 division,
+``m * inv`` one rounded product, ``scale = 1 / inv``, round-to-nearest-even cast), its products
+are float64. On a CUDA device a quotient by a Python number is computed as a product by its
+reciprocal, one ulp off for some amaxes;
 bf16 values then often land exactly on an FP8 rounding tie (a row of amax 2.625 = 21/8 sends
 2.15625 to 368, halfway between 352 and 384), which the ulp breaks the other way: a reference
 computed so on the GPU differed from correct layers by up to 3% a row (one FP8 step, 6%, on
@@ -40,10 +41,10 @@ BLOCKS = [(None, None), (1, None), (None, 1), (1, 128), (128, 1), (128, 128)]
 
 
 def dequantized(t, block, dtype=E4M3):
-    """``t`` through ``dtype`` and back, one scale (amax / the type's largest) per ``block``
-    (rows, cols) of ``t``; partial blocks at the ends are blocks of their own. Quantized on the
-    CPU in float32 with the library's IEEE divisions (module docstring), returned in float64
-    (exact: an FP8 value times a float32 scale)."""
+    """``t`` through ``dtype`` and back, one scale (1 / (the type's largest / amax)) per
+    ``block`` (rows, cols) of ``t``; partial blocks at the ends are blocks of their own.
+    Quantized on the CPU in float32 with the library's rule (module docstring), returned in
+    float64 (exact: an FP8 value times a float32 scale)."""
     t = t.detach().cpu().float()
     rows, cols = t.shape
     br = rows if block[0] is None else block[0]
@@ -51,9 +52,11 @@ def dequantized(t, block, dtype=E4M3):
     padded = F.pad(t, (0, -cols % bc, 0, -rows % br))
     blocks = padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc)
     top = torch.tensor(torch.finfo(dtype).max, dtype=torch.float32)  # a tensor: IEEE division
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True) / top
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = (blocks / scale).clamp(-top, top).to(dtype).double() * scale.double()
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    inv = torch.where(amax == 0, torch.ones_like(amax), top / amax)
+    inv = inv.clamp(max=torch.finfo(torch.float32).max)
+    scale = torch.reciprocal(inv)
+    q = (blocks * inv).clamp(-top, top).to(dtype).double() * scale.double()
     return q.reshape(padded.shape)[:rows, :cols]
 
 

@@ -5,9 +5,13 @@
 //   amax  = the largest |v| of a group, as the bits of |v| (sign cleared): unsigned order is
 //           float order for non-negative floats and a NaN's bits sit above inf's, so an integer
 //           max propagates NaN where fmaxf would drop it;
-//   scale = amax / fp8_max (IEEE division, __fdiv_rn), 1.0f where that is 0;
-//   q     = cvt.rn.satfinite(v / scale) (IEEE division): torch's cast of
-//           clamp(v / scale, -fp8_max, fp8_max), bit for bit.
+//   inv   = fp8_max / amax (IEEE division, __fdiv_rn, once a group), 1.0f where amax is 0,
+//           FLT_MAX where the quotient overflows (NaN stays NaN);
+//   scale = 1 / inv (IEEE, __frcp_rn): the dequantization multiplier;
+//   q     = cvt.rn.satfinite(v * inv) (one rounded product): torch's cast of
+//           clamp(v * inv, -fp8_max, fp8_max), bit for bit.
+// A product an element, not a quotient: IEEE division is a dozen instructions, which made the
+// quantization kernels issue-bound at about half of HBM bandwidth (docs/measurements.md).
 //
 // The FP8 type is a template parameter (3 e4m3 / 4 e5m2: custom_kernels.core.elements' codes) so
 // that a file can hold this with its own -D names.
@@ -36,22 +40,36 @@ __device__ __forceinline__ unsigned vec_abs_max(const Vec<T, N>& v) {
   return m;
 }
 
-// The dequantization scale of a group whose amax bits are `amax`.
-template <int FP8_CODE>
-__device__ __forceinline__ float fp8_scale(unsigned amax) {
-  const float s = __fdiv_rn(__uint_as_float(amax), Fp8Type<FP8_CODE>::kMax);
-  return s == 0.0f ? 1.0f : s;  // NaN stays NaN
+// A group's factors: `inv` multiplies its values into FP8's range, `scale` (= 1 / inv)
+// dequantizes them.
+struct Fp8Factor {
+  float scale;
+  float inv;
+};
+
+// The factors of a group whose largest magnitude (float bits) is `amax`, with FP8 largest `top`.
+__device__ __forceinline__ Fp8Factor fp8_factor_of(unsigned amax, float top) {
+  const float a = __uint_as_float(amax);
+  float inv = a == 0.0f ? 1.0f : __fdiv_rn(top, a);
+  if (inv > 3.402823466e38f) inv = 3.402823466e38f;  // amax under top / FLT_MAX; NaN stays NaN
+  return {__frcp_rn(inv), inv};
 }
 
-// N values (N even) divided by the scale and converted, two a cvt (the first in the low byte).
+template <int FP8_CODE>
+__device__ __forceinline__ Fp8Factor fp8_factor(unsigned amax) {
+  return fp8_factor_of(amax, Fp8Type<FP8_CODE>::kMax);
+}
+
+// N values (N even) times the group's `inv`, converted two a cvt (the first in the low byte).
 template <int FP8_CODE, class T, int N>
-__device__ __forceinline__ Vec<unsigned char, N> fp8_quantize(const Vec<T, N>& v, float scale) {
+__device__ __forceinline__ Vec<unsigned char, N> fp8_quantize(const Vec<T, N>& v,
+                                                              const Fp8Factor& factor) {
   static_assert(N % 2 == 0, "values are converted in pairs");
   Vec<unsigned char, N> out;
 #pragma unroll
   for (int j = 0; j < N; j += 2) {
-    const float2 f = make_float2(__fdiv_rn(elem_float(v, j), scale),
-                                 __fdiv_rn(elem_float(v, j + 1), scale));
+    const float2 f = make_float2(__fmul_rn(elem_float(v, j), factor.inv),
+                                 __fmul_rn(elem_float(v, j + 1), factor.inv));
     const __nv_fp8x2_storage_t pair =
         __nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, Fp8Type<FP8_CODE>::kKind);
     out.v[j] = static_cast<unsigned char>(pair & 0xff);

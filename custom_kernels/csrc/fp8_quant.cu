@@ -6,9 +6,12 @@
 //   amax  = the largest |v| of the group, as the bits of |v| (sign cleared): unsigned order is
 //           float order for non-negative floats, and a NaN's bits sit above inf's, so integer
 //           max propagates NaN where fmaxf would drop it (atomicMax works on the same bits);
-//   scale = amax / FP8_MAX (IEEE division, __fdiv_rn), 1.0f where that is 0;
-//   q     = cvt.rn.satfinite(v / scale) (IEEE division): round to nearest even, saturated to
-//           +-FP8_MAX, NaN kept: torch's cast of clamp(v / scale, -FP8_MAX, FP8_MAX), bit for bit.
+//   inv   = FP8_MAX / amax (IEEE division, once a group), 1.0f where amax is 0, FLT_MAX where
+//           the quotient overflows (NaN stays NaN); scale = 1 / inv (IEEE): the dequantization
+//           multiplier (fp8_common.cuh's fp8_factor_of);
+//   q     = cvt.rn.satfinite(v * inv) (one rounded product): round to nearest even, saturated
+//           to +-FP8_MAX, NaN kept: torch's cast of clamp(v * inv, -FP8_MAX, FP8_MAX), bit for
+//           bit. A product an element: a quotient an element kept these kernels issue-bound.
 //
 // MODE (the granularity): 0 tensor, 1 row, 2 block_1x128, 3 block_128x128 (a group is the
 // tensor, a row of the quantized matrix, a row's 128-column chunk, a 128x128 block).
@@ -91,9 +94,10 @@ using ck::abs_bits;
 using ck::lanes_max;
 using ck::team_max;
 
-__device__ __forceinline__ float scale_of(unsigned amax) {
-  const float s = __fdiv_rn(__uint_as_float(amax), FP8_MAX);
-  return s == 0.0f ? 1.0f : s;  // NaN stays NaN
+using ck::Fp8Factor;
+
+__device__ __forceinline__ Fp8Factor factor_of(unsigned amax) {
+  return ck::fp8_factor_of(amax, FP8_MAX);
 }
 
 __device__ __forceinline__ unsigned slot_max(const V& v) {
@@ -119,13 +123,13 @@ __device__ __forceinline__ void load_slot(V& v, const T* row, long long c, long 
   }
 }
 
-// EPT values divided by the scale and converted, two a cvt (the first in the low byte).
-__device__ __forceinline__ Bytes quantize_slot(const V& v, float scale) {
+// EPT values times the group's inv, converted two a cvt (the first in the low byte).
+__device__ __forceinline__ Bytes quantize_slot(const V& v, const Fp8Factor& factor) {
   Bytes out;
 #pragma unroll
   for (int j = 0; j < EPT; j += 2) {
-    const float2 f = make_float2(__fdiv_rn(ck::elem_float(v, j), scale),
-                                 __fdiv_rn(ck::elem_float(v, j + 1), scale));
+    const float2 f = make_float2(__fmul_rn(ck::elem_float(v, j), factor.inv),
+                                 __fmul_rn(ck::elem_float(v, j + 1), factor.inv));
     const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, KIND);
     out.b[j] = static_cast<unsigned char>(pair & 0xff);
     out.b[j + 1] = static_cast<unsigned char>(pair >> 8);
@@ -206,10 +210,10 @@ fp8_quant_rows_kernel(const T* __restrict__ x, unsigned char* __restrict__ q,
   const int teams = BLOCK >> shift;
   const long long per_row = cols / group_cols;
   const long long groups = rows * per_row;
-  float tensor_scale = 1.0f;
+  Fp8Factor tensor_factor{1.0f, 1.0f};
   if constexpr (MODE == 0) {
-    tensor_scale = scale_of(*amax_all);
-    if (blockIdx.x == 0 && threadIdx.x == 0) *scale = tensor_scale;
+    tensor_factor = factor_of(*amax_all);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *scale = tensor_factor.scale;
   }
   for (long long base = static_cast<long long>(blockIdx.x) * teams; base < groups;
        base += static_cast<long long>(gridDim.x) * teams) {  // uniform over the block
@@ -234,10 +238,10 @@ fp8_quant_rows_kernel(const T* __restrict__ x, unsigned char* __restrict__ q,
       load_slot(v, src, c, group_cols);
       m = max(m, slot_max(v));
     }
-    float s = tensor_scale;
+    Fp8Factor s = tensor_factor;
     if constexpr (MODE != 0) {
-      s = scale_of(team_max<BLOCK>(m, team, red));
-      if (active && lane == 0) scale[MODE == 2 ? g * rows + r : r] = s;
+      s = factor_of(team_max<BLOCK>(m, team, red));
+      if (active && lane == 0) scale[MODE == 2 ? g * rows + r : r] = s.scale;
     }
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
@@ -256,7 +260,7 @@ namespace fp8q {
 
 // A 128x128 tile's scales: what the tile kernel's write phases read.
 struct TileScales {
-  float all;                 // MODE 0 and 3
+  Fp8Factor all;             // MODE 0 and 3
   const unsigned* row_amax;  // MODE 1: amax_rows + r0; MODE 2: the tile rows' (shared memory)
   const unsigned* col_amax;  // MODE 1: amax_cols + c0 (MODE 2 reduces its columns itself)
 };
@@ -269,20 +273,20 @@ __device__ __forceinline__ void write_q(const T* tile, const TileScales& ts, uns
   for (int i = threadIdx.x; i < TILE * VPR; i += TILE_THREADS) {
     const int rr = i / VPR, cc = (i % VPR) * EPT;
     if (rr >= nr || cc >= nc) continue;
-    const float s = MODE == 1 || MODE == 2 ? scale_of(ts.row_amax[rr]) : ts.all;
+    const Fp8Factor s = MODE == 1 || MODE == 2 ? factor_of(ts.row_amax[rr]) : ts.all;
     V v;
     ck::load(v, tile + rr * TILE + cc);
     store_slot(q + (r0 + rr) * cols + c0, cc, nc, quantize_slot(v, s));
     if (cc == 0) {
       if constexpr (MODE == 1) {
-        if (c0 == 0) scale[r0 + rr] = s;
+        if (c0 == 0) scale[r0 + rr] = s.scale;
       } else if constexpr (MODE == 2) {
-        scale[(c0 / TILE) * rows + r0 + rr] = s;
+        scale[(c0 / TILE) * rows + r0 + rr] = s.scale;
       }
     }
   }
   if constexpr (MODE == 0 || MODE == 3) {
-    if (threadIdx.x == 0 && (MODE == 3 || tile_index == 0)) scale[tile_index] = ts.all;
+    if (threadIdx.x == 0 && (MODE == 3 || tile_index == 0)) scale[tile_index] = ts.all.scale;
   }
 }
 
@@ -294,26 +298,26 @@ __device__ __forceinline__ void write_qt(const T* tile, const TileScales& ts,
                                          int nc, long long tile_t_index) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int col = (warp & 3) * 32 + lane, half = warp >> 2, rbeg = half * (TILE / 2);
-  float s = ts.all;
+  Fp8Factor s = ts.all;
   if constexpr (MODE == 1) {
-    if (col < nc) s = scale_of(ts.col_amax[col]);
+    if (col < nc) s = factor_of(ts.col_amax[col]);
   } else if constexpr (MODE == 2) {  // the column's 128 values: both halves' maxima
     unsigned m = 0;
     for (int rr = rbeg; rr < rbeg + TILE / 2; ++rr)
       m = max(m, abs_bits(ck::to_float(tile[rr * TILE + col])));
     col_half[half][col] = m;
     __syncthreads();
-    s = scale_of(max(col_half[0][col], col_half[1][col]));
+    s = factor_of(max(col_half[0][col], col_half[1][col]));
   }
   if (col < nc && half == 0) {
     if constexpr (MODE == 1) {
-      if (r0 == 0) scale_t[c0 + col] = s;
+      if (r0 == 0) scale_t[c0 + col] = s.scale;
     } else if constexpr (MODE == 2) {
-      scale_t[(r0 / TILE) * cols + c0 + col] = s;
+      scale_t[(r0 / TILE) * cols + c0 + col] = s.scale;
     }
   }
   if constexpr (MODE == 0 || MODE == 3) {
-    if (threadIdx.x == 0 && (MODE == 3 || tile_t_index == 0)) scale_t[tile_t_index] = s;
+    if (threadIdx.x == 0 && (MODE == 3 || tile_t_index == 0)) scale_t[tile_t_index] = s.scale;
   }
   if (col >= nc) return;
   unsigned char* dst = qt + (c0 + col) * rows + r0;
@@ -322,8 +326,8 @@ __device__ __forceinline__ void write_qt(const T* tile, const TileScales& ts,
     alignas(16) unsigned char b[16];
 #pragma unroll
     for (int j = 0; j < 16; j += 2) {
-      const float2 f = make_float2(__fdiv_rn(ck::to_float(tile[(rr + j) * TILE + col]), s),
-                                   __fdiv_rn(ck::to_float(tile[(rr + j + 1) * TILE + col]), s));
+      const float2 f = make_float2(__fmul_rn(ck::to_float(tile[(rr + j) * TILE + col]), s.inv),
+                                   __fmul_rn(ck::to_float(tile[(rr + j + 1) * TILE + col]), s.inv));
       const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, KIND);
       b[j] = static_cast<unsigned char>(pair & 0xff);
       b[j + 1] = static_cast<unsigned char>(pair >> 8);
@@ -372,16 +376,16 @@ fp8_quant_tiles_kernel(const T* __restrict__ x, unsigned char* __restrict__ q,
         if (cc == 0) row_max[rr] = vm;
       }
     }
-    TileScales ts{1.0f, nullptr, nullptr};
+    TileScales ts{{1.0f, 1.0f}, nullptr, nullptr};
     if constexpr (MODE == 0) {
-      ts.all = scale_of(*amax_all);
+      ts.all = factor_of(*amax_all);
     } else if constexpr (MODE == 1) {
       if constexpr (WRITE_Q) ts.row_amax = amax_rows + r0;
       if constexpr (WRITE_QT) ts.col_amax = amax_cols + c0;
     } else if constexpr (MODE == 2) {
       ts.row_amax = row_max;
     } else {
-      ts.all = scale_of(team_max<TILE_THREADS>(m, TILE_THREADS, red));
+      ts.all = factor_of(team_max<TILE_THREADS>(m, TILE_THREADS, red));
     }
     __syncthreads();  // the tile (and row_max) are in shared memory
     if constexpr (WRITE_Q) write_q(tile, ts, q, scale, rows, cols, r0, c0, nr, nc, t);

@@ -64,12 +64,12 @@ __device__ __forceinline__ void write_fp8_rows_per_row(
       }
     }
   }
-  float s[R];
+  ck::Fp8Factor s[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
-    s[i] = ck::fp8_scale<NORM_FP8_TYPE>(
+    s[i] = ck::fp8_factor<NORM_FP8_TYPE>(
         __float_as_uint(red.reduce(__uint_as_float(m[i]), ck::AbsBitsMaxOp{})));
-    if (active[i] && lane == 0 && rank == 0) q_scale[row[i]] = s[i];
+    if (active[i] && lane == 0 && rank == 0) q_scale[row[i]] = s[i].scale;
   }
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
@@ -125,13 +125,14 @@ __device__ __forceinline__ void write_fp8_rows_per_chunk(
     }
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      const float s = ck::fp8_scale<NORM_FP8_TYPE>(ck::lanes_max(m[i], kChunkLanes));  // all lanes
+      const ck::Fp8Factor s =
+          ck::fp8_factor<NORM_FP8_TYPE>(ck::lanes_max(m[i], kChunkLanes));  // all lanes
 #pragma unroll
       for (int j = 0; j < kChunkIters; ++j) {
         const int col = vec_col(it0 + j, rank, lane);
         if (col < hidden && active[i]) {
           store_out(q + row[i] * hidden + col, ck::fp8_quantize<NORM_FP8_TYPE>(o[j][i], s));
-          if (j == 0 && lane % kChunkLanes == 0) q_scale[(col / 128) * rows + row[i]] = s;
+          if (j == 0 && lane % kChunkLanes == 0) q_scale[(col / 128) * rows + row[i]] = s.scale;
         }
       }
     }

@@ -230,8 +230,8 @@ swiglu_fp8_kernel(const T* __restrict__ gu, T* __restrict__ y, unsigned char* __
       if (dst_y != nullptr) store_elems(dst_y, c, group_cols, v);
       m = max(m, ck::vec_abs_max(v));
     }
-    const float s = ck::fp8_scale<FP8>(ck::team_max<BLOCK>(m, team, red));
-    if (active && lane == 0) scale[MODE == 2 ? g * rows + r : r] = s;
+    const ck::Fp8Factor s = ck::fp8_factor<FP8>(ck::team_max<BLOCK>(m, team, red));
+    if (active && lane == 0) scale[MODE == 2 ? g * rows + r : r] = s.scale;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const long long c = k * step + lane * EPT;

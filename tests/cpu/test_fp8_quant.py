@@ -53,12 +53,20 @@ def sample(rows, cols, dtype=torch.bfloat16, zero_rows=(), spread=True):
     return x.to(dtype)
 
 
-def expected_scale(group: torch.Tensor, fp8_dtype) -> float:
-    """amax / fp8_max in float64 rounded to float32 (the float32 quotient: one rounding each),
-    1.0 for an all-zero group."""
+def f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def expected_inv(group: torch.Tensor, fp8_dtype) -> float:
+    """fp8_max / amax in float64 rounded to float32 (the float32 quotient: a float64 quotient of
+    two floats rounds to the float32 one), 1.0 for an all-zero group."""
     amax = float(group.double().abs().max()) if group.numel() else 0.0
-    scale = float(torch.tensor(amax / fp8_quant.fp8_max(fp8_dtype), dtype=torch.float32))
-    return scale if scale != 0 else 1.0
+    return f32(fp8_quant.fp8_max(fp8_dtype) / amax) if amax else 1.0
+
+
+def expected_scale(group: torch.Tensor, fp8_dtype) -> float:
+    """1 / inv, rounded once to float32."""
+    return f32(1.0 / expected_inv(group, fp8_dtype))
 
 
 # --- the rule ----------------------------------------------------------------------------------
@@ -86,29 +94,36 @@ def test_scales_values_and_round_trip(g, fp8_dtype, transpose):
         assert (err <= rel * group.abs() + absolute * s * 1.0001).all(), index
 
 
-def test_scales_are_the_float32_quotient_not_a_reciprocal_product():
-    """amax / 448 rounded once: values whose product with the float32 reciprocal of 448 rounds
-    differently still give the quotient."""
+def test_scales_are_the_reciprocal_of_the_float32_quotient():
+    """inv = 448 / amax rounded once, scale = 1 / inv rounded once: on this data that differs
+    from amax / 448 rounded once (the rule before), so the test tells the two apart."""
     amax = torch.rand(4096, dtype=torch.float64) * 1000 + 1e-3
     x = amax.float()[:, None].expand(4096, 128).contiguous()
-    _, scale = quantize(x, "row")
-    quotient = (amax.float().double() / 448).float()
-    assert torch.equal(scale[:, 0], quotient)
-    reciprocal = amax.float() * torch.tensor(1 / 448, dtype=torch.float32)
-    assert not torch.equal(quotient, reciprocal)  # the two rules differ on this data
+    q, scale = quantize(x, "row")
+    inv = (448 / amax.float().double()).float()
+    assert torch.equal(scale[:, 0], (1 / inv.double()).float())
+    assert not torch.equal(scale[:, 0], (amax.float().double() / 448).float())
+    assert (q.float() == 448).all()  # each row's amax times its inv rounds to the maximum
 
 
 @pytest.mark.parametrize("g", ALL)
-def test_q_is_torchs_cast_of_the_clamped_quotient(g):
+def test_q_is_torchs_cast_of_the_clamped_product(g):
+    """q = fp8(clamp(x * inv)), inv from an independent float64 amax per group."""
     x = sample(128, 256, torch.float32)
-    q, scale = quantize(x, g)
-    if g is Granularity.BLOCK_1X128:
-        blocks = scale.repeat_interleave(128, 1)
-    elif g is Granularity.BLOCK_128X128:
-        blocks = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
-    else:
-        blocks = scale
-    want = (x / blocks).clamp(-448, 448).to(E4M3)
+    q, _ = quantize(x, g)
+    inv = torch.empty(128, 256, dtype=torch.float32)
+    for index, group in groups(x, g):
+        value = expected_inv(group, E4M3)
+        if g is Granularity.TENSOR:
+            inv.fill_(value)
+        elif g is Granularity.ROW:
+            inv[index[0]] = value
+        elif g is Granularity.BLOCK_1X128:
+            inv[index[0], index[1] * 128:(index[1] + 1) * 128] = value
+        else:
+            r, c = index
+            inv[r * 128:(r + 1) * 128, c * 128:(c + 1) * 128] = value
+    want = (x * inv).clamp(-448, 448).to(E4M3)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
 
 
@@ -137,12 +152,19 @@ def test_non_finite_values_stay_in_their_group():
     assert scale.isnan() and q.float().isnan().all()
 
 
-def test_float32_values_too_small_for_a_scale_get_scale_one():
-    x = torch.full((2, 128), 1e-44)
+def test_float32_values_too_small_for_a_finite_inv_keep_a_finite_one():
+    """448 / amax overflows float32 below amax ~1.3e-36: inv is the largest float32 (values
+    quantize finite, zeros stay zero, never NaN) and the scale its reciprocal."""
+    x = torch.full((3, 128), 1e-44)
+    x[0, 1:] = 0
     x[1] = 1e-30
+    x[2] = 0
     q, scale = quantize(x, "row")
-    assert scale[0, 0] == 1.0 and (q[0].float() == 0).all()
-    assert scale[1, 0] == torch.tensor(1e-30 / 448, dtype=torch.float32)
+    biggest = torch.finfo(torch.float32).max
+    assert scale[0, 0] == torch.tensor(1 / biggest, dtype=torch.float32)
+    assert q[0].float().isfinite().all() and (q[0, 1:].float() == 0).all()
+    assert scale[1, 0] == f32(1 / f32(448 / f32(1e-30))) and (q[1].float() == 448).all()
+    assert scale[2, 0] == 1.0 and (q[2].float() == 0).all()
 
 
 # --- layouts ---------------------------------------------------------------------------------
