@@ -177,55 +177,124 @@ def _kernel(kernel: str, device: int, *key):
     return loaded
 
 
-def _run(x, g: Granularity, fp8_code: int, q, scale, qt, scale_t) -> None:
-    """Fills q / scale (the quantization of x) and qt / scale_t (of x.t()), either pair None:
-    rows kernel for q alone (tensor, row, block_1x128), tile kernel otherwise, after the amax
-    kernel for what no block sees whole (the tensor's amax; each column's, and each row's for
-    the pair, at row granularity). x: CUDA, 2-D, unit last stride, not empty."""
+class _Plan:
+    """What the kernels of one call signature need besides the tensors (``_plan``): derived once
+    from x's shape, strides, dtype, device and alignment, the granularity, the FP8 type and the
+    outputs asked for, then reused by every call of that signature (``_KNOWN``)."""
+
+    __slots__ = ("g", "fp8_dtype", "device", "want_q", "want_qt", "amax", "rows_kernel",
+                 "kernel", "grid", "shared", "group_cols", "shift")
+
+    def outputs(self, x):
+        """The empty (q, scale) and (qt, scale_t) asked for (None where not)."""
+        rows, cols = x.shape
+        out = []
+        for wanted, (r, c) in ((self.want_q, (rows, cols)), (self.want_qt, (cols, rows))):
+            out.append(_empty_outputs_of(r, c, self.g, self.fp8_dtype, x.device) if wanted
+                       else (None, None))
+        return out
+
+    def execute(self, x, q, scale, qt, scale_t, amax=None) -> None:
+        """``amax``: the tensor's amax (float32 on the device) when the plan was made for one
+        given (no amax kernel then)."""
+        rows, cols = x.shape
+        device = self.device
+        pointers = (amax.data_ptr() if amax is not None else 0, 0, 0)
+        buffer = None  # lives until the launches below are queued (stream-ordered allocator)
+        if self.amax is not None:
+            kernel, sizes, offsets, rows_per_block, grid = self.amax
+            buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=x.device)
+            base = buffer.data_ptr()
+            pointers = tuple(base + o if n else 0 for n, o in zip(sizes, offsets))
+            launch(kernel, x.data_ptr(), *pointers, rows, cols, x.stride(0), rows_per_block,
+                   grid=grid, block=BLOCK, device=device)
+        if self.rows_kernel:
+            launch(self.kernel, x.data_ptr(), q.data_ptr(), scale.data_ptr(), pointers[0], rows,
+                   cols, x.stride(0), self.group_cols, self.shift, grid=self.grid, block=BLOCK,
+                   device=device)
+        else:
+            launch(self.kernel, x.data_ptr(), *(t.data_ptr() if t is not None else 0
+                                                 for t in (q, qt, scale, scale_t)),
+                   *pointers, rows, cols, x.stride(0), grid=self.grid, block=TILE_THREADS,
+                   shared_mem=self.shared, device=device)
+        del buffer
+
+
+def _plan(x, g: Granularity, fp8_dtype, want_q: bool, want_qt: bool,
+          given_amax: bool = False) -> _Plan:
+    """The plan of a call on x (CUDA, 2-D, unit last stride, not empty): the rows kernel for q
+    alone (tensor, row, block_1x128), the tile kernel otherwise, after the amax kernel for what
+    no block sees whole (the tensor's amax unless ``given_amax``; each column's, and each row's
+    for the pair, at row granularity)."""
     rows, cols = x.shape
     vec = vector_ok(x.element_size(), cols, x.stride(0) if rows > 1 else 0, x.data_ptr())
     dtype_code, device = DTYPE_CODES[x.dtype], x.device.index
-    flags = AMAX_ALL if g is Granularity.TENSOR else 0
-    if g is Granularity.ROW and qt is not None:
-        flags = AMAX_COLS | (AMAX_ROWS if q is not None else 0)
-    # the buffer lives until the launches below are queued (the allocator is stream-ordered)
-    buffer, amax = _run_amax(x, flags, vec, dtype_code, fp8_code) if flags else (None, (0, 0, 0))
+    fp8_code = elements.element(fp8_dtype).code
+    plan = _Plan()
+    plan.g, plan.fp8_dtype, plan.device = g, fp8_dtype, device
+    plan.want_q, plan.want_qt = want_q, want_qt
+    flags = AMAX_ALL if g is Granularity.TENSOR and not given_amax else 0
+    if g is Granularity.ROW and want_qt:
+        flags = AMAX_COLS | (AMAX_ROWS if want_q else 0)
+    plan.amax = _amax_plan(x, flags, vec, dtype_code, fp8_code) if flags else None
     mode = MODE_CODES[g]
-    if qt is None and g is not Granularity.BLOCK_128X128:
-        shift = rows_team(g, x.element_size(), cols)
-        group_cols = BLOCK_K if g is Granularity.BLOCK_1X128 else cols
-        teams = BLOCK >> shift
-        grid = min(-(-rows * (cols // group_cols) // teams), MAX_GRID)
-        kernel = _kernel(ROWS_KERNEL, device, dtype_code, fp8_code, vec, mode)
-        launch(kernel, x.data_ptr(), q.data_ptr(), scale.data_ptr(), amax[0], rows, cols,
-               x.stride(0), group_cols, shift, grid=grid, block=BLOCK, device=device)
-        return
-    kernel = _kernel(TILES_KERNEL, device, dtype_code, fp8_code, vec, mode, 0, q is not None,
-                     qt is not None)
-    tiles = -(-rows // BLOCK_K) * -(-cols // BLOCK_K)
-    pointers = [t.data_ptr() if t is not None else 0 for t in (q, qt, scale, scale_t)]
-    launch(kernel, x.data_ptr(), *pointers, *amax, rows, cols, x.stride(0),
-           grid=min(tiles, MAX_GRID), block=TILE_THREADS,
-           shared_mem=BLOCK_K * BLOCK_K * x.element_size(), device=device)
+    plan.rows_kernel = not want_qt and g is not Granularity.BLOCK_128X128
+    if plan.rows_kernel:
+        plan.shift = rows_team(g, x.element_size(), cols)
+        plan.group_cols = BLOCK_K if g is Granularity.BLOCK_1X128 else cols
+        teams = BLOCK >> plan.shift
+        plan.grid = min(-(-rows * (cols // plan.group_cols) // teams), MAX_GRID)
+        plan.kernel = _kernel(ROWS_KERNEL, device, dtype_code, fp8_code, vec, mode)
+        plan.shared = 0
+    else:
+        plan.kernel = _kernel(TILES_KERNEL, device, dtype_code, fp8_code, vec, mode, 0, want_q,
+                              want_qt)
+        plan.grid = min(-(-rows // BLOCK_K) * -(-cols // BLOCK_K), MAX_GRID)
+        plan.shared = BLOCK_K * BLOCK_K * x.element_size()
+        plan.group_cols = plan.shift = 0
+    return plan
 
 
-def _run_amax(x, flags: int, vec: bool, dtype_code: int, fp8_code: int):
-    """(buffer, pointers into it: the tensor's amax, each row's, each column's; 0 where not
-    asked for): the |x| bits reduced with atomicMax into zeros, all on the device."""
+def _amax_plan(x, flags: int, vec: bool, dtype_code: int, fp8_code: int):
+    """(kernel, buffer sizes (the tensor's amax, each row's, each column's; 0 where not asked
+    for), their offsets in bytes, rows a block, grid) of the amax kernel: the |x| bits reduced
+    with atomicMax into a zeroed buffer, all on the device."""
     rows, cols = x.shape
-    sizes = [1 if flags & AMAX_ALL else 0, rows if flags & AMAX_ROWS else 0,
-             cols if flags & AMAX_COLS else 0]
-    buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=x.device)
-    base, pointers = buffer.data_ptr(), []
-    for i, size in enumerate(sizes):
-        pointers.append(base + 4 * sum(sizes[:i]) if size else 0)
+    sizes = (1 if flags & AMAX_ALL else 0, rows if flags & AMAX_ROWS else 0,
+             cols if flags & AMAX_COLS else 0)
+    offsets = tuple(4 * sum(sizes[:i]) for i in range(3))
     grid_x = -(-cols // (slot_elements(x.element_size()) * BLOCK))
     rows_per_block = max(16, -(-rows * grid_x // AMAX_BLOCKS))
     grid_y = min(-(-rows // rows_per_block), MAX_GRID_Y)
     kernel = _kernel(AMAX_KERNEL, x.device.index, dtype_code, fp8_code, vec, 0, flags)
-    launch(kernel, x.data_ptr(), *pointers, rows, cols, x.stride(0), rows_per_block,
-           grid=(grid_x, grid_y), block=BLOCK, device=x.device.index)
-    return buffer, tuple(pointers)
+    return kernel, sizes, offsets, rows_per_block, (grid_x, grid_y)
+
+
+# Known call signatures: an eager call on a plain CUDA tensor whose signature (shape, strides,
+# dtype, device, 16-byte alignment, granularity, FP8 type, outputs) passed the checks before
+# needs none now, and its plan is kept: the call allocates and launches (about half of a call's
+# host time otherwise: docs/measurements.md). Bounded by the shapes a program quantizes.
+_KNOWN: dict = {}
+
+
+def _signature(x, granularity, fp8_dtype, which: str):
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, granularity, fp8_dtype,
+            which)
+
+
+def _known(x, granularity, fp8_dtype, which: str):
+    """The plan of a call seen before, when this call may take the direct path; else None."""
+    if type(x) is not torch.Tensor or not x.is_cuda or torch.compiler.is_compiling() or \
+            not plain_eager(x):
+        return None
+    return _KNOWN.get(_signature(x, granularity, fp8_dtype, which))
+
+
+def _run(x, g: Granularity, fp8_code: int, q, scale, qt, scale_t) -> None:
+    """Fills q / scale (the quantization of x) and qt / scale_t (of x.t()), either pair None
+    (``_plan``). x: CUDA, 2-D, unit last stride, not empty."""
+    fp8_dtype = elements.from_code(fp8_code).torch_dtype
+    _plan(x, g, fp8_dtype, q is not None, qt is not None).execute(x, q, scale, qt, scale_t)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,22 +319,24 @@ def compile_fp8_quant(kernel: str = ROWS_KERNEL, dtype: str = "bfloat16", fp8: s
 # Custom ops: real impl and fake impl next to each other (no autograd: FP8 carries no gradient)
 # ---------------------------------------------------------------------------------------------
 
-def _quantize_impl(x, g: Granularity, fp8_dtype, transpose: bool):
-    """The kernels on a CUDA device; elsewhere (the op called with CPU tensors) the reference."""
+def _quantize_impl(x, g: Granularity, fp8_dtype, transpose: bool, key=None, amax=None):
+    """The kernels on a CUDA device; elsewhere (the op called with CPU tensors) the reference.
+    ``key``: the call's signature, to keep its plan under (an eager call that passed the
+    checks); ``amax``: the tensor's, given."""
     if not x.is_cuda:
-        return torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=transpose)
+        return torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=transpose, amax=amax)
     q, scale = _empty_outputs(x, g, fp8_dtype, transpose)
     if x.numel() == 0:
         return q, scale.fill_(1.0)
-    fp8_code = elements.element(fp8_dtype).code
-    if transpose:
-        _run(x, g, fp8_code, None, None, q, scale)
-    else:
-        _run(x, g, fp8_code, q, scale, None, None)
+    plan = _plan(x, g, fp8_dtype, not transpose, transpose, amax is not None)
+    if key is not None:
+        _KNOWN[key] = plan
+    plan.execute(x, *((None, None, q, scale) if transpose else (q, scale, None, None)),
+                 amax=amax)
     return q, scale
 
 
-def _pair_impl(x, g: Granularity, fp8_dtype):
+def _pair_impl(x, g: Granularity, fp8_dtype, key=None):
     if not x.is_cuda:
         return (torch_quantize(x, g, fp8_dtype=fp8_dtype),
                 torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=True))
@@ -273,7 +344,10 @@ def _pair_impl(x, g: Granularity, fp8_dtype):
                                  _empty_outputs(x, g, fp8_dtype, True))
     if x.numel() == 0:
         return (q, scale.fill_(1.0)), (qt, scale_t.fill_(1.0))
-    _run(x, g, elements.element(fp8_dtype).code, q, scale, qt, scale_t)
+    plan = _plan(x, g, fp8_dtype, True, True)
+    if key is not None:
+        _KNOWN[key] = plan
+    plan.execute(x, q, scale, qt, scale_t)
     return (q, scale), (qt, scale_t)
 
 
@@ -309,8 +383,12 @@ def _(x, granularity, fp8_dtype):
 
 def _empty_outputs(x, g: Granularity, fp8_dtype, transpose: bool):
     rows, cols = x.shape[::-1] if transpose else x.shape
-    return (torch.empty((rows, cols), dtype=fp8_dtype, device=x.device),
-            empty_scale(g, rows, cols, x.device))
+    return _empty_outputs_of(rows, cols, g, fp8_dtype, x.device)
+
+
+def _empty_outputs_of(rows: int, cols: int, g: Granularity, fp8_dtype, device):
+    return (torch.empty((rows, cols), dtype=fp8_dtype, device=device),
+            empty_scale(g, rows, cols, device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,17 +396,69 @@ def _empty_outputs(x, g: Granularity, fp8_dtype, transpose: bool):
 # ---------------------------------------------------------------------------------------------
 
 def quantize(x: torch.Tensor, granularity, *, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-             transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             transpose: bool = False, amax: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``x`` (``transpose``: ``x.t()``) in ``fp8_dtype`` with the dequantization
     scales of ``granularity``; see the module docstring for the rule and the layouts. Tensors off
-    a CUDA device run ``torch_quantize`` (logged once)."""
+    a CUDA device run ``torch_quantize`` (logged once).
+
+    ``amax`` (``"tensor"`` granularity only): x's amax as ``tensor_amax(x)`` returned it, from an
+    earlier call on the same values (a weight's forward quantization, kept for its transpose in
+    the backward): the kernels skip their amax pass over x. The result is what the call without
+    it gives, as long as it is x's amax; under torch.compile it is not used (the op computes
+    it)."""
+    which = "qt" if transpose else "q"
+    if amax is not None:
+        which += "+amax"
+        _check_amax(x, granularity, amax)
+    plan = _known(x, granularity, fp8_dtype, which)
+    if plan is not None and x.numel():
+        q, scale = plan.outputs(x)[1 if transpose else 0]
+        plan.execute(x, *((None, None, q, scale) if transpose else (q, scale, None, None)),
+                     amax=amax)
+        return q, scale
     g = _check(x, granularity, fp8_dtype, (transpose,), "quantize")
     if not x.is_cuda and fallback.off_cuda({"x": x}, "custom_kernels.fp8_quant.quantize",
                                            "torch_quantize"):
-        return torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=transpose)
-    if torch.compiler.is_compiling() or not plain_eager(x):  # the graph sees the op and its fake
+        return torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=transpose, amax=amax)
+    if torch.compiler.is_compiling() or not plain_eager(x, amax):  # the op and its fake
         return torch.ops.custom_kernels.fp8_quantize(x, g.value, fp8_dtype, transpose)
-    return _quantize_impl(x, g, fp8_dtype, transpose)  # eagerly: no custom-op dispatch (~15 us)
+    # eagerly: no custom-op dispatch (~15 us), and the signature's plan kept
+    return _quantize_impl(x, g, fp8_dtype, transpose,
+                          _signature(x, granularity, fp8_dtype, which), amax)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """x's amax (the largest |value|, NaN if any value is NaN) as a float32 scalar tensor on
+    x's device, with no host sync: what ``quantize(x, "tensor")`` computes first, to hand to a
+    later ``quantize(..., amax=)`` of the same values. x: as ``quantize`` takes it."""
+    _check(x, Granularity.TENSOR, torch.float8_e4m3fn, (False,), "tensor_amax")
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    if not x.is_cuda or torch.compiler.is_compiling() or not plain_eager(x):
+        return x.detach().float().abs().amax()  # torch's amax propagates NaN
+    vec = vector_ok(x.element_size(), x.shape[1], x.stride(0) if x.shape[0] > 1 else 0,
+                    x.data_ptr())
+    kernel, sizes, _, rows_per_block, grid = _amax_plan(x, AMAX_ALL, vec, DTYPE_CODES[x.dtype],
+                                                        elements.element("e4m3").code)
+    buffer = torch.zeros((), dtype=torch.int32, device=x.device)
+    launch(kernel, x.data_ptr(), buffer.data_ptr(), 0, 0, *x.shape, x.stride(0), rows_per_block,
+           grid=grid, block=BLOCK, device=x.device.index)
+    return buffer.view(torch.float32)  # |x|'s bits, largest first: the float itself
+
+
+def _check_amax(x, granularity, amax) -> None:
+    if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or amax.numel() != 1 \
+            or not amax.is_contiguous():
+        raise UnsupportedInputError("quantize: amax must be one float32 value as a tensor "
+                                    "(tensor_amax(x)), got " + (
+                                        f"{amax.dtype} {tuple(amax.shape)}" if isinstance(
+                                            amax, torch.Tensor) else type(amax).__name__))
+    if isinstance(x, torch.Tensor) and amax.device != x.device:
+        raise UnsupportedInputError(f"quantize: amax is on {amax.device}, x on {x.device}")
+    if _granularity(granularity, "quantize") is not Granularity.TENSOR:
+        raise UnsupportedInputError(f"quantize: amax is the tensor's: it goes with granularity "
+                                    f"'tensor', not {granularity!r}")
 
 
 def quantize_pair(x: torch.Tensor, granularity, *,
@@ -340,6 +470,11 @@ def quantize_pair(x: torch.Tensor, granularity, *,
     ``scale.t()``'s values); tensor and row granularity first run an amax kernel (one more read
     of x: the tensor's amax, or every row's and every column's at once), so two reads in all.
     Off a CUDA device, ``torch_quantize`` twice (logged once)."""
+    plan = _known(x, granularity, fp8_dtype, "pair")
+    if plan is not None and x.numel():
+        (q, scale), (qt, scale_t) = plan.outputs(x)
+        plan.execute(x, q, scale, qt, scale_t)
+        return (q, scale), (qt, scale_t)
     g = _check(x, granularity, fp8_dtype, (False, True), "quantize_pair")
     if not x.is_cuda and fallback.off_cuda({"x": x}, "custom_kernels.fp8_quant.quantize_pair",
                                            "torch_quantize"):
@@ -347,7 +482,7 @@ def quantize_pair(x: torch.Tensor, granularity, *,
     if torch.compiler.is_compiling() or not plain_eager(x):
         q, scale, qt, scale_t = torch.ops.custom_kernels.fp8_quantize_pair(x, g.value, fp8_dtype)
         return (q, scale), (qt, scale_t)
-    return _pair_impl(x, g, fp8_dtype)
+    return _pair_impl(x, g, fp8_dtype, _signature(x, granularity, fp8_dtype, "pair"))
 
 
 def _check(x, granularity, fp8_dtype, orientations, entry: str) -> Granularity:
@@ -426,8 +561,10 @@ def _check_extents(x, g: Granularity, transpose: bool, entry: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def torch_quantize(x: torch.Tensor, granularity, *,
-                   fp8_dtype: torch.dtype = torch.float8_e4m3fn, transpose: bool = False):
-    """``quantize`` in torch, on any device, no host sync (inputs assumed checked)."""
+                   fp8_dtype: torch.dtype = torch.float8_e4m3fn, transpose: bool = False,
+                   amax: torch.Tensor | None = None):
+    """``quantize`` in torch, on any device, no host sync (inputs assumed checked; ``amax``:
+    the tensor's, given, for granularity "tensor")."""
     g = Granularity(granularity)
     m = (x.detach().t() if transpose else x.detach()).float().contiguous()
     rows, cols = m.shape
@@ -436,7 +573,10 @@ def torch_quantize(x: torch.Tensor, granularity, *,
         return torch.empty((rows, cols), dtype=fp8_dtype, device=m.device), scale
     top = fp8_max(fp8_dtype)
     blocks = _blocks(m, g)  # m viewed so that each group's elements share the kept dims
-    amax = blocks.abs().amax(dim=_group_dims(g), keepdim=True)
+    if amax is not None:
+        amax = amax.to(m.device).reshape((1,) * blocks.dim())
+    else:
+        amax = blocks.abs().amax(dim=_group_dims(g), keepdim=True)
     inv = torch.full((), top, dtype=torch.float32, device=m.device) / amax
     inv = torch.where(amax == 0, torch.ones_like(inv), inv)
     biggest = torch.finfo(torch.float32).max
@@ -466,4 +606,5 @@ def _scale_layout(amax_shaped: torch.Tensor, g: Granularity, rows: int, cols: in
     return out
 
 
-__all__ = ["Granularity", "fp8_max", "quantize", "quantize_pair", "torch_quantize"]
+__all__ = ["Granularity", "fp8_max", "quantize", "quantize_pair", "tensor_amax",
+           "torch_quantize"]

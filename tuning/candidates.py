@@ -236,21 +236,27 @@ def fp8_seeds(problem: GemmProblem) -> list[Choice]:
     """Kernels for scaled FP8 problems (tile K 128, unswapped), searched before the model's:
     pingpong 128x128 and cooperative 128x256 / 256x128 tiles with 2-CTA clusters above M 128
     (the shapes vLLM's and CUTLASS's own sm90 FP8 dispatch settle on), pingpong 64-row tiles
-    with long clusters at small M, stream-K cooperative tiles where K is long beside M x N, and,
-    for blockwise scaling (tile N 128, tile M at most 128,
-    promoted accumulation), cooperative 128x128 with and without stream-K."""
+    with long clusters at small M, stream-K cooperative tiles where K is long beside M x N.
+
+    Promoted accumulation (blockwise scaling, and tensorwise / rowwise without fast
+    accumulation: the backward GEMMs of convert(fp8=...)) keeps a second float32 accumulator a
+    warp group, so its tiles stop at 64 x 128 a warp group: cooperative 128x128 (with and
+    without stream-K) and pingpong 64x128. The wider ones spill: on an H200 pingpong 128x128 and
+    cooperative 128x256 / 256x128 ran 0.25-0.39x torch._scaled_mm's time-rate where cooperative
+    128x128 ran 0.80-1.0x (docs/measurements.md)."""
     pp, coop = KernelSchedule.PINGPONG, KernelSchedule.COOPERATIVE
     persistent, stream_k = TileScheduler.PERSISTENT, TileScheduler.STREAM_K
-    if problem.operands.scaling is Scaling.BLOCKWISE:
+    promoted = problem.operands.scaling is Scaling.BLOCKWISE or not problem.operands.fast_accum
+    if promoted and (problem.m > 128 or problem.operands.scaling is Scaling.BLOCKWISE):
         shapes = [(coop, (128, 128), (1, 1), persistent), (coop, (128, 128), (2, 1), persistent),
                   (coop, (128, 128), (1, 2), persistent), (coop, (128, 128), (1, 1), stream_k),
                   (coop, (128, 128), (2, 1), stream_k), (pp, (64, 128), (1, 1), persistent),
-                  (pp, (64, 128), (2, 1), persistent), (pp, (64, 128), (1, 2), persistent),
-                  (pp, (128, 128), (1, 1), persistent), (pp, (128, 128), (2, 1), persistent)]
+                  (pp, (64, 128), (2, 1), persistent), (pp, (64, 128), (1, 2), persistent)]
     elif problem.m <= 128:
         shapes = [(pp, (64, 128), (2, 1), persistent), (pp, (64, 128), (1, 2), persistent),
                   (pp, (64, 128), (1, 1), persistent), (pp, (64, 64), (1, 8), persistent),
-                  (pp, (64, 64), (1, 4), persistent), (pp, (64, 256), (1, 2), persistent),
+                  (pp, (64, 64), (1, 4), persistent),
+                  *([] if promoted else [(pp, (64, 256), (1, 2), persistent)]),
                   (coop, (128, 128), (1, 2), persistent), (coop, (128, 128), (1, 1), stream_k)]
     else:
         shapes = [(pp, (128, 128), (2, 1), persistent), (pp, (128, 128), (1, 2), persistent),

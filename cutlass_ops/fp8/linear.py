@@ -58,7 +58,7 @@ from cutlass_ops.scaled import scaled_mm
 from custom_kernels.core.eager import PLAIN, fast_autograd
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.fp8_quant import (Granularity, empty_scale, quantize, quantize_pair,
-                                      scale_shape)
+                                      scale_shape, tensor_amax)
 
 # ---------------------------------------------------------------------------------------------
 # Operands and GEMMs (no autograd)
@@ -70,8 +70,23 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def _quantize(t: Tensor, operand: Operand, transpose: bool = False):
+def _quantize(t: Tensor, operand: Operand, transpose: bool = False, amax=None):
+    if amax is not None:
+        return quantize(t, operand.granularity, fp8_dtype=operand.dtype, transpose=transpose,
+                        amax=amax)
     return quantize(t, operand.granularity, fp8_dtype=operand.dtype, transpose=transpose)
+
+
+def _weight_operand(weight: Tensor, recipe: Recipe, keep: bool):
+    """(q, scale, amax): W's forward operand, and for a training call of a tensorwise recipe
+    W's amax, which the backward's W^T (the same tensor's scale) reuses instead of reading W
+    once more (None otherwise)."""
+    b = recipe.forward.b
+    if keep and b.granularity is Granularity.TENSOR and \
+            recipe.dgrad.b.granularity is Granularity.TENSOR:
+        amax = tensor_amax(weight)
+        return (*_quantize(weight, b, amax=amax), amax)
+    return (*_quantize(weight, b), None)
 
 
 def _padded(rows: Tensor, multiple: int) -> Tensor:
@@ -121,11 +136,17 @@ def _activations(rows: Tensor, recipe: Recipe, keep: bool, x_fp8=None):
 
 
 def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Recipe, keep: bool,
-             weight_fp8=None, x_fp8=None):
+             weight_fp8=None, x_fp8=None, amax_out: Optional[list] = None):
     """(y, xt_q, xt_s): y = x W^T + b; x^T quantized for the wgrad when ``keep`` (else empty).
-    ``weight_fp8``: W's forward operand (q, scale) when the caller has it; ``x_fp8``: x's."""
+    ``weight_fp8``: W's forward operand (q, scale) when the caller has it; ``x_fp8``: x's.
+    ``amax_out``: a list that receives W's amax when ``_weight_operand`` kept one."""
     rows = _rows(x)
-    wq, ws = weight_fp8 if weight_fp8 is not None else _quantize(weight, recipe.forward.b)
+    if weight_fp8 is not None:
+        wq, ws = weight_fp8
+    else:
+        wq, ws, amax = _weight_operand(weight, recipe, keep and amax_out is not None)
+        if amax is not None:
+            amax_out.append(amax)
     xq, xs, xtq, xts = _activations(rows, recipe, keep, x_fp8)
     y = _gemm(xq, xs, wq, ws, recipe.forward, x.dtype, bias)
     return y.view(*x.shape[:-1], weight.shape[0]), xtq, xts
@@ -378,9 +399,11 @@ class _EagerFp8Linear(torch.autograd.Function):
         need_w = any(ctx.needs_input_grad[6:])
         fp8 = cache.get("forward", weights, merged, recipe) if cache is not None and \
             not need_w else None
-        y, xt_q, xt_s = _forward(x, merged, bias, recipe, need_w, fp8, x_fp8)
+        amax: list = []
+        y, xt_q, xt_s = _forward(x, merged, bias, recipe, need_w, fp8, x_fp8, amax)
         ctx.save_for_backward(xt_q, xt_s, *weights)
         ctx.recipe, ctx.cache, ctx.has_bias = recipe, cache, bias is not None
+        ctx.weight_amax = amax[0] if amax else None  # W^T's scale in the backward (tensorwise)
         return y
 
     @staticmethod
@@ -394,7 +417,7 @@ class _EagerFp8Linear(torch.autograd.Function):
             merged = fused_linear.concatenated(weights)
             if cache is not None and not need_w:
                 return cache.get("dgrad", weights, merged, recipe)
-            return _quantize(merged, recipe.dgrad.b, True)
+            return _quantize(merged, recipe.dgrad.b, True, amax=ctx.weight_amax)
 
         with torch.no_grad():
             grad_x, grad_w = _backward(grad, (xt_q, xt_s), recipe, need_x, need_w,

@@ -40,6 +40,7 @@ counts are padded with zero rows there (zeros change no amax and add nothing to 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from custom_kernels.core.elements import element
 from custom_kernels.core.errors import UnsupportedInputError
@@ -59,8 +60,8 @@ class Operand:
     fp8: str
     granularity: Granularity
 
-    @property
-    def dtype(self):
+    @functools.cached_property
+    def dtype(self):  # cached: read on every FP8 linear call (host time)
         return element(self.fp8).torch_dtype
 
 

@@ -218,6 +218,39 @@ def test_training_calls_quantize_afresh_and_free_the_copies(monkeypatch):
     assert calls.count((128, 256)) == 2  # W for the forward, W^T (from W) for the dgrad
 
 
+def test_a_tensorwise_backward_reuses_the_forwards_weight_amax(monkeypatch):
+    """W^T's tensorwise scale is W's: the forward's amax goes to the backward's quantization of
+    W^T (no second pass over W), and the result equals quantizing W^T afresh."""
+    seen = []
+    original = fp8_linear_module.quantize
+
+    def spy(t, *args, **kwargs):
+        seen.append((tuple(t.shape), kwargs.get("transpose", False), kwargs.get("amax")))
+        return original(t, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_linear_module, "quantize", spy)
+    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="tensorwise")
+    x = torch.randn(16, 256, dtype=torch.bfloat16, requires_grad=True)
+    lin(x).sum().backward()
+    weight_calls = [(t, a) for shape, t, a in seen if shape == (128, 256)]
+    assert [t for t, _ in weight_calls] == [False, True]
+    forward_amax, backward_amax = (a for _, a in weight_calls)
+    assert forward_amax is not None and backward_amax is forward_amax
+    assert forward_amax == lin.weight.detach().float().abs().max()
+    # (the quantization given an amax equals the one without: test_fp8_quant.py)
+
+
+def test_a_rowwise_backward_quantizes_the_weight_afresh(monkeypatch):
+    """Rowwise W^T's scales are W's columns', not its rows': no amax is handed over."""
+    seen = []
+    original = fp8_linear_module.quantize
+    monkeypatch.setattr(fp8_linear_module, "quantize", lambda t, *a, **k: (
+        seen.append(k.get("amax")), original(t, *a, **k))[1])
+    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
+    lin(torch.randn(16, 256, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+    assert seen and all(a is None for a in seen)
+
+
 def test_inference_tensors_are_quantized_at_every_call():
     with torch.inference_mode():
         lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")

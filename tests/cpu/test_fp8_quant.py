@@ -431,3 +431,45 @@ def test_the_plan(plan, g, what):
         flags = plan[0][1]["AMAX"]
         assert flags == ({Granularity.TENSOR: 1}.get(g) or (4 if what == "qt" else 6))
         assert "FP8" not in plan[0][1]  # one amax cubin serves both FP8 types
+
+
+# --- a tensor's amax given (the tensorwise weight's, reused by its transpose) -----------------
+
+def test_tensor_amax_is_the_largest_magnitude_and_keeps_nan():
+    x = sample(64, 256)
+    assert fp8_quant.tensor_amax(x) == x.float().abs().max()
+    assert fp8_quant.tensor_amax(x).dtype == torch.float32 and fp8_quant.tensor_amax(x).dim() == 0
+    x[3, 5] = float("nan")
+    assert fp8_quant.tensor_amax(x).isnan()
+    assert fp8_quant.tensor_amax(torch.empty(0, 128)) == 0
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_a_given_amax_gives_what_the_call_without_it_gives(transpose, fp8_dtype):
+    x = sample(128, 256)
+    amax = fp8_quant.tensor_amax(x)
+    got = quantize(x, "tensor", fp8_dtype=fp8_dtype, transpose=transpose, amax=amax)
+    want = quantize(x, "tensor", fp8_dtype=fp8_dtype, transpose=transpose)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
+    # the amax is used, not recomputed: twice x's amax halves inv (a coarser, valid scale)
+    q, scale = quantize(x, "tensor", fp8_dtype=fp8_dtype, transpose=transpose, amax=amax * 2)
+    assert torch.equal(scale, want[1] * 2) and q.float().abs().max() < fp8_quant.fp8_max(fp8_dtype)
+
+
+@pytest.mark.parametrize("bad, why", [
+    (lambda x: fp8_quant.tensor_amax(x).double(), "one float32 value"),
+    (lambda x: torch.ones(2), "one float32 value"),
+    (lambda x: 3.0, "one float32 value"),
+])
+def test_a_bad_amax_is_refused(bad, why):
+    x = sample(128, 256)
+    with pytest.raises(UnsupportedInputError, match=why):
+        quantize(x, "tensor", amax=bad(x))
+
+
+def test_an_amax_with_another_granularity_is_refused():
+    x = sample(128, 256)
+    with pytest.raises(UnsupportedInputError, match="granularity 'tensor'"):
+        quantize(x, "row", amax=fp8_quant.tensor_amax(x))

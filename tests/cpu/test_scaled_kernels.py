@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cutlass_ops.gemms import blockwise_emit, cutlass_bridge, loader, scaled_dispatch, space
-from cutlass_ops.gemms.config import GemmConfig, GemmOperands, GemmProblem, Scaling
+from cutlass_ops.gemms.config import (GemmConfig, GemmOperands, GemmProblem, KernelSchedule,
+                                      Scaling)
 from cutlass_ops.gemms.scaled_inputs import Recipe, check_scaled
 from cutlass_ops.gemms.scaled_plan import layout_refusal, scaled_operands, scaled_problem
 from custom_kernels.core.device import DeviceSpec
@@ -160,3 +161,26 @@ def test_cli_fp8_operands_and_refusals():
         args = build_parser().parse_args(["tune", "--fp8", "tensorwise", *extra, "16x16x16"])
         with pytest.raises(ValueError, match="--fp8"):
             _operands(args)
+
+
+@pytest.mark.parametrize("recipe, fast", [("tensorwise", False), ("rowwise", False),
+                                          ("blockwise", False), ("rowwise", True)])
+@pytest.mark.parametrize("m", [16, 4096])
+def test_promoted_seeds_keep_a_warp_groups_tile_within_64x128(recipe, fast, m):
+    """Promoted accumulation holds two float32 accumulators: a warp group's share of the tile
+    (cooperative: half the rows; pingpong: all of it) stays within 64 x 128 (wider ones spilled
+    and ran 3x slower on an H200); fast accumulation keeps the wide tiles."""
+    problem = scaled_problem(recipe, m, 4096, 4096, fast_accum=fast)
+    seeds = candidates.fp8_seeds(problem)
+    assert seeds
+
+    def per_warp_group(c):
+        tm, tn, _ = c.config.tile
+        rows = tm // 2 if c.config.kernel_schedule is KernelSchedule.COOPERATIVE else tm
+        return rows * tn
+
+    widest = max(per_warp_group(c) for c in seeds)
+    if fast:
+        assert widest > 64 * 128
+    else:
+        assert widest <= 64 * 128

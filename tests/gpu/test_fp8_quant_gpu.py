@@ -255,3 +255,46 @@ def test_scaled_mm_wgrad_from_the_pair():
     _, (qxt, sxt) = quantize_pair(x, "row")  # (K, M)
     dw = cutlass_ops.scaled_mm(qdyt, qxt.t(), sdyt, sxt.t(), out_dtype=torch.float32)
     assert product_error(dw, dy.float().t() @ x.float()) < 0.06
+
+
+# --- known call signatures and a given amax --------------------------------------------------
+
+def test_a_known_signature_skips_the_checks_and_gives_the_same_bytes(monkeypatch):
+    """The second call of a signature takes its kept plan (no input checks: ``_check`` is not
+    called), on new values; a new stride or alignment is a new signature."""
+    from custom_kernels import fp8_quant
+
+    for g in ALL:
+        x = data(256, 384)
+        assert_same(quantize(x, g), torch_quantize(x, g))
+        assert_same(quantize(x, g, transpose=True), torch_quantize(x, g, transpose=True))
+        assert_same(quantize_pair(x, g)[1], torch_quantize(x, g, transpose=True))
+    calls = []
+    original = fp8_quant._check
+    monkeypatch.setattr(fp8_quant, "_check", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+    for g in ALL:
+        y = data(256, 384)  # same signature, new values
+        assert_same(quantize(y, g), torch_quantize(y, g))
+        assert_same(quantize(y, g, transpose=True), torch_quantize(y, g, transpose=True))
+        (q, s), (qt, st) = quantize_pair(y, g)
+        assert_same((q, s), torch_quantize(y, g))
+        assert_same((qt, st), torch_quantize(y, g, transpose=True))
+    assert calls == []
+    strided = data(256, 384, wide=512, offset=8)  # another stride and alignment: checked
+    assert_same(quantize(strided, "row"), torch_quantize(strided, "row"))
+    assert calls
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_a_given_amax_gives_the_same_bytes(transpose, fp8_dtype):
+    from custom_kernels.fp8_quant import tensor_amax
+
+    x = data(512, 384)
+    amax = tensor_amax(x)
+    assert amax.dtype == torch.float32 and amax == x.float().abs().max()
+    for _ in range(2):  # the first call makes the plan, the second takes it
+        assert_same(quantize(x, "tensor", fp8_dtype=fp8_dtype, transpose=transpose, amax=amax),
+                    torch_quantize(x, "tensor", fp8_dtype=fp8_dtype, transpose=transpose))
+    x[7, 9] = float("nan")
+    assert tensor_amax(x).isnan()
