@@ -51,15 +51,45 @@ def reset() -> None:
     dispatch.reset()
 
 
+# cuBLAS's blockwise GEMM (torch 2.11's torch._scaled_mm, H200) returns wrong values, silently,
+# unless K is a multiple of 512 (four 128-deep scale blocks): relative errors of 0.3 to 1e4 at
+# K = 256, 384, 640 for every M and N tried, 0.0017 at K = 512 and 1024 (docs/measurements.md).
+TORCH_BLOCKWISE_K = 512
+
+
 def torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum: bool,
                     recipe: Recipe):
     """``torch._scaled_mm``. torch fuses a bias only into a tensorwise or rowwise bf16 output;
     elsewhere it refuses one, so the bias is added after (float32 outputs round once either
-    way)."""
+    way). A blockwise call whose K cuBLAS gets wrong runs on copies padded along K with zeros
+    (``padded_k``)."""
+    if recipe is Recipe.BLOCKWISE and a.shape[1] % TORCH_BLOCKWISE_K:
+        a, b, scale_a, scale_b = padded_k(a, b, scale_a, scale_b, TORCH_BLOCKWISE_K)
     fused = bias is not None and out_dtype == torch.bfloat16 and recipe is not Recipe.BLOCKWISE
     out = torch._scaled_mm(a, b, scale_a, scale_b, bias=bias if fused else None,
                            out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     return out if bias is None or fused else out.add_(bias)
+
+
+def padded_k(a, b, scale_a, scale_b, multiple: int):
+    """Blockwise operands (a (M, K), b (K, N) column-major, scale_a (M, K/128) column-major,
+    scale_b the (K/128, N/128) view of an (N/128, K/128) tensor) padded along K to a multiple
+    of ``multiple`` in the same layouts: zeros in a and b (they add nothing to the product),
+    ones in the scales. The product is unchanged."""
+    m, k = a.shape
+    n = b.shape[1]
+    padded = -(-k // multiple) * multiple
+    blocks, padded_blocks = k // 128, padded // 128
+    a2 = torch.zeros((m, padded), dtype=a.dtype, device=a.device)
+    a2[:, :k].copy_(a)
+    b2_rows = torch.zeros((n, padded), dtype=b.dtype, device=b.device)
+    b2_rows[:, :k].copy_(b.t())
+    sa2 = torch.ones((padded_blocks, m), dtype=scale_a.dtype, device=scale_a.device)
+    sa2[:blocks].copy_(scale_a.t())
+    sb2 = torch.ones((scale_b.shape[1], padded_blocks), dtype=scale_b.dtype,
+                     device=scale_b.device)
+    sb2[:, :blocks].copy_(scale_b.t())
+    return a2, b2_rows.t(), sa2.t(), sb2.t()
 
 
 def _torch_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum: bool) -> Route:

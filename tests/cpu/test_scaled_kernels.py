@@ -184,3 +184,25 @@ def test_promoted_seeds_keep_a_warp_groups_tile_within_64x128(recipe, fast, m):
         assert widest > 64 * 128
     else:
         assert widest <= 64 * 128
+
+
+@pytest.mark.parametrize("k", [128, 256, 384, 640])
+def test_blockwise_operands_padded_along_k_keep_the_product_and_layouts(k):
+    """cuBLAS gets blockwise K % 512 != 0 wrong (measured on an H200): the torch route pads
+    K with zeros and unit scales, which leaves the dequantized product as it was."""
+    from cutlass_ops.gemms.scaled_inputs import reference
+
+    g = torch.Generator().manual_seed(k)
+    m, n = 64, 256
+    a = (torch.randn(m, k, generator=g) * 8).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn).t()
+    sa = torch.rand(k // 128, m, generator=g).t() + 0.5
+    sb = (torch.rand(n // 128, k // 128, generator=g) + 0.5).t()
+    a2, b2, sa2, sb2 = scaled_dispatch.padded_k(a, b, sa, sb, 512)
+    kp = -(-k // 512) * 512
+    assert a2.shape == (m, kp) and b2.shape == (kp, n) and b2.stride() == (1, kp)
+    assert sa2.shape == (m, kp // 128) and sa2.stride() == (1, m)
+    assert sb2.shape == (kp // 128, n // 128) and sb2.stride() == (1, kp // 128)
+    want = reference(a, b, sa, sb, None, torch.float32, Recipe.BLOCKWISE)
+    got = reference(a2, b2, sa2, sb2, None, torch.float32, Recipe.BLOCKWISE)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6  # float32 summation order only

@@ -51,3 +51,16 @@ def test_compiled_and_graph_replayed():
     sa.mul_(2)  # scales are read on the device at each replay
     graph.replay()
     assert relative_error(out, 2 * expected) < 1e-2
+
+
+@pytest.mark.parametrize("k", [128, 256, 384, 640, 1024])
+def test_the_torch_route_is_right_for_blockwise_k_cublas_gets_wrong(k):
+    """torch._scaled_mm's blockwise GEMM is wrong (silently) unless K % 512 == 0 on torch 2.11;
+    the torch route pads K, so its answer is the dequantized product's at every K."""
+    from cutlass_ops.gemms.scaled_dispatch import torch_scaled_mm
+
+    aq, b, sa, sb = quantized(Recipe.BLOCKWISE, m=200, n=384, k=k)
+    bias = torch.randn(384, device="cuda").bfloat16()
+    got = torch_scaled_mm(aq, b, sa, sb, bias, torch.bfloat16, False, Recipe.BLOCKWISE)
+    expected = scaled_inputs.reference(aq, b, sa, sb, bias, torch.float32)
+    assert relative_error(got, expected) < 1e-2
