@@ -43,6 +43,14 @@ The probe: on random hidden states and rotary angles, the layer's own forward (i
 norms and Linears included) and the fused one must agree within bf16 tolerance, else the layer
 keeps its forward and the report says why (another residual scheme, another activation, a
 rotary convention that is not ``rotate_half``...).
+
+Mixture-of-experts layers (Mixtral, Qwen2/3-MoE: an mlp holding ``experts`` and a ``gate``)
+fuse their attention half the same way (merged QKV, the rotary kernel, the first residual add in
+the post-attention norm's pass); the MoE block runs the model's own forward (routing, experts:
+``cutlass_ops.moe``'s grouped GEMMs once ``convert`` swapped them, shared experts), the second
+residual added after it. Routing is a step function of its input, so the probe replaces the
+MoE block with a fixed linear map on both sides: it checks the fused half and the residual
+plumbing, and the MoE block is the same code in both.
 """
 
 from __future__ import annotations
@@ -63,6 +71,10 @@ ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ATTENTION_NORMS = frozenset({"q_norm", "k_norm"})
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 MLP_CHILDREN = frozenset({*MLP_LINEARS, "act_fn"})
+# A mixture-of-experts block (Mixtral, Qwen2/3-MoE, DeepSeek-V3 style) holds at least these; its
+# forward (router, experts: cutlass_ops.moe's grouped GEMMs once converted, shared experts) is
+# the model's own inside a fused layer.
+MOE_CHILDREN = frozenset({"experts", "gate"})
 ATTENTION_ATTRIBUTES = ("head_dim", "layer_idx", "scaling", "config", "attention_dropout")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 PROBE_TOKENS = 16
@@ -217,6 +229,17 @@ class FusedDecoderLayer:
         return mlp.residual_forward(x, h, x_fp8)
 
 
+class FusedMoEMLP:
+    """A mixture-of-experts block inside a fused layer: the model's own forward, the residual
+    added after it (the layer's attention half is the fused one)."""
+
+    def residual_forward(self, x, residual, x_fp8=None):
+        out = self(x)  # x_fp8: the experts stay 16-bit
+        if isinstance(out, tuple):  # (hidden states, router logits) in some versions
+            out = out[0]
+        return out + residual
+
+
 class _LayerGraphs:
     """A fused layer's two captured stretches for one input signature: ``before`` reads the
     layer input and the step's cos / sin, ``after`` the attention output and the layer input
@@ -268,8 +291,9 @@ def _copying_cache(cache) -> bool:
 
 def _graphed_modules(layer):
     attention = layer.self_attn
+    moe = tuple(layer.mlp.modules()) if isinstance(layer.mlp, FusedMoEMLP) else ()
     return (layer.input_layernorm, layer.post_attention_layernorm, attention.o_proj,
-            getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))
+            getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), *moe)
 
 
 def _hooked(layer) -> bool:
@@ -368,6 +392,11 @@ def is_fused(layer: nn.Module) -> bool:
     return isinstance(layer, FusedDecoderLayer)
 
 
+def has_moe_mlp(layer: nn.Module) -> bool:
+    """The layer's mlp is a mixture-of-experts block (``MOE_CHILDREN``), not a dense MLP."""
+    return MOE_CHILDREN <= frozenset(name for name, _ in layer.mlp.named_children())
+
+
 def looks_like_decoder_layer(module: nn.Module) -> bool:
     """Holds exactly a self_attn, an mlp and the two norms of a pre-norm decoder layer."""
     return not is_fused(module) and \
@@ -396,14 +425,20 @@ def structure_refusal(layer: nn.Module, require_gpu: bool = True) -> str | None:
             hasattr(getattr(namespace, "ALL_ATTENTION_FUNCTIONS"), "get_interface")):
         return "its attention's module has no ALL_ATTENTION_FUNCTIONS.get_interface and " \
             "eager_attention_forward (transformers 5.x)"
-    if frozenset(n for n, _ in mlp.named_children()) != MLP_CHILDREN:
-        return f"mlp holds {sorted(n for n, _ in mlp.named_children())}, not {sorted(MLP_CHILDREN)}"
-    return _linear_refusal(attention, mlp, require_gpu)
+    children = frozenset(n for n, _ in mlp.named_children())
+    moe = MOE_CHILDREN <= children
+    if not moe and children != MLP_CHILDREN:
+        return (f"mlp holds {sorted(children)}: neither a dense MLP ({sorted(MLP_CHILDREN)}) "
+                f"nor a mixture of experts (at least {sorted(MOE_CHILDREN)})")
+    return _linear_refusal(attention, None if moe else mlp, require_gpu)
 
 
 def _linear_refusal(attention, mlp, require_gpu: bool) -> str | None:
+    """``mlp``: the dense MLP, or None for a mixture-of-experts block (its forward is the
+    model's: only the attention's projections are fused)."""
     linears = {n: getattr(attention, n) for n in ATTENTION_LINEARS}
-    linears.update({n: getattr(mlp, n) for n in MLP_LINEARS})
+    if mlp is not None:
+        linears.update({n: getattr(mlp, n) for n in MLP_LINEARS})
     for name, layer in linears.items():
         if not isinstance(layer, nn.Linear):
             return f"{name} is a {type(layer).__name__}, not a Linear"
@@ -427,9 +462,10 @@ def _device_refusal(weight) -> str | None:
 def _shape_refusal(linears, head_dim) -> str | None:
     hidden = linears["q_proj"].in_features
     if any(linears[n].in_features != hidden for n in ("k_proj", "v_proj", "gate_proj",
-                                                       "up_proj")):
+                                                       "up_proj") if n in linears):
         return "q/k/v and gate/up do not read the same hidden size"
-    if linears["gate_proj"].out_features != linears["up_proj"].out_features:
+    if "gate_proj" in linears and \
+            linears["gate_proj"].out_features != linears["up_proj"].out_features:
         return "gate_proj and up_proj differ in width"
     if not isinstance(head_dim, int) or head_dim % 2 or head_dim > 256:
         return f"head_dim {head_dim}: the rotary kernel takes even head sizes up to 256"
@@ -443,14 +479,16 @@ def fuse(layer: nn.Module, *, require_gpu: bool = True) -> str | None:
     if why is not None:
         return why
     attention, mlp = layer.self_attn, layer.mlp
+    moe = has_moe_mlp(layer)
     originals = (layer.__class__, attention.__class__, mlp.__class__)
     fused_linear.pack([attention.q_proj, attention.k_proj, attention.v_proj])
-    fused_linear.pack([mlp.gate_proj, mlp.up_proj])
-    for module in (attention, mlp):  # made here, not on first use inside a traced forward
+    if not moe:
+        fused_linear.pack([mlp.gate_proj, mlp.up_proj])
+    for module in (attention,) if moe else (attention, mlp):  # made here, not inside a trace
         _merged_view(module)
     layer.__class__ = _fused_class(FusedDecoderLayer, originals[0])
     attention.__class__ = _fused_class(FusedAttention, originals[1])
-    mlp.__class__ = _fused_class(FusedMLP, originals[2])
+    mlp.__class__ = _fused_class(FusedMoEMLP if moe else FusedMLP, originals[2])
     try:
         why = probe(layer, originals)
     except Exception as exc:  # a forward that takes other arguments, say: keep the layer's own
@@ -472,18 +510,27 @@ def probe(layer: nn.Module, originals) -> str | None:
     hidden states and rotary angles (no mask: causal attention), else what differs."""
     weight = layer.self_attn.q_proj.weight
     device, dtype = weight.device, weight.dtype
+    moe = isinstance(layer.mlp, FusedMoEMLP)
     # The activation on its own, over a range where SiLU, GELU and ReLU part clearly (on the
     # layer's output a small-weight model would hide the difference).
     z = torch.linspace(-8.0, 8.0, 257, device=device, dtype=dtype)
     with torch.no_grad():
-        activation_error = relative_error(layer.mlp.act_fn(z), torch.nn.functional.silu(z))
+        activation_error = 0.0 if moe else relative_error(layer.mlp.act_fn(z),
+                                                          torch.nn.functional.silu(z))
     if not activation_error <= PROBE_TOLERANCE:
         return (f"its MLP activation ({type(layer.mlp.act_fn).__name__}) is not SiLU "
                 f"(relative difference {activation_error:.3g}): the fused block is SwiGLU's")
     generator = torch.Generator(device=device).manual_seed(0)
     hidden = layer.self_attn.q_proj.in_features
     head_dim = layer.self_attn.head_dim
-    with torch.no_grad():
+    # A mixture of experts runs the model's own forward on both sides, but its routing is a
+    # step function of its input: the attention half's rounding could send a token to other
+    # experts and fail a correct block. A fixed linear map stands in for it during the probe.
+    stand_in = None
+    if moe:
+        mix = torch.randn(hidden, hidden, generator=generator, device=device) / hidden ** 0.5
+        stand_in = mix.to(dtype)
+    with torch.no_grad(), _mlp_replaced(layer.mlp, stand_in):
         x = torch.randn(2, PROBE_TOKENS, hidden, generator=generator, device=device).to(dtype)
         positions = torch.arange(PROBE_TOKENS, device=device)
         inverse = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
@@ -506,6 +553,21 @@ def probe(layer: nn.Module, originals) -> str | None:
     return None
 
 
+class _mlp_replaced:
+    """Within the block, ``mlp`` computes ``x @ matrix`` (its own forward when None)."""
+
+    def __init__(self, mlp, matrix):
+        self.mlp, self.matrix = mlp, matrix
+
+    def __enter__(self):
+        if self.matrix is not None:
+            self.mlp.forward = lambda x: x @ self.matrix
+
+    def __exit__(self, *exc):
+        if self.matrix is not None:
+            del self.mlp.forward
+
+
 def _with_classes(layer, classes, run):
     """Runs ``run`` with the layer, its attention and its MLP back in ``classes``."""
     modules = (layer, layer.self_attn, layer.mlp)
@@ -519,5 +581,6 @@ def _with_classes(layer, classes, run):
             module.__class__ = cls
 
 
-__all__ = ["fuse", "unfuse", "is_fused", "looks_like_decoder_layer", "structure_refusal",
-           "probe", "FusedAttention", "FusedMLP", "FusedDecoderLayer"]
+__all__ = ["fuse", "unfuse", "is_fused", "looks_like_decoder_layer", "has_moe_mlp",
+           "structure_refusal", "probe", "FusedAttention", "FusedMLP", "FusedMoEMLP",
+           "FusedDecoderLayer"]

@@ -311,6 +311,13 @@ def _convert_experts(model, name, module, include, exclude) -> Decision:
                     "SwiGLU kernel, no per-expert loop (cutlass_ops.moe)")
 
 
+_DENSE_BLOCK = ("fused block: QKV and gate+up as one GEMM each, rotary and SwiGLU kernels, the "
+                "o_proj and down_proj residual adds in their GEMM epilogues")
+_MOE_BLOCK = ("fused attention half: QKV as one GEMM, the rotary kernel, the first residual add "
+              "in the post-attention norm's pass; its mixture of experts runs the model's "
+              "forward (the experts as grouped GEMMs where converted), the residual added after")
+
+
 def _fuse_decoder_layers(model, include, exclude) -> list[Decision]:
     """Decoder layers (found by structure, after their Linears and norms were converted) made
     fused blocks where the probe agrees."""
@@ -323,9 +330,8 @@ def _fuse_decoder_layers(model, include, exclude) -> list[Decision]:
             decisions.append(Decision(name, kind, False, "excluded by the caller"))
             continue
         why = decoder_blocks.fuse(module)
-        decisions.append(Decision(name, kind, why is None, why or (
-            "fused block: QKV and gate+up as one GEMM each, rotary and SwiGLU kernels, the "
-            "o_proj and down_proj residual adds in their GEMM epilogues")))
+        done = _MOE_BLOCK if why is None and decoder_blocks.has_moe_mlp(module) else _DENSE_BLOCK
+        decisions.append(Decision(name, kind, why is None, why or done))
     return decisions
 
 

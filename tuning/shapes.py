@@ -123,7 +123,7 @@ def _layer_gemms(tokens, in_features, out_features, backward, bias, residual=Fal
 def _fused_block_gemms(module, tokens: int, backward: bool) -> list:
     """The GEMMs a decoder layer runs once ``convert`` fuses it (cutlass_ops.decoder_blocks):
     Q, K and V as one GEMM, gate and up as one, o_proj and down_proj with the residual in their
-    epilogue. Layers that are not built like one add nothing (their Linears are harvested on
+    epilogue (a mixture-of-experts layer: its attention's only). Layers that are not built like one add nothing (their Linears are harvested on
     their own)."""
     from cutlass_ops import decoder_blocks
 
@@ -132,13 +132,16 @@ def _fused_block_gemms(module, tokens: int, backward: bool) -> list:
     attention, mlp = module.self_attn, module.mlp
     if decoder_blocks.structure_refusal(module, require_gpu=False) is not None:
         return []
+    # A mixture-of-experts layer fuses its attention half only (its experts' grouped GEMMs:
+    # model_grouped_problems).
+    moe = decoder_blocks.has_moe_mlp(module)
     merged = []
     for group in ((attention.q_proj, attention.k_proj, attention.v_proj),
-                  (mlp.gate_proj, mlp.up_proj)):
+                  *(() if moe else ((mlp.gate_proj, mlp.up_proj),))):
         width = sum(layer.out_features for layer in group)
         merged += _layer_gemms(tokens, group[0].in_features, width, backward,
                                group[0].bias is not None)
-    for layer in (attention.o_proj, mlp.down_proj):
+    for layer in (attention.o_proj,) if moe else (attention.o_proj, mlp.down_proj):
         merged += _layer_gemms(tokens, layer.in_features, layer.out_features, backward,
                                layer.bias is not None, residual=True)
     return merged

@@ -104,7 +104,8 @@ def _head_note(model) -> str:
 def _block_linears(layer) -> dict:
     """The block's projections by their names under the layer."""
     out = {f"self_attn.{n}": getattr(layer.self_attn, n) for n in decoder_blocks.ATTENTION_LINEARS}
-    out.update({f"mlp.{n}": getattr(layer.mlp, n) for n in decoder_blocks.MLP_LINEARS})
+    if not decoder_blocks.has_moe_mlp(layer):  # a mixture of experts' experts stay 16-bit
+        out.update({f"mlp.{n}": getattr(layer.mlp, n) for n in decoder_blocks.MLP_LINEARS})
     return out
 
 
@@ -120,11 +121,13 @@ def _convert_block(model, name: str, layer, recipe: Recipe) -> list[Choice]:
             Choice(f"{name}.{child}", type(lin).__name__, None,
                    f"its decoder block's GEMMs stay 16-bit ({why})")
             for child, lin in linears.items()]
-    for module in (layer.self_attn, layer.mlp):
+    moe = decoder_blocks.has_moe_mlp(layer)
+    for module in (layer.self_attn,) if moe else (layer.self_attn, layer.mlp):
         module.__dict__[decoder_blocks.GEMMS] = FusedGemms(recipe)
+    gemms = "merged QKV, o_proj" if moe else "merged QKV, o_proj, merged gate+up, down_proj"
     choices = [Choice(name, kind, recipe.name, (
-        f"fused block with FP8 {recipe.name} GEMMs (merged QKV, o_proj, merged gate+up, "
-        "down_proj; forward and backward), the residual adds after the GEMMs in torch"))]
+        f"fused block with FP8 {recipe.name} GEMMs ({gemms}; forward and backward), the "
+        "residual adds after the GEMMs in torch" + ("; its experts stay 16-bit" if moe else "")))]
     for child, lin in linears.items():
         _swap(model, f"{name}.{child}", Linear.from_linear(lin, recipe))
         choices.append(Choice(f"{name}.{child}", type(lin).__name__, recipe.name,

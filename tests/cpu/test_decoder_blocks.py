@@ -217,3 +217,93 @@ def test_fused_model_compiles_without_graph_breaks():
     expected = model(ids).logits
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+# ---- mixture-of-experts decoder layers: the attention half fused, the experts the model's ----
+
+MOE_SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=2, vocab_size=101, max_position_embeddings=128,
+                 num_experts_per_tok=2)
+
+
+def _moe_model(family: str):
+    configs = {
+        "mixtral": lambda: transformers.MixtralConfig(**MOE_SMALL, intermediate_size=96,
+                                                      num_local_experts=4),
+        "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**MOE_SMALL, moe_intermediate_size=32,
+                                                         num_experts=8, head_dim=32,
+                                                         norm_topk_prob=True),
+    }
+    config = configs[family]()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+def test_moe_layers_fuse_their_attention_and_match_forward_and_backward(family):
+    model = _moe_model(family)
+    ours = copy.deepcopy(model)
+    assert _fuse_all(ours) == 2
+    for layer in ours.model.layers:
+        assert decoder_blocks.is_fused(layer) and decoder_blocks.has_moe_mlp(layer)
+        assert isinstance(layer.mlp, decoder_blocks.FusedMoEMLP)
+        assert isinstance(layer.self_attn, decoder_blocks.FusedAttention)
+    ids = torch.randint(0, 101, (2, 12))
+    out_theirs = model(ids, labels=ids)
+    out_ours = ours(ids, labels=ids)
+    torch.testing.assert_close(out_ours.logits, out_theirs.logits, rtol=1e-4, atol=1e-4)
+    out_theirs.loss.backward()
+    out_ours.loss.backward()
+    theirs = dict(model.named_parameters())
+    for name, p in ours.named_parameters():
+        if theirs[name].grad is None:  # an expert no token was routed to
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-3, atol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_moe_layers_generate_the_same_tokens_and_unfuse():
+    model = _moe_model("qwen3-moe")
+    ours = copy.deepcopy(model)
+    _fuse_all(ours)
+    prompt = torch.randint(0, 101, (1, 7))
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, **kwargs), model.generate(prompt, **kwargs))
+    layer = ours.model.layers[0]
+    decoder_blocks.unfuse(layer)
+    assert not decoder_blocks.is_fused(layer)
+    assert type(layer.mlp) is type(model.model.layers[0].mlp)
+
+
+def test_the_moe_probe_replaces_the_experts_and_still_refuses_a_wrong_block(monkeypatch):
+    """The probe swaps the experts for a fixed map (routing is a step function of its input)
+    and restores them; a fused attention half that computed something else is refused."""
+    model = _moe_model("mixtral")
+    layer = model.model.layers[0]
+    experts_forward = type(layer.mlp).forward
+    monkeypatch.setattr(decoder_blocks.FusedMoEMLP, "residual_forward",
+                        lambda self, x, residual, x_fp8=None: self(x))  # forgets the residual
+    why = decoder_blocks.fuse(layer, require_gpu=False)
+    assert why is not None and "differs" in why
+    assert not decoder_blocks.is_fused(layer) and "forward" not in vars(layer.mlp)
+    assert type(layer.mlp).forward is experts_forward
+
+
+def test_moe_structure_refusals_and_the_report():
+    model = _moe_model("qwen3-moe")
+    layer = model.model.layers[0]
+    assert decoder_blocks.structure_refusal(layer, require_gpu=False) is None
+    odd = copy.deepcopy(layer)
+    del odd.mlp.gate
+    assert "mixture of experts" in decoder_blocks.structure_refusal(odd, require_gpu=False)
+    report = convert(model, fused_loss=False)
+    layers = {d.name: d for d in report.decisions if d.kind == "Qwen3MoeDecoderLayer"}
+    assert set(layers) == {"model.layers.0", "model.layers.1"}
+    assert all(not d.converted and "cpu" in d.reason for d in layers.values())

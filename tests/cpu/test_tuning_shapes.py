@@ -247,6 +247,26 @@ def test_a_model_s_experts_give_grouped_problems_with_its_top_k():
     assert model_grouped_problems(torch.nn.Linear(4, 4), 512) == []
 
 
+def test_an_moe_model_s_problems_are_its_fused_attention_s_and_its_linears():
+    """A mixture-of-experts decoder layer fuses its attention half: the merged QKV GEMM and
+    o_proj with the residual are harvested, and nothing of a dense MLP it does not have."""
+    transformers = pytest.importorskip("transformers")
+    from tuning.shapes import model_problems
+
+    config = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=48,
+                                         num_experts=8, num_experts_per_tok=2, head_dim=16,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=128)
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    problems = model_problems(model, 256, backward=True)
+    found = {(p.m, p.n, p.k, p.operands.epilogue.is_default) for p in problems}
+    qkv = 4 * 16 + 2 * 2 * 16  # q, then k and v
+    assert (256, qkv, 64, True) in found  # the merged QKV forward
+    assert any((m, n, k) == (256, 64, 64) and not plain for m, n, k, plain in found)  # o_proj
+    assert not any(n == 2 * 48 and k == 64 for _, n, k, _ in found)  # no merged gate+up
+
+
 def test_experts_without_a_top_k_are_refused_by_name():
     from tuning.shapes import model_grouped_problems
 
