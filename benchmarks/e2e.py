@@ -104,9 +104,12 @@ def parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def token_ids(tokens: int):
+VOCAB = 128256  # Llama 3's
+
+
+def token_ids(tokens: int, vocab: int = VOCAB):
     """The benchmark's tokens: ``SEQUENCES`` sequences, seeded (every process draws the same)."""
-    return torch.randint(0, 128256, (SEQUENCES, tokens // SEQUENCES), device="cuda",
+    return torch.randint(0, vocab, (SEQUENCES, tokens // SEQUENCES), device="cuda",
                          generator=torch.Generator("cuda").manual_seed(0))
 
 
@@ -309,12 +312,12 @@ def two_layer_run() -> dict | None:
                      for r in quick.get("rows", [])]}
 
 
-def measure_decode(variants, batch, new_tokens, reps):
+def measure_decode(variants, batch, new_tokens, reps, vocab: int = VOCAB):
     """generate() of each variant, interleaved repetition by repetition (tuning.timing's
     do_bench_interleaved): decoding is host-bound, and the host's speed drifts over a run by more
     than the differences measured, so sequential timing would credit whoever ran on a quiet
     stretch."""
-    prompt = torch.randint(0, 128256, (batch, PROMPT), device="cuda",
+    prompt = torch.randint(0, vocab, (batch, PROMPT), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(batch))
     out = {}
     with torch.no_grad():
