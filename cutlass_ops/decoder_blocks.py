@@ -50,7 +50,9 @@ the post-attention norm's pass); the MoE block runs the model's own forward (rou
 ``cutlass_ops.moe``'s grouped GEMMs once ``convert`` swapped them, shared experts), the second
 residual added after it. Routing is a step function of its input, so the probe replaces the
 MoE block with a fixed linear map on both sides: it checks the fused half and the residual
-plumbing, and the MoE block is the same code in both.
+plumbing, and the MoE block is the same code in both. Its shared experts (dense SwiGLU MLPs
+beside the routed ones: Qwen2-MoE's ``shared_expert``, DeepSeek-V3's ``shared_experts``) run as
+``FusedMLP`` (gate and up as one GEMM, the SwiGLU kernel) where a probe of their own agrees.
 """
 
 from __future__ import annotations
@@ -495,12 +497,70 @@ def fuse(layer: nn.Module, *, require_gpu: bool = True) -> str | None:
         why = f"the probe failed: {type(exc).__name__}: {exc}"
     if why is not None:
         layer.__class__, attention.__class__, mlp.__class__ = originals
+    elif moe:
+        for shared in shared_expert_mlps(mlp).values():
+            _fuse_dense_mlp(shared)
     return why
+
+
+def shared_expert_mlps(mlp: nn.Module) -> dict:
+    """A mixture of experts' dense MLPs beside its routed experts (Qwen2-MoE's
+    ``shared_expert``, DeepSeek-V3's ``shared_experts``): its children built like a dense MLP
+    (``MLP_CHILDREN``), by name."""
+    return {name: child for name, child in mlp.named_children()
+            if frozenset(n for n, _ in child.named_children()) == MLP_CHILDREN}
+
+
+def _fuse_dense_mlp(mlp: nn.Module) -> str | None:
+    """A dense MLP of its own (a shared expert) made a ``FusedMLP`` (gate and up as one GEMM,
+    the SwiGLU kernel) after its own probe; returns None when done, else why not (unchanged)."""
+    linears = {n: getattr(mlp, n) for n in MLP_LINEARS}
+    if not all(isinstance(layer, nn.Linear) for layer in linears.values()):
+        return "its projections are not Linears"
+    if linears["gate_proj"].out_features != linears["up_proj"].out_features or \
+            len({layer.weight.dtype for layer in linears.values()}) != 1:
+        return "gate_proj and up_proj differ in width or dtype"
+    original = mlp.__class__
+    fused_linear.pack([mlp.gate_proj, mlp.up_proj])
+    _merged_view(mlp)
+    mlp.__class__ = _fused_class(FusedMLP, original)
+    try:
+        why = _probe_mlp(mlp, original)
+    except Exception as exc:  # noqa: BLE001 - keep the module's own forward
+        why = f"the probe failed: {type(exc).__name__}: {exc}"
+    if why is not None:
+        mlp.__class__ = original
+    return why
+
+
+def _probe_mlp(mlp: nn.Module, original: type) -> str | None:
+    """None when a fused dense MLP computes what its own forward does on random rows (and its
+    activation is SiLU), else what differs."""
+    weight = mlp.gate_proj.weight
+    device, dtype = weight.device, weight.dtype
+    z = torch.linspace(-8.0, 8.0, 257, device=device, dtype=dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        if not relative_error(mlp.act_fn(z), torch.nn.functional.silu(z)) <= PROBE_TOLERANCE:
+            return f"its activation ({type(mlp.act_fn).__name__}) is not SiLU"
+        x = torch.randn(PROBE_TOKENS, mlp.gate_proj.in_features, generator=generator,
+                        device=device).to(dtype)
+        ours = mlp(x)
+        current = mlp.__class__
+        mlp.__class__ = original
+        try:
+            theirs = mlp(x)
+        finally:
+            mlp.__class__ = current
+    error = relative_error(ours, theirs)
+    if not error <= PROBE_TOLERANCE:
+        return f"the fused MLP differs from its own forward by {error:.3g} (relative)"
+    return None
 
 
 def unfuse(layer: nn.Module) -> None:
     """Restores the classes ``fuse`` replaced (the packed weights stay packed: same values)."""
-    for module in (layer, layer.self_attn, layer.mlp):
+    for module in (layer, layer.self_attn, layer.mlp, *layer.mlp.children()):
         if hasattr(type(module), "_hf_class"):
             module.__class__ = type(module)._hf_class
 
@@ -582,5 +642,6 @@ def _with_classes(layer, classes, run):
 
 
 __all__ = ["fuse", "unfuse", "is_fused", "looks_like_decoder_layer", "has_moe_mlp",
+           "shared_expert_mlps",
            "structure_refusal", "probe", "FusedAttention", "FusedMLP", "FusedMoEMLP",
            "FusedDecoderLayer"]

@@ -315,7 +315,9 @@ _DENSE_BLOCK = ("fused block: QKV and gate+up as one GEMM each, rotary and SwiGL
                 "o_proj and down_proj residual adds in their GEMM epilogues")
 _MOE_BLOCK = ("fused attention half: QKV as one GEMM, the rotary kernel, the first residual add "
               "in the post-attention norm's pass; its mixture of experts runs the model's "
-              "forward (the experts as grouped GEMMs where converted), the residual added after")
+              "forward (the experts as grouped GEMMs where converted, shared experts' gate+up "
+              "as one GEMM and SwiGLU as one kernel where their probe agrees), the residual "
+              "added after")
 
 
 def _fuse_decoder_layers(model, include, exclude) -> list[Decision]:

@@ -132,8 +132,8 @@ def _fused_block_gemms(module, tokens: int, backward: bool) -> list:
     attention, mlp = module.self_attn, module.mlp
     if decoder_blocks.structure_refusal(module, require_gpu=False) is not None:
         return []
-    # A mixture-of-experts layer fuses its attention half only (its experts' grouped GEMMs:
-    # model_grouped_problems).
+    # A mixture-of-experts layer fuses its attention half and its shared experts' gate+up (its
+    # routed experts' grouped GEMMs: model_grouped_problems).
     moe = decoder_blocks.has_moe_mlp(module)
     merged = []
     for group in ((attention.q_proj, attention.k_proj, attention.v_proj),
@@ -141,6 +141,10 @@ def _fused_block_gemms(module, tokens: int, backward: bool) -> list:
         width = sum(layer.out_features for layer in group)
         merged += _layer_gemms(tokens, group[0].in_features, width, backward,
                                group[0].bias is not None)
+    for shared in decoder_blocks.shared_expert_mlps(mlp).values() if moe else ():
+        width = shared.gate_proj.out_features + shared.up_proj.out_features
+        merged += _layer_gemms(tokens, shared.gate_proj.in_features, width, backward,
+                               shared.gate_proj.bias is not None)
     for layer in (attention.o_proj,) if moe else (attention.o_proj, mlp.down_proj):
         merged += _layer_gemms(tokens, layer.in_features, layer.out_features, backward,
                                layer.bias is not None, residual=True)

@@ -104,9 +104,19 @@ def _head_note(model) -> str:
 def _block_linears(layer) -> dict:
     """The block's projections by their names under the layer."""
     out = {f"self_attn.{n}": getattr(layer.self_attn, n) for n in decoder_blocks.ATTENTION_LINEARS}
-    if not decoder_blocks.has_moe_mlp(layer):  # a mixture of experts' experts stay 16-bit
+    if not decoder_blocks.has_moe_mlp(layer):
         out.update({f"mlp.{n}": getattr(layer.mlp, n) for n in decoder_blocks.MLP_LINEARS})
+    for name, shared in _fused_shared_experts(layer).items():  # the routed experts stay 16-bit
+        out.update({f"mlp.{name}.{n}": getattr(shared, n) for n in decoder_blocks.MLP_LINEARS})
     return out
+
+
+def _fused_shared_experts(layer) -> dict:
+    """A fused MoE layer's shared-expert MLPs that run as fused dense MLPs, by name."""
+    if not decoder_blocks.has_moe_mlp(layer):
+        return {}
+    return {name: module for name, module in decoder_blocks.shared_expert_mlps(layer.mlp).items()
+            if isinstance(module, decoder_blocks.FusedMLP)}
 
 
 def _convert_block(model, name: str, layer, recipe: Recipe) -> list[Choice]:
@@ -122,9 +132,12 @@ def _convert_block(model, name: str, layer, recipe: Recipe) -> list[Choice]:
                    f"its decoder block's GEMMs stay 16-bit ({why})")
             for child, lin in linears.items()]
     moe = decoder_blocks.has_moe_mlp(layer)
-    for module in (layer.self_attn,) if moe else (layer.self_attn, layer.mlp):
+    shared = list(_fused_shared_experts(layer).values())
+    for module in (layer.self_attn, *shared) if moe else (layer.self_attn, layer.mlp):
         module.__dict__[decoder_blocks.GEMMS] = FusedGemms(recipe)
     gemms = "merged QKV, o_proj" if moe else "merged QKV, o_proj, merged gate+up, down_proj"
+    if shared:
+        gemms += ", the shared experts' merged gate+up and down_proj"
     choices = [Choice(name, kind, recipe.name, (
         f"fused block with FP8 {recipe.name} GEMMs ({gemms}; forward and backward), the "
         "residual adds after the GEMMs in torch" + ("; its experts stay 16-bit" if moe else "")))]

@@ -243,6 +243,9 @@ def _moe_model(family: str):
         "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**MOE_SMALL, moe_intermediate_size=32,
                                                          num_experts=8, head_dim=32,
                                                          norm_topk_prob=True),
+        "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**MOE_SMALL, moe_intermediate_size=32,
+                                                         num_experts=4,
+                                                         shared_expert_intermediate_size=48),
     }
     config = configs[family]()
     config._attn_implementation = "sdpa"
@@ -255,7 +258,7 @@ def _moe_model(family: str):
     return model
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "qwen2-moe"])
 def test_moe_layers_fuse_their_attention_and_match_forward_and_backward(family):
     model = _moe_model(family)
     ours = copy.deepcopy(model)
@@ -305,3 +308,26 @@ def test_moe_structure_refusals_and_the_report():
     layers = {d.name: d for d in report.decisions if d.kind == "Qwen3MoeDecoderLayer"}
     assert set(layers) == {"model.layers.0", "model.layers.1"}
     assert all(not d.converted and "cpu" in d.reason for d in layers.values())
+
+
+def test_shared_experts_run_as_fused_mlps_and_unfuse():
+    """Qwen2-MoE's shared expert (a dense SwiGLU MLP beside the routed experts) becomes a
+    FusedMLP after its own probe; one with another activation stays as it is."""
+    model = _moe_model("qwen2-moe")
+    ours = copy.deepcopy(model)
+    _fuse_all(ours)
+    for layer in ours.model.layers:
+        assert set(decoder_blocks.shared_expert_mlps(layer.mlp)) == {"shared_expert"}
+        assert isinstance(layer.mlp.shared_expert, decoder_blocks.FusedMLP)
+    decoder_blocks.unfuse(ours.model.layers[0])
+    assert type(ours.model.layers[0].mlp.shared_expert) is \
+        type(model.model.layers[0].mlp.shared_expert)
+    gelu = _moe_model("qwen2-moe")
+    for layer in gelu.model.layers:
+        layer.mlp.shared_expert.act_fn = torch.nn.GELU()
+    reference = copy.deepcopy(gelu)
+    _fuse_all(gelu)
+    assert not any(isinstance(layer.mlp.shared_expert, decoder_blocks.FusedMLP)
+                   for layer in gelu.model.layers)
+    assert all(decoder_blocks.is_fused(layer) for layer in gelu.model.layers)
+    assert_same_logits_and_gradients(gelu, reference)

@@ -401,3 +401,31 @@ def test_fsdp2_at_world_size_1_trains_like_one_process(tmp_path):
     assert list(got["state"]) == list(reference["state"])
     for name, value in reference["state"].items():
         assert torch.equal(got["state"][name], value), name
+
+
+def test_an_moe_block_runs_its_attention_and_shared_expert_fp8_and_its_experts_16_bit(
+        monkeypatch):
+    """A fused Qwen2-MoE layer: merged QKV, o_proj and the shared expert's merged gate+up and
+    down_proj through FP8 GEMMs, the routed experts left 16-bit (named in the report)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2MoeConfig(hidden_size=256, moe_intermediate_size=128,
+                                         shared_expert_intermediate_size=256, num_experts=4,
+                                         num_experts_per_tok=2, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         vocab_size=256)
+    torch.manual_seed(0)
+    model = fused(transformers.AutoModelForCausalLM.from_config(config).bfloat16())
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.shared_expert, decoder_blocks.FusedMLP)
+    choices = {c.name: c for c in convert_fp8(model, "rowwise")}
+    block = choices["model.layers.0"]
+    assert block.recipe == "rowwise" and "experts stay 16-bit" in block.reason
+    for child in ("self_attn.q_proj", "self_attn.o_proj", "mlp.shared_expert.gate_proj",
+                  "mlp.shared_expert.down_proj"):
+        assert choices[f"model.layers.0.{child}"].recipe == "rowwise", child
+    assert isinstance(layer.mlp.shared_expert.__dict__[decoder_blocks.GEMMS], FusedGemms)
+    assert decoder_blocks.GEMMS not in layer.mlp.__dict__
+    calls = calls_of(monkeypatch)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+    assert calls.count("merged_linear") == 2  # QKV, the shared expert's gate+up

@@ -267,6 +267,22 @@ def test_an_moe_model_s_problems_are_its_fused_attention_s_and_its_linears():
     assert not any(n == 2 * 48 and k == 64 for _, n, k, _ in found)  # no merged gate+up
 
 
+def test_an_moe_model_s_shared_experts_give_their_merged_gate_up():
+    transformers = pytest.importorskip("transformers")
+    from tuning.shapes import model_problems
+
+    config = transformers.Qwen2MoeConfig(hidden_size=64, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=40, num_experts=4,
+                                         num_experts_per_tok=2, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         vocab_size=128)
+    with torch.device("meta"):
+        model = transformers.Qwen2MoeForCausalLM(config)
+    shapes = {(p.m, p.n, p.k) for p in model_problems(model, 256)}
+    assert (256, 80, 64) in shapes  # the shared expert's gate+up as one GEMM
+    assert (256, 64, 40) in shapes  # its down_proj
+
+
 def test_experts_without_a_top_k_are_refused_by_name():
     from tuning.shapes import model_grouped_problems
 

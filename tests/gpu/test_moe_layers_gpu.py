@@ -1,5 +1,5 @@
 """Mixture-of-experts decoder layers on the GPU (bf16): convert() fuses their attention half and
-swaps their experts for grouped GEMMs; the converted model against the same model unconverted
+their shared experts (Qwen2-MoE) and swaps their experts for grouped GEMMs; the converted model against the same model unconverted
 (logits, loss, gradients), generate(), and torch.compile(fullgraph=True). The routers' weights
 are scaled up so that each token's experts are clear-cut: bf16 rounding then sends every token
 to the same experts on both sides."""
@@ -24,6 +24,9 @@ CONFIGS = {
     "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**COMMON, moe_intermediate_size=128,
                                                      num_experts=8, head_dim=64,
                                                      norm_topk_prob=True),
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**COMMON, moe_intermediate_size=128,
+                                                     num_experts=4,
+                                                     shared_expert_intermediate_size=256),
 }
 
 
@@ -50,6 +53,8 @@ def test_converted_moe_model_matches_forward_and_gradients(family):
         str(report)
     assert all(decoder_blocks.is_fused(layer) and decoder_blocks.has_moe_mlp(layer)
                for layer in ours.model.layers)
+    assert all(isinstance(shared, decoder_blocks.FusedMLP) for layer in ours.model.layers
+               for shared in decoder_blocks.shared_expert_mlps(layer.mlp).values())
     ids = torch.randint(0, VOCAB, (2, 48), device="cuda")
     out_ours, out_theirs = ours(ids, labels=ids), model(ids, labels=ids)
     assert relative_error(out_ours.logits, out_theirs.logits) < 3e-2
