@@ -202,12 +202,7 @@ class _Plan:
         pointers = (amax.data_ptr() if amax is not None else 0, 0, 0)
         buffer = None  # lives until the launches below are queued (stream-ordered allocator)
         if self.amax is not None:
-            kernel, sizes, offsets, rows_per_block, grid = self.amax
-            buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=x.device)
-            base = buffer.data_ptr()
-            pointers = tuple(base + o if n else 0 for n, o in zip(sizes, offsets))
-            launch(kernel, x.data_ptr(), *pointers, rows, cols, x.stride(0), rows_per_block,
-                   grid=grid, block=BLOCK, device=device)
+            buffer, pointers = _launch_amax(x, self.amax)
         if self.rows_kernel:
             launch(self.kernel, x.data_ptr(), q.data_ptr(), scale.data_ptr(), pointers[0], rows,
                    cols, x.stride(0), self.group_cols, self.shift, grid=self.grid, block=BLOCK,
@@ -268,6 +263,18 @@ def _amax_plan(x, flags: int, vec: bool, dtype_code: int, fp8_code: int):
     grid_y = min(-(-rows // rows_per_block), MAX_GRID_Y)
     kernel = _kernel(AMAX_KERNEL, x.device.index, dtype_code, fp8_code, vec, 0, flags)
     return kernel, sizes, offsets, rows_per_block, (grid_x, grid_y)
+
+
+def _launch_amax(x, amax_plan):
+    """(buffer, pointers into it: the tensor's amax, each row's, each column's; 0 where not
+    asked for): ``_amax_plan``'s kernel run into a zeroed buffer."""
+    kernel, sizes, offsets, rows_per_block, grid = amax_plan
+    buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=x.device)
+    base = buffer.data_ptr()
+    pointers = tuple(base + o if n else 0 for n, o in zip(sizes, offsets))
+    launch(kernel, x.data_ptr(), *pointers, *x.shape, x.stride(0), rows_per_block, grid=grid,
+           block=BLOCK, device=x.device.index)
+    return buffer, pointers
 
 
 # Known call signatures: an eager call on a plain CUDA tensor whose signature (shape, strides,
@@ -439,12 +446,9 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
         return x.detach().float().abs().amax()  # torch's amax propagates NaN
     vec = vector_ok(x.element_size(), x.shape[1], x.stride(0) if x.shape[0] > 1 else 0,
                     x.data_ptr())
-    kernel, sizes, _, rows_per_block, grid = _amax_plan(x, AMAX_ALL, vec, DTYPE_CODES[x.dtype],
-                                                        elements.element("e4m3").code)
-    buffer = torch.zeros((), dtype=torch.int32, device=x.device)
-    launch(kernel, x.data_ptr(), buffer.data_ptr(), 0, 0, *x.shape, x.stride(0), rows_per_block,
-           grid=grid, block=BLOCK, device=x.device.index)
-    return buffer.view(torch.float32)  # |x|'s bits, largest first: the float itself
+    buffer, _ = _launch_amax(x, _amax_plan(x, AMAX_ALL, vec, DTYPE_CODES[x.dtype],
+                                           elements.element("e4m3").code))
+    return buffer.view(torch.float32)[0]  # |x|'s bits, largest first: the float itself
 
 
 def _check_amax(x, granularity, amax) -> None:

@@ -538,11 +538,11 @@ def _probe_mlp(mlp: nn.Module, original: type) -> str | None:
     activation is SiLU), else what differs."""
     weight = mlp.gate_proj.weight
     device, dtype = weight.device, weight.dtype
-    z = torch.linspace(-8.0, 8.0, 257, device=device, dtype=dtype)
+    why = _activation_refusal(mlp.act_fn, device, dtype)
+    if why is not None:
+        return why
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
-        if not relative_error(mlp.act_fn(z), torch.nn.functional.silu(z)) <= PROBE_TOLERANCE:
-            return f"its activation ({type(mlp.act_fn).__name__}) is not SiLU"
         x = torch.randn(PROBE_TOKENS, mlp.gate_proj.in_features, generator=generator,
                         device=device).to(dtype)
         ours = mlp(x)
@@ -571,15 +571,9 @@ def probe(layer: nn.Module, originals) -> str | None:
     weight = layer.self_attn.q_proj.weight
     device, dtype = weight.device, weight.dtype
     moe = isinstance(layer.mlp, FusedMoEMLP)
-    # The activation on its own, over a range where SiLU, GELU and ReLU part clearly (on the
-    # layer's output a small-weight model would hide the difference).
-    z = torch.linspace(-8.0, 8.0, 257, device=device, dtype=dtype)
-    with torch.no_grad():
-        activation_error = 0.0 if moe else relative_error(layer.mlp.act_fn(z),
-                                                          torch.nn.functional.silu(z))
-    if not activation_error <= PROBE_TOLERANCE:
-        return (f"its MLP activation ({type(layer.mlp.act_fn).__name__}) is not SiLU "
-                f"(relative difference {activation_error:.3g}): the fused block is SwiGLU's")
+    why = None if moe else _activation_refusal(layer.mlp.act_fn, device, dtype)
+    if why is not None:
+        return why
     generator = torch.Generator(device=device).manual_seed(0)
     hidden = layer.self_attn.q_proj.in_features
     head_dim = layer.self_attn.head_dim
@@ -610,6 +604,19 @@ def probe(layer: nn.Module, originals) -> str | None:
     if not error <= PROBE_TOLERANCE:
         return (f"the fused block's update differs from the layer's own by {error:.3g} "
                 f"(relative; the tolerance is {PROBE_TOLERANCE:g}): left to the layer's forward")
+    return None
+
+
+def _activation_refusal(act_fn, device, dtype) -> str | None:
+    """Why an MLP's activation is not SiLU, or None: compared on its own over a range where
+    SiLU, GELU and ReLU part clearly (on a layer's output a small-weight model would hide the
+    difference)."""
+    z = torch.linspace(-8.0, 8.0, 257, device=device, dtype=dtype)
+    with torch.no_grad():
+        error = relative_error(act_fn(z), torch.nn.functional.silu(z))
+    if not error <= PROBE_TOLERANCE:
+        return (f"its MLP activation ({type(act_fn).__name__}) is not SiLU (relative "
+                f"difference {error:.3g}): the fused block is SwiGLU's")
     return None
 
 

@@ -77,16 +77,15 @@ def _quantize(t: Tensor, operand: Operand, transpose: bool = False, amax=None):
     return quantize(t, operand.granularity, fp8_dtype=operand.dtype, transpose=transpose)
 
 
-def _weight_operand(weight: Tensor, recipe: Recipe, keep: bool):
-    """(q, scale, amax): W's forward operand, and for a training call of a tensorwise recipe
-    W's amax, which the backward's W^T (the same tensor's scale) reuses instead of reading W
-    once more (None otherwise)."""
+def _training_weight_operand(weight: Tensor, recipe: Recipe):
+    """((q, scale), amax): W's forward operand for a call that trains W, and for a tensorwise
+    recipe W's amax, which the backward's W^T (the same tensor's scale) reuses instead of
+    reading W once more (None otherwise)."""
     b = recipe.forward.b
-    if keep and b.granularity is Granularity.TENSOR and \
-            recipe.dgrad.b.granularity is Granularity.TENSOR:
+    if b.granularity is Granularity.TENSOR and recipe.dgrad.b.granularity is Granularity.TENSOR:
         amax = tensor_amax(weight)
-        return (*_quantize(weight, b, amax=amax), amax)
-    return (*_quantize(weight, b), None)
+        return _quantize(weight, b, amax=amax), amax
+    return _quantize(weight, b), None
 
 
 def _padded(rows: Tensor, multiple: int) -> Tensor:
@@ -136,17 +135,11 @@ def _activations(rows: Tensor, recipe: Recipe, keep: bool, x_fp8=None):
 
 
 def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Recipe, keep: bool,
-             weight_fp8=None, x_fp8=None, amax_out: Optional[list] = None):
+             weight_fp8=None, x_fp8=None):
     """(y, xt_q, xt_s): y = x W^T + b; x^T quantized for the wgrad when ``keep`` (else empty).
-    ``weight_fp8``: W's forward operand (q, scale) when the caller has it; ``x_fp8``: x's.
-    ``amax_out``: a list that receives W's amax when ``_weight_operand`` kept one."""
+    ``weight_fp8``: W's forward operand (q, scale) when the caller has it; ``x_fp8``: x's."""
     rows = _rows(x)
-    if weight_fp8 is not None:
-        wq, ws = weight_fp8
-    else:
-        wq, ws, amax = _weight_operand(weight, recipe, keep and amax_out is not None)
-        if amax is not None:
-            amax_out.append(amax)
+    wq, ws = weight_fp8 if weight_fp8 is not None else _quantize(weight, recipe.forward.b)
     xq, xs, xtq, xts = _activations(rows, recipe, keep, x_fp8)
     y = _gemm(xq, xs, wq, ws, recipe.forward, x.dtype, bias)
     return y.view(*x.shape[:-1], weight.shape[0]), xtq, xts
@@ -397,13 +390,15 @@ class _EagerFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, recipe, cache, x_fp8, merged, *weights):
         need_w = any(ctx.needs_input_grad[6:])
-        fp8 = cache.get("forward", weights, merged, recipe) if cache is not None and \
-            not need_w else None
-        amax: list = []
-        y, xt_q, xt_s = _forward(x, merged, bias, recipe, need_w, fp8, x_fp8, amax)
+        amax = None  # W's, for W^T in the backward (tensorwise)
+        if need_w:
+            fp8, amax = _training_weight_operand(merged, recipe)
+        else:
+            fp8 = cache.get("forward", weights, merged, recipe) if cache is not None else None
+        y, xt_q, xt_s = _forward(x, merged, bias, recipe, need_w, fp8, x_fp8)
         ctx.save_for_backward(xt_q, xt_s, *weights)
         ctx.recipe, ctx.cache, ctx.has_bias = recipe, cache, bias is not None
-        ctx.weight_amax = amax[0] if amax else None  # W^T's scale in the backward (tensorwise)
+        ctx.weight_amax = amax
         return y
 
     @staticmethod
