@@ -79,8 +79,9 @@ from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.launch import launch, set_max_dynamic_shared
 
 SOURCE = "fp8_quant.cu"
-AMAX_KERNEL, ROWS_KERNEL, TILES_KERNEL = ("fp8_amax_kernel", "fp8_quant_rows_kernel",
-                                          "fp8_quant_tiles_kernel")
+AMAX_KERNEL, ROWS_KERNEL, TILES_KERNEL, ONCE_KERNEL = (
+    "fp8_amax_kernel", "fp8_quant_rows_kernel", "fp8_quant_tiles_kernel",
+    "fp8_quant_tiles_once_kernel")
 DTYPE_CODES = elements.float_codes()
 BLOCK_K = 128  # the extent of a block's side (block_1x128, block_128x128), the kernels' tile
 BLOCK = 256  # threads of the amax and rows kernels
@@ -120,6 +121,11 @@ def empty_scale(granularity: Granularity, rows: int, cols: int, device) -> torch
         return torch.empty(shape[::-1], dtype=torch.float32, device=device).t()
     return torch.empty(shape, dtype=torch.float32, device=device)
 
+
+# Granularities with one scale for a whole 128x128 tile (the tensor's, the block's): with
+# 16-byte loads they run fp8_quant_tiles_once_kernel, which quantizes each value once and
+# writes qt as q's bytes transposed (docs/measurements.md, "FP8 GEMMs").
+ONCE_GRANULARITIES = (Granularity.TENSOR, Granularity.BLOCK_128X128)
 
 # The granularity's code in csrc/fp8_quant.cu (its MODE).
 MODE_CODES = {Granularity.TENSOR: 0, Granularity.ROW: 1, Granularity.BLOCK_1X128: 2,
@@ -183,7 +189,7 @@ class _Plan:
     outputs asked for, then reused by every call of that signature (``_KNOWN``)."""
 
     __slots__ = ("g", "fp8_dtype", "device", "want_q", "want_qt", "amax", "rows_kernel",
-                 "kernel", "grid", "shared", "group_cols", "shift")
+                 "once", "kernel", "grid", "shared", "group_cols", "shift")
 
     def outputs(self, x):
         """The empty (q, scale) and (qt, scale_t) asked for (None where not)."""
@@ -206,6 +212,11 @@ class _Plan:
         if self.rows_kernel:
             launch(self.kernel, x.data_ptr(), q.data_ptr(), scale.data_ptr(), pointers[0], rows,
                    cols, x.stride(0), self.group_cols, self.shift, grid=self.grid, block=BLOCK,
+                   device=device)
+        elif self.once:
+            launch(self.kernel, x.data_ptr(), *(t.data_ptr() if t is not None else 0
+                                                 for t in (q, qt, scale, scale_t)),
+                   pointers[0], rows, cols, x.stride(0), grid=self.grid, block=TILE_THREADS,
                    device=device)
         else:
             launch(self.kernel, x.data_ptr(), *(t.data_ptr() if t is not None else 0
@@ -233,8 +244,14 @@ def _plan(x, g: Granularity, fp8_dtype, want_q: bool, want_qt: bool,
         flags = AMAX_COLS | (AMAX_ROWS if want_q else 0)
     plan.amax = _amax_plan(x, flags, vec, dtype_code, fp8_code) if flags else None
     mode = MODE_CODES[g]
-    plan.rows_kernel = not want_qt and g is not Granularity.BLOCK_128X128
-    if plan.rows_kernel:
+    plan.once = vec and g in ONCE_GRANULARITIES
+    plan.rows_kernel = not plan.once and not want_qt and g is not Granularity.BLOCK_128X128
+    if plan.once:
+        plan.kernel = _kernel(ONCE_KERNEL, device, dtype_code, fp8_code, vec, mode, 0, want_q,
+                              want_qt)
+        plan.grid = min(-(-rows // BLOCK_K) * -(-cols // BLOCK_K), MAX_GRID)
+        plan.shared = plan.group_cols = plan.shift = 0
+    elif plan.rows_kernel:
         plan.shift = rows_team(g, x.element_size(), cols)
         plan.group_cols = BLOCK_K if g is Granularity.BLOCK_1X128 else cols
         teams = BLOCK >> plan.shift
@@ -312,8 +329,8 @@ def compile_fp8_quant(kernel: str = ROWS_KERNEL, dtype: str = "bfloat16", fp8: s
                       vec: bool = True, granularity: str = "row", *, amax: int = AMAX_ALL,
                       write_q: bool = True, write_qt: bool = False,
                       arch: str = jit.DEFAULT_ARCH) -> Path:
-    """The cubin of one of the three kernels (``AMAX_KERNEL``, ``ROWS_KERNEL``,
-    ``TILES_KERNEL``) for an input dtype, an FP8 type, 16-byte accesses or not, a granularity
+    """The cubin of one of the four kernels (``AMAX_KERNEL``, ``ROWS_KERNEL``,
+    ``TILES_KERNEL``, ``ONCE_KERNEL``) for an input dtype, an FP8 type, 16-byte accesses or not, a granularity
     (rows and tile kernels), the amaxes asked for (amax kernel) and the outputs written (tile
     kernel). No extent is compiled in."""
     key = (elements.element(dtype).code, elements.element(fp8).code, vec,

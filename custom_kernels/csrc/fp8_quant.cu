@@ -85,6 +85,10 @@ constexpr __nv_fp8_interpretation_t KIND = FP8 == 4 ? __NV_E5M2 : __NV_E4M3;
 constexpr int TILE = 128;
 constexpr int TILE_THREADS = 256;
 constexpr int VPR = TILE / EPT;  // slots in a tile row
+// Blocks an SM keeps of fp8_quant_tiles_once_kernel: for 16-bit x at most 64 registers a
+// thread, still a thread's eight 16-byte loads in flight (128 KB a SM; unbounded, ptxas took
+// 116 registers: 2 blocks); float32 x holds sixteen slots a thread and keeps 2 blocks.
+constexpr int ONCE_BLOCKS = sizeof(T) == 4 ? 2 : 4;
 
 struct alignas(EPT) Bytes {
   unsigned char b[EPT];
@@ -391,5 +395,100 @@ fp8_quant_tiles_kernel(const T* __restrict__ x, unsigned char* __restrict__ q,
     if constexpr (WRITE_Q) write_q(tile, ts, q, scale, rows, cols, r0, c0, nr, nc, t);
     if constexpr (WRITE_QT)
       write_qt(tile, ts, col_half, qt, scale_t, rows, cols, r0, c0, nr, nc, tc * tiles_r + tr);
+  }
+}
+
+// MODE 0 (the tensor's scale, from fp8_amax_kernel's amax_all) and MODE 3 (each 128x128 tile's
+// own), VEC inputs: a block owns a 128x128 tile and quantizes each value once, from registers
+// (a thread's slots all loaded before any is used: eight 16-byte loads in flight for 16-bit x).
+// WRITE_Q stores q straight from those registers; WRITE_QT stores the tile's FP8 bytes in shared
+// memory (16 KB, a quarter of the tile kernel's float32 tile) and writes qt from them: qt is q
+// transposed, as one scale covers both. A warp owns 16 tile rows, a lane 4 tile columns: 16
+// conflict-free 4-byte reads, a 16x4 byte transpose in registers (byte permutes), four 16-byte
+// stores along qt's rows. Half the shared memory and none of the float work of
+// fp8_quant_tiles_kernel's qt phase, which quantizes every value a second time.
+extern "C" __global__ void __launch_bounds__(TILE_THREADS, ONCE_BLOCKS)
+fp8_quant_tiles_once_kernel(const T* __restrict__ x, unsigned char* __restrict__ q,
+                            unsigned char* __restrict__ qt, float* __restrict__ scale,
+                            float* __restrict__ scale_t, const unsigned* __restrict__ amax_all,
+                            long long rows, long long cols, long long ld_x) {
+  constexpr int SLOTS = TILE * VPR / TILE_THREADS;  // a thread's slots of a tile
+  __shared__ __align__(16) unsigned char tile_bytes[WRITE_QT ? TILE * TILE : 16];
+  __shared__ unsigned red[TILE_THREADS / 32];
+  const long long tiles_r = (rows + TILE - 1) / TILE, tiles_c = (cols + TILE - 1) / TILE;
+  Fp8Factor all{1.0f, 1.0f};
+  if constexpr (MODE == 0) all = factor_of(*amax_all);
+  for (long long t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
+    const long long tr = t / tiles_c, tc = t % tiles_c, r0 = tr * TILE, c0 = tc * TILE;
+    const int nr = static_cast<int>(min(static_cast<long long>(TILE), rows - r0));
+    const int nc = static_cast<int>(min(static_cast<long long>(TILE), cols - c0));
+    V v[SLOTS];
+    unsigned m = 0;
+#pragma unroll
+    for (int k = 0; k < SLOTS; ++k) {
+      const int i = threadIdx.x + k * TILE_THREADS, rr = i / VPR, cc = (i % VPR) * EPT;
+      if (rr < nr && cc < nc) ck::load(v[k], x + (r0 + rr) * ld_x + c0 + cc); else zero(v[k]);
+      if constexpr (MODE == 3) m = max(m, slot_max(v[k]));
+    }
+    Fp8Factor s = all;
+    if constexpr (MODE == 3) {
+      s = factor_of(team_max<TILE_THREADS>(m, TILE_THREADS, red));  // syncs: tile_bytes free
+    } else if constexpr (WRITE_QT != 0) {
+      __syncthreads();  // the previous tile's reads of tile_bytes are done
+    }
+#pragma unroll
+    for (int k = 0; k < SLOTS; ++k) {
+      const int i = threadIdx.x + k * TILE_THREADS, rr = i / VPR, cc = (i % VPR) * EPT;
+      const Bytes b = quantize_slot(v[k], s);
+      if constexpr (WRITE_Q) {
+        if (rr < nr && cc < nc) *reinterpret_cast<Bytes*>(q + (r0 + rr) * cols + c0 + cc) = b;
+      }
+      if constexpr (WRITE_QT) *reinterpret_cast<Bytes*>(tile_bytes + rr * TILE + cc) = b;
+    }
+    if (threadIdx.x == 0) {
+      if constexpr (MODE == 3) {
+        if constexpr (WRITE_Q) scale[t] = s.scale;
+        if constexpr (WRITE_QT) scale_t[tc * tiles_r + tr] = s.scale;
+      } else if (t == 0) {
+        if constexpr (WRITE_Q) *scale = s.scale;
+        if constexpr (WRITE_QT) *scale_t = s.scale;
+      }
+    }
+    if constexpr (WRITE_QT) {
+      __syncthreads();  // the tile's bytes are in shared memory
+      const int rb = (threadIdx.x >> 5) * 16, cb = (threadIdx.x & 31) * 4;
+      if (rb < nr && cb < nc) {
+        unsigned w[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          w[j] = *reinterpret_cast<const unsigned*>(tile_bytes + (rb + j) * TILE + cb);
+        // column c of the 16x4 block: byte c of each row's word, rows in order (low byte first)
+        unsigned colw[4][4];
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          const unsigned lo01 = __byte_perm(w[4 * g], w[4 * g + 1], 0x5140);
+          const unsigned hi01 = __byte_perm(w[4 * g], w[4 * g + 1], 0x7362);
+          const unsigned lo23 = __byte_perm(w[4 * g + 2], w[4 * g + 3], 0x5140);
+          const unsigned hi23 = __byte_perm(w[4 * g + 2], w[4 * g + 3], 0x7362);
+          colw[0][g] = __byte_perm(lo01, lo23, 0x5410);
+          colw[1][g] = __byte_perm(lo01, lo23, 0x7632);
+          colw[2][g] = __byte_perm(hi01, hi23, 0x5410);
+          colw[3][g] = __byte_perm(hi01, hi23, 0x7632);
+        }
+        const bool whole = (rows & 15) == 0 && rb + 16 <= nr;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if (cb + c >= nc) break;
+          unsigned char* dst = qt + (c0 + cb + c) * rows + r0 + rb;
+          if (whole) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(colw[c][0], colw[c][1], colw[c][2],
+                                                        colw[c][3]);
+          } else {
+            for (int j = 0; j < 16 && rb + j < nr; ++j)
+              dst[j] = static_cast<unsigned char>(colw[c][j >> 2] >> (8 * (j & 3)));
+          }
+        }
+      }
+    }
   }
 }

@@ -81,6 +81,9 @@ def test_fp8_quant_family_compiles(cache_root, dtype):
         paths += [f.compile_fp8_quant(f.ROWS_KERNEL, dtype, fp8, vec, "row"),
                   f.compile_fp8_quant(f.TILES_KERNEL, dtype, fp8, vec, "block_1x128",
                                       write_qt=True)]
+    for granularity in ("tensor", "block_128x128"):  # one scale a tile: each value quantized once
+        paths.append(f.compile_fp8_quant(f.ONCE_KERNEL, dtype, "e4m3", True, granularity,
+                                         write_qt=True))
     assert all(p.stat().st_size > 0 and p.with_suffix(".json").is_file() for p in paths)
 
 

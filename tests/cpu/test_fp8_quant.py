@@ -370,7 +370,7 @@ def kernel_parameters():
     from custom_kernels import jit
 
     source = (jit.CSRC / fp8_quant.SOURCE).read_text()
-    found = re.findall(r'extern "C" __global__ void __launch_bounds__\(\w+\)\s*(\w+)\(([^)]*)\)',
+    found = re.findall(r'extern "C" __global__ void __launch_bounds__\([\w, ]+\)\s*(\w+)\(([^)]*)\)',
                        source)
     return {name: len(params.split(",")) for name, params in found}
 
@@ -387,7 +387,7 @@ def test_the_source_agrees_with_the_launcher():
     assert f"FP8 == {e5m2} ? __NV_E5M2 : __NV_E4M3" in source
     assert f"FP8 {e4m3} e4m3 / {e5m2} e5m2" in source
     assert set(kernel_parameters()) == {fp8_quant.AMAX_KERNEL, fp8_quant.ROWS_KERNEL,
-                                        fp8_quant.TILES_KERNEL}
+                                        fp8_quant.TILES_KERNEL, fp8_quant.ONCE_KERNEL}
 
 
 @pytest.fixture
@@ -412,8 +412,10 @@ def test_the_plan(plan, g, what):
     fp8_quant._run(x, g, 3, *outputs)
     names = [p[0] for p in plan]
     amax = g is Granularity.TENSOR or (g is Granularity.ROW and what != "q")
-    rows_kernel = what == "q" and g is not Granularity.BLOCK_128X128
+    once = g in (Granularity.TENSOR, Granularity.BLOCK_128X128)  # one scale a tile
+    rows_kernel = what == "q" and not once
     assert names == [fp8_quant.AMAX_KERNEL] * amax + [
+        fp8_quant.ONCE_KERNEL if once else
         fp8_quant.ROWS_KERNEL if rows_kernel else fp8_quant.TILES_KERNEL]
     counts = kernel_parameters()
     for name, defines, args, grid, block, shared in plan:
@@ -422,9 +424,11 @@ def test_the_plan(plan, g, what):
         assert defines["DTYPE"] == 2 and defines["VEC"] == 1
     name, defines, args, grid, block, shared = plan[-1]
     assert defines["MODE"] == fp8_quant.MODE_CODES[g] and defines["FP8_MAX"] == "448.0f"
-    if name == fp8_quant.TILES_KERNEL:
+    if name in (fp8_quant.TILES_KERNEL, fp8_quant.ONCE_KERNEL):
         assert (defines["WRITE_Q"], defines["WRITE_QT"]) == (what != "qt", what != "q")
-        assert grid == 2 * 3 and block == 256 and shared == 128 * 128 * 2
+        once_shared = 0  # its 16 KB of FP8 bytes are static shared memory
+        assert grid == 2 * 3 and block == 256 and \
+            shared == (once_shared if once else 128 * 128 * 2)
         q_, s_, qt_, st_ = outputs  # the kernel takes (x, q, qt, scale, scale_t, ...)
         assert args[1:5] == tuple(t.data_ptr() if t is not None else 0 for t in (q_, qt_, s_, st_))
     if amax:
