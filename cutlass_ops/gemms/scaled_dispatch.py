@@ -2,9 +2,10 @@
 
 The decision is ``dispatch.decide``'s, on the scaled problem (``scaled_plan.problem_of``: the
 recipe and fast accumulation are part of its operands, so FP8 winners never mix with bf16 ones):
-an exact tuned shape, the nearest tuned shape of the same operands, or a built kernel our model
-ranks first; else ``torch._scaled_mm``, with one log line saying why (nothing tuned or built, a
-scale layout our kernels do not read, an unsafe cache). Never a compile on a call.
+an exact tuned shape or the nearest tuned shape of the same operands on this GPU; else
+``torch._scaled_mm``, with one log line saying why (nothing tuned, a scale layout our kernels do
+not read, an unsafe cache). Unlike bf16, an untuned FP8 shape does not run the built kernel our
+performance model ranks first (``UNTUNED_BUILT_KERNELS``). Never a compile on a call.
 
 The route is memoized per call signature (devices, dtypes, shapes, strides, alignment, the
 recipe, bias and fast accumulation), so a warm call costs a dictionary lookup, an output
@@ -50,6 +51,13 @@ def reset() -> None:
     """Forgets memoized routes and tuned entries (``dispatch.reset``: after a tune, an import)."""
     dispatch.reset()
 
+
+# Whether an untuned FP8 shape may run the built kernel our performance model ranks first (as
+# bf16 does) rather than torch._scaled_mm. Off: the model ranks tiles on bf16 evidence, and the
+# built FP8 kernels include the promoted-accumulation seeds, 0.25-0.88x cuBLAS; on an H100 with
+# only an H200's tuning the tensorwise train step took 125 ms this way against 82 ms for
+# blockwise and 90.6 ms for torchao (docs/measurements.md). A tuned entry decides instead.
+UNTUNED_BUILT_KERNELS = False
 
 # cuBLAS's blockwise GEMM (torch 2.11's torch._scaled_mm, H200) returns wrong values, silently,
 # unless K is a multiple of 512 (four 128-deep scale blocks): relative errors of 0.3 to 1e4 at
@@ -222,11 +230,12 @@ def decide(checked: CheckedScaled, fast_accum: bool, scale_a, scale_b) -> dispat
     decision = dispatch.decide(
         problem, dispatch._entries(current_scope(index)), spec,
         lambda choice: not choice.swap_ab and is_built(operands, choice.config),
-        lambda: [c for c in dispatch.built_choices(operands, spec.arch) if not c.swap_ab])
+        lambda: [c for c in dispatch.built_choices(operands, spec.arch) if not c.swap_ab]
+        if UNTUNED_BUILT_KERNELS else [])
     if decision.choice is None and decision.source == "torch":
         recipe = checked.recipe.value
         return dispatch.Decision("torch", None, (
-            f"no tuned or built {recipe} FP8 kernel for {problem.name} on this GPU; run "
+            f"no tuned {recipe} FP8 kernel for {problem.name} on this GPU; run "
             f"`cutlass-tune tune --fp8 {recipe} {checked.m}x{checked.n}x{checked.k}`"))
     return decision
 

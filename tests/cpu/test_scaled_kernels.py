@@ -206,3 +206,32 @@ def test_blockwise_operands_padded_along_k_keep_the_product_and_layouts(k):
     want = reference(a, b, sa, sb, None, torch.float32, Recipe.BLOCKWISE)
     got = reference(a2, b2, sa2, sb2, None, torch.float32, Recipe.BLOCKWISE)
     assert ((got - want).norm() / want.norm()).item() < 1e-6  # float32 summation order only
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_an_untuned_fp8_shape_runs_torch_unless_built_kernels_are_allowed(monkeypatch, allowed):
+    """With a kernel built and nothing tuned, dispatch picks torch._scaled_mm and says how to
+    tune; only with UNTUNED_BUILT_KERNELS does the performance model's pick run."""
+    import types
+
+    from custom_kernels.core import device
+    from cutlass_ops.gemms import dispatch, scaled_plan
+    from cutlass_ops.gemms.choice import Choice
+
+    a, b, sa, sb = _blockwise()
+    checked = check_scaled(a, b, sa, sb)
+    built = Choice(GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 128)))
+    monkeypatch.setattr(device, "current_spec", lambda index=None: H100)
+    monkeypatch.setattr(device, "current_scope", lambda index=None: "test-scope")
+    monkeypatch.setattr(scaled_plan, "layout_refusal", lambda *args: None)
+    monkeypatch.setattr(dispatch, "_entries", lambda scope: {})
+    monkeypatch.setattr(dispatch, "built_choices", lambda operands, arch: [built])
+    monkeypatch.setattr(loader, "is_built", lambda operands, config: True)
+    monkeypatch.setattr(scaled_dispatch, "UNTUNED_BUILT_KERNELS", allowed)
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    decision = scaled_dispatch.decide(checked, False, on_gpu, sb)
+    if allowed:
+        assert decision.source == "heuristic" and decision.choice is not None
+    else:
+        assert decision.choice is None and decision.source == "torch"
+        assert "cutlass-tune tune --fp8 blockwise" in decision.reason

@@ -56,7 +56,9 @@ def test_each_recipe_kernel_matches_the_dequantized_product(recipe, bias, out_dt
 
 
 @pytest.mark.parametrize("recipe", [Recipe.TENSORWISE, Recipe.BLOCKWISE])
-def test_dispatch_runs_a_built_kernel_in_graphs_and_under_compile(recipe):
+def test_dispatch_runs_a_built_kernel_in_graphs_and_under_compile(recipe, monkeypatch):
+    # untuned shapes run torch._scaled_mm by default; the built-kernel route is what this tests
+    monkeypatch.setattr(scaled_dispatch, "UNTUNED_BUILT_KERNELS", True)
     fast = recipe is Recipe.TENSORWISE
     bias = recipe is Recipe.TENSORWISE
     a, b, sa, sb = inputs(recipe, 512, 1024, 1024, seed=1)
