@@ -17,6 +17,8 @@ projections get zeros, and the logits after a skipped layer are off by order 1.
 - FP8 models: ``fp8_gradient_tolerances`` bounds each parameter by the error the recipe's float32
   emulation has against the same reference (``custom_kernels.core.tolerances`` says why no
   fixed bound works); a parameter that lost its gradient fails whatever the bound.
+- Gradients a fixed bound misjudges (a MoE router's, fragile in bf16): ``twin_gradient_tolerances``
+  bounds each parameter by the error the reference's float32 twin has against the reference.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import math
 import torch
 
 from custom_kernels.core.tolerances import (FP8_MODEL_MARGINS, MODEL_GRADIENTS, MODEL_LOGITS,
-                                            fp8_model_tolerance, relative_error,
-                                            relative_tolerance)
+                                            TWIN_MODEL_MARGINS, fp8_model_tolerance,
+                                            relative_error, relative_tolerance,
+                                            twin_model_tolerance)
 
 # Wrappers that prefix their module's parameter names: torch.compile's OptimizedModule
 # ("_orig_mod.") and DistributedDataParallel ("module."). convert() itself keeps every name
@@ -87,10 +90,13 @@ def matched_names(got: dict, expected: dict) -> list[str]:
 def gradient_error(got: torch.Tensor | None, expected: torch.Tensor | None) -> float:
     """The relative error of one gradient. A missing gradient counts as zeros (a parameter the
     model no longer uses: error 1 against a real one); a gradient where the reference has none
-    or only zeros is infinitely wrong, unless it is zero too."""
+    or only zeros is infinitely wrong, unless it is zero too, and NaN where it holds NaN (which
+    no bound passes, an infinite one included: a twin's, where the reference has none)."""
     if got is None and expected is None:
         return 0.0
     if expected is None or not bool(expected.any()):
+        if got is not None and bool(got.isnan().any()):
+            return math.nan
         nonzero = got is not None and bool(got.any())
         return math.inf if nonzero else 0.0
     if got is None:
@@ -103,6 +109,15 @@ def gradient_error(got: torch.Tensor | None, expected: torch.Tensor | None) -> f
 
 def _sort_key(error: float) -> float:
     return math.inf if math.isnan(error) else error  # NaN is the worst, never hidden
+
+
+def _closeness(error: float, bound: float) -> float:
+    """How close ``error`` is to ``bound`` (over 1: past it). An infinite bound (a twin's, where
+    the reference has no gradient) passes anything but NaN and says nothing: 0, so that a
+    parameter off by inf under it is never named the worst."""
+    if math.isinf(bound) and error <= bound:
+        return 0.0
+    return _sort_key(error / bound)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +158,7 @@ def compare_gradients(got: dict, expected: dict, tolerance) -> GradientCheck:
     if missing:
         raise ParameterMismatch(f"no tolerance for {len(missing)} parameters {missing[:5]}")
     errors = {name: gradient_error(got[name], expected[name]) for name in names}
-    worst = max(names, key=lambda name: _sort_key(errors[name] / bounds[name]))
+    worst = max(names, key=lambda name: _closeness(errors[name], bounds[name]))
     failing = sum(1 for name in names if not errors[name] <= bounds[name]  # NaN fails
                   or _lost(got[name], expected[name]))
     bound = "" if not isinstance(tolerance, dict) else getattr(tolerance, "rule", "")
@@ -170,6 +185,21 @@ def fp8_gradient_tolerances(emulated: dict[str, float], dtype=torch.bfloat16) ->
     out.rule = (f"per parameter max({relative_tolerance(dtype, MODEL_GRADIENTS)}, "
                 f"{FP8_MODEL_MARGINS[MODEL_GRADIENTS]} x the FP8 recipe's float32 "
                 f"emulation's error); a lost gradient always fails")
+    return out
+
+
+def twin_gradient_tolerances(twin_errors: dict[str, float], dtype=torch.bfloat16) -> Tolerances:
+    """Each parameter's bound for a ``dtype`` model's gradients, from the errors the reference's
+    float32 twin (the same model and inputs in float32) has against the reference: the
+    tolerance table's twin margin times that error, or the ``dtype`` model bound where wider.
+    A parameter the twin gives a gradient where the reference has none (an expert the twin's
+    routing reached and the reference's did not) has an infinite twin error: the reference is
+    no measure there, so its bound is too."""
+    out = Tolerances({name: twin_model_tolerance(error, dtype, MODEL_GRADIENTS)
+                      for name, error in twin_errors.items()})
+    out.rule = (f"per parameter max({relative_tolerance(dtype, MODEL_GRADIENTS)}, "
+                f"{TWIN_MODEL_MARGINS[MODEL_GRADIENTS]} x the float32 twin's error against "
+                f"eager); a lost gradient always fails")
     return out
 
 

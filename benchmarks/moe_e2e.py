@@ -6,9 +6,14 @@ GEMMs, the norms, the chunked loss head) against Hugging Face's default path eag
 prefill, and ``generate()`` at batch 1 and 16; peak memory.
 
 The checks are ``benchmarks.e2e``'s: the loss and every parameter's gradient against eager's,
-prefill logits, teacher-forced decode logits. Each row's ``detail`` names what convert did to
-each layer (its report) and, for the train rows, where ours' step spends its GPU time (the
-kernels with the most time, torch.profiler).
+prefill logits, teacher-forced decode logits. The gradients' bound is eager's float32 twin's
+(``FloatTwin``): each parameter of ours (and of compile) may be at most twice as far from
+eager's gradient as the same model in float32 is, and never need be closer than the bf16 model
+bound, since the routers' gate gradients are too fragile in bf16 for one fixed bound
+(``custom_kernels.core.tolerances``' ``TWIN_MODEL_MARGINS``). Each row's ``detail`` names
+what convert did to each layer (its report) and, for the train rows, the bound's rule and the
+twin's errors, and where ours' step spends its GPU time (the kernels with the most time,
+torch.profiler).
 
     python benchmarks/moe_e2e.py [--models qwen3-moe mixtral] [--tokens 4096] [--reps 10]
         [--new-tokens 128] [--sections train prefill decode] [--no-compile] [--tune quick]
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 from pathlib import Path
 
@@ -29,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks import e2e  # noqa: E402
+from benchmarks import e2e, model_checks  # noqa: E402
 from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
 
 # name: (config class, layers, the config's keywords): the published models' shapes.
@@ -112,6 +118,77 @@ def tune(model, tokens: int, strategy: str) -> None:
     dispatch.reset()
 
 
+class FloatTwin:
+    """The eager model's float32 twin on the benchmark's tokens: one train step of a float32
+    copy, its gradients' errors against eager's kept, the copy and its gradients freed before
+    any other variant's step (``e2e.measure_train`` calls ``tolerances`` right after eager's).
+    Its peak is a float32 model, its gradients and activations beside eager's bf16 weights and
+    kept gradients."""
+
+    def __init__(self, eager, ids):
+        self.eager, self.ids = eager, ids
+        self.grad_errors: dict[str, float] | None = None
+
+    def gradient_errors(self, reference_grads: dict) -> dict[str, float]:
+        """Each parameter's twin gradient's error against ``reference_grads`` (eager's);
+        computed once, for every variant bounded by it."""
+        if self.grad_errors is None:
+            twin = copy.deepcopy(self.eager).float()
+            twin.train()
+            # true float32, not TF32: the twin stands for the exact result, so its own
+            # rounding must be far below bf16's
+            tf32 = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = False
+            try:
+                _, grads = e2e.first_step(twin, e2e.train_step(twin, self.ids))
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+            del twin
+            names = model_checks.matched_names(grads, reference_grads)
+            self.grad_errors = {n: model_checks.gradient_error(grads[n], reference_grads[n])
+                                for n in names}
+            del grads
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the twin's float32 blocks, before the next peak
+        return self.grad_errors
+
+    def tolerances(self, loss: float, grads: dict) -> model_checks.Tolerances:
+        """What ``e2e.measure_train`` calls with eager's (loss, gradients)."""
+        return model_checks.twin_gradient_tolerances(self.gradient_errors(grads))
+
+    def detail(self, row_detail: dict) -> dict:
+        """The twin's figures for a train row: its error on the row's worst parameter (whose
+        bound it set) and its worst error over all."""
+        if not self.grad_errors or "grad_worst_parameter" not in row_detail:
+            return {}
+        errors = self.grad_errors
+        worst = max(errors, key=lambda n: math.inf if math.isnan(errors[n]) else errors[n])
+        return {"twin_grad_error_of_worst_parameter":
+                round(errors.get(row_detail["grad_worst_parameter"], math.nan), 6),
+                "twin_grad_worst_parameter": worst,
+                "twin_grad_worst_relative_error": round(errors[worst], 6)}
+
+
+TWIN_BOUNDED = ("ours", "compile")  # bf16 variants checked against eager's gradients
+
+
+def measure_train(variants: dict, ids, reps: int) -> tuple[dict, FloatTwin]:
+    """``e2e.measure_train`` with ours' and compile's gradients bounded by eager's float32 twin
+    (built after eager's step, freed before theirs)."""
+    twin = FloatTwin(variants["eager"], ids)
+    tolerances = {name: twin.tolerances for name in TWIN_BOUNDED if name in variants}
+    return e2e.measure_train(variants, ids, reps, tolerances), twin
+
+
+def train_rows(train: dict, twin: FloatTwin, tokens: int) -> list[dict]:
+    """``e2e.train_rows`` with the twin's figures in each train row's detail (the check's
+    ``grad_bound`` names the rule)."""
+    rows = e2e.train_rows(train, tokens)
+    for row in rows:
+        row["detail"].update(twin.detail(row["detail"]))
+    return rows
+
+
 def measure(family: str, args) -> list[dict]:
     """The rows of one model: its variants built, checked and timed, eager first."""
     import cutlass_ops
@@ -129,10 +206,10 @@ def measure(family: str, args) -> list[dict]:
     layers = layer_report(report)
     rows = []
     if "train" in args.sections:
-        train = e2e.measure_train(variants, ids, args.reps)
+        train, twin = measure_train(variants, ids, args.reps)
         profile = step_profile(e2e.train_step(ours, ids))
         ours.zero_grad(set_to_none=True)
-        for row in e2e.train_rows(train, args.tokens):
+        for row in train_rows(train, twin, args.tokens):
             row["detail"].update(layers=layers, ours_profile=profile)
             rows.append(named(row, family))
     if "prefill" in args.sections:

@@ -107,6 +107,62 @@ def test_nan_and_missing_gradients_fail_and_agreeing_absent_ones_pass():
     assert not missing.ok and missing.worst_error == 1.0
 
 
+# --- the float32 twin's bound (a MoE router's gate gradient is too fragile for a fixed one) --
+
+def test_twin_bounds_follow_the_twin_with_the_dtype_floor():
+    from custom_kernels.core.tolerances import (MODEL_GRADIENTS, MODEL_LOGITS,
+                                                TWIN_MODEL_MARGINS, twin_model_tolerance)
+
+    assert TWIN_MODEL_MARGINS == {MODEL_LOGITS: 2.0, MODEL_GRADIENTS: 2.0}
+    assert twin_model_tolerance(1e-4) == 0.05  # a close twin: the bf16 model bound
+    assert twin_model_tolerance(0.06) == pytest.approx(0.12)  # a far one: twice its error
+    assert twin_model_tolerance(1e-4, "float16", MODEL_LOGITS) == 0.01
+    assert twin_model_tolerance(0.3, torch.float32, MODEL_LOGITS) == pytest.approx(0.6)
+    assert math.isnan(twin_model_tolerance(math.nan))
+    with pytest.raises(ValueError, match="no twin margin"):
+        twin_model_tolerance(0.1, family="gemm")
+    bounds = model_checks.twin_gradient_tolerances({"a": 0.001, "b": 0.4})
+    assert bounds["a"] == 0.05 and bounds["b"] == pytest.approx(0.8)
+    assert bounds.rule == ("per parameter max(0.05, 2.0 x the float32 twin's error against "
+                           "eager); a lost gradient always fails")
+    fp16 = model_checks.twin_gradient_tolerances({"a": 0.001}, torch.float16)
+    assert fp16["a"] == 0.01 and fp16.rule.startswith("per parameter max(0.01, ")
+    nan = model_checks.twin_gradient_tolerances({"a": math.nan})
+    assert not model_checks.compare_gradients({"a": torch.ones(2)}, {"a": torch.ones(2)},
+                                              nan).ok  # a NaN twin passes nothing
+    check = model_checks.compare_gradients({"a": torch.ones(2)}, {"a": torch.ones(2)}, bounds)
+    assert check.detail()["grad_bound"] == bounds.rule
+
+
+def test_a_twin_bound_passes_what_eager_itself_misses_and_fails_a_lost_gradient():
+    expected = {"w": torch.ones(4), "e": torch.zeros(2)}  # e: an expert eager routed no token to
+    bounds = model_checks.twin_gradient_tolerances({"w": 0.06, "e": math.inf})
+    got = {"w": torch.ones(4) * 1.1, "e": torch.ones(2)}  # 0.1 off; e reached, as in the twin
+    check = model_checks.compare_gradients(got, expected, bounds)
+    assert check.ok and check.worst_parameter == "w"  # the infinite bound is never "worst"
+    assert check.tolerance == pytest.approx(0.12)
+    assert not model_checks.compare_gradients({**got, "w": torch.ones(4) * 1.2}, expected,
+                                              bounds).ok
+    assert not model_checks.compare_gradients({**got, "w": None}, expected, bounds).ok
+    nan = model_checks.compare_gradients({**got, "e": torch.full((2,), math.nan)}, expected,
+                                         bounds)
+    assert not nan.ok and nan.worst_parameter == "e"
+
+
+def test_the_float32_twin_bound_passes_a_copy_and_fails_a_skipped_layer():
+    eager, ids = tiny_llama(torch.bfloat16), tokens()
+    reference = train_step(eager, ids)
+    twin = train_step(copy.deepcopy(eager).float(), ids)[1]
+    errors = {n: model_checks.gradient_error(twin[n], g) for n, g in reference[1].items()}
+    assert 0 < max(errors.values()) < 0.05  # bf16's own rounding, against float32
+    bounds = model_checks.twin_gradient_tolerances(errors)
+    assert model_checks.check_train_step(*train_step(copy.deepcopy(eager), ids), *reference,
+                                         bounds).ok
+    skipped = skip_layer(copy.deepcopy(eager), 1)
+    check = model_checks.check_train_step(*train_step(skipped, ids), *reference, bounds)
+    assert check.loss_ok and not check.ok and check.gradients.worst_error >= 1.0
+
+
 def test_parameters_without_a_match_raise_and_are_never_skipped():
     eager = tiny_llama()
     _, grads = train_step(eager, tokens())

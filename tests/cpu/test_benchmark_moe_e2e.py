@@ -1,13 +1,23 @@
 """benchmarks/moe_e2e.py without a GPU: the models' configs (the published shapes, MoE layers
-built as convert recognises them), the rows' names, the per-layer report, the arguments."""
+built as convert recognises them), the rows' names, the per-layer report, the arguments, and
+the train check bounded by eager's float32 twin (a tiny Qwen3-MoE, CUDA timing stubbed)."""
+
+import copy
+import gc
+import sys
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from benchmarks import moe_e2e  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import e2e, moe_e2e  # noqa: E402
 from cutlass_ops import decoder_blocks  # noqa: E402
+from model_faults import skip_layer  # noqa: E402
 
 
 @pytest.mark.parametrize("family, experts, top_k, hidden", [("qwen3-moe", 128, 8, 2048),
@@ -36,14 +46,19 @@ def test_rows_carry_the_family_after_their_section(case, want):
     assert row == {"case": want, "ratio": 1.5}
 
 
-def test_the_layer_report_names_each_decoder_layer_and_experts_module():
-    from cutlass_ops.nn import convert
-
+def tiny_qwen3_moe():
     config = transformers.Qwen3MoeConfig(hidden_size=64, num_attention_heads=4,
                                          num_key_value_heads=2, num_hidden_layers=2,
                                          vocab_size=101, moe_intermediate_size=32, num_experts=4,
                                          num_experts_per_tok=2, head_dim=16)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_the_layer_report_names_each_decoder_layer_and_experts_module():
+    from cutlass_ops.nn import convert
+
+    model = tiny_qwen3_moe()
     report = moe_e2e.layer_report(convert(model, fused_loss=False))
     assert {"model.layers.0", "model.layers.1"} <= set(report)
     assert any(name.endswith("mlp.experts") for name in report)
@@ -54,3 +69,71 @@ def test_quick_arguments():
     args = moe_e2e.parse_args(["--quick", "--models", "mixtral"])
     assert (args.layers, args.tokens, args.new_tokens, args.models) == (1, 1024, 16, ["mixtral"])
     assert moe_e2e.parse_args([]).models == ["qwen3-moe", "mixtral"]
+
+
+# --- the train check: eager's float32 twin sets each gradient's bound ---------------------------
+
+@pytest.fixture
+def cpu_timing(monkeypatch):
+    """e2e's peaks and interleaved timing without CUDA, and each first step's model recorded
+    (its dtype and a weak reference: the twin must be gone once the check is set)."""
+    stepped = []
+    real_first_step = e2e.first_step
+
+    def first_step(model, step):
+        stepped.append((next(model.parameters()).dtype, weakref.ref(model)))
+        return real_first_step(model, step)
+
+    def peak_memory(model, step):
+        step()
+        model.zero_grad(set_to_none=True)
+        return {"peak_gb": 1.0}
+
+    def bench(fns, **_):
+        for fn in fns.values():
+            fn()
+        return {k: SimpleNamespace(median_ms=1.0) for k in fns}
+    monkeypatch.setattr(e2e, "first_step", first_step)
+    monkeypatch.setattr(e2e, "peak_memory", peak_memory)
+    monkeypatch.setattr(e2e, "do_bench_interleaved", bench)
+    return stepped
+
+
+@pytest.mark.parametrize("fault", [None, "skipped layer"])
+def test_the_float32_twin_bounds_ours_and_compile_once_and_is_freed(cpu_timing, fault):
+    import cutlass_ops
+
+    eager = tiny_qwen3_moe().to(torch.bfloat16)
+    ids = torch.randint(0, 101, (2, 32), generator=torch.Generator().manual_seed(1))
+    ours = copy.deepcopy(eager)
+    cutlass_ops.convert(ours)  # on a CPU it leaves the layers alone
+    if fault:
+        skip_layer(ours, 1)
+    # "compile" stands in for torch.compile(eager): its bound is the twin's too
+    variants = {"eager": eager, "ours": ours, "compile": copy.deepcopy(eager)}
+    train, twin = moe_e2e.measure_train(variants, ids, 2)
+    gc.collect()
+    # eager's step, the twin's (float32, once for both variants, right after eager's), theirs
+    dtypes = [dtype for dtype, _ in cpu_timing]
+    assert dtypes == [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
+    assert cpu_timing[1][1]() is None  # the twin and its gradients are freed
+    assert set(twin.grad_errors) == {n for n, _ in eager.named_parameters()}
+    assert 0 < max(twin.grad_errors.values()) < 1  # bf16's rounding against float32
+    for name in ("ours", "compile"):
+        check = train[name]["check"]
+        assert "float32 twin" in check.gradients.bound
+        assert check.gradients.tolerance == max(
+            0.05, 2.0 * twin.grad_errors[check.gradients.worst_parameter])
+    assert train["compile"]["check"].ok  # an unchanged copy
+    assert train["ours"]["check"].ok == (fault is None)
+    rows = moe_e2e.train_rows(train, twin, 64)
+    row = next(r for r in rows if r["case"] == "train ours vs eager")
+    assert row["correct"] == (fault is None)
+    detail = row["detail"]
+    assert detail["grad_bound"] == train["ours"]["check"].gradients.bound
+    assert detail["twin_grad_error_of_worst_parameter"] == round(
+        twin.grad_errors[detail["grad_worst_parameter"]], 6)
+    assert detail["twin_grad_worst_relative_error"] == round(
+        max(twin.grad_errors.values()), 6)
+    memory = next(r for r in rows if r["case"].startswith("peak memory"))
+    assert not any(k.startswith("twin_") for k in memory["detail"])

@@ -1,8 +1,9 @@
 """Mixture-of-experts decoder layers on the GPU (bf16): convert() fuses their attention half and
-their shared experts (Qwen2-MoE) and swaps their experts for grouped GEMMs; the converted model against the same model unconverted
-(logits, loss, gradients), generate(), and torch.compile(fullgraph=True). The routers' weights
-are scaled up so that each token's experts are clear-cut: bf16 rounding then sends every token
-to the same experts on both sides."""
+their shared experts (Qwen2-MoE) and swaps their experts for grouped GEMMs; the converted
+model against the same model unconverted (logits, loss, gradients, each gradient bounded by the
+unconverted model's float32 twin), generate(), and torch.compile(fullgraph=True). The routers'
+weights are scaled up so that each token's experts are clear-cut: bf16 rounding then sends
+every token to the same experts on both sides."""
 
 import copy
 
@@ -11,7 +12,7 @@ import torch
 
 import cutlass_ops
 from cutlass_ops import decoder_blocks
-from custom_kernels.core.tolerances import relative_error
+from custom_kernels.core.tolerances import relative_error, twin_model_tolerance
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -59,15 +60,26 @@ def test_converted_moe_model_matches_forward_and_gradients(family):
     with torch.no_grad():
         # with labels the converted model runs the fused head + loss and keeps no logits
         assert relative_error(ours(ids).logits, model(ids).logits) < 3e-2
+    twin = copy.deepcopy(model).float()  # before any backward: it copies no gradient
     out_ours, out_theirs = ours(ids, labels=ids), model(ids, labels=ids)
     assert abs(out_ours.loss.item() - out_theirs.loss.item()) < 2e-2 * out_theirs.loss.item()
     out_ours.loss.backward()
     out_theirs.loss.backward()
+    # The routers' gate gradients are fragile in bf16 (a softmax over the router logits, top-k,
+    # near-ties): no fixed bound fits them (0.105-0.129 on an H100 against 0.08). Each
+    # parameter may instead be twice as far from the unconverted model's gradient as the same
+    # model in float32 is (twin_model_tolerance), and never need be closer than 8e-2.
+    twin(ids, labels=ids).loss.backward()
+    twins = dict(twin.named_parameters())
     theirs = dict(model.named_parameters())
     for name, p in ours.named_parameters():
         if theirs[name].grad is None or not theirs[name].grad.any():
             continue  # an expert no token reached
-        assert relative_error(p.grad, theirs[name].grad) < 8e-2, name
+        twin_grad = twins[name].grad  # None: an expert only the bf16 routing reached
+        twin_error = relative_error(torch.zeros_like(theirs[name].grad) if twin_grad is None
+                                    else twin_grad, theirs[name].grad)
+        bound = max(8e-2, twin_model_tolerance(twin_error))
+        assert relative_error(p.grad, theirs[name].grad) < bound, (name, twin_error)
 
 
 def test_converted_moe_model_generates_and_compiles():
