@@ -12,9 +12,11 @@ same ``state_dict`` keys) and computes the same sum with no host sync:
 2. the tokens gathered in that order, one grouped GEMM with every expert's ``gate_up_proj``,
    SiLU(gate) * up in one kernel (``custom_kernels.swiglu``, Hugging Face's bits), one grouped
    GEMM with ``down_proj`` (``cutlass_ops.grouped_mm``);
-3. the results put back in pair order and summed over each token's slots with their routing
-   weights, in float32, rounded once (Hugging Face rounds each expert's share to the model's
-   dtype before adding it: the two agree within that dtype's tolerance).
+3. each token's results read through the inverse of the sort and summed over its slots with
+   their routing weights, in float32, rounded once, in one kernel each way
+   (``custom_kernels.moe_combine.combine``; its backward gives the expert outputs' and the
+   routing weights' gradients). Hugging Face rounds each expert's share to the model's dtype
+   before adding it: the two agree within that dtype's tolerance.
 
 ``convert`` swaps an experts module only after a numeric probe: on a small random input, its
 own forward and ours agree within the dtype's tolerance (``probe``); otherwise it stays, and the
@@ -31,6 +33,7 @@ from torch import nn
 
 from cutlass_ops.grouped import grouped_mm
 from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
+from custom_kernels.moe_combine import combine
 from custom_kernels.swiglu import swiglu
 
 PROBE_TOKENS = 64
@@ -71,9 +74,13 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor,
     routed = hidden[order // top_k]  # [T * k, H], each pair's token
     gate_up = grouped_mm(routed, gate_up_proj.transpose(1, 2), offs)
     out = grouped_mm(swiglu(gate_up), down_proj.transpose(1, 2), offs)
-    pairs = out.new_zeros(out.shape).index_copy(0, order, out)  # back in (token, slot) order
-    weighted = pairs.view(tokens, top_k, -1).float() * top_k_weights.float().unsqueeze(-1)
-    return weighted.sum(1).to(hidden.dtype)
+    # inverse[t, j]: the row of out holding pair (t, j), the sort undone with no host sync.
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    weights = top_k_weights
+    if weights.dtype not in (torch.float32, out.dtype):  # the kernel reads these two
+        weights = weights.float()
+    return combine(out, inverse.view(tokens, top_k), weights).to(hidden.dtype)
 
 
 class GroupedExperts(nn.Module):

@@ -64,6 +64,51 @@ def test_swiglu_family_compiles(cache_root, dtype, backward):
         assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_moe_combine_family_compiles(cache_root, dtype, backward):
+    from custom_kernels import moe_combine
+
+    for vec in (True, False):  # 16-byte accesses; one element an access
+        paths = [moe_combine.compile_moe_combine(dtype, vec, backward)]
+        if vec:  # float32 routing weights and int32 indices; 4 slots a thread in registers
+            paths.append(moe_combine.compile_moe_combine(
+                dtype, vec, backward, weights_dtype="float32", index_bits=32,
+                slots_per_thread=moe_combine.MAX_NS))
+        assert all(p.stat().st_size > 0 and p.with_suffix(".json").is_file() for p in paths)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_combine_kernels_do_not_spill(dtype):
+    """ptxas's report for every slots-a-thread variant (the register ceilings of
+    csrc/moe_combine.cu were set so that none spills; int32 indices were the tightest)."""
+    import io
+    import re
+
+    from cuda.core import Program, ProgramOptions
+
+    from custom_kernels import moe_combine
+    from custom_kernels.core import elements
+
+    code = elements.element(dtype).code
+    source = (jit.CSRC / moe_combine.SOURCE).read_text()
+    for ns in range(1, moe_combine.MAX_NS + 1):
+        defines = moe_combine._defines(code, code, 32, True, ns)
+        options = ProgramOptions(name=moe_combine.SOURCE, arch=jit.DEFAULT_ARCH,
+                                 include_path=list(jit.include_dirs()), ptxas_options="-v",
+                                 define_macro=list(jit._normalize_defines(defines)),
+                                 **jit._OPTIONS)
+        log = io.StringIO()
+        program = Program(source, "c++", options)
+        try:
+            program.compile("cubin", logs=log)
+        finally:
+            program.close()
+        report = log.getvalue()
+        assert len(re.findall(r"Used \d+ registers", report)) == 2, report  # both kernels
+        assert re.findall(r"(\d+) bytes spill stores", report) == ["0", "0"], report
+
+
 @pytest.mark.smoke
 def test_routing_split_compiles(cache_root):
     from custom_kernels import routing_split
