@@ -9,7 +9,8 @@ same ``state_dict`` keys) and computes the same sum with no host sync:
 
 1. the (token, slot) pairs sorted by expert (a stable sort), and the cumulative expert counts
    as the grouped GEMMs' offsets (a scatter-add on the device);
-2. the tokens gathered in that order, one grouped GEMM with every expert's ``gate_up_proj``,
+2. the tokens gathered in that order (the backward sums each token's rows in one kernel, as
+   step 3 does), one grouped GEMM with every expert's ``gate_up_proj``,
    SiLU(gate) * up in one kernel (``custom_kernels.swiglu``, Hugging Face's bits), one grouped
    GEMM with ``down_proj`` (``cutlass_ops.grouped_mm``);
 3. each token's results read through the inverse of the sort and summed over its slots with
@@ -71,16 +72,35 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor,
     counts = torch.zeros(experts, dtype=torch.int32, device=hidden.device)
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
-    routed = hidden[order // top_k]  # [T * k, H], each pair's token
-    gate_up = grouped_mm(routed, gate_up_proj.transpose(1, 2), offs)
-    out = grouped_mm(swiglu(gate_up), down_proj.transpose(1, 2), offs)
-    # inverse[t, j]: the row of out holding pair (t, j), the sort undone with no host sync.
+    # inverse[t, j]: the row of the sorted pairs holding pair (t, j), with no host sync.
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    inverse = inverse.view(tokens, top_k)
+    routed = _GatherPairs.apply(hidden, order // top_k, inverse)  # [T * k, H]: pair's token
+    gate_up = grouped_mm(routed, gate_up_proj.transpose(1, 2), offs)
+    out = grouped_mm(swiglu(gate_up), down_proj.transpose(1, 2), offs)
     weights = top_k_weights
     if weights.dtype not in (torch.float32, out.dtype):  # the kernel reads these two
         weights = weights.float()
-    return combine(out, inverse.view(tokens, top_k), weights).to(hidden.dtype)
+    return combine(out, inverse, weights).to(hidden.dtype)
+
+
+class _GatherPairs(torch.autograd.Function):
+    """``hidden[token_of_row]``: each sorted pair's token row. The backward sums each token's k
+    rows of the gradient, found through ``inverse``, in float32 rounded once: ``combine`` with
+    unit weights (index_select's own backward adds them with atomics, in the dtype, in no fixed
+    order)."""
+
+    @staticmethod
+    def forward(ctx, hidden, token_of_row, inverse):
+        ctx.save_for_backward(inverse)
+        return hidden.index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        ones = torch.ones(inverse.shape, dtype=torch.float32, device=grad.device)
+        return combine(grad, inverse, ones), None, None
 
 
 class GroupedExperts(nn.Module):
