@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks import e2e, model_checks  # noqa: E402
-from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from benchmarks.common import (print_table, require_gpu, rows_of_same_run,  # noqa: E402
+                               write_result)
 
 # name: (config class, layers, the config's keywords): the published models' shapes.
 MODELS = {
@@ -244,16 +245,27 @@ def parse_args(argv=None):
     return args
 
 
+def family_of(row: dict) -> str | None:
+    """The model a row measured ("train qwen3-moe ours vs eager" -> "qwen3-moe")."""
+    return next((f for f in MODELS if f" {f} ours " in row["case"]), None)
+
+
 def main() -> None:
     args = parse_args()
     require_gpu()
-    rows = []
     name = "moe_e2e_quick" if args.quick else "moe_e2e"
+    # Each model may be measured in its own run (one device call each): a run keeps the other
+    # models' rows of a run of the same code, GPU and settings, and replaces its own.
+    meta = dict(gpu=torch.cuda.get_device_name(), tokens=args.tokens,
+                new_tokens=args.new_tokens, tune=args.tune,
+                layers={f: args.layers or MODELS[f][1] for f in MODELS})
+    kept = [r for r in rows_of_same_run(name, meta) if family_of(r) not in args.models]
+    rows = []
     for family in args.models:
         rows += measure(family, args)
-        write_result(name, rows, tokens=args.tokens, new_tokens=args.new_tokens,
-                     layers={f: args.layers or MODELS[f][1] for f in args.models})
+        write_result(name, kept + rows, **{k: v for k, v in meta.items() if k != "gpu"})
         torch.cuda.empty_cache()
+    rows = kept + rows
     print_table(["case", "ours", "reference", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])
 

@@ -137,3 +137,22 @@ def test_the_float32_twin_bounds_ours_and_compile_once_and_is_freed(cpu_timing, 
         max(twin.grad_errors.values()), 6)
     memory = next(r for r in rows if r["case"].startswith("peak memory"))
     assert not any(k.startswith("twin_") for k in memory["detail"])
+
+
+def test_a_run_keeps_the_other_models_rows_of_the_same_run(tmp_path, monkeypatch):
+    """Two runs (one model each) build one file: the second keeps the first's rows when the
+    code, GPU and settings agree, and drops them when a setting differs."""
+    import json
+
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    meta = dict(gpu="G", tokens=4096, new_tokens=128, tune=None,
+                layers={"qwen3-moe": 4, "mixtral": 2})
+    rows = [{"case": "train qwen3-moe ours vs eager"}, {"case": "train mixtral ours vs eager"}]
+    (tmp_path / "moe_e2e.json").write_text(json.dumps(
+        {"versions": common.versions(), **meta, "rows": rows}))
+    kept = common.rows_of_same_run("moe_e2e", meta)
+    assert [moe_e2e.family_of(r) for r in kept] == ["qwen3-moe", "mixtral"]
+    assert common.rows_of_same_run("moe_e2e", {**meta, "tune": "quick"}) == []
+    assert moe_e2e.family_of({"case": "peak memory train mixtral ours vs compile"}) == "mixtral"
