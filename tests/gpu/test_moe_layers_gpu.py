@@ -66,20 +66,21 @@ def test_converted_moe_model_matches_forward_and_gradients(family):
     out_ours.loss.backward()
     out_theirs.loss.backward()
     # The routers' gate gradients are fragile in bf16 (a softmax over the router logits, top-k,
-    # near-ties): no fixed bound fits them (0.105-0.129 on an H100 against 0.08). Each
-    # parameter may instead be twice as far from the unconverted model's gradient as the same
-    # model in float32 is (twin_model_tolerance), and never need be closer than 8e-2.
+    # near-ties): no fixed bound fits them (0.105-0.129 on an H100 against 0.08), and the
+    # unconverted bf16 model itself lands 0.04-0.18 from the float32 result there. So each
+    # gradient is measured against the model in float32 (its twin): ours may be at most twice
+    # as far from it as the unconverted bf16 model is (twin_model_tolerance), and never need be
+    # closer than 8e-2.
     twin(ids, labels=ids).loss.backward()
     twins = dict(twin.named_parameters())
     theirs = dict(model.named_parameters())
     for name, p in ours.named_parameters():
-        if theirs[name].grad is None or not theirs[name].grad.any():
-            continue  # an expert no token reached
-        twin_grad = twins[name].grad  # None: an expert only the bf16 routing reached
-        twin_error = relative_error(torch.zeros_like(theirs[name].grad) if twin_grad is None
-                                    else twin_grad, theirs[name].grad)
-        bound = max(8e-2, twin_model_tolerance(twin_error))
-        assert relative_error(p.grad, theirs[name].grad) < bound, (name, twin_error)
+        exact = twins[name].grad
+        if exact is None or not exact.any() or theirs[name].grad is None:
+            continue  # an expert no token reached in float32, or in bf16
+        eager_error = relative_error(theirs[name].grad, exact)
+        bound = max(8e-2, twin_model_tolerance(eager_error))
+        assert relative_error(p.grad, exact) < bound, (name, eager_error)
 
 
 def test_converted_moe_model_generates_and_compiles():
