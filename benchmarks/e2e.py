@@ -445,18 +445,21 @@ def prefill_rows(prefill: dict, tokens: int) -> list:
     return rows
 
 
-def decode_row(decode: dict, models: dict, batch: int, new_tokens: int) -> dict:
+def decode_row(decode: dict, models: dict, batch: int, new_tokens: int, judge=None) -> dict:
     """The decode row of one batch: correct when teacher-forced decoding of eager's generated
     tokens keeps ours' logits within bound at every step. Random weights leave near-ties among
     the logits, so free-running greedy paths may part after one rounding difference: their
-    agreement (generated tokens only) is reported, not checked."""
+    agreement (generated tokens only) is reported, not checked. ``judge``: another rule, called
+    with the teacher-forced check, returning a dict with "correct" and its own detail."""
     check = model_checks.teacher_forced_decode(models["ours"], models["eager"],
                                                decode["eager"]["tokens"], PROMPT)
     same = model_checks.generated_agreement(decode["ours"]["tokens"],
                                             decode["eager"]["tokens"], PROMPT)
+    judged = {"correct": check.ok} if judge is None else judge(check)
+    correct = judged.pop("correct")
     return rate_row(f"decode batch {batch} ours vs eager", batch * new_tokens, decode["ours"],
-                    decode["eager"], "eager", check.ok, generated_tokens_equal=round(same, 4),
-                    **check.detail())
+                    decode["eager"], "eager", correct, generated_tokens_equal=round(same, 4),
+                    **check.detail(), **judged)
 
 
 def parse_args(argv=None):

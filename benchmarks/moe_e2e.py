@@ -217,12 +217,33 @@ def measure(family: str, args) -> list[dict]:
         prefill = e2e.measure_prefill(variants, ids, args.reps)
         rows += [named(row, family) for row in e2e.prefill_rows(prefill, args.tokens)]
     decode_variants = {"eager": eager, "ours": ours}
+    decoded = {}
     for batch in (1, 16) if "decode" in args.sections else ():
-        decode = e2e.measure_decode(decode_variants, batch, args.new_tokens,
-                                    max(3, args.reps // 2), vocab)
-        rows.append(named(e2e.decode_row(decode, decode_variants, batch, args.new_tokens),
-                          family))
+        decoded[batch] = e2e.measure_decode(decode_variants, batch, args.new_tokens,
+                                            max(3, args.reps // 2), vocab)
+    if decoded:
+        twin = copy.deepcopy(eager).float().eval()
+        for batch, decode in decoded.items():
+            rows.append(named(decode_row(decode, decode_variants, twin, batch,
+                                         args.new_tokens), family))
+        del twin
+        torch.cuda.empty_cache()
     return rows
+
+
+def decode_row(decode: dict, models: dict, twin, batch: int, new_tokens: int) -> dict:
+    """``e2e.decode_row`` judged by the float32 ``twin`` (``model_checks.twin_decode_check``):
+    the twin decodes eager's tokens teacher-forced against eager as ours does (true float32,
+    not TF32: it stands for the exact result), and ours may be twice as far from eager."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        twin_check = model_checks.teacher_forced_decode(twin, models["eager"],
+                                                        decode["eager"]["tokens"], e2e.PROMPT)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return e2e.decode_row(decode, models, batch, new_tokens,
+                          judge=lambda check: model_checks.twin_decode_check(check, twin_check))
 
 
 def parse_args(argv=None):
