@@ -128,8 +128,10 @@ def _check_cuda_layout(name: str, t: Tensor, *, address: bool = False) -> None:
 # ---- the custom op --------------------------------------------------------------------------
 
 @torch.library.custom_op("cutlass_ops::grouped_mm", mutates_args=())
-def grouped_mm_op(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> Tensor:
-    """See the module docstring; ``grouped_mm`` checks the inputs first."""
+def grouped_mm_op(a: Tensor, b: Tensor, offs: Optional[Tensor],
+                  offs_cover_all: bool = False) -> Tensor:
+    """See the module docstring; ``grouped_mm`` checks the inputs first. ``offs_cover_all``:
+    the backward's promise (``grouped_mm``'s keyword of that name)."""
     form = form_of(a, b, offs)
     if fallback.off_cuda({"a": a, "b": b, "offs": offs}, "cutlass_ops.grouped_mm",
                          "cutlass_ops.grouped.reference"):
@@ -180,14 +182,15 @@ def _tuned(form: str, a: Tensor, b: Tensor, offs: Optional[Tensor]):
 
 
 @grouped_mm_op.register_fake
-def _(a, b, offs):
+def _(a, b, offs, offs_cover_all=False):
     form = form_of(a, b, offs)
     return a.new_empty(output_shape(form, a, b, offs))
 
 
 def _setup(ctx, inputs, output) -> None:
-    a, b, offs = inputs
+    a, b, offs = inputs[:3]
     ctx.save_for_backward(a, b, offs)
+    ctx.offs_cover_all = len(inputs) > 3 and inputs[3]
 
 
 def _backward(ctx, grad: Tensor):
@@ -195,13 +198,14 @@ def _backward(ctx, grad: Tensor):
     ``da = grouped_mm(grad, b^T)`` and ``db = grouped_mm(a^T, grad)``. For 2d3d they are 2d3d
     and 2d2d; for 2d2d, 3d2d and 2d3d; for 3d2d, 2d2d and 3d2d; 3d3d stays batched. A gradient
     whose grouped extent runs past ``offs[-1]`` (entries no group reads) has that part zeroed,
-    on the device: the grouped GEMM leaves it unspecified."""
+    on the device: the grouped GEMM leaves it unspecified; not where the caller promised that
+    ``offs[-1]`` is the whole grouped extent (``offs_cover_all``: a full pass saved)."""
     a, b, offs = ctx.saved_tensors
     form = form_of(a, b, offs)
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
         grad_a = grouped_mm_op(grad, b.transpose(-1, -2), offs)
-        if form in ("2d3d", "2d2d"):  # a's rows (2d3d) or columns (2d2d) are grouped
+        if form in ("2d3d", "2d2d") and not ctx.offs_cover_all:  # a's rows or columns grouped
             grad_a = _zero_past(grad_a, offs, 0 if form == "2d3d" else 1)
     if ctx.needs_input_grad[1]:
         if form in ("2d3d", "3d3d") and b.stride(-2) == 1 and b.stride(-1) != 1:
@@ -212,9 +216,9 @@ def _backward(ctx, grad: Tensor):
             grad_b = grouped_mm_op(grad.transpose(-1, -2), a, offs).transpose(-1, -2)
         else:
             grad_b = grouped_mm_op(a.transpose(-1, -2), grad, offs)
-        if form in ("2d2d", "3d2d"):  # b's rows (2d2d) or columns (3d2d) are grouped
+        if form in ("2d2d", "3d2d") and not ctx.offs_cover_all:  # b's rows or columns grouped
             grad_b = _zero_past(grad_b, offs, 0 if form == "2d2d" else 1)
-    return grad_a, grad_b, None
+    return grad_a, grad_b, None, None
 
 
 def _zero_past(t: Tensor, offs: Tensor, dim: int) -> Tensor:
@@ -232,11 +236,16 @@ torch.library.register_autograd("cutlass_ops::grouped_mm", _backward, setup_cont
 # ---- the public function and the reference --------------------------------------------------
 
 def grouped_mm(a: Tensor, b: Tensor, offs: Optional[Tensor] = None, *,
-               out_dtype: Optional[torch.dtype] = None) -> Tensor:
+               out_dtype: Optional[torch.dtype] = None, offs_cover_all: bool = False) -> Tensor:
     """One GEMM per group (see the module docstring for the forms, ``offs`` and the layouts).
-    ``out_dtype``: None or the operands' dtype (the accumulation is float32 either way)."""
+    ``out_dtype``: None or the operands' dtype (the accumulation is float32 either way).
+    ``offs_cover_all``: the caller's promise that ``offs[-1]`` is the whole grouped extent
+    (every row of a 2d3d ``a`` in a group: a mixture-of-experts layer's routed pairs, whose
+    counts sum to the pairs). The backward then skips zeroing the gradients' entries past
+    ``offs[-1]``, a full pass over each; broken, those entries are left unspecified."""
     check(a, b, offs, out_dtype)
-    return grouped_mm_op(a, b, offs)
+    return grouped_mm_op(a, b, offs, offs_cover_all) if offs_cover_all else \
+        grouped_mm_op(a, b, offs)
 
 
 def bounds(offs: Tensor, extent: int) -> list[tuple[int, int]]:

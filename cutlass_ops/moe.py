@@ -77,8 +77,9 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor,
     inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
     inverse = inverse.view(tokens, top_k)
     routed = _GatherPairs.apply(hidden, order // top_k, inverse)  # [T * k, H]: pair's token
-    gate_up = grouped_mm(routed, gate_up_proj.transpose(1, 2), offs)
-    out = grouped_mm(swiglu(gate_up), down_proj.transpose(1, 2), offs)
+    # every pair is routed, so offs[-1] is every row: the backward need not zero a tail
+    gate_up = grouped_mm(routed, gate_up_proj.transpose(1, 2), offs, offs_cover_all=True)
+    out = grouped_mm(swiglu(gate_up), down_proj.transpose(1, 2), offs, offs_cover_all=True)
     weights = top_k_weights
     if weights.dtype not in (torch.float32, out.dtype):  # the kernel reads these two
         weights = weights.float()
