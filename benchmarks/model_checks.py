@@ -180,12 +180,9 @@ def fp8_gradient_tolerances(emulated: dict[str, float], dtype=torch.bfloat16) ->
     """Each parameter's bound for an FP8 model's gradients, from the errors the recipe's
     float32 emulation (``benchmarks.fp8_emulation``) has against the same reference: the
     tolerance table's FP8 margin times that error, or the ``dtype`` model bound where wider."""
-    out = Tolerances({name: fp8_model_tolerance(error, dtype, MODEL_GRADIENTS)
-                      for name, error in emulated.items()})
-    out.rule = (f"per parameter max({relative_tolerance(dtype, MODEL_GRADIENTS)}, "
-                f"{FP8_MODEL_MARGINS[MODEL_GRADIENTS]} x the FP8 recipe's float32 "
-                f"emulation's error); a lost gradient always fails")
-    return out
+    return _per_parameter(emulated, dtype, fp8_model_tolerance,
+                          f"{FP8_MODEL_MARGINS[MODEL_GRADIENTS]} x the FP8 recipe's float32 "
+                          f"emulation's error")
 
 
 def twin_gradient_tolerances(twin_errors: dict[str, float], dtype=torch.bfloat16) -> Tolerances:
@@ -195,11 +192,16 @@ def twin_gradient_tolerances(twin_errors: dict[str, float], dtype=torch.bfloat16
     A parameter the twin gives a gradient where the reference has none (an expert the twin's
     routing reached and the reference's did not) has an infinite twin error: the reference is
     no measure there, so its bound is too."""
-    out = Tolerances({name: twin_model_tolerance(error, dtype, MODEL_GRADIENTS)
-                      for name, error in twin_errors.items()})
+    return _per_parameter(twin_errors, dtype, twin_model_tolerance,
+                          f"{TWIN_MODEL_MARGINS[MODEL_GRADIENTS]} x the float32 twin's error "
+                          f"against eager")
+
+
+def _per_parameter(errors: dict[str, float], dtype, bound, margin_rule: str) -> Tolerances:
+    out = Tolerances({name: bound(error, dtype, MODEL_GRADIENTS)
+                      for name, error in errors.items()})
     out.rule = (f"per parameter max({relative_tolerance(dtype, MODEL_GRADIENTS)}, "
-                f"{TWIN_MODEL_MARGINS[MODEL_GRADIENTS]} x the float32 twin's error against "
-                f"eager); a lost gradient always fails")
+                f"{margin_rule}); a lost gradient always fails")
     return out
 
 

@@ -99,11 +99,7 @@ def fp8_model_tolerance(emulated_error: float, dtype="bfloat16",
     emulation of the recipe is ``emulated_error`` from the eager reference: the FP8 margin times
     that, or the ``dtype`` model bound where that is wider (see ``FP8_MODEL_MARGINS``). A NaN
     emulation gives no bound (NaN: every comparison fails)."""
-    if family not in FP8_MODEL_MARGINS:
-        raise ValueError(f"no FP8 margin for family {family!r}; known: "
-                         f"{sorted(FP8_MODEL_MARGINS)}")
-    return max(relative_tolerance(dtype, family), FP8_MODEL_MARGINS[family] * emulated_error) \
-        if emulated_error == emulated_error else float("nan")
+    return _margined(emulated_error, dtype, family, FP8_MODEL_MARGINS, "FP8")
 
 
 def twin_model_tolerance(twin_error: float, dtype="bfloat16",
@@ -112,11 +108,15 @@ def twin_model_tolerance(twin_error: float, dtype="bfloat16",
     reference's float32 twin is ``twin_error`` from that reference: the twin margin times that,
     or the ``dtype`` model bound where that is wider (see ``TWIN_MODEL_MARGINS``). A NaN twin
     error gives no bound (NaN: every comparison fails)."""
-    if family not in TWIN_MODEL_MARGINS:
-        raise ValueError(f"no twin margin for family {family!r}; known: "
-                         f"{sorted(TWIN_MODEL_MARGINS)}")
-    return max(relative_tolerance(dtype, family), TWIN_MODEL_MARGINS[family] * twin_error) \
-        if twin_error == twin_error else float("nan")
+    return _margined(twin_error, dtype, family, TWIN_MODEL_MARGINS, "twin")
+
+
+def _margined(error: float, dtype, family: str, margins: dict, kind: str) -> float:
+    """max(the dtype's bound for ``family``, the margin times ``error``); NaN for a NaN error."""
+    if family not in margins:
+        raise ValueError(f"no {kind} margin for family {family!r}; known: {sorted(margins)}")
+    return max(relative_tolerance(dtype, family), margins[family] * error) \
+        if error == error else float("nan")
 
 
 def relative_error(result, reference) -> float:
