@@ -48,12 +48,16 @@ to the host (amaxes and scales stay on the device), so a call can be captured in
   128-column chunk) holds its values in registers (rows up to 2048 16-byte slots: 16384 bf16 or
   8192 fp32 values; longer rows re-read the rest), reduces the amax, writes scale and ``q``.
 - ``tensor``: an amax kernel (atomicMax on the float bits of ``|x|`` into a zeroed device
-  word), then the quantize kernel reading it: two reads of ``x``.
-- ``transpose=True`` and ``block_128x128``: a 128x128 tile of ``x`` a block, read once into
-  shared memory with coalesced 16-byte loads, written as ``q`` rows or ``qt`` rows (each lane a
-  tile column: coalesced reads of shared memory, 16-byte stores along ``qt``'s rows). The
-  transposed ``row`` and ``tensor`` granularities run the amax kernel first (each column's
-  amax, or the tensor's); ``block_1x128`` and ``block_128x128`` reduce inside the tile.
+  word), then the quantize kernel reading it: two reads of ``x`` (one, given ``amax``).
+- ``tensor`` and ``block_128x128`` with 16-byte loads (one scale covers a 128x128 tile), q, qt
+  or both: a tile a block, each value quantized once from registers; q is stored from them, qt
+  as q's FP8 bytes transposed in shared memory (``fp8_quant_tiles_once_kernel``).
+- ``transpose=True`` otherwise (and the other inputs of ``block_128x128``): a 128x128 tile of
+  ``x`` a block, read once into shared memory with coalesced 16-byte loads, written as ``q``
+  rows or ``qt`` rows (each lane a tile column: coalesced reads of shared memory, 16-byte
+  stores along ``qt``'s rows). The transposed ``row`` and ``tensor`` granularities run the amax
+  kernel first (each column's amax, or the tensor's); ``block_1x128`` and ``block_128x128``
+  reduce inside the tile.
 
 Loads are 16 bytes wide when ``C``, the row stride and the pointer allow, else one element an
 access. The kernels index in 64 bits: no int32 limit applies to ``R``, ``C`` or the row stride.
@@ -228,9 +232,10 @@ class _Plan:
 
 def _plan(x, g: Granularity, fp8_dtype, want_q: bool, want_qt: bool,
           given_amax: bool = False) -> _Plan:
-    """The plan of a call on x (CUDA, 2-D, unit last stride, not empty): the rows kernel for q
-    alone (tensor, row, block_1x128), the tile kernel otherwise, after the amax kernel for what
-    no block sees whole (the tensor's amax unless ``given_amax``; each column's, and each row's
+    """The plan of a call on x (CUDA, 2-D, unit last stride, not empty): the once kernel for
+    the granularities with one scale a tile (``ONCE_GRANULARITIES``, 16-byte loads), else the
+    rows kernel for q alone (tensor, row, block_1x128) and the tile kernel otherwise; after the
+    amax kernel for what no block sees whole (the tensor's amax unless ``given_amax``; each column's, and each row's
     for the pair, at row granularity)."""
     rows, cols = x.shape
     vec = vector_ok(x.element_size(), cols, x.stride(0) if rows > 1 else 0, x.data_ptr())

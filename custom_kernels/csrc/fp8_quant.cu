@@ -32,6 +32,9 @@
 //   coalesced); WRITE_QT writes qt: a lane owns one tile column (one qt row), reads it from shared
 //   memory (consecutive lanes, consecutive addresses: no bank conflict) and writes 16 bytes at a
 //   time along its qt row. Both from one read of x for quantize_pair.
+// - fp8_quant_tiles_once_kernel: MODE 0 and 3 with VEC (one scale covers a tile): a tile's values
+//   quantized once, from registers; q stored from them, qt as q's bytes transposed in shared
+//   memory (see the kernel).
 //
 // Scale layouts written (scale: q's, scale_t: qt's): MODE 0 one float; MODE 1 one a row of the
 // quantized matrix; MODE 2 (rows, cols / 128) column-major, element (r, g) at g * rows + r;
