@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from custom_kernels.core import elements
-from custom_kernels import jit
+from custom_kernels import jit, sharding
 from custom_kernels.core import fallback
 from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
@@ -235,6 +235,8 @@ def _backward(ctx, dy):
 
 
 torch.library.register_autograd("custom_kernels::swiglu_fwd", _backward, setup_context=_setup)
+# DTensor inputs (tensor parallelism) run on each rank's shard: custom_kernels.sharding.
+sharding.register("swiglu_fwd", "swiglu_bwd")
 
 
 def _fp8_impl(gate_up, g: Granularity, fp8_dtype, write_y: bool):
