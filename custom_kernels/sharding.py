@@ -22,7 +22,7 @@ local tensors, so that DTensor runs it locally and redistributes only inputs tha
   is a layout question for the plan, not for this rule).
 
 Every rule also offers the all-replicated strategy. The op modules call ``register`` after
-defining their ops. ``torch.distributed.tensor`` costs about 0.4 s to import (six times the
+defining their ops; ``cutlass_ops.sharding`` registers its GEMM ops' rules through it too. ``torch.distributed.tensor`` costs about 0.4 s to import (six times the
 ops' modules), and a DTensor cannot exist before it is imported: so the rules are registered at
 once when it is loaded, else right after it is (an import hook that removes itself).
 """
@@ -36,7 +36,7 @@ import sys
 import torch
 
 _DTENSOR = "torch.distributed.tensor"
-_pending: list[str] = []
+_pending: list[tuple] = []  # (namespace, name, rule, static_from)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,27 +151,40 @@ RULES = {
 # Registration
 # ---------------------------------------------------------------------------------------------
 
-def register(*names: str) -> None:
+def register(*names: str, namespace: str = "custom_kernels", rules=None,
+             static_from=None) -> None:
     """Registers the rules of the named ops (defined already) with DTensor: now when
     ``torch.distributed.tensor`` is loaded, else right after it is. Nothing without
-    torch.distributed (a build without it has no DTensor to serve)."""
+    torch.distributed (a build without it has no DTensor to serve). ``namespace`` / ``rules``:
+    another package's ops and its table (cutlass_ops.sharding); ``static_from``: op name -> the
+    index of its first non-tensor argument that changes the rule's answer (DTensor caches a
+    strategy by the input placements and, from that index on, the other arguments; by default
+    only int arguments are in the key, so a str or bool the rule reads must be named here)."""
     if not torch.distributed.is_available():
         return
+    table = RULES if rules is None else rules
+    entries = [(namespace, n, table[n], (static_from or {}).get(n)) for n in names]
     if _DTENSOR in sys.modules:
-        _register_now(names)
+        _register_now(entries)
         return
-    _pending.extend(names)
+    _pending.extend(entries)
     if not any(isinstance(f, _AfterDTensorImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterDTensorImport())
 
 
-def _register_now(names) -> None:
+def _register_now(entries) -> None:
     try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
         from torch.distributed.tensor.experimental import register_sharding
     except ImportError:  # a torch without the experimental API: DTensor keeps its own rules
         return
-    for name in names:
-        register_sharding(getattr(torch.ops.custom_kernels, name).default)(RULES[name])
+    for namespace, name, rule, static in entries:
+        overload = getattr(getattr(torch.ops, namespace), name).default
+        register_sharding(overload)(rule)
+        if static is not None:  # the documented way to widen the cache key (register_op_strategy)
+            DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[overload] = \
+                RuntimeSchemaInfo(static_argnum=static, needs_pytree=True)
 
 
 class _AfterDTensorImport(importlib.abc.MetaPathFinder):
@@ -189,9 +202,9 @@ class _AfterDTensorImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            names = tuple(_pending)
+            entries = tuple(_pending)
             _pending.clear()
-            _register_now(names)
+            _register_now(entries)
 
         spec.loader.exec_module = exec_module  # this spec's own loader instance
         return spec

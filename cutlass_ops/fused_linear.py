@@ -27,8 +27,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from cutlass_ops import sharding
 from cutlass_ops.gemms import dispatch
-from custom_kernels.core.eager import fast_autograd
+from custom_kernels.core.eager import PLAIN, fast_autograd
 
 # ---------------------------------------------------------------------------------------------
 # Packing
@@ -201,14 +202,15 @@ def _residual_setup(ctx, inputs, output) -> None:
 
 
 def _residual_backward(ctx, grad):
-    from cutlass_ops import ops
-
+    # merged_linear_backward of the one weight: the same two GEMMs on the unflattened tensors,
+    # so that a DTensor sharded on the sequence stays local (its rule gives dW Partial), where
+    # flattening [B, S] rows would gather a sequence shard first.
     x, weight = ctx.saved_tensors
-    rows = _rows(grad)
-    grad_x = ops.mm(rows, weight).view(x.shape) if ctx.needs_input_grad[0] else None
-    grad_w = ops.mm(rows.t(), _rows(x)) if ctx.needs_input_grad[1] else None
-    grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return grad_x, grad_w, grad_b, grad if ctx.needs_input_grad[3] else None
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_x, grad_w = merged_linear_backward_op(grad, x, [weight], need_x, need_w)
+    grad_b = _rows(grad).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return (grad_x if need_x else None, grad_w if need_w else None, grad_b,
+            grad if ctx.needs_input_grad[3] else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,6 +269,12 @@ class _EagerResidual(torch.autograd.Function):
 # Public functions
 # ---------------------------------------------------------------------------------------------
 
+def _subclass(*tensors) -> bool:
+    """A tensor subclass (DTensor: tensor parallelism) among them: the custom op, whose
+    sharding rules (cutlass_ops.sharding) keep it on each rank's shard."""
+    return any(t is not None and type(t) not in PLAIN for t in tensors)
+
+
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -290,7 +298,7 @@ def merged_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] =
     bias (of the merged width). Split the result with ``.split([w.shape[0] for w in weights],
     -1)``. ``view``: the caller's ``MergedView`` of these weights (eager calls reuse it)."""
     weights = list(weights)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _subclass(x, bias, *weights):
         return merged_linear_op(x, weights, bias)
     merged = view(weights) if view is not None else merged_view(weights)
     packed = merged is not None
@@ -304,7 +312,7 @@ def merged_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] =
 def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor
                     ) -> Tensor:
     """``x @ weight.T + bias + residual`` with the add in the GEMM's epilogue, with autograd."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _subclass(x, weight, bias, residual):
         return linear_residual_op(x, weight, bias, residual)
     if _needs_grad(x, weight, bias, residual):
         return _EagerResidual.apply(x, weight, bias, residual)
@@ -317,6 +325,9 @@ fast_autograd("cutlass_ops::merged_linear", eager=merged_linear, backward=_merge
               setup_context=_merged_setup)
 fast_autograd("cutlass_ops::linear_residual", eager=linear_residual,
               backward=_residual_backward, setup_context=_residual_setup)
+
+# DTensor inputs (tensor parallelism) run on each rank's shard: cutlass_ops.sharding.
+sharding.register("merged_linear", "merged_linear_backward", "linear_residual")
 
 __all__ = ["merged_linear", "linear_residual", "pack", "is_packed", "merged_view",
            "merged_bias", "MergedView"]

@@ -22,9 +22,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from cutlass_ops import sharding
 from cutlass_ops.gemms import epilogues
 from cutlass_ops.gemms import dispatch
-from custom_kernels.core.eager import fast_autograd
+from custom_kernels.core.eager import PLAIN, fast_autograd
 
 
 def _matmul(a: Tensor, b: Tensor, dims: int, op: str) -> Tensor:
@@ -189,7 +190,8 @@ def linear_fast(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     not. Same kernels and formulas in all three."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
         bias is not None and bias.requires_grad))
-    if torch.compiler.is_compiling():
+    # A subclass (DTensor: tensor parallelism) takes the op too: its rules, not the launchers.
+    if torch.compiler.is_compiling() or type(x) not in PLAIN or type(weight) not in PLAIN:
         if needs_grad and activation != "identity":
             # Keep z for the backward instead of recomputing it: Inductor fuses the activation.
             return epilogues.activate(linear(x, weight, bias), activation)
@@ -208,5 +210,8 @@ fast_autograd("cutlass_ops::bmm", eager=lambda a, b: _matmul(a, b, 3, "bmm"),
               backward=_bmm_backward, setup_context=_mm_setup, eager_grads=False)
 fast_autograd("cutlass_ops::linear", eager=linear_fast, backward=_linear_backward,
               setup_context=_linear_setup)
+
+# DTensor inputs (tensor parallelism) run on each rank's shard: cutlass_ops.sharding.
+sharding.register("mm", "linear")
 
 __all__ = ["mm", "bmm", "linear", "linear_fast"]
