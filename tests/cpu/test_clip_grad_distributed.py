@@ -3,14 +3,17 @@ tensors and DTensors with a Shard placement) clipped to what torch.nn.utils.clip
 gives on the whole gradients in one process; the local norm without scaling; refusals."""
 
 import math
-import os
-import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from custom_kernels import clip_grad, clip_grad_distributed
 from custom_kernels.core.errors import UnsupportedInputError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gloo_ranks import on_ranks  # noqa: E402
 
 
 def full_gradients(seed=0):
@@ -19,11 +22,7 @@ def full_gradients(seed=0):
             torch.randn(4, 2, generator=g), torch.zeros(0)]
 
 
-def _rank(rank, world, port, norm_type, use_dtensor, out):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _clip(rank, world, norm_type, use_dtensor):
     grads = [t.chunk(world)[rank].clone() if t.numel() else t.clone()
              for t in full_gradients()]
     if use_dtensor:
@@ -37,23 +36,13 @@ def _rank(rank, world, port, norm_type, use_dtensor, out):
         assert [type(p).__name__ for p in norm.placements] == ["Replicate"]
         norm = norm.to_local()
     local = [g.to_local() if use_dtensor else g for g in grads]
-    torch.save({"norm": norm, "grads": local}, f"{out}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return {"norm": norm, "grads": local}
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
 @pytest.mark.parametrize("use_dtensor", [False, True])
 def test_two_ranks_clip_like_torch_on_the_whole_gradients(tmp_path, norm_type, use_dtensor):
-    out = str(tmp_path / "rank")
-    torch.multiprocessing.spawn(_rank, args=(2, _free_port(), norm_type, use_dtensor, out),
-                                nprocs=2, join=True)
+    results = on_ranks(tmp_path, _clip, norm_type, use_dtensor)
     params = []
     for g in full_gradients():  # torch clips parameters' .grad (and refuses an empty one's inf norm)
         if not g.numel():
@@ -62,7 +51,6 @@ def test_two_ranks_clip_like_torch_on_the_whole_gradients(tmp_path, norm_type, u
         params[-1].grad = g
     expected_norm = torch.nn.utils.clip_grad_norm_(params, 1.0, norm_type)
     expected = [p.grad for p in params] + [torch.zeros(0)]
-    results = [torch.load(f"{out}.{r}") for r in range(2)]
     for result in results:
         torch.testing.assert_close(result["norm"], expected_norm.float(), rtol=1e-5, atol=1e-6)
     for i, whole in enumerate(expected):

@@ -12,11 +12,14 @@ The ops' own implementations launch CUDA kernels; the workers give them CPU kern
 formulas below), so that the sharding rules, the only thing under test, run without a GPU.
 """
 
-import os
-import socket
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gloo_ranks import on_ranks  # noqa: E402
 
 B, S, K, N = 2, 4, 8, 6
 ROWS = (6, 2, 2)  # merged q, k, v out features
@@ -117,11 +120,7 @@ def _run(mesh, kind, style, activation, local):
     return fwd.get_total_counts(), bwd.get_total_counts(), grads
 
 
-def _rank(rank, world, port, cases, out):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _cases(rank, world, cases):
     from torch.distributed.device_mesh import init_device_mesh
 
     import cutlass_ops.fused_linear  # noqa: F401  (defines the ops before their CPU kernels)
@@ -130,16 +129,7 @@ def _rank(rank, world, port, cases, out):
     for name, kernel in CPU_KERNELS.items():
         torch.library.register_kernel(f"cutlass_ops::{name}", "cpu", kernel)
     mesh = init_device_mesh("cpu", (world,))
-    results = {case: _run(mesh, *case) for case in cases}
-    torch.save(results, f"{out}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return {case: _run(mesh, *case) for case in cases}
 
 
 def test_linear_merged_and_residual_stay_local_under_tp_styles(tmp_path):
@@ -153,10 +143,7 @@ def test_linear_merged_and_residual_stay_local_under_tp_styles(tmp_path):
     local += [("residual", s, "identity", True) for s in ("colwise", "seq", "batch")]
     gathered = [("linear", "rowwise", "relu", False), ("merged", "colwise", "identity", False),
                 ("residual", "rowwise", "identity", False)]
-    out = str(tmp_path / "rank")
-    torch.multiprocessing.spawn(_rank, args=(2, _free_port(), local + gathered, out), nprocs=2,
-                                join=True)
-    results = torch.load(f"{out}.0")
+    results = on_ranks(tmp_path, _cases, local + gathered)[0]
     # Rows sharded, weights replicated: weight / bias gradients are partial sums, no collective.
     # linear's backward flattens [B, S] to rows for mm: a sequence shard is gathered there.
     for case in [("linear", "batch"), ("merged", "seq"), ("merged", "batch"),

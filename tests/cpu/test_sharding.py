@@ -9,11 +9,14 @@ The ops' own implementations launch CUDA kernels; the workers give them CPU kern
 formulas below), so that the sharding rules, the only thing under test, run without a GPU.
 """
 
-import os
-import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gloo_ranks import on_ranks  # noqa: E402
 
 B, S, HIDDEN, HQ, HK, D = 2, 4, 16, 4, 2, 8
 
@@ -195,34 +198,17 @@ def _run_case(mesh, case, dim, expect_local):
     return fwd.get_total_counts(), bwd.get_total_counts()
 
 
-def _rank(rank, world, port, cases, out):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _cases(rank, world, cases):
     from torch.distributed.device_mesh import init_device_mesh
 
     for name, kernel in CPU_KERNELS.items():
         torch.library.register_kernel(f"custom_kernels::{name}", "cpu", kernel)
     mesh = init_device_mesh("cpu", (world,))
-    counts = {}
-    for case, dim, local in cases:
-        counts[(case, dim)] = _run_case(mesh, case, dim, local)
-    torch.save(counts, f"{out}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return {(case, dim): _run_case(mesh, case, dim, local) for case, dim, local in cases}
 
 
 def _spawn(tmp_path, cases):
-    out = str(tmp_path / "rank")
-    torch.multiprocessing.spawn(_rank, args=(2, _free_port(), cases, out), nprocs=2, join=True)
-    return torch.load(f"{out}.0")
+    return on_ranks(tmp_path, _cases, cases)[0]
 
 
 def test_norms_stay_local_on_sequence_and_batch_shards(tmp_path):
@@ -249,7 +235,6 @@ def test_without_torch_distributed_tensor_loaded_the_rules_wait_for_it():
     """Registration is deferred until DTensor is imported (it costs about 0.4 s); a fresh
     interpreter that imports the ops first, then DTensor, has the rules."""
     import subprocess
-    import sys
 
     code = ("import sys, torch, custom_kernels.norms.ops, custom_kernels.rotary, "
             "custom_kernels.swiglu\n"
