@@ -236,16 +236,21 @@ torch.library.register_autograd("cutlass_ops::grouped_mm", _backward, setup_cont
 # ---- the public function and the reference --------------------------------------------------
 
 def grouped_mm(a: Tensor, b: Tensor, offs: Optional[Tensor] = None, *,
-               out_dtype: Optional[torch.dtype] = None, offs_cover_all: bool = False) -> Tensor:
+               out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """One GEMM per group (see the module docstring for the forms, ``offs`` and the layouts).
-    ``out_dtype``: None or the operands' dtype (the accumulation is float32 either way).
-    ``offs_cover_all``: the caller's promise that ``offs[-1]`` is the whole grouped extent
-    (every row of a 2d3d ``a`` in a group: a mixture-of-experts layer's routed pairs, whose
-    counts sum to the pairs). The backward then skips zeroing the gradients' entries past
-    ``offs[-1]``, a full pass over each; broken, those entries are left unspecified."""
+    ``out_dtype``: None or the operands' dtype (the accumulation is float32 either way)."""
     check(a, b, offs, out_dtype)
-    return grouped_mm_op(a, b, offs, offs_cover_all) if offs_cover_all else \
-        grouped_mm_op(a, b, offs)
+    return grouped_mm_op(a, b, offs)
+
+
+def routed_grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """``grouped_mm`` (2d3d) for a caller whose groups cover every row of ``a``, ``offs[-1] ==
+    a.shape[0]``, by construction: ``cutlass_ops.moe``'s routed pairs, whose expert counts sum
+    to the pairs. The backward then skips zeroing the gradient's rows past ``offs[-1]``, a full
+    pass over it. Not checked (that would read offs on the host): not public API; anyone else
+    calls ``grouped_mm``, whose backward zeroes those rows."""
+    check(a, b, offs, None)
+    return grouped_mm_op(a, b, offs, True)
 
 
 def bounds(offs: Tensor, extent: int) -> list[tuple[int, int]]:

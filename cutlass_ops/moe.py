@@ -12,7 +12,7 @@ same ``state_dict`` keys) and computes the same sum with no host sync:
 2. the tokens gathered in that order (the backward sums each token's rows in one kernel, as
    step 3 does), one grouped GEMM with every expert's ``gate_up_proj``,
    SiLU(gate) * up in one kernel (``custom_kernels.swiglu``, Hugging Face's bits), one grouped
-   GEMM with ``down_proj`` (``cutlass_ops.grouped_mm``);
+   GEMM with ``down_proj`` (``cutlass_ops.grouped``: the routed pairs cover every row);
 3. each token's results read through the inverse of the sort and summed over its slots with
    their routing weights, in float32, rounded once, in one kernel each way
    (``custom_kernels.moe_combine.combine``; its backward gives the expert outputs' and the
@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from cutlass_ops.grouped import grouped_mm
+from cutlass_ops.grouped import routed_grouped_mm
 from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
 from custom_kernels.moe_combine import combine
 from custom_kernels.swiglu import swiglu
@@ -78,8 +78,8 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor,
     inverse = inverse.view(tokens, top_k)
     routed = _GatherPairs.apply(hidden, order // top_k, inverse)  # [T * k, H]: pair's token
     # every pair is routed, so offs[-1] is every row: the backward need not zero a tail
-    gate_up = grouped_mm(routed, gate_up_proj.transpose(1, 2), offs, offs_cover_all=True)
-    out = grouped_mm(swiglu(gate_up), down_proj.transpose(1, 2), offs, offs_cover_all=True)
+    gate_up = routed_grouped_mm(routed, gate_up_proj.transpose(1, 2), offs)
+    out = routed_grouped_mm(swiglu(gate_up), down_proj.transpose(1, 2), offs)
     weights = top_k_weights
     if weights.dtype not in (torch.float32, out.dtype):  # the kernel reads these two
         weights = weights.float()

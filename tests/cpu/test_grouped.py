@@ -93,8 +93,8 @@ def test_rows_past_the_last_group_get_no_gradient_and_zero_tokens_work():
     assert torch.equal(no_k, torch.zeros(2, 8, 8))
 
 
-def test_offsets_covering_every_row_skip_the_tail_zeroing_and_keep_the_gradients(monkeypatch):
-    """A caller's promise that offs[-1] is every row (an MoE layer's routed pairs): the same
+def test_routed_rows_skip_the_tail_zeroing_and_keep_the_gradients(monkeypatch):
+    """Groups covering every row by construction (an MoE layer's routed pairs): the same
     gradients, without the masking pass over them."""
     a = torch.randn(7, 16, requires_grad=True)
     b = torch.randn(2, 16, 8, requires_grad=True)
@@ -105,7 +105,7 @@ def test_offsets_covering_every_row_skip_the_tail_zeroing_and_keep_the_gradients
     a.grad = b.grad = None
     masked = []
     monkeypatch.setattr(grouped, "_zero_past", lambda t, *args: masked.append(t) or t)
-    grouped.grouped_mm(a, b, offs, offs_cover_all=True).backward(grad)
+    grouped.routed_grouped_mm(a, b, offs).backward(grad)
     assert not masked and torch.equal(a.grad, want[0]) and torch.equal(b.grad, want[1])
     grouped.grouped_mm(a, b, offs).backward(grad)
     assert len(masked) == 1  # without the promise the tail is zeroed
