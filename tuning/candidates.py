@@ -241,9 +241,8 @@ def fp8_seeds(problem: GemmProblem) -> list[Choice]:
     Promoted accumulation (blockwise scaling, and tensorwise / rowwise without fast
     accumulation: the backward GEMMs of convert(fp8=...)) keeps a second float32 accumulator a
     warp group, so its tiles stop at 64 x 128 a warp group: cooperative 128x128 (with and
-    without stream-K) and pingpong 64x128. The wider ones spill: on an H200 pingpong 128x128 and
-    cooperative 128x256 / 256x128 ran 0.25-0.39x torch._scaled_mm's time-rate where cooperative
-    128x128 ran 0.80-1.0x (docs/measurements.md)."""
+    without stream-K) and pingpong 64x128. The wider ones spill their second accumulator and
+    run at a fraction of torch._scaled_mm's rate (docs/measurements.md, "FP8 GEMMs")."""
     pp, coop = KernelSchedule.PINGPONG, KernelSchedule.COOPERATIVE
     persistent, stream_k = TileScheduler.PERSISTENT, TileScheduler.STREAM_K
     promoted = problem.operands.scaling is Scaling.BLOCKWISE or not problem.operands.fast_accum

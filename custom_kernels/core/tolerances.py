@@ -66,10 +66,9 @@ FP8_MODEL_MARGINS = {MODEL_LOGITS: 1.5, MODEL_GRADIENTS: 1.5}
 
 # Twin-bounded models (``twin_model_tolerance``): a 16-bit model against its eager self where
 # a fixed bound is the wrong question. A MoE router's gate gradient runs through a softmax over
-# the router logits and a top-k selection, so near-ties make it fragile in bf16: on an H100,
-# Qwen3-30B-A3B's shape at 4 layers put the converted model's gate gradients at up to 0.095
-# from eager's (tiny MoE test models 0.105-0.129), past the fixed bound, with the loss equal to
-# 5 digits. The question is instead whether ours is about as far from eager as eager itself is
+# the router logits and a top-k selection, so near-ties make it fragile in bf16: converted
+# models' gate gradients land past the fixed bound with the loss equal to 5 digits
+# (docs/measurements.md, "Grouped GEMMs for mixture-of-experts"). The question is instead whether ours is about as far from eager as eager itself is
 # from the exact computation: eager's float32 twin (the same model and tokens in float32). Two
 # implementations of equal precision each carry their own rounding error against the exact
 # result, largely independent, so they differ by about sqrt(2) times either's error; 2.0 leaves

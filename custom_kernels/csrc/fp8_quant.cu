@@ -89,8 +89,8 @@ constexpr int TILE = 128;
 constexpr int TILE_THREADS = 256;
 constexpr int VPR = TILE / EPT;  // slots in a tile row
 // Blocks an SM keeps of fp8_quant_tiles_once_kernel: for 16-bit x at most 64 registers a
-// thread, still a thread's eight 16-byte loads in flight (128 KB a SM; unbounded, ptxas took
-// 116 registers: 2 blocks); float32 x holds sixteen slots a thread and keeps 2 blocks.
+// thread, still a thread's eight 16-byte loads in flight (unbounded, ptxas spends registers
+// down to 2 blocks an SM); float32 x holds sixteen slots a thread and keeps 2 blocks.
 constexpr int ONCE_BLOCKS = sizeof(T) == 4 ? 2 : 4;
 
 struct alignas(EPT) Bytes {

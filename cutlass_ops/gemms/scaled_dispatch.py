@@ -54,9 +54,9 @@ def reset() -> None:
 
 # Whether an untuned FP8 shape may run the built kernel our performance model ranks first (as
 # bf16 does) rather than torch._scaled_mm. Off: the model ranks tiles on bf16 evidence, and the
-# built FP8 kernels include the promoted-accumulation seeds, 0.25-0.88x cuBLAS; on an H100 with
-# only an H200's tuning the tensorwise train step took 125 ms this way against 82 ms for
-# blockwise and 90.6 ms for torchao (docs/measurements.md). A tuned entry decides instead.
+# built FP8 kernels include the promoted-accumulation seeds, well below cuBLAS untuned: an
+# FP8 train step on a GPU without its own tuning ran far slower than bf16 that way
+# (docs/measurements.md, "FP8 GEMMs"). A tuned entry decides instead.
 UNTUNED_BUILT_KERNELS = False
 
 # cuBLAS's blockwise GEMM (torch 2.11's torch._scaled_mm, H200) returns wrong values, silently,

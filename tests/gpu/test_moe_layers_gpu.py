@@ -58,9 +58,8 @@ def test_converted_moe_model_matches_forward_and_gradients(family):
                for shared in decoder_blocks.shared_expert_mlps(layer.mlp).values())
     twin = copy.deepcopy(model).float()  # before any backward: it copies no gradient
     # The routers' gate gradients are fragile in bf16 (a softmax over the router logits, top-k,
-    # near-ties): one batch's error swings with its tokens, ours and eager's alike (H200,
-    # Qwen2-MoE's last gate from float32, three batches: eager 0.016, 0.046, 0.136; ours 0.108,
-    # 0.017, 0.107). So each gradient's error from the model in float32 (its twin), averaged
+    # near-ties): one batch's error swings with its tokens, ours and eager's alike
+    # (docs/measurements.md, "Qwen2-MoE's last router gate"). So each gradient's error from the model in float32 (its twin), averaged
     # over three batches, may be at most twice the unconverted bf16 model's (twin_model_
     # tolerance), and never need be under 8e-2: a wrong gradient is off by far more.
     ours_errors, eager_errors = {}, {}
