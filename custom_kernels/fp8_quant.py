@@ -365,18 +365,18 @@ def _quantize_impl(x, g: Granularity, fp8_dtype, transpose: bool, key=None, amax
     return q, scale
 
 
-def _pair_impl(x, g: Granularity, fp8_dtype, key=None):
+def _pair_impl(x, g: Granularity, fp8_dtype, key=None, amax=None):
     if not x.is_cuda:
-        return (torch_quantize(x, g, fp8_dtype=fp8_dtype),
-                torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=True))
+        return (torch_quantize(x, g, fp8_dtype=fp8_dtype, amax=amax),
+                torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=True, amax=amax))
     (q, scale), (qt, scale_t) = (_empty_outputs(x, g, fp8_dtype, False),
                                  _empty_outputs(x, g, fp8_dtype, True))
     if x.numel() == 0:
         return (q, scale.fill_(1.0)), (qt, scale_t.fill_(1.0))
-    plan = _plan(x, g, fp8_dtype, True, True)
+    plan = _plan(x, g, fp8_dtype, True, True, amax is not None)
     if key is not None:
         _KNOWN[key] = plan
-    plan.execute(x, q, scale, qt, scale_t)
+    plan.execute(x, q, scale, qt, scale_t, amax=amax)
     return (q, scale), (qt, scale_t)
 
 
@@ -488,27 +488,33 @@ def _check_amax(x, granularity, amax) -> None:
 
 
 def quantize_pair(x: torch.Tensor, granularity, *,
-                  fp8_dtype: torch.dtype = torch.float8_e4m3fn):
+                  fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                  amax: torch.Tensor | None = None):
     """``((q, scale), (qt, scale_t))`` = ``(quantize(x, g), quantize(x, g, transpose=True))``
     bit for bit, both orientations' extents checked (block_1x128 then needs R and C multiples
     of 128). On a GPU, one tile kernel writes both q and qt from one read of x: block_1x128 and
     block_128x128 reduce their amaxes inside each 128x128 tile (block_128x128's scale_t is then
     ``scale.t()``'s values); tensor and row granularity first run an amax kernel (one more read
     of x: the tensor's amax, or every row's and every column's at once), so two reads in all.
-    Off a CUDA device, ``torch_quantize`` twice (logged once)."""
-    plan = _known(x, granularity, fp8_dtype, "pair")
+    ``amax``: as ``quantize`` takes it (tensor granularity): one read of x. Off a CUDA device,
+    ``torch_quantize`` twice (logged once)."""
+    which = "pair"
+    if amax is not None:
+        which += "+amax"
+        _check_amax(x, granularity, amax)
+    plan = _known(x, granularity, fp8_dtype, which)
     if plan is not None and x.numel():
         (q, scale), (qt, scale_t) = plan.outputs(x)
-        plan.execute(x, q, scale, qt, scale_t)
+        plan.execute(x, q, scale, qt, scale_t, amax=amax)
         return (q, scale), (qt, scale_t)
     g = _check(x, granularity, fp8_dtype, (False, True), "quantize_pair")
     if not x.is_cuda and fallback.off_cuda({"x": x}, "custom_kernels.fp8_quant.quantize_pair",
                                            "torch_quantize"):
-        return _pair_impl(x, g, fp8_dtype)
-    if torch.compiler.is_compiling() or not plain_eager(x):
+        return _pair_impl(x, g, fp8_dtype, amax=amax)
+    if torch.compiler.is_compiling() or not plain_eager(x, amax):
         q, scale, qt, scale_t = torch.ops.custom_kernels.fp8_quantize_pair(x, g.value, fp8_dtype)
         return (q, scale), (qt, scale_t)
-    return _pair_impl(x, g, fp8_dtype, _signature(x, granularity, fp8_dtype, "pair"))
+    return _pair_impl(x, g, fp8_dtype, _signature(x, granularity, fp8_dtype, which), amax)
 
 
 def _check(x, granularity, fp8_dtype, orientations, entry: str) -> Granularity:

@@ -31,7 +31,10 @@ the kernel is compiled and loaded on first use). Tensors off a CUDA device run `
 ``(y, q, scale)``: ``y`` as ``swiglu`` computes it and, from the same kernel, its FP8
 quantization, equal to ``fp8_quant.quantize(y, granularity)`` bit for bit ("row" or
 "block_1x128"; its docstring says more), for down_proj's FP8 GEMM; the op is
-``custom_kernels::swiglu_fp8_fwd``.
+``custom_kernels::swiglu_fp8_fwd``. ``swiglu_with_amax(gate_up, grad_amax=)`` returns ``(y,
+amax)`` for the tensorwise recipe, whose one scale needs the whole tensor's amax first: the
+kernels reduce y's amax, and in the backward d_gate_up's (``custom_kernels.grad_amax``), as
+they write them, so that neither is read again for it.
 
 Read top-down: the launchers, the compile functions, the custom ops, the public functions, then
 the torch fallback and the fp32 reference.
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -51,6 +55,7 @@ from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.fp8_quant import (Granularity, check_fused_output, empty_scale, rows_team,
                                       torch_quantize)
+from custom_kernels.grad_amax import GradAmax
 from custom_kernels.launch import launch
 
 SOURCE = "swiglu.cu"
@@ -60,6 +65,7 @@ BLOCK = 256  # also the FP8 kernel's, whose teams fp8_quant.rows_team sizes for 
 MAX_GRID_Y = 65535
 MAX_GRID = 1 << 20  # blocks of the FP8 kernel's 1-D grid; it loops past that
 NV = 8  # 16-byte slots of y an FP8 kernel thread keeps in registers
+AMAX_BLOCKS = 2048  # about how many blocks (and atomics) an AMAX launch spreads a tensor over
 DTYPE_CODES = elements.float_codes()
 # The granularities the FP8 kernel writes, and their codes (its MODE).
 FP8_MODES = {Granularity.ROW: 1, Granularity.BLOCK_1X128: 2}
@@ -69,8 +75,8 @@ FP8_MODES = {Granularity.ROW: 1, Granularity.BLOCK_1X128: 2}
 # Launcher
 # ---------------------------------------------------------------------------------------------
 
-def _defines(dtype_code: int, vec: bool) -> dict:
-    return {"DTYPE": dtype_code, "VEC": int(vec), "BLOCK": BLOCK}
+def _defines(dtype_code: int, vec: bool, amax: bool = False) -> dict:
+    return {"DTYPE": dtype_code, "VEC": int(vec), "BLOCK": BLOCK, **({"AMAX": 1} if amax else {})}
 
 
 def vector_ok(itemsize: int, inter: int, strides=(), pointers=()) -> bool:
@@ -92,16 +98,18 @@ def grid_shape(rows: int, vectors: int) -> tuple[tuple[int, int], int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(backward: bool, dtype_code: int, vec: bool, device: int):
+def _kernel(backward: bool, dtype_code: int, vec: bool, device: int, amax: bool = False):
     """The loaded kernel; cached here too, which saves get_kernel's key normalisation (a few
     microseconds, more than this whole function's share of a launch)."""
     return jit.get_kernel(SOURCE, KERNELS[backward], device=device,
-                          defines=_defines(dtype_code, vec))
+                          defines=_defines(dtype_code, vec, amax))
 
 
-def _launch(backward: bool, rows: int, inter: int, tensors) -> None:
+def _launch(backward: bool, rows: int, inter: int, tensors, amax=None) -> None:
     """Forward: ``tensors`` = (gate_up [rows, 2I], y [rows, I]); backward: (dy [rows, I],
-    gate_up, d_gate_up [rows, 2I]); 2-D views with a unit last stride, nothing empty."""
+    gate_up, d_gate_up [rows, 2I]); 2-D views with a unit last stride, nothing empty.
+    ``amax``: a zeroed float32 word that the kernel's AMAX build reduces the output's largest
+    |value| into, its grid capped near ``AMAX_BLOCKS`` blocks (one atomic each)."""
     if not all(t.is_cuda for t in tensors):  # a custom op called with other tensors
         fallback.require_cuda({f"argument {i}": t for i, t in enumerate(tensors)},
                               f"custom_kernels::swiglu_{'bwd' if backward else 'fwd'}")
@@ -109,10 +117,12 @@ def _launch(backward: bool, rows: int, inter: int, tensors) -> None:
     strides = tuple(t.stride(0) if rows > 1 else 0 for t in tensors)
     vec = vector_ok(first.element_size(), inter, strides, [t.data_ptr() for t in tensors])
     device = first.device.index
-    kernel = _kernel(backward, DTYPE_CODES[first.dtype], vec, device)
+    kernel = _kernel(backward, DTYPE_CODES[first.dtype], vec, device, amax is not None)
     grid, shift = grid_shape(rows, inter // (16 // first.element_size()) if vec else inter)
-    launch(kernel, *(t.data_ptr() for t in tensors), rows, inter, *strides, shift, grid=grid,
-           block=BLOCK, device=device)
+    if amax is not None:
+        grid = (grid[0], max(1, min(grid[1], AMAX_BLOCKS // grid[0])))
+    launch(kernel, *(t.data_ptr() for t in tensors), rows, inter, *strides, shift,
+           amax.data_ptr() if amax is not None else 0, grid=grid, block=BLOCK, device=device)
 
 
 def _fp8_defines(dtype_code: int, vec: bool, mode: int, fp8_code: int) -> dict:
@@ -148,11 +158,12 @@ def _launch_fp8(gu2, y2, q2, scale, g: Granularity) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def compile_swiglu(dtype: str = "bfloat16", vec: bool = True, arch: str = jit.DEFAULT_ARCH, *,
-                   backward: bool = False) -> Path:
+                   backward: bool = False, amax: bool = False) -> Path:
     """The cubin that ``swiglu`` (``backward``: its gradient) runs for ``dtype`` with 16-byte
-    accesses (``vec``) or one element an access. ``I`` is not compiled in: one cubin serves
-    every size."""
-    return jit.compile_cubin(SOURCE, defines=_defines(elements.element(dtype).code, vec),
+    accesses (``vec``) or one element an access; ``amax``: the build that also reduces the
+    output's amax (``swiglu_with_amax``). ``I`` is not compiled in: one cubin serves every
+    size."""
+    return jit.compile_cubin(SOURCE, defines=_defines(elements.element(dtype).code, vec, amax),
                              name_expressions=(KERNELS[backward],), arch=arch)
 
 
@@ -177,23 +188,25 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t2 if width <= 1 or t2.stride(1) == 1 else t2.contiguous()
 
 
-def _fwd_impl(gate_up: torch.Tensor) -> torch.Tensor:
+def _fwd_impl(gate_up: torch.Tensor, amax=None) -> torch.Tensor:
+    """``amax``: a zeroed float32 word the kernel reduces y's amax into."""
     width = gate_up.shape[-1]
     inter = width // 2
     y = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
     if y.numel():
         gu2 = _rows(gate_up, width)
-        _launch(False, gu2.shape[0], inter, (gu2, y.view(-1, inter)))
+        _launch(False, gu2.shape[0], inter, (gu2, y.view(-1, inter)), amax)
     return y
 
 
-def _bwd_impl(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def _bwd_impl(dy: torch.Tensor, gate_up: torch.Tensor, amax=None) -> torch.Tensor:
+    """``amax``: a zeroed float32 word the kernel reduces d_gate_up's amax into."""
     width = gate_up.shape[-1]
     inter = width // 2
     dgu = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
     if dgu.numel():
         gu2 = _rows(gate_up, width)
-        _launch(True, gu2.shape[0], inter, (_rows(dy, inter), gu2, dgu.view(-1, width)))
+        _launch(True, gu2.shape[0], inter, (_rows(dy, inter), gu2, dgu.view(-1, width)), amax)
     return dgu
 
 
@@ -332,6 +345,44 @@ class _EagerSwiGLU(torch.autograd.Function):
     def backward(ctx, dy):
         (gate_up,) = ctx.saved_tensors
         return _bwd_impl(dy, gate_up)
+
+
+def swiglu_with_amax(gate_up: torch.Tensor, *, grad_amax: Optional[GradAmax] = None):
+    """``(y, amax)``: ``y = swiglu(gate_up)`` (the same bits) and, from the same kernel, y's
+    largest |value| as a float32 scalar tensor on the device (``fp8_quant.tensor_amax(y)`` bit
+    for bit), so that a tensorwise FP8 ``quantize(y, "tensor", amax=amax)`` (down_proj's input)
+    reads y once instead of twice. ``grad_amax`` (``custom_kernels.grad_amax``): the backward
+    kernel also reduces d_gate_up's amax and records it there, for the FP8 backward of the GEMM
+    that wrote gate_up. Where the kernels do not run eagerly (torch.compile, tensors off a CUDA
+    device, tensor subclasses) this is ``(swiglu(gate_up), None)`` and ``grad_amax`` stays
+    empty: the callers compute their own amaxes."""
+    _check(gate_up)
+    if not gate_up.is_cuda or torch.compiler.is_compiling() or not plain_eager(gate_up):
+        return swiglu(gate_up), None
+    amax = torch.zeros((), dtype=torch.float32, device=gate_up.device)
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        return _EagerSwiGLUAmax.apply(gate_up, amax, grad_amax), amax
+    return _fwd_impl(gate_up, amax), amax
+
+
+class _EagerSwiGLUAmax(torch.autograd.Function):
+    """``swiglu`` whose kernels also reduce the amaxes of what they write."""
+
+    @staticmethod
+    def forward(ctx, gate_up, amax, grad_amax):
+        ctx.save_for_backward(gate_up)
+        ctx.grad_amax = grad_amax
+        return _fwd_impl(gate_up, amax)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (gate_up,) = ctx.saved_tensors
+        slot = ctx.grad_amax
+        if slot is None:
+            return _bwd_impl(dy, gate_up), None, None
+        dgu = _bwd_impl(dy, gate_up, slot.buffer(gate_up))
+        slot.record(dgu)
+        return dgu, None, None
 
 
 def swiglu_fp8(gate_up: torch.Tensor, granularity="row", *,

@@ -28,8 +28,9 @@ The merged and residual GEMMs are a module's ``GEMMS`` attribute where one is se
 per 1x128 block, the kernels before the GEMMs also write the GEMMs' FP8 input (the same bits
 as quantizing their output): both norms (ours, called without hooks; ``RMSNorm.forward_fp8``)
 for QKV and gate+up, the SwiGLU kernel (``swiglu_fp8``) for down_proj. o_proj still quantizes
-the attention's output itself, and tensorwise blocks quantize every input (a tensor's amax
-needs a pass over all of it first).
+the attention's output itself. In a tensorwise block (one scale a tensor: its amax before any
+value) the SwiGLU kernels reduce the amaxes of down_proj's input and of gate+up's output
+gradient as they write them (``swiglu_with_amax``); the other inputs are read for their amax.
 
 Nothing the user sees changes: the layer keeps its submodules, parameters and ``state_dict`` (Q,
 K and V stay three Parameters; ``fused_linear.pack`` only lays them out end to end in one storage
@@ -146,13 +147,13 @@ class FusedAttention:
 class FusedMLP:
     """``down(silu(gate(x)) * up(x))`` with gate and up as one GEMM and SwiGLU as one kernel."""
 
-    def gate_up(self, x, x_fp8=None):
+    def gate_up(self, x, x_fp8=None, **amaxes):
         """``x @ [Wgate; Wup]^T`` as one GEMM; ``x_fp8``: x's FP8 operand when the norm wrote
-        it."""
+        it; ``amaxes``: ``grad_amax`` for a tensorwise FP8 GEMM (``residual_forward``)."""
         pair = (self.gate_proj, self.up_proj)
         return _gemms(self).merged_linear(x, [p.weight for p in pair],
                                           fused_linear.merged_bias(pair), _merged_view(self),
-                                          **_fp8_input(x_fp8))
+                                          **_fp8_input(x_fp8), **amaxes)
 
     def activated(self, x, x_fp8=None):
         from custom_kernels.swiglu import swiglu
@@ -162,10 +163,16 @@ class FusedMLP:
     def residual_forward(self, x, residual, x_fp8=None):
         """``forward(x) + residual``, the residual added in down_proj's GEMM (after it, FP8).
         In an FP8 MLP whose recipe takes it, the SwiGLU kernel also writes down_proj's FP8
-        input."""
-        from custom_kernels.swiglu import swiglu, swiglu_fp8
+        input; in a tensorwise one, it reduces the amaxes of its output and (backward) of
+        gate+up's output gradient, which the FP8 GEMMs' quantization then need not read for."""
+        from custom_kernels.grad_amax import GradAmax
+        from custom_kernels.swiglu import swiglu, swiglu_fp8, swiglu_with_amax
 
         gemms, down = _gemms(self), self.down_proj
+        if getattr(gemms, "takes_amaxes", False) and not torch.compiler.is_compiling():
+            slot = GradAmax()
+            y, amax = swiglu_with_amax(self.gate_up(x, x_fp8, grad_amax=slot), grad_amax=slot)
+            return gemms.linear_residual(y, down.weight, down.bias, residual, x_amax=amax)
         gate_up = self.gate_up(x, x_fp8)
         fp8 = getattr(gemms, "input_fp8", None)
         if fp8 is None:

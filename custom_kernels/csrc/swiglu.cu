@@ -25,9 +25,15 @@
 // fill the block; x covers a row's vectors, y the row groups, looping past 65535 of them. The
 // shift is a kernel argument (one cubin per dtype and access width serves every I).
 //
+// AMAX 1 (tensorwise FP8, issue 38): the forward and backward kernels also reduce the largest
+// |value| they write (the rounded outputs: y, or both halves of dgu) into *amax, the float's bits
+// atomicMax'ed into a word the host zeroed: fp8_quant.tensor_amax of the output, bit for bit, so
+// that its FP8 quantization skips a pass of its own over the output. One atomic a block (the
+// host caps the grid; the row loop covers the rest). AMAX 0 builds ignore `amax`.
+//
 // Defines: DTYPE 0 fp32 / 1 fp16 / 2 bf16; VEC 1 when I, every row stride and every pointer
-// allow 16-byte accesses (else one element an access); BLOCK threads. Scalar parameters are
-// 64-bit, as cuda.core packs Python ints.
+// allow 16-byte accesses (else one element an access); BLOCK threads; AMAX. Scalar parameters
+// are 64-bit, as cuda.core packs Python ints.
 #include "norm_common.cuh"
 
 #ifndef DTYPE
@@ -38,6 +44,12 @@
 #endif
 #ifndef BLOCK
 #define BLOCK 256
+#endif
+#ifndef AMAX
+#define AMAX 0
+#endif
+#if AMAX
+#include "fp8_common.cuh"
 #endif
 
 namespace swiglu {
@@ -74,6 +86,24 @@ __device__ __forceinline__ Slot slot(long long inter, long long shift) {
   return s;
 }
 
+// The block's largest |value| (float bits) into *amax; every thread of the block calls it.
+__device__ __forceinline__ void block_amax(unsigned m, unsigned* amax) {
+#if AMAX
+  __shared__ unsigned red[BLOCK / 32];
+  m = ck::team_max<BLOCK>(m, BLOCK, red);
+  if (threadIdx.x == 0 && m != 0) atomicMax(amax, m);
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ unsigned abs_max_if_amax(unsigned m, const ck::Vec<T, N>& v) {
+#if AMAX
+  return max(m, ck::vec_abs_max(v));
+#else
+  return m;
+#endif
+}
+
 }  // namespace swiglu
 
 using namespace swiglu;
@@ -81,10 +111,10 @@ using namespace swiglu;
 // y[r, c] = silu(gu[r, c]) * gu[r, I + c], rounded as eager torch (see the top).
 extern "C" __global__ void __launch_bounds__(BLOCK)
 swiglu_fwd_kernel(const T* __restrict__ gu, T* __restrict__ y, long long rows, long long inter,
-                  long long ld_gu, long long ld_y, long long shift) {
+                  long long ld_gu, long long ld_y, long long shift, unsigned* __restrict__ amax) {
   const Slot s = slot(inter, shift);
-  if (s.col < 0) return;
-  for (long long r = s.row; r < rows; r += s.row_step) {
+  unsigned m = 0;
+  for (long long r = s.row; s.col >= 0 && r < rows; r += s.row_step) {
     const T* p = gu + r * ld_gu + s.col;
     V g, u, out;
     ck::load(g, p);
@@ -95,18 +125,20 @@ swiglu_fwd_kernel(const T* __restrict__ gu, T* __restrict__ y, long long rows, l
       const float act = round_t(__fdiv_rn(gj, one_plus_exp_neg(gj)));
       out.v[j] = ck::from_float<T>(__fmul_rn(act, ck::elem_float(u, j)));
     }
+    m = abs_max_if_amax(m, out);
     ck::store(y + r * ld_y + s.col, out);
   }
+  block_amax(m, amax);
 }
 
 // dgu[r, c] = dg, dgu[r, I + c] = du (see the top): fp32 math, one rounding.
 extern "C" __global__ void __launch_bounds__(BLOCK)
 swiglu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ gu, T* __restrict__ dgu,
                   long long rows, long long inter, long long ld_dy, long long ld_gu,
-                  long long ld_dgu, long long shift) {
+                  long long ld_dgu, long long shift, unsigned* __restrict__ amax) {
   const Slot s = slot(inter, shift);
-  if (s.col < 0) return;
-  for (long long r = s.row; r < rows; r += s.row_step) {
+  unsigned m = 0;
+  for (long long r = s.row; s.col >= 0 && r < rows; r += s.row_step) {
     const T* p = gu + r * ld_gu + s.col;
     V d, g, u, dg, du;
     ck::load(d, dy + r * ld_dy + s.col);
@@ -121,10 +153,12 @@ swiglu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ gu, T* __restr
       dg.v[j] = ck::from_float<T>(dj * ck::elem_float(u, j) * sig * (1.0f + gj * (1.0f - sig)));
       du.v[j] = ck::from_float<T>(dj * act);
     }
+    m = abs_max_if_amax(abs_max_if_amax(m, dg), du);
     T* q = dgu + r * ld_dgu + s.col;
     ck::store(q, dg);
     ck::store(q + inter, du);
   }
+  block_amax(m, amax);
 }
 
 // ---------------------------------------------------------------------------------------------

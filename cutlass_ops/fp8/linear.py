@@ -35,6 +35,11 @@ replays the copies it was captured with until an eager call refreshes them.
 operand (``custom_kernels.norms.rms_norm_fp8``, ``custom_kernels.swiglu.swiglu_fp8``: row and
 block_1x128 granularity, equal to ``quantize(x)`` bit for bit); the forward reads it instead of
 quantizing ``x`` again, and a training call still quantizes x^T for the wgrad.
+**Amaxes given** (tensorwise, whose one scale needs the whole tensor's amax before any value):
+``x_amax``, x's amax reduced by the kernel that wrote x, and ``grad_amax``, a
+``custom_kernels.grad_amax.GradAmax`` where the kernel that writes the output gradient records
+its amax (``custom_kernels.swiglu.swiglu_with_amax`` does both for down_proj and gate+up): x and
+dy are then read once by their quantization (q and q^T from one pass) instead of twice.
 
 Three paths as ``cutlass_ops.ops.linear_fast``: custom ops with fakes while torch.compile traces
 (``cutlass_ops::fp8_linear`` and its backward, ``register_autograd``), an autograd.Function
@@ -59,6 +64,7 @@ from custom_kernels.core.eager import PLAIN, fast_autograd
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.fp8_quant import (Granularity, empty_scale, quantize, quantize_pair,
                                       scale_shape, tensor_amax)
+from custom_kernels.grad_amax import GradAmax
 
 # ---------------------------------------------------------------------------------------------
 # Operands and GEMMs (no autograd)
@@ -118,49 +124,63 @@ def _gemm(a, scale_a, b_rows, scale_b_rows, gemm, dtype, bias=None) -> Tensor:
     return y if bias is None else y.add_(bias)
 
 
-def _activations(rows: Tensor, recipe: Recipe, keep: bool, x_fp8=None):
+def _tensor_amax(amax, *operands: Operand):
+    """``amax`` where every operand takes the tensor's scale (the amax is theirs), else None."""
+    if amax is None or any(o.granularity is not Granularity.TENSOR for o in operands):
+        return None
+    return amax
+
+
+def _activations(rows: Tensor, recipe: Recipe, keep: bool, x_fp8=None, x_amax=None):
     """(x_q, x_s, xt_q, xt_s): x for the forward (``x_fp8``'s when given), x^T for the wgrad
-    when ``keep`` (the tokens padded to the recipe's multiple)."""
+    when ``keep`` (the tokens padded to the recipe's multiple: zero rows, the amax unchanged).
+    ``x_amax``: x's amax when a kernel that wrote x reduced it (tensorwise)."""
     a, b = recipe.forward.a, recipe.wgrad.b
+    a_amax, b_amax = _tensor_amax(x_amax, a), _tensor_amax(x_amax, b)
     if x_fp8 is not None:
-        xt = _quantize(_padded(rows, recipe.token_multiple), b, True) if keep else \
+        xt = _quantize(_padded(rows, recipe.token_multiple), b, True, b_amax) if keep else \
             _nothing(rows)
         return x_fp8[0].reshape(rows.shape), x_fp8[1], *xt
     if not keep:
-        return (*_quantize(rows, a), *_nothing(rows))
+        return (*_quantize(rows, a, amax=a_amax), *_nothing(rows))
     if _pairable(a, b) and rows.shape[0] % recipe.token_multiple == 0:
-        (q, s), (qt, st) = quantize_pair(rows, a.granularity, fp8_dtype=a.dtype)
+        (q, s), (qt, st) = quantize_pair(rows, a.granularity, fp8_dtype=a.dtype, amax=a_amax)
         return q, s, qt, st
-    return (*_quantize(rows, a), *_quantize(_padded(rows, recipe.token_multiple), b, True))
+    return (*_quantize(rows, a, amax=a_amax),
+            *_quantize(_padded(rows, recipe.token_multiple), b, True, b_amax))
 
 
 def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Recipe, keep: bool,
-             weight_fp8=None, x_fp8=None):
+             weight_fp8=None, x_fp8=None, x_amax=None):
     """(y, xt_q, xt_s): y = x W^T + b; x^T quantized for the wgrad when ``keep`` (else empty).
-    ``weight_fp8``: W's forward operand (q, scale) when the caller has it; ``x_fp8``: x's."""
+    ``weight_fp8``: W's forward operand (q, scale) when the caller has it; ``x_fp8``: x's;
+    ``x_amax``: x's amax (tensorwise)."""
     rows = _rows(x)
     wq, ws = weight_fp8 if weight_fp8 is not None else _quantize(weight, recipe.forward.b)
-    xq, xs, xtq, xts = _activations(rows, recipe, keep, x_fp8)
+    xq, xs, xtq, xts = _activations(rows, recipe, keep, x_fp8, x_amax)
     y = _gemm(xq, xs, wq, ws, recipe.forward, x.dtype, bias)
     return y.view(*x.shape[:-1], weight.shape[0]), xtq, xts
 
 
 def _backward(grad: Tensor, xt, recipe: Recipe, need_x: bool, need_w: bool, weight_dtype,
-              weight_t: Callable[[], tuple]):
+              weight_t: Callable[[], tuple], dy_amax=None):
     """(dx, dW), None where not needed. ``xt``: the forward's kept (xt_q, xt_s); ``weight_t()``
-    gives W^T's dgrad operand (q, scale)."""
+    gives W^T's dgrad operand (q, scale); ``dy_amax``: dy's amax when the kernel that wrote dy
+    reduced it (tensorwise)."""
     dy = _rows(grad)
     a_x, a_w = recipe.dgrad.a, recipe.wgrad.a
+    x_amax, w_amax = _tensor_amax(dy_amax, a_x), _tensor_amax(dy_amax, a_w)
     if need_w and xt[0].numel() == 0 and dy.numel() > 0:
         raise UnsupportedInputError("fp8_linear's wgrad needs the x^T its forward keeps: the "
                                     "forward ran with keep=False")
     whole = dy.shape[0] % recipe.token_multiple == 0
     if need_x and need_w and whole and _pairable(a_x, a_w):
-        (dq, ds), (dtq, dts) = quantize_pair(dy, a_x.granularity, fp8_dtype=a_x.dtype)
+        (dq, ds), (dtq, dts) = quantize_pair(dy, a_x.granularity, fp8_dtype=a_x.dtype,
+                                             amax=x_amax)
     else:
-        dq, ds = _quantize(dy, a_x) if need_x else (None, None)
-        dtq, dts = _quantize(_padded(dy, recipe.token_multiple), a_w, True) if need_w else \
-            (None, None)
+        dq, ds = _quantize(dy, a_x, amax=x_amax) if need_x else (None, None)
+        dtq, dts = _quantize(_padded(dy, recipe.token_multiple), a_w, True, w_amax) \
+            if need_w else (None, None)
     grad_x = grad_w = None
     if need_x:
         wtq, wts = weight_t()
@@ -172,7 +192,7 @@ def _backward(grad: Tensor, xt, recipe: Recipe, need_x: bool, need_w: bool, weig
 
 
 def _check_call(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor],
-                recipe: Recipe, x_fp8=None) -> None:
+                recipe: Recipe, x_fp8=None, x_amax=None) -> None:
     """The rules of a call (shapes, dtypes), with the recipe's layer rules on the merged
     weight; UnsupportedInputError naming the one broken."""
     k = weights[0].shape[1] if weights[0].dim() == 2 else -1
@@ -191,6 +211,15 @@ def _check_call(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor],
                                     "output feature")
     if x_fp8 is not None:
         _check_x_fp8(x, x_fp8, recipe.forward.a)
+    if x_amax is not None and (
+            recipe.forward.a.granularity is not Granularity.TENSOR or
+            not isinstance(x_amax, Tensor) or x_amax.dtype != torch.float32 or
+            x_amax.numel() != 1 or x_amax.device != x.device):
+        raise UnsupportedInputError(
+            f"fp8_linear: x_amax is x's amax as a float32 scalar tensor on x's device, for a "
+            f"recipe that scales x by the tensor (tensorwise); got "
+            f"{getattr(x_amax, 'dtype', type(x_amax).__name__)} "
+            f"{tuple(getattr(x_amax, 'shape', ()))} with recipe {recipe.name}")
 
 
 def _check_x_fp8(x: Tensor, x_fp8, a: Operand) -> None:
@@ -388,14 +417,15 @@ class _EagerFp8Linear(torch.autograd.Function):
     the wgrad. ``x_fp8``: x's forward operand (q, scale) when a kernel wrote it, or None."""
 
     @staticmethod
-    def forward(ctx, x, bias, recipe, cache, x_fp8, merged, *weights):
-        need_w = any(ctx.needs_input_grad[6:])
+    def forward(ctx, x, bias, recipe, cache, x_fp8, amaxes, merged, *weights):
+        need_w = any(ctx.needs_input_grad[7:])
         amax = None  # W's, for W^T in the backward (tensorwise)
         if need_w:
             fp8, amax = _training_weight_operand(merged, recipe)
         else:
             fp8 = cache.get("forward", weights, merged, recipe) if cache is not None else None
-        y, xt_q, xt_s = _forward(x, merged, bias, recipe, need_w, fp8, x_fp8)
+        x_amax, ctx.grad_amax = amaxes
+        y, xt_q, xt_s = _forward(x, merged, bias, recipe, need_w, fp8, x_fp8, x_amax)
         ctx.save_for_backward(xt_q, xt_s, *weights)
         ctx.recipe, ctx.cache, ctx.has_bias = recipe, cache, bias is not None
         ctx.weight_amax = amax
@@ -405,7 +435,7 @@ class _EagerFp8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         xt_q, xt_s, *weights = ctx.saved_tensors
         need_x, need_b, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
-            any(ctx.needs_input_grad[6:])
+            any(ctx.needs_input_grad[7:])
         recipe, cache = ctx.recipe, ctx.cache
 
         def weight_t():
@@ -414,11 +444,12 @@ class _EagerFp8Linear(torch.autograd.Function):
                 return cache.get("dgrad", weights, merged, recipe)
             return _quantize(merged, recipe.dgrad.b, True, amax=ctx.weight_amax)
 
+        dy_amax = ctx.grad_amax.amax_of(grad) if ctx.grad_amax is not None else None
         with torch.no_grad():
             grad_x, grad_w = _backward(grad, (xt_q, xt_s), recipe, need_x, need_w,
-                                       weights[0].dtype, weight_t)
+                                       weights[0].dtype, weight_t, dy_amax)
             grad_b = _rows(grad).sum(0) if ctx.has_bias and need_b else None
-        return (grad_x, grad_b, None, None, None, None, *_split(grad_w, weights))
+        return (grad_x, grad_b, None, None, None, None, None, *_split(grad_w, weights))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,14 +458,19 @@ class _EagerFp8Linear(torch.autograd.Function):
 
 def fp8_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = None,
                recipe: Recipe | str = "rowwise", *, cache: Optional[WeightCache] = None,
-               view: Optional[fused_linear.MergedView] = None, x_fp8=None) -> Tensor:
+               view: Optional[fused_linear.MergedView] = None, x_fp8=None,
+               x_amax: Optional[Tensor] = None, grad_amax: Optional[GradAmax] = None) -> Tensor:
     """``x @ cat(weights).T + bias`` through FP8 GEMMs per ``recipe`` (forward and backward;
     several weights as one GEMM), with autograd to ``x``, each weight and the bias. ``cache``:
     the weights' FP8 copies for calls that do not train them (module docstring); ``view``: the
     caller's ``fused_linear.MergedView`` of packed weights; ``x_fp8``: ``(q, scale)``, x's
     forward operand as the recipe quantizes it, when a kernel that wrote x wrote it too (no
-    gradient flows through it; x keeps its own). UnsupportedInputError for shapes or dtypes the
-    recipe does not take."""
+    gradient flows through it; x keeps its own). Tensorwise recipes: ``x_amax``, x's amax
+    (float32 scalar on the device) when a kernel that wrote x reduced it, so that x is read
+    once; ``grad_amax`` (``custom_kernels.grad_amax``), where the backward finds the output
+    gradient's amax if the kernel that wrote that gradient recorded it. Both must be the very
+    values' amaxes (a wrong one quantizes wrongly); torch.compile computes its own.
+    UnsupportedInputError for shapes or dtypes the recipe does not take."""
     recipe = recipes.get(recipe)
     weights = list(weights)
     grad = torch.is_grad_enabled()
@@ -442,16 +478,17 @@ def fp8_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = No
     if torch.compiler.is_compiling():
         x_q, x_s = x_fp8 if x_fp8 is not None else (None, None)
         return fp8_linear_op(x, weights, bias, recipe.name, train, x_q, x_s)[0]
-    _check_call(x, weights, bias, recipe, x_fp8)
+    _check_call(x, weights, bias, recipe, x_fp8, x_amax)
     merged = view(weights) if view is not None else fused_linear.merged_view(weights)
     merged = merged.detach() if merged is not None else \
         torch.cat([w.detach() for w in weights])
     if cache is not None and train:
         cache.clear()
     if train or grad and (x.requires_grad or bias is not None and bias.requires_grad):
-        return _EagerFp8Linear.apply(x, bias, recipe, cache, x_fp8, merged, *weights)
+        return _EagerFp8Linear.apply(x, bias, recipe, cache, x_fp8, (x_amax, grad_amax),
+                                     merged, *weights)
     fp8 = cache.get("forward", weights, merged, recipe) if cache is not None else None
-    return _forward(x, merged, bias, recipe, False, fp8, x_fp8)[0]
+    return _forward(x, merged, bias, recipe, False, fp8, x_fp8, x_amax)[0]
 
 
 class Linear(nn.Linear):
@@ -514,6 +551,8 @@ class FusedGemms:
         a = self.recipe.forward.a
         self.input_fp8 = (a.granularity, a.dtype) if a.granularity in WRITTEN_GRANULARITIES \
             else None
+        # Tensorwise: kernels that write an activation or a gradient can reduce its amax.
+        self.takes_amaxes = a.granularity is Granularity.TENSOR
 
     def __deepcopy__(self, memo):
         return FusedGemms(self.recipe)
@@ -521,14 +560,15 @@ class FusedGemms:
     def merged_linear(self, x: Tensor, weights: Sequence[Tensor],
                       bias: Optional[Tensor] = None,
                       view: Optional[fused_linear.MergedView] = None, *,
-                      x_fp8=None) -> Tensor:
+                      x_fp8=None, grad_amax: Optional[GradAmax] = None) -> Tensor:
         return fp8_linear(x, weights, bias, self.recipe, cache=self.merged_weights, view=view,
-                          x_fp8=x_fp8)
+                          x_fp8=x_fp8, grad_amax=grad_amax)
 
     def linear_residual(self, x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                        residual: Tensor, *, x_fp8=None) -> Tensor:
+                        residual: Tensor, *, x_fp8=None,
+                        x_amax: Optional[Tensor] = None) -> Tensor:
         return fp8_linear(x, (weight,), bias, self.recipe, cache=self.residual_weights,
-                          x_fp8=x_fp8) + residual
+                          x_fp8=x_fp8, x_amax=x_amax) + residual
 
 
 fast_autograd("cutlass_ops::fp8_linear", eager=_op_forward, backward=_op_backward,

@@ -166,8 +166,9 @@ def test_fakes_give_contiguous_outputs():
 
 # --- the ops' wiring, with a torch stand-in for the kernels ------------------------------------
 
-def torch_launch(backward, rows, inter, tensors):
-    """What the kernels write, in torch: 2-D [rows, width] views with a unit last stride."""
+def torch_launch(backward, rows, inter, tensors, amax=None):
+    """What the kernels write, in torch: 2-D [rows, width] views with a unit last stride; the
+    AMAX build's atomicMax of the output's largest |value| into ``amax``."""
     for t in tensors:
         assert t.dim() == 2 and t.shape[0] == rows and (t.shape[1] <= 1 or t.stride(1) == 1)
     if backward:
@@ -179,6 +180,8 @@ def torch_launch(backward, rows, inter, tensors):
     else:
         gate_up, y = tensors
         y.copy_(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+    if amax is not None:
+        amax.copy_(torch.maximum(amax, tensors[-1].float().abs().amax()))
 
 
 @pytest.fixture
@@ -186,9 +189,9 @@ def calls(monkeypatch):
     """The stand-in installed; the list of (backward, rows, inter, first tensor) it saw."""
     seen = []
 
-    def recording(backward, rows, inter, tensors):
+    def recording(backward, rows, inter, tensors, amax=None):
         seen.append((backward, rows, inter, tensors[0]))
-        torch_launch(backward, rows, inter, tensors)
+        torch_launch(backward, rows, inter, tensors, amax)
 
     monkeypatch.setattr(swiglu, "_launch", recording)
     return seen

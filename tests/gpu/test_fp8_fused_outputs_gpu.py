@@ -19,7 +19,8 @@ import torch
 import cutlass_ops
 from custom_kernels import jit, norms, swiglu
 from custom_kernels.core.tolerances import relative_error
-from custom_kernels.fp8_quant import Granularity, quantize, torch_quantize
+from custom_kernels.fp8_quant import Granularity, quantize, tensor_amax, torch_quantize
+from custom_kernels.grad_amax import GradAmax
 from custom_kernels.norms import config as nc
 from custom_kernels.norms import fp8 as norm_fp8
 from custom_kernels.norms import ops as norm_ops
@@ -282,6 +283,78 @@ def test_swiglu_gradients_are_swiglus():
         (got,) = torch.autograd.grad(y, gate_up, dy)
         (want,) = torch.autograd.grad(swiglu.swiglu(gate_up), gate_up, dy)
         assert_bits(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_with_amax_reduces_the_amaxes_bit_for_bit(dtype):
+    """y and d_gate_up are swiglu's bits; the amaxes are tensor_amax of them (the forward's
+    returned, the backward's recorded in the GradAmax for d_gate_up itself). Sizes: short rows
+    (several rows a block), one block a row (many blocks a row, the grid capped at about
+    AMAX_BLOCKS with rows looped), a non-16-byte I (one element an access), 4096 x 14336."""
+    for rows, inter in ((3, 40), (77, 1408), (300, 14336), (33, 1001), (4096, 14336)):
+        if dtype == torch.float32 and rows * inter > 10 ** 7:
+            continue
+        gate_up = (data(rows, 2 * inter, dtype) * 3).requires_grad_()
+        dy = data(rows, inter, dtype)
+        slot = GradAmax()
+        y, amax = swiglu.swiglu_with_amax(gate_up, grad_amax=slot)
+        (dgu,) = torch.autograd.grad(y, gate_up, dy)
+        want_y = swiglu.swiglu(gate_up)
+        (want_dgu,) = torch.autograd.grad(want_y, gate_up, dy)
+        assert_bits(y, want_y)
+        assert_bits(dgu, want_dgu)
+        assert_bits(amax, tensor_amax(want_y.detach()))
+        assert_bits(slot.amax_of(dgu), tensor_amax(want_dgu))
+        with torch.no_grad():
+            y2, amax2 = swiglu.swiglu_with_amax(gate_up)
+        assert_bits(y2, want_y)
+        assert_bits(amax2, amax)
+
+
+def test_swiglu_with_amax_non_finite():
+    gate_up = data(64, 2 * 1024) * 3
+    gate_up[6] = 0
+    y, amax = swiglu.swiglu_with_amax(gate_up)
+    assert_bits(amax, tensor_amax(y))
+    gate_up[4, 1024 + 9] = float("inf")
+    y, amax = swiglu.swiglu_with_amax(gate_up)
+    assert amax.item() == float("inf")
+    gate_up[2, 5] = float("nan")
+    y, amax = swiglu.swiglu_with_amax(gate_up)
+    assert torch.isnan(amax).item() and torch.isnan(tensor_amax(y)).item()
+
+
+def test_tensorwise_mlp_with_the_amaxes_gives_the_same_bits(monkeypatch):
+    """gate+up GEMM -> swiglu_with_amax -> down_proj, tensorwise FP8, as the fused MLP wires
+    them: the same output and gradients, bit for bit, as the same layers quantizing x and dy
+    with amax passes of their own; and the backward did find d_gate_up's amax."""
+    from cutlass_ops.fp8.linear import fp8_linear
+
+    hits = []
+    amax_of = GradAmax.amax_of
+    monkeypatch.setattr(GradAmax, "amax_of", lambda self, g: hits.append(amax_of(self, g))
+                        or hits[-1])
+    x = data(512, 1024)
+    w_gu = data(2 * 2816, 1024) / 32
+    w_down = data(1024, 2816) / 32
+    dy = data(512, 1024)
+
+    def run(amaxes: bool):
+        xs, a, b = (t.clone().requires_grad_() for t in (x, w_gu, w_down))
+        slot = GradAmax() if amaxes else None
+        gate_up = fp8_linear(xs, [a], None, "tensorwise", grad_amax=slot)
+        if amaxes:
+            h, amax = swiglu.swiglu_with_amax(gate_up, grad_amax=slot)
+        else:
+            h, amax = swiglu.swiglu(gate_up), None
+        out = fp8_linear(h, [b], None, "tensorwise", x_amax=amax)
+        out.backward(dy)
+        return out.detach(), xs.grad, a.grad, b.grad
+
+    plain, fused = run(False), run(True)
+    for got, want in zip(fused, plain):
+        assert_bits(got, want)
+    assert len(hits) == 1 and hits[0] is not None
 
 
 # --- the ops: sync, opcheck, compile, graphs, scaled_mm --------------------------------------
