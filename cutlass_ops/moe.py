@@ -8,7 +8,8 @@ and two GEMMs each). ``GroupedExperts`` keeps the router and the parameters (sam
 same ``state_dict`` keys) and computes the same sum with no host sync:
 
 1. the (token, slot) pairs sorted by expert (a stable sort), and the cumulative expert counts
-   as the grouped GEMMs' offsets (a scatter-add on the device);
+   as the grouped GEMMs' offsets (a scatter-add on the device), or the same from the routing
+   pass of a fused router (``cutlass_ops.moe_router``);
 2. the tokens gathered in that order (the backward sums each token's rows in one kernel, as
    step 3 does), one grouped GEMM with every expert's ``gate_up_proj``,
    SiLU(gate) * up in one kernel (``custom_kernels.swiglu``, Hugging Face's bits), one grouped
@@ -39,6 +40,7 @@ from custom_kernels.swiglu import swiglu
 
 PROBE_TOKENS = 64
 PROBE_TOP_K = 2
+SORTED_PAIRS = "_cutlass_ops_sorted_pairs"  # (index, sorted_pairs(index)) a router handed over
 
 
 def looks_like_experts(module: nn.Module) -> bool:
@@ -59,24 +61,32 @@ def _is_silu(act) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
-def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                    down_proj: torch.Tensor) -> torch.Tensor:
-    """``sum_j w[t, j] * down[e] @ silu_and_mul(gate_up[e] @ x[t])`` over each token's slots
-    ``j`` (expert ``e = top_k_index[t, j]``): hidden [T, H], top_k_index / top_k_weights
-    [T, k]. Returns [T, H] in hidden's dtype."""
+def sorted_pairs(top_k_index: torch.Tensor, experts: int):
+    """(token_of_row [T * k], offsets [E] int32, inverse [T, k]): the (token, slot) pairs
+    sorted by expert (stably), each sorted row's token, the grouped GEMMs' cumulative group
+    ends, and the sorted row holding pair (t, j); in torch, with no host sync
+    (``custom_kernels.moe_routing.route`` writes the same in its routing pass)."""
     tokens, top_k = top_k_index.shape
-    experts = gate_up_proj.shape[0]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # the pairs, grouped by expert
-    counts = torch.zeros(experts, dtype=torch.int32, device=hidden.device)
+    counts = torch.zeros(experts, dtype=torch.int32, device=flat.device)
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
-    # inverse[t, j]: the row of the sorted pairs holding pair (t, j), with no host sync.
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    inverse = inverse.view(tokens, top_k)
-    routed = _GatherPairs.apply(hidden, order // top_k, inverse)  # [T * k, H]: pair's token
+    return order // top_k, offs, inverse.view(tokens, top_k)
+
+
+def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                    down_proj: torch.Tensor, pairs=None) -> torch.Tensor:
+    """``sum_j w[t, j] * down[e] @ silu_and_mul(gate_up[e] @ x[t])`` over each token's slots
+    ``j`` (expert ``e = top_k_index[t, j]``): hidden [T, H], top_k_index / top_k_weights
+    [T, k]. ``pairs``: ``sorted_pairs(top_k_index, E)`` when the router made them. Returns
+    [T, H] in hidden's dtype."""
+    token_of_row, offs, inverse = pairs if pairs is not None else \
+        sorted_pairs(top_k_index, gate_up_proj.shape[0])
+    routed = _GatherPairs.apply(hidden, token_of_row, inverse)  # [T * k, H]: pair's token
     # every pair is routed, so offs[-1] is every row: the backward need not zero a tail
     gate_up = routed_grouped_mm(routed, gate_up_proj.transpose(1, 2), offs)
     out = routed_grouped_mm(swiglu(gate_up), down_proj.transpose(1, 2), offs)
@@ -118,8 +128,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        # The sort a fused router (cutlass_ops.moe_router) made for this very index, if any.
+        handed = self.__dict__.pop(SORTED_PAIRS, None)
+        pairs = handed[1] if handed is not None and handed[0] is top_k_index else None
         return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                               self.down_proj)
+                               self.down_proj, pairs)
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, replaces {self.replaced}"
@@ -151,4 +164,4 @@ def probe(experts: nn.Module, seed: int = 0) -> Optional[str]:
     return None
 
 
-__all__ = ["GroupedExperts", "experts_forward", "looks_like_experts", "probe"]
+__all__ = ["GroupedExperts", "experts_forward", "sorted_pairs", "looks_like_experts", "probe"]

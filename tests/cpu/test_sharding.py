@@ -168,28 +168,31 @@ def _run_case(mesh, case, dim, expect_local):
     from torch.distributed.tensor.debug import CommDebugMode
 
     ours, ref, full, params = CASES[case]()
-    full = {n: t.requires_grad_() if t is not None and n not in ("cos", "sin") else t
-            for n, t in full.items()}
+    device = mesh.device_type  # "cuda": the GPU variant (tests/gpu/test_sharding_gpu.py)
+    full = {n: t.to(device).requires_grad_() if t is not None and n not in ("cos", "sin")
+            else (t.to(device) if t is not None else None) for n, t in full.items()}
     dist = {n: None if t is None else
             distribute_tensor(t.detach(), mesh, [_placement(n, t, dim, params)])
             .requires_grad_(t.requires_grad) for n, t in full.items()}
     with CommDebugMode() as fwd:
         out = ours(*dist.values())
     outs = out if isinstance(out, tuple) else (out,)
-    grads = [distribute_tensor(torch.randn(o.shape), mesh, o.placements) for o in outs]
+    grads = [distribute_tensor(torch.randn(o.shape, device=device), mesh, o.placements)
+             for o in outs]
     with CommDebugMode() as bwd:
         torch.autograd.backward(outs, grads)
     expected = ref(*full.values())
     expected = expected if isinstance(expected, tuple) else (expected,)
     torch.autograd.backward(expected, [g.full_tensor() for g in grads])
+    tol = dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
     for o, e in zip(outs, expected):
-        torch.testing.assert_close(o.full_tensor(), e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o.full_tensor(), e, **tol)
     for n, t in full.items():
         if t is not None and t.requires_grad:
             g = dist[n].grad
             if expect_local and n in params:  # summed over each rank's rows
                 assert all(isinstance(p, Partial) for p in g.placements), (n, g.placements)
-            torch.testing.assert_close(g.full_tensor(), t.grad, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(g.full_tensor(), t.grad, **tol)
     if expect_local:
         assert all(isinstance(p, Shard) for o in outs for p in o.placements), \
             [o.placements for o in outs]
@@ -198,12 +201,14 @@ def _run_case(mesh, case, dim, expect_local):
     return fwd.get_total_counts(), bwd.get_total_counts()
 
 
-def _cases(rank, world, cases):
+def _cases(rank, world, cases, device="cpu"):
+    """``device`` "cuda": the ops' own kernels on each rank's GPU (NCCL ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    for name, kernel in CPU_KERNELS.items():
-        torch.library.register_kernel(f"custom_kernels::{name}", "cpu", kernel)
-    mesh = init_device_mesh("cpu", (world,))
+    if device == "cpu":
+        for name, kernel in CPU_KERNELS.items():
+            torch.library.register_kernel(f"custom_kernels::{name}", "cpu", kernel)
+    mesh = init_device_mesh(device, (world,))
     return {(case, dim): _run_case(mesh, case, dim, local) for case, dim, local in cases}
 
 
