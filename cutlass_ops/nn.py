@@ -17,7 +17,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from cutlass_ops import causal_mask, decoder_blocks, lm_loss, moe, norm_probe, ops, step_graphs
+from cutlass_ops import (causal_mask, decoder_blocks, lm_loss, moe, moe_router, norm_probe, ops,
+                         step_graphs)
 from cutlass_ops.gemms.config import Activation
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
@@ -136,8 +137,9 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
     (``cutlass_ops.causal_mask``). With ``experts``, a mixture-of-experts experts module built
     like Hugging Face's (Mixtral, Qwen3-MoE: 3-D ``gate_up_proj`` / ``down_proj``, SiLU) runs as
     two grouped GEMMs and a SwiGLU kernel without its per-expert loop, after a probe
-    (``cutlass_ops.moe``). With ``fp8`` ("tensorwise", "rowwise" or "blockwise"), then, the
-    Linear layers and the fused blocks' GEMMs that take the recipe run FP8 forward and backward
+    (``cutlass_ops.moe``), and its block's top-k router as one routing pass that also sorts the
+    tokens by expert, after a probe of its own (``cutlass_ops.moe_router``). With ``fp8``
+    ("tensorwise", "rowwise" or "blockwise"), then, the Linear layers and the fused blocks' GEMMs that take the recipe run FP8 forward and backward
     with bf16 master weights and the same state_dict, the LM head only with ``fp8_lm_head``
     (``cutlass_ops.fp8``; the report names each layer's recipe or why not). Returns what was
     done and why, per layer."""
@@ -216,6 +218,8 @@ def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_
             setattr(parent, _child_name(parent, follower), nn.Identity())
             reason += f"; {follower_name} ({type(follower).__name__}) fused as {activation}"
         decisions.append(Decision(name, kind, True, reason))
+    if experts:
+        decisions += _fuse_routers(model, include, exclude)
     if fuse_blocks:
         decisions += _fuse_decoder_layers(model, include, exclude)
         if any(d.converted and decoder_blocks.is_fused(model.get_submodule(d.name))
@@ -231,6 +235,25 @@ def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_
                                   why or "labels: the head and the loss a chunk of rows at a "
                                   "time, no logits (cutlass_ops.linear_cross_entropy)"))
     return ConversionReport(decisions)
+
+
+def _fuse_routers(model, include, exclude) -> list:
+    """The top-k routers of blocks whose experts are converted, made one routing pass
+    (cutlass_ops.moe_router) when the probe agrees."""
+    decisions = []
+    for block_name, block in model.named_modules():
+        if not isinstance(getattr(block, "experts", None), moe.GroupedExperts) or \
+                not isinstance(getattr(block, "gate", None), nn.Module):
+            continue
+        name = f"{block_name}.gate".lstrip(".")
+        gate = block.gate
+        kind = type(gate).__name__
+        if include is not None and name not in include or name in exclude:
+            decisions.append(Decision(name, kind, False, "excluded by the caller"))
+            continue
+        why = moe_router.fuse_router(block)
+        decisions.append(Decision(name, kind, why is None, why or moe_router.describe(gate)))
+    return decisions
 
 
 def _convert_norm(model, name, module, include, exclude) -> Decision:

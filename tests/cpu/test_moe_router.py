@@ -1,0 +1,154 @@
+"""The one-pass top-k router (cutlass_ops.moe_router) on the CPU (``route``'s torch reference
+stands in for its kernels), against Hugging Face's own routers in their blocks (Mixtral: float32
+weights, always renormalised; Qwen3-MoE: the logits' dtype, renormalised or not): the block's
+output, every gradient (the router's weight too), the experts taking the router's sort (and
+sorting for themselves when the index they get is another tensor), the probe finding each
+router's normalisation and refusing a router that computes something else, the structure
+refusals, the state_dict, the class kept as a base, and convert's report."""
+
+import copy
+
+import pytest
+import torch
+
+from cutlass_ops import moe, moe_router
+
+from test_moe import mixtral, qwen3_moe  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def quiet(warnings):
+    yield  # route's CPU rule logs once
+
+
+def grouped(block):
+    block = copy.deepcopy(block)
+    block.experts = moe.GroupedExperts(block.experts)
+    return block
+
+
+def qwen3_unnormalised(dtype=torch.float32):
+    block = qwen3_moe(dtype)
+    block.gate.norm_topk_prob = False
+    return block
+
+
+@pytest.fixture
+def handed(monkeypatch):
+    """Whether each experts call got the router's sort."""
+    seen = []
+    forward = moe.experts_forward
+
+    def spy(*args):
+        seen.append(args[-1] is not None)
+        return forward(*args)
+
+    monkeypatch.setattr(moe, "experts_forward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("make", [mixtral, qwen3_moe, qwen3_unnormalised],
+                         ids=["mixtral", "qwen3_moe", "qwen3_unnormalised"])
+def test_the_block_with_the_fused_router_matches_hugging_faces(make, handed):
+    theirs = grouped(make())
+    ours = copy.deepcopy(theirs)
+    assert moe_router.fuse_router(ours) is None
+    plan = ours.gate.__dict__[moe_router.PLAN]
+    assert plan.normalize == (make is not qwen3_unnormalised)
+    assert plan.weights_dtype is None  # float32 logits: float32 weights either way
+    x = torch.randn(2, 24, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_theirs, y_ours = theirs(x1), ours(x2)
+    torch.testing.assert_close(y_ours, y_theirs, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(y_ours)
+    y_theirs.backward(grad)
+    y_ours.backward(grad)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-4, atol=1e-5)
+    theirs_grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs_grads[name].grad, rtol=1e-4, atol=1e-5,
+                                   msg=name)
+    assert handed == [False, True]  # theirs sorts for itself, ours takes the router's
+
+
+@pytest.mark.parametrize("make,weights", [(mixtral, torch.float32), (qwen3_moe, None)],
+                         ids=["mixtral", "qwen3_moe"])
+def test_bfloat16_routers_keep_their_weights_dtype(make, weights):
+    """Mixtral's router returns float32 weights, Qwen3-MoE's the logits' dtype: the probe finds
+    which, and the block stays within bf16's tolerance of Hugging Face's."""
+    from custom_kernels.core.tolerances import relative_error
+
+    theirs = grouped(make(torch.bfloat16))
+    ours = copy.deepcopy(theirs)
+    assert moe_router.fuse_router(ours) is None
+    assert ours.gate.__dict__[moe_router.PLAN].weights_dtype is weights
+    x = torch.randn(2, 24, 64).bfloat16()
+    assert ours.gate(x.view(-1, 64))[1].dtype == theirs.gate(x.view(-1, 64))[1].dtype
+    assert relative_error(ours(x), theirs(x)) < 1e-2
+
+
+def test_the_experts_sort_for_themselves_when_the_index_is_another_tensor(handed):
+    block = grouped(qwen3_moe())
+    assert moe_router.fuse_router(block) is None
+    h = torch.randn(10, 64)
+    _, weights, index = block.gate(h)
+    handed.clear()
+    out = block.experts(h, index.clone(), weights)  # not the tensor the router handed over
+    assert handed == [False]
+    torch.testing.assert_close(out, block.experts(h, index, weights))  # (and nothing stale)
+    assert moe.SORTED_PAIRS not in block.experts.__dict__
+
+
+def test_the_router_keeps_its_class_as_a_base_its_weight_and_its_state_dict():
+    block = grouped(qwen3_moe())
+    cls, keys = type(block.gate), set(block.state_dict())
+    weight = block.gate.weight
+    assert moe_router.fuse_router(block) is None
+    assert isinstance(block.gate, cls) and isinstance(block.gate, moe_router.FusedTopKRouter)
+    assert block.gate.weight is weight and set(block.state_dict()) == keys
+    assert "one routing pass" in moe_router.describe(block.gate)
+    assert moe_router.fuse_router(block) == "its router is fused already"
+    moe_router.unfuse_router(block.gate)
+    assert type(block.gate) is cls and moe_router.PLAN not in block.gate.__dict__
+
+
+def test_the_probe_refuses_a_router_that_computes_something_else():
+    block = grouped(qwen3_moe())
+    original = type(block.gate).forward
+
+    def hotter(self, hidden):  # a temperature the structure does not show
+        logits, _, _ = original(self, hidden)
+        probs = torch.softmax(logits.float() / 0.3, -1)
+        weights, index = probs.topk(self.top_k, -1)
+        return logits, weights / weights.sum(-1, keepdim=True), index
+
+    block.gate.forward = hotter.__get__(block.gate)
+    why = moe_router.fuse_router(block)
+    assert why is not None and "not a softmax or sigmoid top-k" in why
+    assert not isinstance(block.gate, moe_router.FusedTopKRouter)
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda b: setattr(b, "experts", torch.nn.Identity()), "GroupedExperts"),
+    (lambda b: setattr(b.gate, "top_k", 2.0), "top_k"),
+    (lambda b: setattr(b.gate, "top_k", 99), "top_k"),
+    (lambda b: b.gate.register_parameter("weight", torch.nn.Parameter(torch.zeros(8, 32))),
+     "is not (experts, hidden)"),
+])
+def test_structure_refusals(change, words):
+    block = grouped(qwen3_moe())
+    change(block)
+    why = moe_router.structure_refusal(block)
+    assert why is not None and words in why
+
+
+def test_convert_reports_routers_only_where_experts_were_converted():
+    """Off a GPU the experts stay (their decision says why), so no router is touched."""
+    import cutlass_ops
+
+    block = qwen3_moe()
+    report = cutlass_ops.convert(torch.nn.ModuleDict({"mlp": block}))
+    assert not any(d.name.endswith("gate") for d in report.decisions)
+    assert not isinstance(block.gate, moe_router.FusedTopKRouter)
