@@ -370,7 +370,7 @@ def route_reference(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax
     scores = (torch.softmax(logits.to(compute), dim=-1) if scoring == "softmax"
               else torch.sigmoid(logits.to(compute)))
     values, index = torch.sort(scores, dim=-1, descending=True, stable=True)
-    values, index = values[:, :top_k], index[:, :top_k]
+    values, index = values[:, :top_k].contiguous(), index[:, :top_k].contiguous()
     if normalize:
         values = values / values.sum(-1, keepdim=True)
     flat = index.reshape(-1)

@@ -60,6 +60,8 @@ constexpr int EMAX = 32 * NE;  // experts a warp's registers hold
 constexpr unsigned FULL = 0xffffffffu;
 constexpr unsigned NONE = 0xffffffffu;
 
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
 __device__ __forceinline__ float warp_sum(float v) {
   // A butterfly: every lane ends with the same bits (each step adds the same two partials).
 #pragma unroll
@@ -85,12 +87,12 @@ __device__ __forceinline__ void scores(const T* row, long long experts, int lane
 #pragma unroll
   for (int i = 0; i < NE; ++i) {
     const long long e = lane + 32 * i;
-    p[i] = e < experts ? ck::to_float(row[e]) : -INFINITY;
+    p[i] = e < experts ? ck::to_float(row[e]) : neg_inf();
   }
   m = 0.0f;
   s = 1.0f;
   if (softmax) {
-    float mx = -INFINITY;
+    float mx = neg_inf();
 #pragma unroll
     for (int i = 0; i < NE; ++i) mx = fmaxf(mx, p[i]);
     m = warp_max(mx);
@@ -106,7 +108,7 @@ __device__ __forceinline__ void scores(const T* row, long long experts, int lane
 
 // The arg-max key of a score (see the top): larger key, larger score; 0 for none.
 __device__ __forceinline__ unsigned key_of(float p) {
-  return (isnan(p) ? 0x7fc00000u : __float_as_uint(p)) + 1u;
+  return (p != p ? 0x7fc00000u : __float_as_uint(p)) + 1u;
 }
 
 }  // namespace moe_routing

@@ -147,3 +147,50 @@ def test_fused_fp8_outputs_compile(cache_root, dtype):
              swiglu.compile_swiglu_fp8(dtype, True, "row", "e4m3"),
              swiglu.compile_swiglu_fp8(dtype, False, "block_1x128", "e5m2")]
     assert all(p.stat().st_size > 0 and p.with_suffix(".json").is_file() for p in paths)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_moe_routing_family_compiles(cache_root, dtype):
+    """Each of the four kernels for E of 1, 2, 8 and 32 lanes' worth of experts (8, 64, 256,
+    1024; the kernels compile in ceil(E / 32)); the scan depends on neither."""
+    from custom_kernels import moe_routing
+
+    paths = [moe_routing.compile_moe_routing("scan", dtype)]
+    for experts in (8, 64, 256, 1024):
+        paths += [moe_routing.compile_moe_routing(kernel, dtype, experts)
+                  for kernel in ("topk", "place", "bwd")]
+    assert all(p.stat().st_size > 0 and p.with_suffix(".json").is_file() for p in paths)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_routing_kernels_do_not_spill(dtype):
+    """ptxas's report for the kernels at 1, 8 and 32 experts a lane (32 is the most registers:
+    the top-k and backward kernels keep a row's scores in them)."""
+    import io
+    import re
+
+    from cuda.core import Program, ProgramOptions
+
+    from custom_kernels import moe_routing
+    from custom_kernels.core import elements
+
+    code = elements.element(dtype).code
+    source = (jit.CSRC / moe_routing.SOURCE).read_text()
+    for ne in (1, 8, 32):
+        for kernel in ("topk", "scan", "place", "bwd"):
+            defines = moe_routing._defines(kernel, code, ne)
+            options = ProgramOptions(name=moe_routing.SOURCE, arch=jit.DEFAULT_ARCH,
+                                     include_path=list(jit.include_dirs()), ptxas_options="-v",
+                                     define_macro=list(jit._normalize_defines(defines)),
+                                     **jit._OPTIONS)
+            log = io.StringIO()
+            program = Program(source, "c++", options)
+            try:
+                program.compile("cubin", name_expressions=(moe_routing.KERNELS[kernel],),
+                                logs=log)
+            finally:
+                program.close()
+            report = log.getvalue()
+            assert len(re.findall(r"Used \d+ registers", report)) == 4, report  # every kernel
+            assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
+            assert set(re.findall(r"(\d+) bytes stack frame", report)) == {"0"}, report
