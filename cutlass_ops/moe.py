@@ -129,7 +129,9 @@ class GroupedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         # The sort a fused router (cutlass_ops.moe_router) made for this very index, if any.
-        handed = self.__dict__.pop(SORTED_PAIRS, None)
+        # (None while torch.compile traces: the router hands nothing over then.)
+        handed = None if torch.compiler.is_compiling() else \
+            self.__dict__.pop(SORTED_PAIRS, None)
         pairs = handed[1] if handed is not None and handed[0] is top_k_index else None
         return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
                                self.down_proj, pairs)

@@ -152,3 +152,14 @@ def test_convert_reports_routers_only_where_experts_were_converted():
     report = cutlass_ops.convert(torch.nn.ModuleDict({"mlp": block}))
     assert not any(d.name.endswith("gate") for d in report.decisions)
     assert not isinstance(block.gate, moe_router.FusedTopKRouter)
+
+
+def test_the_block_with_the_fused_router_compiles_with_fullgraph():
+    """Under torch.compile the router hands nothing over and the experts sort for themselves
+    (a dict pop on a module is not traceable)."""
+    block = grouped(qwen3_moe())
+    assert moe_router.fuse_router(block) is None
+    x = torch.randn(1, 8, 64)
+    want = block(x)
+    got = torch.compile(block, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, want)
