@@ -24,8 +24,13 @@ a run adds its rows to those of the other section written by the same code):
   converted model's speedup on one GPU (rank 0's slice), which the distributed speedup is
   judged against.
 
+  Where the whole global batch does not fit on one GPU (16 layers on 4 GPUs, say), the rows are
+  checked instead against the unconverted model on the same mesh (loss, every gradient).
+  ``--modes`` picks the wrappers (``ddp``, ``fsdp2``). The file keeps the rows of other GPU
+  counts, each with the run it came from (``detail["run"]``).
+
     torchrun is not needed: python benchmarks/multigpu.py [--gpus 2] [--layers 4] [--tokens 4096]
-        [--strategy quick] [--tune-model quick] [--sections tune train]
+        [--strategy quick] [--tune-model quick] [--sections tune train] [--modes ddp fsdp2]
 
 Needs ``--gpus`` CUDA GPUs (``--gpus 1`` runs the train section's code paths at world size 1,
 as a smoke run; its rows say so). Writes benchmarks/results/multigpu.json (multigpu_1gpu.json
@@ -59,6 +64,27 @@ SECTIONS = ("tune", "train")
 # A tune's summary line, once per worker: "compiled 7 kernels, reused 0, build 61 s, measurement
 # 12 s" (tuning.cli's text output).
 SUMMARY = re.compile(r"compiled (\d+) kernels, reused (\d+), build (\d+) s, measurement (\d+) s")
+
+
+def rows_of_other_worlds(name: str, world: int) -> list[dict]:
+    """The file's rows measured at another GPU count, each with the run it came from in its
+    ``detail["run"]`` (GPU, versions, world size)."""
+    import json
+
+    from benchmarks.common import RESULTS
+
+    try:
+        old = json.loads((RESULTS / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return []
+    rows = []
+    for row in old.get("rows", []):
+        run = row.get("detail", {}).get("run") or {
+            "gpu": old.get("gpu"), "versions": old.get("versions"),
+            "world_size": old.get("world_size")}
+        if run.get("world_size") != world:
+            rows.append({**row, "detail": {**row.get("detail", {}), "run": run}})
+    return rows
 
 
 def section_of(case: str) -> str:
@@ -257,9 +283,18 @@ def rank_main(rank: int, world: int, port: int, mode: str, layers: int, tokens: 
     dist.destroy_process_group()
 
 
-def one_gpu(layers: int, world: int, tokens: int, reps: int) -> dict:
+def one_gpu(layers: int, world: int, tokens: int, reps: int) -> dict | None:
     """One GPU: the whole global batch's loss and gradients (the checks' reference), and the
-    converted model's speedup on one rank's slice."""
+    converted model's speedup on one rank's slice; None where that does not fit in the GPU's
+    memory (the rows are then checked against the unconverted model on the same mesh)."""
+    try:
+        return _one_gpu(layers, world, tokens, reps)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def _one_gpu(layers: int, world: int, tokens: int, reps: int) -> dict:
     import cutlass_ops
     from custom_kernels import clip_grad
 
@@ -293,25 +328,41 @@ def worst_error(got: dict, expected: dict) -> float:
     return max((relative_error(got[k], expected[k]) for k in shared), default=float("nan"))
 
 
+def mesh_checks(record: dict) -> dict:
+    """The converted model against the unconverted one on the same mesh (when the whole batch
+    does not fit on one GPU): its loss and every gradient."""
+    ours, plain = record["ours"], record["unconverted"]
+    return {"ours": {"loss": ours["loss"], "unconverted_loss": plain["loss"],
+                     "grad_max_relative_error_vs_unconverted": worst_error(ours["grads"],
+                                                                           plain["grads"])}}
+
+
 def train_rows(world: int, args) -> list[dict]:
-    """The DDP and FSDP2 rows: each model's step timed on ``world`` ranks, checked against one
-    GPU running the whole global batch."""
+    """The DDP and FSDP2 rows (``args.modes``): each model's step timed on ``world`` ranks,
+    checked against one GPU running the whole global batch, or, where that does not fit,
+    the converted model against the unconverted one on the same mesh."""
     single = one_gpu(args.layers, world, args.tokens, args.reps)
     rows = []
-    for mode in ("ddp", "fsdp2"):
+    for mode in args.modes:
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "rank0.pt")
             spawn(rank_main, world, mode, args.layers, args.tokens, args.reps, out)
             got = torch.load(out, weights_only=False)
-        checks = {}
-        for variant in ("ours", "unconverted"):
-            expected = single["reference"][variant]
-            checks[variant] = {
-                "loss": got["record"][variant]["loss"], "one_gpu_loss": expected["loss"],
-                "grad_max_relative_error": worst_error(got["record"][variant]["grads"],
-                                                       expected["grads"])}
-        correct = all(abs(c["loss"] - c["one_gpu_loss"]) <= 1e-2 * abs(c["one_gpu_loss"])
-                      and c["grad_max_relative_error"] < 5e-2 for c in checks.values())
+        if single is None:
+            checks = mesh_checks(got["record"])
+            c = checks["ours"]
+            correct = (abs(c["loss"] - c["unconverted_loss"]) <= 1e-2 * abs(c["unconverted_loss"])
+                       and c["grad_max_relative_error_vs_unconverted"] < 5e-2)
+        else:
+            checks = {}
+            for variant in ("ours", "unconverted"):
+                expected = single["reference"][variant]
+                checks[variant] = {
+                    "loss": got["record"][variant]["loss"], "one_gpu_loss": expected["loss"],
+                    "grad_max_relative_error": worst_error(got["record"][variant]["grads"],
+                                                           expected["grads"])}
+            correct = all(abs(c["loss"] - c["one_gpu_loss"]) <= 1e-2 * abs(c["one_gpu_loss"])
+                          and c["grad_max_relative_error"] < 5e-2 for c in checks.values())
         ms = got["ms"]
         total_tokens = args.tokens * world
         speedup = ms["unconverted"] / ms["ours"]
@@ -322,9 +373,13 @@ def train_rows(world: int, args) -> list[dict]:
                      "reference_name": f"unconverted under {mode}", "ratio": round(speedup, 4),
                      "correct": correct,
                      "detail": {"ours_ms": ms["ours"], "reference_ms": ms["unconverted"],
-                                "one_gpu_speedup": round(single["speedup"], 4),
+                                "one_gpu_speedup": round(single["speedup"], 4)
+                                if single else None,
                                 "speedup_vs_one_gpu_speedup": round(
-                                    speedup / single["speedup"], 4),
+                                    speedup / single["speedup"], 4) if single else None,
+                                "checked_against": "one GPU, whole batch" if single else
+                                "the unconverted model on the same mesh (the whole batch "
+                                "does not fit on one GPU)",
                                 "checks": checks, "tokens_per_rank": args.tokens,
                                 "model_tune": args.model_tune_line}})
         print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
@@ -342,6 +397,8 @@ def main() -> None:
     parser.add_argument("--tune-model", default="quick", choices=("quick", "default", "none"),
                         help="tune the converted model's GEMMs before the train section")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--modes", nargs="+", choices=("ddp", "fsdp2"), default=["ddp", "fsdp2"],
+                        help="the train section's data-parallel wrappers")
     parser.add_argument("--name", help="the result file's name (default multigpu, or "
                         "multigpu_1gpu with --gpus 1)")
     args = parser.parse_args()
@@ -352,8 +409,10 @@ def main() -> None:
     name = args.name or ("multigpu" if world > 1 else "multigpu_1gpu")
     meta = {"world_size": world}
     measured = set(args.sections) if world > 1 else {"train"}
-    # Rows of the other section, from a run of the same code, stay in the file.
+    # Rows of the other section, from a run of the same code, stay in the file; so do the rows
+    # of other GPU counts (each with the run it came from: several device calls, several kinds).
     kept = [r for r in rows_of_same_run(name, meta) if section_of(r["case"]) not in measured]
+    kept += rows_of_other_worlds(name, world)
     rows = []
     if "tune" in measured:
         rows += tune_rows(world, args.strategy, lambda done: write_result(name, kept + done,
