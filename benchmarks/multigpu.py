@@ -287,11 +287,17 @@ def one_gpu(layers: int, world: int, tokens: int, reps: int) -> dict | None:
     """One GPU: the whole global batch's loss and gradients (the checks' reference), and the
     converted model's speedup on one rank's slice; None where that does not fit in the GPU's
     memory (the rows are then checked against the unconverted model on the same mesh)."""
+    import gc
+
     try:
         return _one_gpu(layers, world, tokens, reps)
     except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return None
+        pass
+    # Out of the except block: the traceback's frames (the models) are gone, their memory can go
+    # back before the ranks start on this GPU.
+    gc.collect()
+    torch.cuda.empty_cache()
+    return None
 
 
 def _one_gpu(layers: int, world: int, tokens: int, reps: int) -> dict:
