@@ -77,6 +77,14 @@ def linear_cross_entropy(hidden, weight, labels, **options):
     return _loss(hidden, weight, labels, **options)
 
 
+def vocab_parallel_linear_cross_entropy(hidden, weight_shard, labels, **options):
+    """``linear_cross_entropy`` with the head's rows sharded across the ranks of a process group
+    (tensor parallelism; see cutlass_ops.vocab_parallel_loss)."""
+    from cutlass_ops.vocab_parallel_loss import vocab_parallel_linear_cross_entropy as _loss
+
+    return _loss(hidden, weight_shard, labels, **options)
+
+
 def grouped_mm(a, b, offs=None, *, out_dtype=None):
     """One GEMM per group (mixture-of-experts experts) with torch._grouped_mm's semantics, with
     autograd (see cutlass_ops.grouped for the forms and the offsets)."""
@@ -105,6 +113,7 @@ def __getattr__(name):
 
 __all__ = [
     "__version__", "gemm", "plan", "matmul", "explain", "convert", "linear_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
     "grouped_mm",
     "Activation", "Arch",
     "BiasMode", "DType", "Epilogue",
