@@ -84,6 +84,9 @@ PROBE_TOKENS = 16
 PROBE_TOLERANCE = 2e-2  # relative, on the layer's output: GEMMs of other shapes round otherwise
 RESIDUAL_NORMS = (RMSNorm, LayerNorm)  # ours: forward(x, residual) -> (norm(x + residual), sum)
 GEMMS = "_cutlass_ops_gemms"  # a module's own merged / residual GEMMs (cutlass_ops.fp8 sets it)
+# On a layer sharded by cutlass_ops.tensor_parallel (its GEMMs are then that module's; the
+# layer's weights are DTensors whose local shards the GEMMs read).
+TENSOR_PARALLEL = "_cutlass_ops_tensor_parallel"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +109,7 @@ class FusedAttention:
                                          _merged_view(self), **_fp8_input(x_fp8))
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = (t.view(hidden_shape) for t in
-                   qkv.split([p.out_features for p in projections], dim=-1))
+                   qkv.split([_local_rows(p.weight) for p in projections], dim=-1))
         if getattr(self, "q_norm", None) is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
@@ -224,7 +227,9 @@ class FusedDecoderLayer:
         mlp, o, norm = self.mlp, self.self_attn.o_proj, self.post_attention_layernorm
         x_fp8 = None
         if isinstance(norm, RESIDUAL_NORMS):  # h = o_proj(a) + hidden_states, then x = norm(h)
-            attended = o(a)
+            gemms = _gemms(self.self_attn)  # tensor parallel: the ranks' partial sums reduced
+            attended = gemms.linear_reduced(a, o.weight, o.bias) \
+                if hasattr(gemms, "linear_reduced") else o(a)
             fp8 = _norm_fp8(norm, mlp, attended, hidden_states)
             if fp8 is None:
                 x, h = norm(attended, hidden_states)
@@ -278,7 +283,8 @@ def _step_graphs(layer, hidden_states, position_embeddings, cache) -> _LayerGrap
     """The layer's graphs for this call (captured on the second call of a signature), or None:
     run eagerly. Only for caches of Hugging Face's own classes, which copy the k and v they are
     given (the graph's buffers) into their own storage."""
-    if position_embeddings is None or (cache is not None and not _copying_cache(cache)):
+    if position_embeddings is None or (cache is not None and not _copying_cache(cache)) or \
+            TENSOR_PARALLEL in layer.__dict__:  # collectives stay out of the graphs
         return None
     cos, sin = position_embeddings
     if not step_graphs.eligible(hidden_states, cos, sin) or _hooked(layer):
@@ -362,6 +368,11 @@ def _norm_fp8(norm, module, x, residual=None):
         return None
     why = norm_ops.refusal("rms", x, norm.weight, None, residual, norm.out_dtype)
     return fp8 if why is None or isinstance(why, norm_ops.OffCuda) else None
+
+
+def _local_rows(weight) -> int:
+    """A projection's output features on this rank (a DTensor weight's local shard)."""
+    return weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
 
 
 def _merged_view(module) -> fused_linear.MergedView:

@@ -70,7 +70,8 @@ def pack(layers: Sequence[torch.nn.Linear]) -> None:
     changes), so optimizers and state_dicts are unaffected. A no-op when already packed."""
     for name in ("weight", "bias"):
         params = [getattr(layer, name) for layer in layers]
-        if any(p is None for p in params) or merged_view(params) is not None:
+        if any(p is None or hasattr(p, "to_local") for p in params) or \
+                merged_view(params) is not None:  # (DTensors: their shards are packed already)
             continue
         with torch.no_grad():
             buffer = torch.cat([p.detach() for p in params])

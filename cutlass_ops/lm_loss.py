@@ -19,6 +19,8 @@ import types
 import torch
 from torch import nn
 
+from custom_kernels.core.errors import UnsupportedInputError
+
 IGNORE_INDEX = -100
 PROBE_TOKENS = 16
 PROBE_TOLERANCE = 2e-2  # relative, on the loss: bf16 logits rounded differently
@@ -50,6 +52,16 @@ def loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
     shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     head = model.lm_head
     num_items = int(num_items_in_batch) if num_items_in_batch is not None else None
+    if hasattr(head.weight, "to_local"):  # a vocabulary sharded over ranks (tensor parallel)
+        from cutlass_ops.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
+
+        if head.bias is not None:
+            raise UnsupportedInputError("the sharded head's loss takes no bias")
+        rows = shifted.numel()
+        return vocab_parallel_linear_cross_entropy(
+            hidden, head.weight, shifted.to(hidden.device), ignore_index=IGNORE_INDEX,
+            logit_softcap=getattr(model.config, "final_logit_softcapping", None),
+            num_items_in_batch=num_items, chunk_rows=rows)  # one chunk: one gather a step
     return linear_cross_entropy(hidden, head.weight, shifted.to(hidden.device),
                                 bias=head.bias, ignore_index=IGNORE_INDEX,
                                 logit_softcap=getattr(model.config, "final_logit_softcapping",

@@ -1,0 +1,106 @@
+"""cutlass_ops.tensor_parallel on the CPU: two gloo ranks shard a fused Llama-style model
+(fused on the CPU: the kernels' torch fallbacks) and train it. The loss, every gradient (the
+sharded ones gathered) and the logits without labels equal the same fused model's on one
+process; the ranks hold their own heads' q, k, v and their gate and up slice end to end (one
+merged GEMM a rank); a step issues two all-reduces a layer forward and two backward, plus the
+loss's two gathers forward and one all-reduce backward (CommDebugMode); the refusals."""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gloo_ranks import on_ranks  # noqa: E402
+
+CONFIG = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+              num_key_value_heads=2, num_hidden_layers=2, vocab_size=102,
+              max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def _model():
+    from cutlass_ops import decoder_blocks, lm_loss
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**CONFIG)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    for layer in model.model.layers:
+        assert decoder_blocks.fuse(layer, require_gpu=False) is None
+    assert lm_loss.route(model) is None
+    return model
+
+
+def _grads(model) -> dict:
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _train_and_infer(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from cutlass_ops import fused_linear, tensor_parallel
+
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 12),
+                        generator=torch.Generator().manual_seed(1))
+    reference = _model()
+    loss = reference(input_ids=ids, labels=ids).loss
+    loss.backward()
+    expected = {"loss": loss.detach(), "grads": _grads(reference)}
+    with torch.no_grad():
+        expected["logits"] = reference(input_ids=ids).logits
+
+    model = tensor_parallel.parallelize(_model(), init_device_mesh("cpu", (world,)))
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    packed = [fused_linear.merged_view([p.weight.to_local() for p in group]) is not None
+              for group in ((attention.q_proj, attention.k_proj, attention.v_proj),
+                            (mlp.gate_proj, mlp.up_proj))]
+    with CommDebugMode() as forward:
+        loss = model(input_ids=ids, labels=ids).loss
+    with CommDebugMode() as backward:
+        loss.backward()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    got = {"loss": loss.detach(), "grads": _grads(model), "logits": logits,
+           "packed": packed, "local_q_rows": attention.q_proj.weight.to_local().shape[0],
+           "forward_comms": {str(k): v for k, v in forward.get_comm_counts().items()},
+           "backward_comms": {str(k): v for k, v in backward.get_comm_counts().items()}}
+    return got, expected
+
+
+def test_the_sharded_model_trains_and_infers_as_one_process(tmp_path):
+    (got, expected), (got1, _) = on_ranks(tmp_path, _train_and_infer)
+    torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got1["loss"], got["loss"], rtol=0, atol=0)
+    assert got["grads"].keys() == expected["grads"].keys()
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(got["logits"], expected["logits"], rtol=1e-4, atol=1e-5)
+    assert got["packed"] == [True, True] and got["local_q_rows"] == 32
+    layers = CONFIG["num_hidden_layers"]
+    # forward: o_proj and down_proj a layer, plus the loss's two gathers (its setup, its one
+    # chunk); backward: the QKV and gate+up inputs a layer, plus the loss's grad_hidden
+    assert got["forward_comms"] == {"c10d.allreduce_": 2 * layers,
+                                    "c10d._allgather_base_": 2}, got["forward_comms"]
+    assert got["backward_comms"] == {"c10d.allreduce_": 2 * layers + 1}, got["backward_comms"]
+
+
+def test_refusals():
+    from cutlass_ops import tensor_parallel
+
+    plain = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG))
+    assert "not a fused block" in tensor_parallel.refusal(plain, 2)
+    model = _model()
+    assert tensor_parallel.refusal(model, 2) is None
+    assert "heads do not split over 4" in tensor_parallel.refusal(model, 4)
+    tied = _model()
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    assert "tied" in tensor_parallel.refusal(tied, 2)
