@@ -27,7 +27,12 @@ a run adds its rows to those of the other section written by the same code):
   Where the whole global batch does not fit on one GPU (16 layers on 4 GPUs, say), the rows are
   checked instead against the unconverted model on the same mesh (loss, every gradient).
   ``--modes`` picks the wrappers (``ddp``, ``fsdp2``). The file keeps the rows of other GPU
-  counts, each with the run it came from (``detail["run"]``).
+  counts and modes it does not measure again, each with the run it came from
+  (``detail["run"]``). ``--modes tp``: tensor parallelism of degree ``--gpus``, the converted
+  model through ``cutlass_ops.tensor_parallel.parallelize``, the unconverted one through torch's
+  Llama plan; rows ``tp train`` and ``tp prefill converted vs unconverted`` (tokens/s per GPU,
+  the collectives of a train step counted for both, peak memory; checked against the
+  unconverted model on the same mesh).
 
     torchrun is not needed: python benchmarks/multigpu.py [--gpus 2] [--layers 4] [--tokens 4096]
         [--strategy quick] [--tune-model quick] [--sections tune train] [--modes ddp fsdp2]
@@ -54,8 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import (print_table, require_gpu, rows_of_same_run,  # noqa: E402
-                               write_result)
+from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
 from benchmarks.e2e import SEQUENCES, llama, train_problems  # noqa: E402
 from benchmarks.gemm import LLM_SHAPES  # noqa: E402
 
@@ -66,15 +70,16 @@ SECTIONS = ("tune", "train")
 SUMMARY = re.compile(r"compiled (\d+) kernels, reused (\d+), build (\d+) s, measurement (\d+) s")
 
 
-def rows_of_other_worlds(name: str, world: int) -> list[dict]:
-    """The file's rows measured at another GPU count, each with the run it came from in its
-    ``detail["run"]`` (GPU, versions, world size)."""
+def kept_rows(name: str, world: int, measured: tuple[str, ...]) -> list[dict]:
+    """The file's rows that this run does not measure again (those whose case starts with one of
+    ``measured`` at ``world`` GPUs are), each with the run it came from in its
+    ``detail["run"]`` (GPU, versions, world size): several device calls, several kinds."""
     import json
 
-    from benchmarks.common import RESULTS
+    from benchmarks import common
 
     try:
-        old = json.loads((RESULTS / f"{name}.json").read_text())
+        old = json.loads((common.RESULTS / f"{name}.json").read_text())
     except (OSError, ValueError):
         return []
     rows = []
@@ -82,13 +87,10 @@ def rows_of_other_worlds(name: str, world: int) -> list[dict]:
         run = row.get("detail", {}).get("run") or {
             "gpu": old.get("gpu"), "versions": old.get("versions"),
             "world_size": old.get("world_size")}
-        if run.get("world_size") != world:
-            rows.append({**row, "detail": {**row.get("detail", {}), "run": run}})
+        if run.get("world_size") == world and row["case"].startswith(measured):
+            continue
+        rows.append({**row, "detail": {**row.get("detail", {}), "run": run}})
     return rows
-
-
-def section_of(case: str) -> str:
-    return "tune" if case.startswith("tune") else "train"
 
 
 def tune_wall_s(gpus: list[int], strategy: str, cache: str) -> dict:
@@ -283,6 +285,120 @@ def rank_main(rank: int, world: int, port: int, mode: str, layers: int, tokens: 
     dist.destroy_process_group()
 
 
+def torch_tp_plan(model, mesh) -> None:
+    """torch's Llama plan on the unconverted model: q, k, v, gate and up column-sharded, o_proj
+    and down_proj row-sharded, lm_head column-sharded with its logits gathered."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+
+
+def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, reps: int,
+                 out: str) -> None:
+    """Tensor parallelism of degree ``world``: the converted model through
+    ``cutlass_ops.tensor_parallel.parallelize``, the unconverted one through torch's plan; one
+    batch of ``tokens`` on every rank (TP ranks share their input). Train steps (forward and
+    backward) and prefills timed interleaved; collectives of one train step counted
+    (CommDebugMode); peak memory of each; loss, gradients and logits recorded for the checks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import cutlass_ops
+    from cutlass_ops import tensor_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    mesh = init_device_mesh("cuda", (world,))
+    plain = llama(layers)
+    ours = copy.deepcopy(plain)
+    report = cutlass_ops.convert(ours)
+    tensor_parallel.parallelize(ours, mesh)
+    torch_tp_plan(plain, mesh)
+    models = {"ours": ours, "unconverted": plain}
+    ids = global_batch(1, tokens).cuda()
+    no_clip = lambda params: None  # noqa: E731 (clipping is the same torch call on both sides)
+    steps = {k: step_fn(m, ids, no_clip) for k, m in models.items()}
+    record, comms, peak = {}, {}, {}
+    for name, model in models.items():
+        model.zero_grad(set_to_none=True)
+        torch.cuda.reset_peak_memory_stats()
+        with CommDebugMode() as counted:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        peak[name] = torch.cuda.max_memory_allocated() / 2 ** 30
+        comms[name] = {str(k): v for k, v in counted.get_comm_counts().items()}
+        with torch.no_grad():
+            logits = model(input_ids=ids[:, :512]).logits.float().cpu()
+        record[name] = {"loss": float(loss.detach().float()), "grads": full_grads(model),
+                        "logits": logits}
+        model.zero_grad(set_to_none=True)
+    ms = timed(steps, reps)
+
+    def prefill(model):
+        def run():
+            with torch.no_grad():
+                model(input_ids=ids)
+        return run
+
+    prefill_ms = timed({k: prefill(m) for k, m in models.items()}, reps)
+    if rank == 0:
+        torch.save({"ms": ms, "prefill_ms": prefill_ms, "record": record, "comms": comms,
+                    "peak_gb": peak, "converted": len(report.converted)}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def tp_rows(world: int, args) -> list[dict]:
+    """``tp train`` and ``tp prefill converted vs unconverted``: checked against the
+    unconverted model on the same mesh (loss, every gradient, the logits)."""
+    from custom_kernels.core.tolerances import relative_error
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rank0.pt")
+        spawn(tp_rank_main, world, args.layers, args.tokens, args.reps, out)
+        got = torch.load(out, weights_only=False)
+    checks = mesh_checks(got["record"])["ours"]
+    logits_error = relative_error(got["record"]["ours"]["logits"],
+                                  got["record"]["unconverted"]["logits"])
+    train_ok = (abs(checks["loss"] - checks["unconverted_loss"]) <=
+                1e-2 * abs(checks["unconverted_loss"])
+                and checks["grad_max_relative_error_vs_unconverted"] < 5e-2)
+    comm_total = {k: sum(v.values()) for k, v in got["comms"].items()}
+    suffix = f"{world} GPUs, {args.layers} layers"
+    common = {"tp_degree": world, "tokens_per_step": args.tokens,
+              "collectives_per_train_step": got["comms"],
+              "collectives_total": comm_total, "peak_gb": got["peak_gb"],
+              "checked_against": "the unconverted model under torch's plan, same mesh",
+              "model_tune": args.model_tune_line}
+    rows = []
+    for kind, ms, correct, extra in (
+            ("train", got["ms"], train_ok and comm_total["ours"] <= comm_total["unconverted"],
+             {"checks": checks}),
+            ("prefill", got["prefill_ms"], logits_error < 5e-2,
+             {"logits_relative_error_vs_unconverted": logits_error})):
+        per_gpu = args.tokens / world * 1e3
+        rows.append({"case": f"tp {kind} converted vs unconverted, {suffix}",
+                     "unit": "tokens/s per GPU", "ours": round(per_gpu / ms["ours"], 1),
+                     "reference": round(per_gpu / ms["unconverted"], 1),
+                     "reference_name": "unconverted under torch's TP plan",
+                     "ratio": round(ms["unconverted"] / ms["ours"], 4), "correct": correct,
+                     "detail": {"ours_ms": ms["ours"], "reference_ms": ms["unconverted"],
+                                **common, **extra}})
+        print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
+    return rows
+
+
 def one_gpu(layers: int, world: int, tokens: int, reps: int) -> dict | None:
     """One GPU: the whole global batch's loss and gradients (the checks' reference), and the
     converted model's speedup on one rank's slice; None where that does not fit in the GPU's
@@ -347,9 +463,12 @@ def train_rows(world: int, args) -> list[dict]:
     """The DDP and FSDP2 rows (``args.modes``): each model's step timed on ``world`` ranks,
     checked against one GPU running the whole global batch, or, where that does not fit,
     the converted model against the unconverted one on the same mesh."""
+    rows = tp_rows(world, args) if "tp" in args.modes else []
+    modes = [m for m in args.modes if m != "tp"]
+    if not modes:
+        return rows
     single = one_gpu(args.layers, world, args.tokens, args.reps)
-    rows = []
-    for mode in args.modes:
+    for mode in modes:
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "rank0.pt")
             spawn(rank_main, world, mode, args.layers, args.tokens, args.reps, out)
@@ -403,8 +522,10 @@ def main() -> None:
     parser.add_argument("--tune-model", default="quick", choices=("quick", "default", "none"),
                         help="tune the converted model's GEMMs before the train section")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--modes", nargs="+", choices=("ddp", "fsdp2"), default=["ddp", "fsdp2"],
-                        help="the train section's data-parallel wrappers")
+    parser.add_argument("--modes", nargs="+", choices=("ddp", "fsdp2", "tp"),
+                        default=["ddp", "fsdp2"],
+                        help="the train section's wrappers: data parallel (ddp, fsdp2), tensor "
+                        "parallel over all the GPUs (tp: train and prefill rows)")
     parser.add_argument("--name", help="the result file's name (default multigpu, or "
                         "multigpu_1gpu with --gpus 1)")
     args = parser.parse_args()
@@ -415,10 +536,11 @@ def main() -> None:
     name = args.name or ("multigpu" if world > 1 else "multigpu_1gpu")
     meta = {"world_size": world}
     measured = set(args.sections) if world > 1 else {"train"}
-    # Rows of the other section, from a run of the same code, stay in the file; so do the rows
-    # of other GPU counts (each with the run it came from: several device calls, several kinds).
-    kept = [r for r in rows_of_same_run(name, meta) if section_of(r["case"]) not in measured]
-    kept += rows_of_other_worlds(name, world)
+    # Rows this run does not measure again stay in the file, each with the run it came from.
+    prefixes = (("tune ",) if "tune" in measured else ()) + (tuple(
+        f"{m} train" for m in args.modes) + (("tp prefill",) if "tp" in args.modes else ())
+        if "train" in measured else ())
+    kept = kept_rows(name, world, prefixes)
     rows = []
     if "tune" in measured:
         rows += tune_rows(world, args.strategy, lambda done: write_result(name, kept + done,

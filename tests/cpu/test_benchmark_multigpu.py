@@ -1,6 +1,5 @@
-"""benchmarks/multigpu.py without a GPU: a run at one GPU count keeps the file's rows of other
-counts, each naming the run it came from, and drops the rows of its own count (they are measured
-again); the check against the unconverted model on the same mesh, used where the whole batch
+"""benchmarks/multigpu.py without a GPU: a run keeps the file's rows it does not measure again
+(other GPU counts, other modes), each naming the run it came from; the check against the unconverted model on the same mesh, used where the whole batch
 does not fit on one GPU."""
 
 import json
@@ -22,23 +21,27 @@ def test_rows_of_other_gpu_counts_stay_with_their_run(tmp_path, monkeypatch):
     (tmp_path / "multigpu.json").write_text(json.dumps(
         {"gpu": "NVIDIA H100", "versions": {"project": "0.1.0+old"}, "world_size": 2,
          "rows": [two]}))
-    kept = multigpu.rows_of_other_worlds("multigpu", 4)
+    kept = multigpu.kept_rows("multigpu", 4, ("fsdp2 train",))
     assert [r["case"] for r in kept] == [two["case"]]
     assert kept[0]["detail"]["run"] == {"gpu": "NVIDIA H100", "versions": {"project":
                                                                          "0.1.0+old"},
                                         "world_size": 2}
     assert kept[0]["detail"]["ours_ms"] == 1.0
-    assert multigpu.rows_of_other_worlds("multigpu", 2) == []
+    assert multigpu.kept_rows("multigpu", 2, ("fsdp2 train",)) == []
+    assert [r["case"] for r in multigpu.kept_rows("multigpu", 2, ("tp train",))] == [two["case"]]
     # written again at 4 GPUs, then read at 2: the 4-GPU rows are the other count now, the
     # 2-GPU row keeps its own run
     four = {"case": "fsdp2 train converted vs unconverted, 4 GPUs, 16 layers", "detail": {}}
     (tmp_path / "multigpu.json").write_text(json.dumps(
         {"gpu": "NVIDIA H200", "versions": {"project": "0.1.0+new"}, "world_size": 4,
          "rows": kept + [four]}))
-    again = multigpu.rows_of_other_worlds("multigpu", 2)
+    again = multigpu.kept_rows("multigpu", 2, ("fsdp2 train",))
     assert [r["case"] for r in again] == [four["case"]]
     assert again[0]["detail"]["run"]["world_size"] == 4
-    assert [r["case"] for r in multigpu.rows_of_other_worlds("multigpu", 4)] == [two["case"]]
+    # a 4-GPU run of another mode keeps the 4-GPU fsdp2 row, with its run
+    tp_run = multigpu.kept_rows("multigpu", 4, ("tp train", "tp prefill"))
+    assert [r["case"] for r in tp_run] == [two["case"], four["case"]]
+    assert tp_run[1]["detail"]["run"]["versions"] == {"project": "0.1.0+new"}
 
 
 def test_mesh_checks_compare_the_converted_model_with_the_unconverted_one():
