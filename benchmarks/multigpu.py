@@ -32,7 +32,8 @@ a run adds its rows to those of the other section written by the same code):
   model through ``cutlass_ops.tensor_parallel.parallelize``, the unconverted one through torch's
   Llama plan; rows ``tp train`` and ``tp prefill converted vs unconverted`` (tokens/s per GPU,
   the collectives of a train step counted for both, peak memory; checked against the
-  unconverted model on the same mesh).
+  unconverted model on the same mesh). ``--modes fsdp2+tp``: the same over a 2 x (gpus / 2)
+  mesh, FSDP2 (``fully_shard`` on the data-parallel dimension) over TP groups: ``fsdp2+tp train``.
 
     torchrun is not needed: python benchmarks/multigpu.py [--gpus 2] [--layers 4] [--tokens 4096]
         [--strategy quick] [--tune-model quick] [--sections tune train] [--modes ddp fsdp2]
@@ -303,11 +304,12 @@ def torch_tp_plan(model, mesh) -> None:
 
 
 def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, reps: int,
-                 out: str) -> None:
-    """Tensor parallelism of degree ``world``: the converted model through
-    ``cutlass_ops.tensor_parallel.parallelize``, the unconverted one through torch's plan; one
-    batch of ``tokens`` on every rank (TP ranks share their input). Train steps (forward and
-    backward) and prefills timed interleaved; collectives of one train step counted
+                 out: str, dp: int = 1) -> None:
+    """Tensor parallelism of degree ``world // dp`` (``dp`` > 1: FSDP2 over ``dp`` groups of it,
+    a 2-D mesh): the converted model through ``cutlass_ops.tensor_parallel.parallelize``, the
+    unconverted one through torch's plan, then ``fully_shard`` on the data-parallel dimension;
+    ``tokens`` a data-parallel rank, shared by its TP ranks. Train steps (forward and backward)
+    and, without FSDP2, prefills timed interleaved; collectives of one train step counted
     (CommDebugMode); peak memory of each; loss, gradients and logits recorded for the checks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -319,14 +321,22 @@ def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, rep
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
-    mesh = init_device_mesh("cuda", (world,))
+    mesh = init_device_mesh("cuda", (dp, world // dp), mesh_dim_names=("dp", "tp"))
     plain = llama(layers)
     ours = copy.deepcopy(plain)
     report = cutlass_ops.convert(ours)
-    tensor_parallel.parallelize(ours, mesh)
-    torch_tp_plan(plain, mesh)
+    tensor_parallel.parallelize(ours, mesh["tp"])
+    torch_tp_plan(plain, mesh["tp"])
     models = {"ours": ours, "unconverted": plain}
-    ids = global_batch(1, tokens).cuda()
+    if dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for model in models.values():
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+    dp_rank = mesh["dp"].get_local_rank()
+    ids = global_batch(dp, tokens).chunk(dp)[dp_rank].cuda()
     no_clip = lambda params: None  # noqa: E731 (clipping is the same torch call on both sides)
     steps = {k: step_fn(m, ids, no_clip) for k, m in models.items()}
     record, comms, peak = {}, {}, {}
@@ -340,8 +350,9 @@ def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, rep
         comms[name] = {str(k): v for k, v in counted.get_comm_counts().items()}
         with torch.no_grad():
             logits = model(input_ids=ids[:, :512]).logits.float().cpu()
-        record[name] = {"loss": float(loss.detach().float()), "grads": full_grads(model),
-                        "logits": logits}
+        loss = loss.detach().float()
+        dist.all_reduce(loss, group=mesh["dp"].get_group())  # the data-parallel ranks' mean
+        record[name] = {"loss": float(loss) / dp, "grads": full_grads(model), "logits": logits}
         model.zero_grad(set_to_none=True)
     ms = timed(steps, reps)
 
@@ -351,7 +362,7 @@ def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, rep
                 model(input_ids=ids)
         return run
 
-    prefill_ms = timed({k: prefill(m) for k, m in models.items()}, reps)
+    prefill_ms = timed({k: prefill(m) for k, m in models.items()}, reps) if dp == 1 else None
     if rank == 0:
         torch.save({"ms": ms, "prefill_ms": prefill_ms, "record": record, "comms": comms,
                     "peak_gb": peak, "converted": len(report.converted)}, out)
@@ -359,14 +370,15 @@ def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, rep
     dist.destroy_process_group()
 
 
-def tp_rows(world: int, args) -> list[dict]:
-    """``tp train`` and ``tp prefill converted vs unconverted``: checked against the
-    unconverted model on the same mesh (loss, every gradient, the logits)."""
+def tp_rows(world: int, args, dp: int = 1) -> list[dict]:
+    """``tp train`` and ``tp prefill converted vs unconverted`` (``dp`` > 1: ``fsdp2+tp
+    train``, a ``dp`` x ``world // dp`` mesh): checked against the unconverted model on the same
+    mesh (loss, every gradient, the logits)."""
     from custom_kernels.core.tolerances import relative_error
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        spawn(tp_rank_main, world, args.layers, args.tokens, args.reps, out)
+        spawn(tp_rank_main, world, args.layers, args.tokens, args.reps, out, dp)
         got = torch.load(out, weights_only=False)
     checks = mesh_checks(got["record"])["ours"]
     logits_error = relative_error(got["record"]["ours"]["logits"],
@@ -376,19 +388,21 @@ def tp_rows(world: int, args) -> list[dict]:
                 and checks["grad_max_relative_error_vs_unconverted"] < 5e-2)
     comm_total = {k: sum(v.values()) for k, v in got["comms"].items()}
     suffix = f"{world} GPUs, {args.layers} layers"
-    common = {"tp_degree": world, "tokens_per_step": args.tokens,
+    mode = "tp" if dp == 1 else "fsdp2+tp"
+    common = {"tp_degree": world // dp, "fsdp2_degree": dp, "tokens_per_step": args.tokens * dp,
               "collectives_per_train_step": got["comms"],
               "collectives_total": comm_total, "peak_gb": got["peak_gb"],
               "checked_against": "the unconverted model under torch's plan, same mesh",
               "model_tune": args.model_tune_line}
     rows = []
-    for kind, ms, correct, extra in (
-            ("train", got["ms"], train_ok and comm_total["ours"] <= comm_total["unconverted"],
-             {"checks": checks}),
-            ("prefill", got["prefill_ms"], logits_error < 5e-2,
-             {"logits_relative_error_vs_unconverted": logits_error})):
-        per_gpu = args.tokens / world * 1e3
-        rows.append({"case": f"tp {kind} converted vs unconverted, {suffix}",
+    kinds = [("train", got["ms"], train_ok and comm_total["ours"] <= comm_total["unconverted"],
+              {"checks": checks})]
+    if got["prefill_ms"] is not None:
+        kinds.append(("prefill", got["prefill_ms"], logits_error < 5e-2,
+                      {"logits_relative_error_vs_unconverted": logits_error}))
+    for kind, ms, correct, extra in kinds:
+        per_gpu = args.tokens * dp / world * 1e3
+        rows.append({"case": f"{mode} {kind} converted vs unconverted, {suffix}",
                      "unit": "tokens/s per GPU", "ours": round(per_gpu / ms["ours"], 1),
                      "reference": round(per_gpu / ms["unconverted"], 1),
                      "reference_name": "unconverted under torch's TP plan",
@@ -464,7 +478,11 @@ def train_rows(world: int, args) -> list[dict]:
     checked against one GPU running the whole global batch, or, where that does not fit,
     the converted model against the unconverted one on the same mesh."""
     rows = tp_rows(world, args) if "tp" in args.modes else []
-    modes = [m for m in args.modes if m != "tp"]
+    if "fsdp2+tp" in args.modes:
+        if world % 2:
+            raise SystemExit("--modes fsdp2+tp: an even --gpus (a 2 x gpus/2 mesh)")
+        rows += tp_rows(world, args, dp=2)
+    modes = [m for m in args.modes if m not in ("tp", "fsdp2+tp")]
     if not modes:
         return rows
     single = one_gpu(args.layers, world, args.tokens, args.reps)
@@ -522,10 +540,11 @@ def main() -> None:
     parser.add_argument("--tune-model", default="quick", choices=("quick", "default", "none"),
                         help="tune the converted model's GEMMs before the train section")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--modes", nargs="+", choices=("ddp", "fsdp2", "tp"),
+    parser.add_argument("--modes", nargs="+", choices=("ddp", "fsdp2", "tp", "fsdp2+tp"),
                         default=["ddp", "fsdp2"],
                         help="the train section's wrappers: data parallel (ddp, fsdp2), tensor "
-                        "parallel over all the GPUs (tp: train and prefill rows)")
+                        "parallel over all the GPUs (tp: train and prefill rows), FSDP2 over two "
+                        "TP groups (fsdp2+tp, a 2 x gpus/2 mesh)")
     parser.add_argument("--name", help="the result file's name (default multigpu, or "
                         "multigpu_1gpu with --gpus 1)")
     args = parser.parse_args()

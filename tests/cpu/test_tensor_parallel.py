@@ -1,7 +1,7 @@
 """cutlass_ops.tensor_parallel on the CPU: two gloo ranks shard a fused Llama-style model
 (fused on the CPU: the kernels' torch fallbacks) and train it. The loss, every gradient (the
 sharded ones gathered) and the logits without labels equal the same fused model's on one
-process; the ranks hold their own heads' q, k, v and their gate and up slice end to end (one
+process; the sharded state_dict loads back, the full one into an unsharded model; the ranks hold their own heads' q, k, v and their gate and up slice end to end (one
 merged GEMM a rank); a step issues two all-reduces a layer forward and two backward, plus the
 loss's two gathers forward and one all-reduce backward (CommDebugMode); the refusals."""
 
@@ -22,18 +22,19 @@ CONFIG = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
               max_position_embeddings=128, tie_word_embeddings=False)
 
 
-def _model():
+def _model(device="cpu", config=CONFIG):
+    """The tiny model fused (float32 on the CPU, the kernels' torch fallbacks; bf16 on a GPU)."""
     from cutlass_ops import decoder_blocks, lm_loss
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.LlamaConfig(**CONFIG)).float()
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config))
+    model = model.to(device, torch.float32 if device == "cpu" else torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     for layer in model.model.layers:
-        assert decoder_blocks.fuse(layer, require_gpu=False) is None
+        assert decoder_blocks.fuse(layer, require_gpu=device != "cpu") is None
     assert lm_loss.route(model) is None
     return model
 
@@ -43,22 +44,25 @@ def _grads(model) -> dict:
             for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _train_and_infer(rank, world):
+def _train_and_infer(rank, world, device="cpu", config=CONFIG):
+    """(what the sharded model gave, what the unsharded one gave) on this rank; ``device``
+    "cuda": NCCL ranks, the ops' own kernels (tests/gpu/test_tensor_parallel_gpu.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
     from cutlass_ops import fused_linear, tensor_parallel
 
-    ids = torch.randint(0, CONFIG["vocab_size"], (2, 12),
-                        generator=torch.Generator().manual_seed(1))
-    reference = _model()
+    ids = torch.randint(0, config["vocab_size"], (2, 12),
+                        generator=torch.Generator().manual_seed(1)).to(device)
+    reference = _model(device, config)
     loss = reference(input_ids=ids, labels=ids).loss
     loss.backward()
     expected = {"loss": loss.detach(), "grads": _grads(reference)}
     with torch.no_grad():
         expected["logits"] = reference(input_ids=ids).logits
 
-    model = tensor_parallel.parallelize(_model(), init_device_mesh("cpu", (world,)))
+    model = tensor_parallel.parallelize(_model(device, config),
+                                        init_device_mesh(device, (world,)))
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     packed = [fused_linear.merged_view([p.weight.to_local() for p in group]) is not None
               for group in ((attention.q_proj, attention.k_proj, attention.v_proj),
@@ -70,6 +74,7 @@ def _train_and_infer(rank, world):
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     got = {"loss": loss.detach(), "grads": _grads(model), "logits": logits,
+           "state": _state_round_trip(model, device, config),
            "packed": packed, "local_q_rows": attention.q_proj.weight.to_local().shape[0],
            "forward_comms": {str(k): v for k, v in forward.get_comm_counts().items()},
            "backward_comms": {str(k): v for k, v in backward.get_comm_counts().items()}}
@@ -85,12 +90,37 @@ def test_the_sharded_model_trains_and_infers_as_one_process(tmp_path):
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
     torch.testing.assert_close(got["logits"], expected["logits"], rtol=1e-4, atol=1e-5)
     assert got["packed"] == [True, True] and got["local_q_rows"] == 32
+    assert got["state"] == {"sharded_types": ["DTensor", "Tensor"], "reloaded": True,
+                            "into_unsharded": True, "keys": True}
     layers = CONFIG["num_hidden_layers"]
     # forward: o_proj and down_proj a layer, plus the loss's two gathers (its setup, its one
     # chunk); backward: the QKV and gate+up inputs a layer, plus the loss's grad_hidden
     assert got["forward_comms"] == {"c10d.allreduce_": 2 * layers,
                                     "c10d._allgather_base_": 2}, got["forward_comms"]
     assert got["backward_comms"] == {"c10d.allreduce_": 2 * layers + 1}, got["backward_comms"]
+
+
+def _state_round_trip(model, device, config) -> dict:
+    """The sharded state_dict (DTensor entries) and the full one (``full_tensor``) of the
+    sharded model, loaded back into it and into a fresh unsharded model."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v.clone()
+            for k, v in sharded.items()}
+    before = {k: v.clone() for k, v in full.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(sharded)  # the same tensors: back to what was saved
+    fresh = _model(device, config)
+    fresh.load_state_dict(full)
+    return {"sharded_types": sorted({type(v).__name__ for v in sharded.values()}),
+            "reloaded": all(torch.equal(v.full_tensor() if isinstance(v, DTensor) else v,
+                                        before[k]) for k, v in model.state_dict().items()),
+            "into_unsharded": all(torch.equal(v, before[k])
+                                  for k, v in fresh.state_dict().items()),
+            "keys": sorted(full) == sorted(fresh.state_dict())}
 
 
 def test_refusals():
