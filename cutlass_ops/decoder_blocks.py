@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from cutlass_ops import fused_linear, step_graphs
+from cutlass_ops import fused_linear, sharded_gemms, step_graphs
 from custom_kernels.core.tolerances import relative_error
 from custom_kernels.norms import ops as norm_ops
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
@@ -506,19 +506,42 @@ def fuse(layer: nn.Module, *, require_gpu: bool = True) -> str | None:
         fused_linear.pack([mlp.gate_proj, mlp.up_proj])
     for module in (attention,) if moe else (attention, mlp):  # made here, not inside a trace
         _merged_view(module)
+    # Weights a tensor-parallel plan sharded (DTensors): the block runs on the local shards.
+    gemms = sharded_gemms.adopt(attention, None if moe else mlp)
+    if isinstance(gemms, str):
+        return gemms
     layer.__class__ = _fused_class(FusedDecoderLayer, originals[0])
     attention.__class__ = _fused_class(FusedAttention, originals[1])
     mlp.__class__ = _fused_class(FusedMoEMLP if moe else FusedMLP, originals[2])
+    if gemms is not None:
+        shard(layer, gemms)
     try:
         why = probe(layer, originals)
     except Exception as exc:  # a forward that takes other arguments, say: keep the layer's own
         why = f"the probe failed: {type(exc).__name__}: {exc}"
     if why is not None:
         layer.__class__, attention.__class__, mlp.__class__ = originals
+        if gemms is not None:
+            shard(layer, None)
     elif moe:
         for shared in shared_expert_mlps(mlp).values():
             _fuse_dense_mlp(shared)
     return why
+
+
+def shard(layer: nn.Module, gemms) -> None:
+    """The fused ``layer``'s GEMMs made ``gemms`` (``sharded_gemms.TensorParallelGemms``: its
+    weights are a tensor-parallel plan's shards), or back to its own with None."""
+    for module in (layer.self_attn, layer.mlp):
+        module.__dict__.pop("_cutlass_ops_merged_view", None)
+        if gemms is None:
+            module.__dict__.pop(GEMMS, None)
+        elif not has_moe_mlp(layer) or module is layer.self_attn:
+            module.__dict__[GEMMS] = gemms
+    if gemms is None:
+        layer.__dict__.pop(TENSOR_PARALLEL, None)
+    else:
+        layer.__dict__[TENSOR_PARALLEL] = gemms
 
 
 def shared_expert_mlps(mlp: nn.Module) -> dict:

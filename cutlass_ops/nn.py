@@ -102,6 +102,8 @@ def _why_not(layer: nn.Linear) -> str | None:
     if type(layer) is not nn.Linear:
         return f"{type(layer).__name__} subclasses Linear; its forward may differ, left alone"
     weight = layer.weight
+    if hasattr(weight, "to_local"):  # a new module would lose the plan's hooks on this one
+        return "a tensor-parallel (DTensor) weight: left to its plan"
     if weight.device.type != "cuda":
         return f"weights on {weight.device}: move the model to a CUDA device first"
     if weight.dtype not in _SUPPORTED_DTYPES:

@@ -23,9 +23,12 @@ The sharded weights are DTensor Parameters (``Shard(0)`` or ``Shard(1)`` on the 
 optimizer, ``state_dict`` (sharded, or ``full_tensor()`` per entry) and gradient clipping see
 them as they see torch's plan's. Parallelize after ``convert`` (and before an optimizer is
 made); refused with the reason: layers that are not fused, FP8 or mixture-of-experts layers,
-head counts or widths the mesh does not divide, a mesh that is not 1-D. Decode steps run
-eagerly (no step graphs). Under torch.compile the collectives are torch.distributed's eager
-ones: not traced.
+head counts or widths the mesh does not divide, a mesh that is not 1-D. Or the other way round:
+shard the unconverted model with torch's Llama plan (``parallelize_module``: q, k, v, gate, up
+``ColwiseParallel``, o_proj, down_proj ``RowwiseParallel``, lm_head ``ColwiseParallel``), then
+``convert``: the fused blocks adopt the plan's shards (``cutlass_ops.sharded_gemms.adopt``;
+Linear layers with DTensor weights keep torch's). Decode steps run eagerly (no step graphs).
+Under torch.compile the collectives are torch.distributed's eager ones: not traced.
 """
 
 from __future__ import annotations
@@ -33,79 +36,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
-from cutlass_ops import decoder_blocks, fused_linear
+from cutlass_ops import decoder_blocks, sharded_gemms
 from custom_kernels.core.errors import UnsupportedInputError
 
-
-
-class _CopyToRanks(torch.autograd.Function):
-    """Identity forward; the gradient summed over the ranks (each rank's sharded GEMM gives a
-    part of the input's gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """The partial products summed over the ranks forward; identity backward (each rank's
-    shard needs the whole output gradient, which every rank holds)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _local(weights: Sequence[Tensor]) -> list[Tensor]:
-    return [w.to_local() if hasattr(w, "to_local") else w for w in weights]
-
-
-class TensorParallelGemms:
-    """A fused module's merged and residual GEMMs on its rank's shards (``decoder_blocks``
-    calls them through ``GEMMS``, as it calls ``cutlass_ops.fused_linear``'s)."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def __deepcopy__(self, memo):
-        return TensorParallelGemms(self.group)
-
-    def merged_linear(self, x: Tensor, weights: Sequence[Tensor],
-                      bias: Optional[Tensor] = None,
-                      view: Optional[fused_linear.MergedView] = None) -> Tensor:
-        """The rank's columns of ``x @ cat(weights)^T``: its own q, k, v (or gate, up)."""
-        x = _CopyToRanks.apply(x, self.group) if torch.is_grad_enabled() else x
-        local = _local(weights)
-        return fused_linear.merged_linear(x, local, None if bias is None else
-                                          _local([bias])[0], view)
-
-    def linear_reduced(self, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-        """``x @ weight^T (+ bias)`` with x the rank's columns and weight its column shard:
-        the partial products summed over the ranks, then the bias (replicated) once."""
-        from cutlass_ops.ops import linear_fast
-
-        y = _SumOverRanks.apply(linear_fast(x, _local([weight])[0]), self.group)
-        return y if bias is None else y + bias
-
-    def linear_residual(self, x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                        residual: Tensor) -> Tensor:
-        return self.linear_reduced(x, weight, bias) + residual
 
 
 def refusal(model: nn.Module, world: int) -> Optional[str]:
@@ -143,17 +78,12 @@ def refusal(model: nn.Module, world: int) -> Optional[str]:
     return None
 
 
-def _shard_packed(modules: Sequence[nn.Linear], mesh, rank: int, world: int) -> None:
-    """Each module's weight as a ``Shard(0)`` DTensor Parameter whose local rows (this rank's
-    chunk) lie end to end with the others' in one buffer (one merged GEMM a rank)."""
+def _shard_rows(modules: Sequence[nn.Linear], mesh, rank: int, world: int) -> None:
+    """Each module's weight as a ``Shard(0)`` DTensor Parameter (this rank's chunk of rows)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    chunks = [m.weight.detach().chunk(world, dim=0)[rank] for m in modules]
-    buffer = torch.cat(chunks)
-    start = 0
-    for module, chunk in zip(modules, chunks):
-        local = buffer[start:start + chunk.shape[0]]
-        start += chunk.shape[0]
+    for module in modules:
+        local = module.weight.detach().chunk(world, dim=0)[rank].contiguous()
         module.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)],
                                                         run_check=False),
                                      requires_grad=module.weight.requires_grad)
@@ -179,20 +109,15 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     why = refusal(model, world)
     if why is not None:
         raise UnsupportedInputError(f"parallelize: {why}")
-    group = mesh.get_group()
-    gemms = TensorParallelGemms(group)
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        _shard_packed([attention.q_proj, attention.k_proj, attention.v_proj], mesh, rank, world)
-        _shard_packed([mlp.gate_proj, mlp.up_proj], mesh, rank, world)
+        _shard_rows([attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj,
+                     mlp.up_proj], mesh, rank, world)
         _shard_columns(attention.o_proj, mesh, rank, world)
         _shard_columns(mlp.down_proj, mesh, rank, world)
-        for module in (attention, mlp):
-            module.__dict__[decoder_blocks.GEMMS] = gemms
-            module.__dict__.pop("_cutlass_ops_merged_view", None)
-        layer.__dict__[decoder_blocks.TENSOR_PARALLEL] = gemms
+        decoder_blocks.shard(layer, sharded_gemms.adopt(attention, mlp))
     parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Replicate()))
     return model
 
 
-__all__ = ["parallelize", "refusal", "TensorParallelGemms"]
+__all__ = ["parallelize", "refusal"]

@@ -1,5 +1,6 @@
 """cutlass_ops.tensor_parallel on the CPU: two gloo ranks shard a fused Llama-style model
-(fused on the CPU: the kernels' torch fallbacks) and train it. The loss, every gradient (the
+(fused on the CPU: the kernels' torch fallbacks) and train it, sharded by ``parallelize`` after
+fusing, or by torch's Llama plan before (the fused blocks adopt the plan's shards). The loss, every gradient (the
 sharded ones gathered) and the logits without labels equal the same fused model's on one
 process; the sharded state_dict loads back, the full one into an unsharded model; the ranks hold their own heads' q, k, v and their gate and up slice end to end (one
 merged GEMM a rank); a step issues two all-reduces a layer forward and two backward, plus the
@@ -22,8 +23,9 @@ CONFIG = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
               max_position_embeddings=128, tie_word_embeddings=False)
 
 
-def _model(device="cpu", config=CONFIG):
-    """The tiny model fused (float32 on the CPU, the kernels' torch fallbacks; bf16 on a GPU)."""
+def _model(device="cpu", config=CONFIG, mesh=None):
+    """The tiny model fused (float32 on the CPU, the kernels' torch fallbacks; bf16 on a GPU);
+    with ``mesh``, sharded by torch's Llama plan first (the fused blocks adopt its shards)."""
     from cutlass_ops import decoder_blocks, lm_loss
 
     torch.manual_seed(0)
@@ -33,10 +35,27 @@ def _model(device="cpu", config=CONFIG):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+    if mesh is not None:
+        _torch_plan(model, mesh)
     for layer in model.model.layers:
         assert decoder_blocks.fuse(layer, require_gpu=device != "cpu") is None
     assert lm_loss.route(model) is None
     return model
+
+
+def _torch_plan(model, mesh) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
 
 
 def _grads(model) -> dict:
@@ -44,9 +63,11 @@ def _grads(model) -> dict:
             for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _train_and_infer(rank, world, device="cpu", config=CONFIG):
+def _train_and_infer(rank, world, device="cpu", config=CONFIG, how="parallelize"):
     """(what the sharded model gave, what the unsharded one gave) on this rank; ``device``
-    "cuda": NCCL ranks, the ops' own kernels (tests/gpu/test_tensor_parallel_gpu.py)."""
+    "cuda": NCCL ranks, the ops' own kernels (tests/gpu/test_tensor_parallel_gpu.py); ``how``:
+    "parallelize" (convert, then ``tensor_parallel.parallelize``) or "torch_plan" (torch's
+    plan, then the fused blocks adopt its shards)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -61,8 +82,11 @@ def _train_and_infer(rank, world, device="cpu", config=CONFIG):
     with torch.no_grad():
         expected["logits"] = reference(input_ids=ids).logits
 
-    model = tensor_parallel.parallelize(_model(device, config),
-                                        init_device_mesh(device, (world,)))
+    mesh = init_device_mesh(device, (world,))
+    if how == "parallelize":
+        model = tensor_parallel.parallelize(_model(device, config), mesh)
+    else:
+        model = _model(device, config, mesh)
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     packed = [fused_linear.merged_view([p.weight.to_local() for p in group]) is not None
               for group in ((attention.q_proj, attention.k_proj, attention.v_proj),
@@ -81,8 +105,9 @@ def _train_and_infer(rank, world, device="cpu", config=CONFIG):
     return got, expected
 
 
-def test_the_sharded_model_trains_and_infers_as_one_process(tmp_path):
-    (got, expected), (got1, _) = on_ranks(tmp_path, _train_and_infer)
+@pytest.mark.parametrize("how", ["parallelize", "torch_plan"])
+def test_the_sharded_model_trains_and_infers_as_one_process(tmp_path, how):
+    (got, expected), (got1, _) = on_ranks(tmp_path, _train_and_infer, "cpu", CONFIG, how)
     torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got1["loss"], got["loss"], rtol=0, atol=0)
     assert got["grads"].keys() == expected["grads"].keys()

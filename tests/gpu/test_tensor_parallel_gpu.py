@@ -1,5 +1,6 @@
 """cutlass_ops.tensor_parallel on 2 and 4 GPUs (marker gpu; NCCL ranks): the CPU test's model
-(tests/cpu/test_tensor_parallel.py) in bf16 with the ops' own kernels, 8 query and 4 key/value
+(tests/cpu/test_tensor_parallel.py) in bf16 with the ops' own kernels, sharded by
+``parallelize`` after fusing or by torch's Llama plan before, 8 query and 4 key/value
 heads so that 4 ranks divide them. The sharded model's loss, every gradient and its logits
 against the same fused model on one GPU (bf16 tolerances: the ranks' partial sums round
 otherwise), the merged GEMMs packed a rank, the state_dict round trips, and the collectives of a
@@ -25,10 +26,11 @@ GPU_CONFIG = {**CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_atten
               "num_key_value_heads": 4, "vocab_size": 128}
 
 
+@pytest.mark.parametrize("how", ["parallelize", "torch_plan"])
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.skipif(
     torch.cuda.device_count() < 4, reason="needs four GPUs"))])
-def test_the_sharded_model_trains_and_infers_as_one_gpu(tmp_path, world):
-    results = on_ranks(tmp_path, _train_and_infer, "cuda", GPU_CONFIG, world=world,
+def test_the_sharded_model_trains_and_infers_as_one_gpu(tmp_path, world, how):
+    results = on_ranks(tmp_path, _train_and_infer, "cuda", GPU_CONFIG, how, world=world,
                        backend="nccl")
     got, expected = results[0]
     assert relative_error(got["loss"], expected["loss"]) < 1e-2
