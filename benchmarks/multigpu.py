@@ -287,20 +287,13 @@ def rank_main(rank: int, world: int, port: int, mode: str, layers: int, tokens: 
 
 
 def torch_tp_plan(model, mesh) -> None:
-    """torch's Llama plan on the unconverted model: q, k, v, gate and up column-sharded, o_proj
-    and down_proj row-sharded, lm_head column-sharded with its logits gathered."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    """torch's Llama plan on the unconverted model (``cutlass_ops.tensor_parallel.llama_plan``:
+    logits gathered, as Hugging Face's ``tp_plan="auto"``)."""
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
-    for i in range(len(model.model.layers)):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                     "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
-    parallelize_module(model, mesh, plan)
+    from cutlass_ops.tensor_parallel import llama_plan
+
+    parallelize_module(model, mesh, llama_plan(model))
 
 
 def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, reps: int,

@@ -24,9 +24,8 @@ optimizer, ``state_dict`` (sharded, or ``full_tensor()`` per entry) and gradient
 them as they see torch's plan's. Parallelize after ``convert`` (and before an optimizer is
 made); refused with the reason: layers that are not fused, FP8 or mixture-of-experts layers,
 head counts or widths the mesh does not divide, a mesh that is not 1-D. Or the other way round:
-shard the unconverted model with torch's Llama plan (``parallelize_module``: q, k, v, gate, up
-``ColwiseParallel``, o_proj, down_proj ``RowwiseParallel``, lm_head ``ColwiseParallel``), then
-``convert``: the fused blocks adopt the plan's shards (``cutlass_ops.sharded_gemms.adopt``;
+shard the unconverted model with torch's Llama plan (``parallelize_module(model, mesh,
+llama_plan(model))``), then ``convert``: the fused blocks adopt the plan's shards (``cutlass_ops.sharded_gemms.adopt``;
 Linear layers with DTensor weights keep torch's). Decode steps run eagerly (no step graphs).
 Under torch.compile the collectives are torch.distributed's eager ones: not traced.
 """
@@ -41,6 +40,24 @@ from torch import nn
 from cutlass_ops import decoder_blocks, sharded_gemms
 from custom_kernels.core.errors import UnsupportedInputError
 
+
+
+def llama_plan(model: nn.Module) -> dict:
+    """torch's tensor-parallel plan of a Llama-style model (``parallelize_module(model, mesh,
+    plan)``): q, k, v, gate and up ``ColwiseParallel``, o_proj and down_proj
+    ``RowwiseParallel``, lm_head ``ColwiseParallel`` with its logits gathered (what Hugging
+    Face's ``tp_plan="auto"`` does). Applied before ``convert``, the fused blocks adopt it."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    return plan
 
 
 def refusal(model: nn.Module, world: int) -> Optional[str]:
@@ -120,4 +137,4 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-__all__ = ["parallelize", "refusal"]
+__all__ = ["parallelize", "refusal", "llama_plan"]

@@ -13,7 +13,7 @@ import torch
 
 from cutlass_ops import moe, moe_router
 
-from test_moe import mixtral, qwen3_moe  # noqa: E402
+from test_moe import assert_same_block, mixtral, qwen3_moe  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,18 +58,7 @@ def test_the_block_with_the_fused_router_matches_hugging_faces(make, handed):
     plan = ours.gate.__dict__[moe_router.PLAN]
     assert plan.normalize == (make is not qwen3_unnormalised)
     assert plan.weights_dtype is None  # float32 logits: float32 weights either way
-    x = torch.randn(2, 24, 64)
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_theirs, y_ours = theirs(x1), ours(x2)
-    torch.testing.assert_close(y_ours, y_theirs, rtol=1e-5, atol=1e-5)
-    grad = torch.randn_like(y_ours)
-    y_theirs.backward(grad)
-    y_ours.backward(grad)
-    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-4, atol=1e-5)
-    theirs_grads = dict(theirs.named_parameters())
-    for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, theirs_grads[name].grad, rtol=1e-4, atol=1e-5,
-                                   msg=name)
+    assert_same_block(ours, theirs, x_rtol=1e-4)
     assert handed == [False, True]  # theirs sorts for itself, ours takes the router's
 
 

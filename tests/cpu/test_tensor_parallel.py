@@ -44,18 +44,11 @@ def _model(device="cpu", config=CONFIG, mesh=None):
 
 
 def _torch_plan(model, mesh) -> None:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
-    for i in range(len(model.model.layers)):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                     "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
-    parallelize_module(model, mesh, plan)
+    from cutlass_ops.tensor_parallel import llama_plan
+
+    parallelize_module(model, mesh, llama_plan(model))
 
 
 def _grads(model) -> dict:
