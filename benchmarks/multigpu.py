@@ -270,18 +270,22 @@ def rank_main(rank: int, world: int, port: int, mode: str, layers: int, tokens: 
                  "unconverted": lambda p: torch.nn.utils.clip_grad_norm_(p, 1.0)}
     ids = global_batch(world, tokens).chunk(world)[rank].cuda()
     steps = {k: step_fn(models[k], ids, clips[k]) for k in models}
-    record = {}
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    record, comms = {}, {}
     for name, step in steps.items():  # one step for the checks, before any timing
         models[name].zero_grad(set_to_none=True)
-        loss = models[name](input_ids=ids, labels=ids).loss
-        loss.backward()
+        with CommDebugMode() as counted:  # the step's collectives (the clip's apart)
+            loss = models[name](input_ids=ids, labels=ids).loss
+            loss.backward()
+        comms[name] = {str(k): v for k, v in counted.get_comm_counts().items()}
         loss = loss.detach().float()
         dist.all_reduce(loss)
         record[name] = {"loss": float(loss) / world, "grads": full_grads(models[name])}
         models[name].zero_grad(set_to_none=True)
     ms = timed(steps, reps)
     if rank == 0:
-        torch.save({"ms": ms, "record": record}, out)
+        torch.save({"ms": ms, "record": record, "comms": comms}, out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -517,6 +521,7 @@ def train_rows(world: int, args) -> list[dict]:
                                 "the unconverted model on the same mesh (the whole batch "
                                 "does not fit on one GPU)",
                                 "checks": checks, "tokens_per_rank": args.tokens,
+                                "collectives_per_train_step": got.get("comms"),
                                 "model_tune": args.model_tune_line}})
         print(rows[-1]["case"], rows[-1]["ratio"], flush=True)
     return rows
