@@ -25,7 +25,8 @@ them as they see torch's plan's. Parallelize after ``convert`` (and before an op
 made); refused with the reason: layers that are not fused, FP8 or mixture-of-experts layers,
 head counts or widths the mesh does not divide, a mesh that is not 1-D. Or the other way round:
 shard the unconverted model with torch's Llama plan (``parallelize_module(model, mesh,
-llama_plan(model))``), then ``convert``: the fused blocks adopt the plan's shards (``cutlass_ops.sharded_gemms.adopt``;
+llama_plan(model))``) or load it with Hugging Face's ``from_pretrained(..., tp_plan="auto")``
+(it needs ``accelerate``), then ``convert``: the fused blocks adopt the plan's shards (``cutlass_ops.sharded_gemms.adopt``;
 Linear layers with DTensor weights keep torch's). Decode steps run eagerly (no step graphs).
 Under torch.compile the collectives are torch.distributed's eager ones: not traced.
 """

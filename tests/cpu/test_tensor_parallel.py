@@ -1,12 +1,13 @@
 """cutlass_ops.tensor_parallel on the CPU: two gloo ranks shard a fused Llama-style model
 (fused on the CPU: the kernels' torch fallbacks) and train it, sharded by ``parallelize`` after
-fusing, or by torch's Llama plan before (the fused blocks adopt the plan's shards). The loss, every gradient (the
+fusing, or by torch's Llama plan or Hugging Face's ``tp_plan="auto"`` (with accelerate) before
+(the fused blocks adopt the plan's shards). The loss, every gradient (the
 sharded ones gathered) and the logits without labels equal the same fused model's on one
 process; the sharded state_dict loads back, the full one into an unsharded model; the ranks hold their own heads' q, k, v and their gate and up slice end to end (one
 merged GEMM a rank); a step issues two all-reduces a layer forward and two backward, plus the
 loss's two gathers forward and one all-reduce backward (CommDebugMode); the refusals."""
 
-import copy
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -23,11 +24,8 @@ CONFIG = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
               max_position_embeddings=128, tie_word_embeddings=False)
 
 
-def _model(device="cpu", config=CONFIG, mesh=None):
-    """The tiny model fused (float32 on the CPU, the kernels' torch fallbacks; bf16 on a GPU);
-    with ``mesh``, sharded by torch's Llama plan first (the fused blocks adopt its shards)."""
-    from cutlass_ops import decoder_blocks, lm_loss
-
+def _unfused(device="cpu", config=CONFIG):
+    """The tiny model (float32 on the CPU; bf16 on a GPU), norm weights off one."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config))
     model = model.to(device, torch.float32 if device == "cpu" else torch.bfloat16)
@@ -35,6 +33,27 @@ def _model(device="cpu", config=CONFIG, mesh=None):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _model(device="cpu", config=CONFIG, mesh=None, checkpoint=None):
+    """``_unfused`` fused (on the CPU: the kernels' torch fallbacks); with ``mesh``, sharded by
+    torch's Llama plan first, or with ``checkpoint`` (``_unfused`` saved) loaded by Hugging
+    Face's ``from_pretrained(tp_plan="auto")``: the fused blocks adopt either's shards."""
+    import os
+
+    import torch.distributed as dist
+
+    from cutlass_ops import decoder_blocks, lm_loss
+
+    if checkpoint is not None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoint, tp_plan="auto", dtype=torch.float32 if device == "cpu" else
+            torch.bfloat16)
+    else:
+        model = _unfused(device, config)
     if mesh is not None:
         _torch_plan(model, mesh)
     for layer in model.model.layers:
@@ -56,11 +75,13 @@ def _grads(model) -> dict:
             for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _train_and_infer(rank, world, device="cpu", config=CONFIG, how="parallelize"):
+def _train_and_infer(rank, world, device="cpu", config=CONFIG, how="parallelize",
+                     checkpoint=None):
     """(what the sharded model gave, what the unsharded one gave) on this rank; ``device``
     "cuda": NCCL ranks, the ops' own kernels (tests/gpu/test_tensor_parallel_gpu.py); ``how``:
-    "parallelize" (convert, then ``tensor_parallel.parallelize``) or "torch_plan" (torch's
-    plan, then the fused blocks adopt its shards)."""
+    "parallelize" (convert, then ``tensor_parallel.parallelize``), "torch_plan" (torch's
+    plan, then the fused blocks adopt its shards) or "hf_tp_plan" (Hugging Face's
+    ``tp_plan="auto"`` of ``checkpoint``, then the same)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -78,6 +99,8 @@ def _train_and_infer(rank, world, device="cpu", config=CONFIG, how="parallelize"
     mesh = init_device_mesh(device, (world,))
     if how == "parallelize":
         model = tensor_parallel.parallelize(_model(device, config), mesh)
+    elif how == "hf_tp_plan":
+        model = _model(device, config, checkpoint=checkpoint)
     else:
         model = _model(device, config, mesh)
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
@@ -98,9 +121,17 @@ def _train_and_infer(rank, world, device="cpu", config=CONFIG, how="parallelize"
     return got, expected
 
 
-@pytest.mark.parametrize("how", ["parallelize", "torch_plan"])
+HOWS = ["parallelize", "torch_plan", pytest.param("hf_tp_plan", marks=pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None,
+    reason="Hugging Face's tp_plan needs accelerate"))]
+
+
+@pytest.mark.parametrize("how", HOWS)
 def test_the_sharded_model_trains_and_infers_as_one_process(tmp_path, how):
-    (got, expected), (got1, _) = on_ranks(tmp_path, _train_and_infer, "cpu", CONFIG, how)
+    checkpoint = str(tmp_path / "checkpoint")
+    _unfused().save_pretrained(checkpoint)  # Hugging Face's tp_plan loads a checkpoint
+    (got, expected), (got1, _) = on_ranks(tmp_path, _train_and_infer, "cpu", CONFIG, how,
+                                          checkpoint)
     torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got1["loss"], got["loss"], rtol=0, atol=0)
     assert got["grads"].keys() == expected["grads"].keys()
@@ -113,8 +144,10 @@ def test_the_sharded_model_trains_and_infers_as_one_process(tmp_path, how):
     layers = CONFIG["num_hidden_layers"]
     # forward: o_proj and down_proj a layer, plus the loss's two gathers (its setup, its one
     # chunk); backward: the QKV and gate+up inputs a layer, plus the loss's grad_hidden
-    assert got["forward_comms"] == {"c10d.allreduce_": 2 * layers,
-                                    "c10d._allgather_base_": 2}, got["forward_comms"]
+    forward = dict(got["forward_comms"])
+    if how == "hf_tp_plan":  # one DTensor all-reduce of Hugging Face's own plan, not ours
+        assert forward.pop("c10d_functional.all_reduce", 0) <= 1, got["forward_comms"]
+    assert forward == {"c10d.allreduce_": 2 * layers, "c10d._allgather_base_": 2}, forward
     assert got["backward_comms"] == {"c10d.allreduce_": 2 * layers + 1}, got["backward_comms"]
 
 
