@@ -5,6 +5,25 @@ import pytest
 
 from custom_kernels import jit
 
+
+def ptxas_report(source_name: str, defines: dict, name_expressions=()) -> str:
+    """ptxas's -v report of NVRTC compiling ``csrc/<source_name>`` with ``defines`` (the
+    registers, spills and stack of each kernel), as the JIT would compile it."""
+    import io
+
+    from cuda.core import Program, ProgramOptions
+
+    options = ProgramOptions(name=source_name, arch=jit.DEFAULT_ARCH,
+                             include_path=list(jit.include_dirs()), ptxas_options="-v",
+                             define_macro=list(jit._normalize_defines(defines)), **jit._OPTIONS)
+    log = io.StringIO()
+    program = Program((jit.CSRC / source_name).read_text(), "c++", options)
+    try:
+        program.compile("cubin", name_expressions=tuple(name_expressions), logs=log)
+    finally:
+        program.close()
+    return log.getvalue()
+
 pytestmark = [pytest.mark.compile,
               pytest.mark.skipif(jit.nvrtc_version() == "unavailable",
                                  reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)")]
@@ -83,29 +102,14 @@ def test_moe_combine_family_compiles(cache_root, dtype, backward):
 def test_moe_combine_kernels_do_not_spill(dtype):
     """ptxas's report for every slots-a-thread variant (the register ceilings of
     csrc/moe_combine.cu were set so that none spills; int32 indices were the tightest)."""
-    import io
     import re
-
-    from cuda.core import Program, ProgramOptions
 
     from custom_kernels import moe_combine
     from custom_kernels.core import elements
 
     code = elements.element(dtype).code
-    source = (jit.CSRC / moe_combine.SOURCE).read_text()
     for ns in range(1, moe_combine.MAX_NS + 1):
-        defines = moe_combine._defines(code, code, 32, True, ns)
-        options = ProgramOptions(name=moe_combine.SOURCE, arch=jit.DEFAULT_ARCH,
-                                 include_path=list(jit.include_dirs()), ptxas_options="-v",
-                                 define_macro=list(jit._normalize_defines(defines)),
-                                 **jit._OPTIONS)
-        log = io.StringIO()
-        program = Program(source, "c++", options)
-        try:
-            program.compile("cubin", logs=log)
-        finally:
-            program.close()
-        report = log.getvalue()
+        report = ptxas_report(moe_combine.SOURCE, moe_combine._defines(code, code, 32, True, ns))
         assert len(re.findall(r"Used \d+ registers", report)) == 2, report  # both kernels
         assert re.findall(r"(\d+) bytes spill stores", report) == ["0", "0"], report
 
@@ -166,31 +170,16 @@ def test_moe_routing_family_compiles(cache_root, dtype):
 def test_moe_routing_kernels_do_not_spill(dtype):
     """ptxas's report for the kernels at 1, 8 and 32 experts a lane (32 is the most registers:
     the top-k and backward kernels keep a row's scores in them)."""
-    import io
     import re
-
-    from cuda.core import Program, ProgramOptions
 
     from custom_kernels import moe_routing
     from custom_kernels.core import elements
 
     code = elements.element(dtype).code
-    source = (jit.CSRC / moe_routing.SOURCE).read_text()
     for ne in (1, 8, 32):
         for kernel in ("topk", "scan", "place", "bwd"):
-            defines = moe_routing._defines(kernel, code, ne)
-            options = ProgramOptions(name=moe_routing.SOURCE, arch=jit.DEFAULT_ARCH,
-                                     include_path=list(jit.include_dirs()), ptxas_options="-v",
-                                     define_macro=list(jit._normalize_defines(defines)),
-                                     **jit._OPTIONS)
-            log = io.StringIO()
-            program = Program(source, "c++", options)
-            try:
-                program.compile("cubin", name_expressions=(moe_routing.KERNELS[kernel],),
-                                logs=log)
-            finally:
-                program.close()
-            report = log.getvalue()
+            report = ptxas_report(moe_routing.SOURCE, moe_routing._defines(kernel, code, ne),
+                                  (moe_routing.KERNELS[kernel],))
             assert len(re.findall(r"Used \d+ registers", report)) == 4, report  # every kernel
             assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
             assert set(re.findall(r"(\d+) bytes stack frame", report)) == {"0"}, report
