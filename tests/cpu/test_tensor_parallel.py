@@ -185,3 +185,35 @@ def test_refusals():
     tied = _model()
     tied.lm_head.weight = tied.model.embed_tokens.weight
     assert "tied" in tensor_parallel.refusal(tied, 2)
+
+
+def _plan_refusals(rank, world):
+    """What fusing says of a layer a plan sharded otherwise (q_proj by columns), and what
+    parallelize says of a 2-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from cutlass_ops import decoder_blocks, tensor_parallel
+    from custom_kernels.core.errors import UnsupportedInputError
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _unfused()
+    plan = tensor_parallel.llama_plan(model)
+    plan["model.layers.0.self_attn.q_proj"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    layer = model.model.layers[0]
+    why = decoder_blocks.fuse(layer, require_gpu=False)
+    fused = decoder_blocks.is_fused(layer), decoder_blocks.is_fused(model.model.layers[1])
+    try:
+        tensor_parallel.parallelize(_model(), init_device_mesh("cpu", (1, world)))
+        mesh_why = None
+    except UnsupportedInputError as exc:
+        mesh_why = str(exc)
+    return why, fused, mesh_why
+
+
+def test_a_plan_sharded_otherwise_is_refused(tmp_path):
+    why, fused, mesh_why = on_ranks(tmp_path, _plan_refusals)[0]
+    assert why is not None and "sharded otherwise" in why and "q_proj" in why
+    assert fused == (False, False)  # refused, left as it was; the other layer was not fused
+    assert mesh_why is not None and "1-D mesh" in mesh_why
