@@ -60,12 +60,13 @@ class SkinnyConfig:
 
     @property
     def threads(self) -> int:
-        return 256 if self.bm >= 64 else 128
+        return 256  # two warpgroups, 64 of the tile's 128 weight rows each
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: the pipeline's stages of a (bm rows) and b (128 rows)."""
-        return self.stages * (self.bm + BLOCK_N) * BLOCK_N
+        """Dynamic shared memory: the pipeline's stages of a (bm rows) and b (128 rows), and
+        1024 bytes of slack to start them on the 128-byte swizzle's 1024-byte boundary."""
+        return self.stages * (self.bm + BLOCK_N) * BLOCK_N + 1024
 
     @classmethod
     def parse(cls, name: str) -> "SkinnyConfig":
