@@ -68,6 +68,16 @@ class SkinnyConfig:
         1024 bytes of slack to start them on the 128-byte swizzle's 1024-byte boundary."""
         return self.stages * (self.bm + BLOCK_N) * BLOCK_N + 1024
 
+    def to_dict(self) -> dict:
+        """What a tuning entry stores as its winner (``from_dict`` reads it back)."""
+        return {"backend": PREFIX, "name": self.name}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SkinnyConfig":
+        if data.get("backend") != PREFIX or not isinstance(data.get("name"), str):
+            raise ValueError(f"not a skinny FP8 config: {data!r}"[:200])
+        return cls.parse(data["name"])
+
     @classmethod
     def parse(cls, name: str) -> "SkinnyConfig":
         found = _NAME.fullmatch(name)

@@ -468,7 +468,7 @@ def _kernels_to_compile(args, spec) -> dict[tuple, list[str]]:
     if args.tuned:  # the winners in the cache (imported from another machine, say)
         for cache, entry in _gemm_entries(args):
             if entry.winner is not None and spec.name.lower() in cache.scope.gpu.lower() and \
-                    entry.backend != "dsl":  # DSL kernels build in process
+                    entry.backend == "cutlass":  # DSL and skinny kernels build in process
                 problem, choice = entry.problem, entry.winner
                 key = (choice.operands_for(problem.operands), choice.config)
                 kernels.setdefault(key, []).append(_shape_label(problem))

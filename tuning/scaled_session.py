@@ -92,13 +92,18 @@ class ScaledSession(GraphTimedSession):
         self._launchers: dict = {}
 
     def _launcher(self, choice) -> Callable:
+        """A CUTLASS ``Choice``'s launch, or the skinny kernel's (``SkinnyConfig``)."""
         launch = self._launchers.get(choice)
         if launch is None:
-            from cutlass_ops.gemms import scaled_plan
+            from cutlass_ops.gemms import scaled_plan, scaled_skinny
 
-            launch = scaled_plan.plan(self.checked, choice.config, self.a, self.b, self.scale_a,
-                                      self.scale_b, self.bias, fast_accum=self.fast_accum,
-                                      out=self.out)
+            if isinstance(choice, scaled_skinny.SkinnyConfig):
+                launch = scaled_skinny.launcher(choice, self.recipe.value, self.a, self.b,
+                                                self.scale_a, self.scale_b, self.bias, self.out)
+            else:
+                launch = scaled_plan.plan(self.checked, choice.config, self.a, self.b,
+                                          self.scale_a, self.scale_b, self.bias,
+                                          fast_accum=self.fast_accum, out=self.out)
             self._launchers[choice] = launch
         return launch
 
@@ -112,8 +117,10 @@ class ScaledSession(GraphTimedSession):
             self.out.fill_(float("nan"))
             launch()
             torch.cuda.synchronize(self.device)
-        except CutlassOpsError as exc:
+        except CutlassOpsError as exc:  # a skinny build's NVRTC failure is a BuildError too
             return f"launch: {exc}"
+        except RuntimeError as exc:  # a launch the driver refused (cuda.core's CUDAError)
+            return f"launch: {type(exc).__name__}: {exc}"
         return check([self.out], [self.reference], self.tolerance)
 
     def _torch_call(self) -> Callable:

@@ -19,7 +19,7 @@ import datetime
 import math
 import time
 
-from cutlass_ops.gemms import dsl
+from cutlass_ops.gemms import dsl, scaled_skinny
 from cutlass_ops.gemms.choice import Choice
 from cutlass_ops.gemms.config import GemmProblem
 from cutlass_ops.gemms.gemm_entries import gemm_cache
@@ -84,7 +84,9 @@ class GemmFamily:
 
     def candidates(self, problem: GemmProblem) -> list:
         """The C++ kernels (``candidates.select``), then, with the DSL extra on an sm90 GPU, the
-        CuTe DSL kernels that take the problem: one pool, ranked by measurement."""
+        CuTe DSL kernels that take the problem, and for a scaled FP8 problem of few rows on an
+        sm90 GPU, the skinny kernel's configs (``scaled_skinny``): one pool, ranked by
+        measurement."""
         dsl_beside = self.device.arch == "sm90a" and dsl.refusal(problem) is None
         plan: list = candidates.select(problem, self.device, self.strategy,
                                        use_heuristics=self.use_heuristics,
@@ -92,6 +94,8 @@ class GemmFamily:
         if dsl_beside:
             plan += dsl.candidates(problem.m, problem.n, problem.k,
                                    self.device.sm_count)[:self.strategy.dsl_kernels]
+        if self.device.arch == "sm90a":
+            plan += scaled_skinny.candidates(problem)
         return plan
 
     def build(self, plans: dict[GemmProblem, list[Choice]]) -> dict:
@@ -127,9 +131,10 @@ class GemmFamily:
                     for choice in plan if isinstance(choice, Choice)}
             out[problem] = {choice: _build_error(built[key]) for choice, key in keys.items()
                             if key in built}
-            # DSL kernels compile in process on their first launch (in the session's verify
-            # step: about 2 s each, once per operand types); a failure is recorded there.
-            out[problem].update((c, None) for c in plan if isinstance(c, dsl.DslConfig))
+            # DSL and skinny kernels compile in process on their first launch (in the session's
+            # verify step: 2 to 5 s each, once per build); a failure is recorded there.
+            out[problem].update((c, None) for c in plan
+                                if isinstance(c, (dsl.DslConfig, scaled_skinny.SkinnyConfig)))
         return out
 
     def session(self, problem: GemmProblem):

@@ -94,12 +94,17 @@ class Choice:
 
 
 def candidate_from_dict(data: dict[str, Any]):
-    """A tuning entry's winner as the tuner stored it: a C++ kernel's ``Choice`` or a DSL
-    kernel's ``DslConfig`` (``"backend": "dsl"``)."""
+    """A tuning entry's winner as the tuner stored it: a C++ kernel's ``Choice``, a DSL
+    kernel's ``DslConfig`` (``"backend": "dsl"``) or the few-rows FP8 kernel's ``SkinnyConfig``
+    (``"backend": "skinny"``)."""
     if data.get("backend") == "dsl":
         from cutlass_ops.gemms.dsl import DslConfig
 
         return DslConfig.from_dict(data)
+    if data.get("backend") == "skinny":
+        from custom_kernels.fp8_skinny import SkinnyConfig
+
+        return SkinnyConfig.from_dict(data)
     return Choice.from_dict(data)
 
 

@@ -164,7 +164,8 @@ def decide(problem: GemmProblem, entries: Mapping[str, GemmEntry], device: Devic
     family = sorted((_distance(problem, other.problem), name, other)
                     for name, other in entries.items()
                     if other.problem.operands == problem.operands and other.winner is not None
-                    and problem.m and problem.n and problem.k)
+                    and problem.m and problem.n and problem.k
+                    and _takes(other.winner, problem))
     for _, _, other in family:
         tuned = other.problem
         if not other.uses_kernel:
@@ -186,6 +187,17 @@ def decide(problem: GemmProblem, entries: Mapping[str, GemmEntry], device: Devic
     return Decision("torch", None, f"no tuned or built kernel for {problem.name} on this GPU; run "
                     f"`cutlass-tune tune {problem.m}x{problem.n}x{problem.k}` (or set "
                     "CUTLASS_OPS_ONLINE=compile)")
+
+
+def _takes(winner, problem: GemmProblem) -> bool:
+    """Whether a tuned shape's winner can compute ``problem`` at all: the skinny FP8 kernel
+    takes few rows only (``scaled_skinny``), so a nearer shape's skinny winner is passed over
+    for the next tuned shape rather than ending the search."""
+    if getattr(winner, "backend", None) != "skinny":
+        return True
+    from cutlass_ops.gemms import scaled_skinny
+
+    return scaled_skinny.operands_refusal(problem) is None
 
 
 # ---- what is built, from the artifact cache ------------------------------------------------

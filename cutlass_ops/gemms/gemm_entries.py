@@ -1,8 +1,9 @@
 """The GEMM family's tuned entries: one typed record per stored problem, and the schema that reads
 it (``custom_kernels.core.tuned_store.EntrySchema``).
 
-What ``tuning.search`` stores for a problem: the winner (a C++ kernel's ``Choice`` or a DSL
-kernel's ``DslConfig``), its time and torch.matmul's, which of them to use, the runners-up and
+What ``tuning.search`` stores for a problem: the winner (a C++ kernel's ``Choice``, a DSL
+kernel's ``DslConfig`` or, for a scaled FP8 problem of few rows, the skinny kernel's
+``SkinnyConfig``), its time and torch.matmul's, which of them to use, the runners-up and
 the failures. An entry is accepted only if its key is its own problem's name, its winner is a
 config of this library that can run the problem's operands on the scope's architecture (the
 space's rules, or the DSL path's), and every time is a finite number above zero. Dispatch and
@@ -15,13 +16,13 @@ import copy
 import dataclasses
 from typing import Any, Mapping, Optional, Union
 
-from cutlass_ops.gemms import dsl, space
+from cutlass_ops.gemms import dsl, scaled_skinny, space
 from cutlass_ops.gemms.choice import Choice, candidate_from_dict
 from cutlass_ops.gemms.config import GemmProblem
 from custom_kernels.core import tuned_fields as f
 from custom_kernels.core.tuned_store import CacheScope
 
-Winner = Union[Choice, "dsl.DslConfig"]
+Winner = Union[Choice, "dsl.DslConfig", "scaled_skinny.SkinnyConfig"]
 
 _FIELDS = {"problem", "winner", "winner_name", "backend", "other_backend_best", "winner_ms",
            "winner_tflops", "torch_ms", "torch_tflops", "prefer", "runners_up", "failures",
@@ -71,6 +72,11 @@ def parse_winner(value: Any, problem: GemmProblem, scope: CacheScope) -> Winner:
         f.require(scope.compute_capability == 90, "a DSL winner on a GPU that is not sm90")
         why = dsl.operands_refusal(problem)
         f.require(why is None, f"its DSL winner cannot run {problem.operands.name}: {why}")
+        return winner
+    if winner.backend == scaled_skinny.BACKEND:
+        f.require(scope.compute_capability == 90, "a skinny FP8 winner on a GPU that is not sm90")
+        why = scaled_skinny.operands_refusal(problem)
+        f.require(why is None, f"its skinny FP8 winner cannot run {problem.name}: {why}")
         return winner
     f.require(winner.config.arch.cc == scope.compute_capability,
               f"its winner is an {winner.config.arch.value} kernel, the scope's GPU is "

@@ -2,7 +2,8 @@
 
 The decision is ``dispatch.decide``'s, on the scaled problem (``scaled_plan.problem_of``: the
 recipe and fast accumulation are part of its operands, so FP8 winners never mix with bf16 ones):
-an exact tuned shape or the nearest tuned shape of the same operands on this GPU; else
+an exact tuned shape or the nearest tuned shape of the same operands on this GPU, whose winner
+is a CUTLASS kernel or, for few rows, the skinny kernel (``scaled_skinny``); else
 ``torch._scaled_mm``, with one log line saying why (nothing tuned, a scale layout our kernels do
 not read, an unsafe cache). Unlike bf16, an untuned FP8 shape does not run the built kernel our
 performance model ranks first (``UNTUNED_BUILT_KERNELS``). Never a compile on a call.
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from cutlass_ops.gemms import dispatch, scaled_plan
+from cutlass_ops.gemms import dispatch, scaled_plan, scaled_skinny
 from cutlass_ops.gemms.scaled_inputs import CheckedScaled, Recipe
 from custom_kernels.core import fallback
 
@@ -36,7 +37,10 @@ class Route:
 
     @property
     def kind(self) -> str:
-        return "torch" if self.decision.choice is None else "cutlass"
+        """"torch", "cutlass" or "skinny" (``scaled_skinny``)."""
+        if self.decision.choice is None:
+            return "torch"
+        return getattr(self.decision.choice, "backend", "cutlass")
 
 
 def _forget_routes() -> None:
@@ -189,6 +193,17 @@ def _cutlass_route(decision: dispatch.Decision, checked: CheckedScaled, fast_acc
     return Route(decision, run)
 
 
+def _skinny_route(decision: dispatch.Decision, checked: CheckedScaled) -> Route:
+    """The few-rows FP8 kernel (``scaled_skinny``): one launch into a new output, the bias
+    fused for every recipe."""
+    config, recipe, out_dtype = decision.choice, checked.recipe.value, checked.out_dtype
+
+    def run(a, b, scale_a, scale_b, bias):
+        return scaled_skinny.run(config, recipe, a, b, scale_a, scale_b, bias, out_dtype)
+
+    return Route(decision, run)
+
+
 def _signature(a, b, scale_a, scale_b, bias, out_dtype, fast_accum: bool) -> tuple:
     """Everything ``scaled_inputs.check_scaled`` and the route depend on: a call with the same
     signature passed the same checks (so a known one skips them)."""
@@ -227,9 +242,14 @@ def decide(checked: CheckedScaled, fast_accum: bool, scale_a, scale_b) -> dispat
         return dispatch.Decision("torch", None, f"our FP8 kernels are built for sm90a, this GPU "
                                  f"is {spec.arch}")
     operands = problem.operands
+
+    def ready(choice) -> bool:
+        if isinstance(choice, scaled_skinny.SkinnyConfig):
+            return scaled_skinny.is_built(problem, choice, index, bias=checked.has_bias)
+        return not choice.swap_ab and is_built(operands, choice.config)
+
     decision = dispatch.decide(
-        problem, dispatch._entries(current_scope(index)), spec,
-        lambda choice: not choice.swap_ab and is_built(operands, choice.config),
+        problem, dispatch._entries(current_scope(index)), spec, ready,
         lambda: [c for c in dispatch.built_choices(operands, spec.arch) if not c.swap_ab]
         if UNTUNED_BUILT_KERNELS else [])
     if decision.choice is None and decision.source == "torch":
@@ -250,8 +270,12 @@ def route(a, b, scale_a, scale_b, bias, checked: CheckedScaled, fast_accum: bool
         with _lock:
             return _routes.setdefault(key, _copying_route(checked, fast_accum, copy_reason))
     decision = decide(checked, fast_accum, scale_a, scale_b)
-    made = (_torch_route(decision, checked, fast_accum) if decision.choice is None
-            else _cutlass_route(decision, checked, fast_accum, key))
+    if decision.choice is None:
+        made = _torch_route(decision, checked, fast_accum)
+    elif isinstance(decision.choice, scaled_skinny.SkinnyConfig):
+        made = _skinny_route(decision, checked)
+    else:
+        made = _cutlass_route(decision, checked, fast_accum, key)
     with _lock:
         return _routes.setdefault(key, made)
 

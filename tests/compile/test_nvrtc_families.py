@@ -1,6 +1,8 @@
 """Compile-only through NVRTC, no GPU: the custom kernel families' own compile functions build
 cubins for sm_90a (skipped where libnvrtc cannot be loaded)."""
 
+import re
+
 import pytest
 
 from custom_kernels import jit
@@ -102,7 +104,6 @@ def test_moe_combine_family_compiles(cache_root, dtype, backward):
 def test_moe_combine_kernels_do_not_spill(dtype):
     """ptxas's report for every slots-a-thread variant (the register ceilings of
     csrc/moe_combine.cu were set so that none spills; int32 indices were the tightest)."""
-    import re
 
     from custom_kernels import moe_combine
     from custom_kernels.core import elements
@@ -170,7 +171,6 @@ def test_moe_routing_family_compiles(cache_root, dtype):
 def test_moe_routing_kernels_do_not_spill(dtype):
     """ptxas's report for the kernels at 1, 8 and 32 experts a lane (32 is the most registers:
     the top-k and backward kernels keep a row's scores in them)."""
-    import re
 
     from custom_kernels import moe_routing
     from custom_kernels.core import elements
@@ -183,3 +183,26 @@ def test_moe_routing_kernels_do_not_spill(dtype):
             assert len(re.findall(r"Used \d+ registers", report)) == 4, report  # every kernel
             assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
             assert set(re.findall(r"(\d+) bytes stack frame", report)) == {"0"}, report
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_skinny_compiles_per_recipe(cache_root, recipe):
+    from custom_kernels import fp8_skinny as f
+
+    path = f.compile_fp8_skinny(f.SkinnyConfig(16, 4, 6), recipe)
+    assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
+
+
+def test_fp8_skinny_builds_never_spill(cache_root):
+    """Every block height (its wgmma's N: 16 to 128 float32 accumulators a thread, twice: the
+    block's sum and the running one) with the blockwise recipe's scale reads, e5m2 and a
+    float32 output with a bias: all in registers."""
+    from custom_kernels import fp8_skinny as f
+
+    for bm in f.BLOCK_ROWS:
+        for recipe, a, out32 in (("blockwise", "e4m3", False), ("rowwise", "e5m2", True)):
+            defines = f.defines(f.SkinnyConfig(bm, 2, 4), recipe, a, "e4m3", out32, out32)
+            report = ptxas_report(f.SOURCE, defines, (f.KERNEL,))
+            assert re.findall(r"(\d+) bytes spill stores", report) == ["0"], report
+            assert re.findall(r"(\d+) bytes stack frame", report) == ["0"], report

@@ -238,6 +238,8 @@ def test_a_scaled_tune_times_the_stream_k_kernels_splits_wherever_it_ranked(tmp_
     class SlowUnsplitStreamK(FakeSession):  # last in round 1 unless its splits are forced
         def time_ms(self, choice, reps):
             ms = super().time_ms(choice, reps)
+            if choice.backend != "cutlass":
+                return ms
             config = choice.config
             return ms * 5 if config.tile_scheduler.value == "streamk" and config.splits == 1 \
                 else ms
@@ -248,6 +250,30 @@ def test_a_scaled_tune_times_the_stream_k_kernels_splits_wherever_it_ranked(tmp_
     tune([problem], backend=backend, strategy="quick", cache=gemm_cache(SCOPE, tmp_path),
          use_heuristics=False)
     assert backend.built and all(ops == problem.operands for ops, _ in backend.built)
-    split_variants = [c for c in backend.timed
+    cutlass = [c for c in backend.timed if c.backend == "cutlass"]
+    split_variants = [c for c in cutlass
                       if c.config.tile_scheduler.value == "streamk" and c.config.splits > 1]
-    assert split_variants and not any(c.swap_ab for c in backend.timed)
+    assert split_variants and not any(c.swap_ab for c in cutlass)
+
+
+def test_a_small_m_scaled_tune_times_the_skinny_kernel_and_stores_its_winner(tmp_path):
+    """A scaled FP8 problem of few rows gets the skinny kernel's configs beside the CUTLASS
+    ones; when one wins, the store keeps it as {"backend": "skinny", ...} and reads it back as
+    a SkinnyConfig. Large-M and bf16 problems get none."""
+    from cutlass_ops.gemms.scaled_plan import scaled_problem
+    from custom_kernels.fp8_skinny import SkinnyConfig
+
+    backend = FakeBackend()
+    backend.skinny_factor = 0.05  # faster than torch and than any C++ kernel here
+    small, large = scaled_problem("rowwise", 16, 4096, 4096), scaled_problem("rowwise", 4096,
+                                                                             4096, 4096)
+    cache = gemm_cache(SCOPE, tmp_path)
+    tune([small, large, problems()[0]], backend=backend, strategy="quick", cache=cache,
+         use_heuristics=False)
+    skinny = [c for c in backend.verified if c.backend == "skinny"]
+    assert skinny and {c.bm for c in skinny} == {16}
+    entry = cache.get(small)
+    assert isinstance(entry.winner, SkinnyConfig) and entry.backend == "skinny"
+    assert stored(cache, small)["winner"] == {"backend": "skinny", "name": entry.winner.name}
+    assert cache.get(large).backend == "cutlass"
+    assert cache.get(problems()[0]).backend == "cutlass"

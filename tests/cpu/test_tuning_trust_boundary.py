@@ -126,6 +126,9 @@ def crafted_entries(good_gemm) -> dict:
          dict(entry, winner={"config": {"arch": "sm100a", "kernel_schedule": "1sm",
                                         "epilogue_schedule": "tma"}, "swap_ab": False}),
          "sm100a kernel"),
+        ("an FP8 skinny kernel for bf16 data", "gemm", key,
+         dict(entry, winner={"backend": "skinny", "name": "skinny-m16-s4-p6"}),
+         "cannot run bf16"),
         ("a bool for an integer", "gemm", key,
          dict(entry, problem=dict(entry["problem"], batch=True)), "stored form"),
         ("a norm config that cannot run its problem", "norms",
@@ -143,7 +146,8 @@ CRAFTED = ["fp16 kernel for bf16 data", "wrong layouts", "skew pair for dW",
            "m beyond any launcher", "a 400-digit m", "a key of 400 digits", "a negative time", "a time that is a string",
            "an infinite time", "a key naming another problem", "a list for an entry",
            "an unknown field", "a runner-up that is not an object",
-           "an sm100a winner on an sm90 GPU", "a bool for an integer",
+           "an sm100a winner on an sm90 GPU", "an FP8 skinny kernel for bf16 data",
+           "a bool for an integer",
            "a norm config that cannot run its problem"]
 
 

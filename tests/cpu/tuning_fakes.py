@@ -47,6 +47,9 @@ class FakeSession:
 
             return self.torch_ms(reps) * (self.backend.dsl_factor
                                           + 1e-4 * (SM90_CONFIGS + SMALL_CONFIGS).index(choice))
+        if choice.backend == "skinny":  # the few-rows FP8 kernel: torch's time, scaled
+            ranks = (choice.bm, choice.splits, choice.stages)
+            return self.torch_ms(reps) * (self.backend.skinny_factor + 1e-4 * sum(ranks))
         penalty = 1.0 + 0.01 * choice.config.swizzle  # deterministic, distinct per variant
         return model.estimate_us(self.problem, choice, named_spec("H100")) / 1000 * penalty
 
@@ -85,6 +88,7 @@ class FakeBackend:
         return SCOPE
 
     dsl_factor = 1.2  # DSL kernels' time over torch's (a test makes them win by lowering it)
+    skinny_factor = 1.3  # the skinny FP8 kernel's, likewise
 
     def wrong(self, choice):
         return choice.backend == "cutlass" and choice.config.cluster == (4, 1, 1)
