@@ -338,8 +338,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) fp8_skinny_gemm(
   const float alpha = scale_a[0] * scale_b[0];
 #endif
   constexpr int kGroups = BM * kBN / 4;
-  const int share = kGroups / splits;  // BM * 32 groups: a multiple of 8 >= S
-  for (int g = split * share + tid; g < (split + 1) * share; g += kThreads) {
+  const int first = split * kGroups / splits, last = (split + 1) * kGroups / splits;
+  for (int g = first + tid; g < last; g += kThreads) {
     const int row = g / (kBN / 4), col = (g % (kBN / 4)) * 4;
     const long long m = m0 + row;
     if (m >= m_total) continue;
