@@ -60,6 +60,16 @@ def integer_refusal(form: str, a: torch.Tensor, b: torch.Tensor,
 
 
 @functools.lru_cache(maxsize=None)
+def _loaded(config: GroupedConfig) -> ctypes.CDLL:
+    """``config``'s kernel library, found in the build cache (or built) and loaded once per
+    process. The lookup (a key over the launcher's source, the artifact's ELF header, its
+    sidecar, the trust checks of its directories) cost 0.5-0.6 ms of host time a call on an
+    H100 host, more than the launch: a Qwen3-MoE train step makes 24 grouped calls
+    (docs/measurements.md). A failed build raises and is not remembered."""
+    return _library(build(config))
+
+
+@functools.lru_cache(maxsize=None)
 def _library(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     library.cutlass_ops_grouped_last_error.restype = ctypes.c_char_p
@@ -147,7 +157,7 @@ def run(config: GroupedConfig, form: str, a: torch.Tensor, b: torch.Tensor,
     elements, which only the caller can know). Raises KernelLaunchError with the launcher's
     text."""
     check_operands(config, a, b, out)
-    library = _library(build(config))
+    library = _loaded(config)
     groups, m, n, k = _extents(form, a, b, offs)
     device = a.device.index
     args = _Args(form=FORMS[form], groups=groups, m=m, n=n, k=k,

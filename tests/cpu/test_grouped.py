@@ -180,3 +180,31 @@ def test_our_kernel_is_used_only_where_every_group_starts_aligned():
     assert not group_starts_aligned("2d2d", x.t().contiguous(), dy)
     assert not group_starts_aligned("3d2d", torch.randn(4, 8, 32).bfloat16(), torch.randn(32, 64))
     assert group_starts_aligned("3d3d", torch.randn(4, 8, 32), torch.randn(4, 32, 8))
+
+
+def test_a_grouped_kernel_library_is_looked_up_once_per_process(monkeypatch):
+    """The build cache's lookup costs more host time than a launch: ``run`` finds a config's
+    library once and keeps it; a failed build is not remembered."""
+    from cutlass_ops.gemms import grouped_runtime
+    from cutlass_ops.gemms.grouped_build import GroupedConfig
+    from custom_kernels.core.errors import BuildError
+
+    calls = []
+
+    def build(config):
+        calls.append(config)
+        if config.tile[1] == 192:
+            raise BuildError(config.name, "/nonexistent/build.log", "error: fake")
+        return f"/fake/{config.name}.so"
+
+    monkeypatch.setattr(grouped_runtime, "build", build)
+    monkeypatch.setattr(grouped_runtime, "_library", lambda path: ("library", path))
+    grouped_runtime._loaded.cache_clear()
+    good = GroupedConfig("bf16", "t", "t", tile=(128, 256, 64))
+    bad = GroupedConfig("bf16", "t", "t", tile=(128, 192, 64))
+    assert grouped_runtime._loaded(good) == grouped_runtime._loaded(good)
+    for _ in range(2):
+        with pytest.raises(BuildError):
+            grouped_runtime._loaded(bad)
+    assert calls == [good, bad, bad]
+    grouped_runtime._loaded.cache_clear()

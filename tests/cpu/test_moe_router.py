@@ -119,6 +119,39 @@ def test_the_probe_refuses_a_router_that_computes_something_else():
     assert not isinstance(block.gate, moe_router.FusedTopKRouter)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_probe_takes_qwen3_moe_routers_whose_bf16_logits_tie(seed):
+    """Qwen3-MoE's router (128 experts, top 8, bf16): tied logits inside the top 8 come out of
+    torch.topk in another order than ours, and at the 8th score a tie may pick another expert.
+    Compared in top-k order, 10-22% of the probe's rows differed and some layers of one model
+    were refused; as sets, with ties at the k-th score allowed, every seed is taken."""
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = transformers.Qwen3MoeConfig(hidden_size=2048, num_experts=128,
+                                         num_experts_per_tok=8, norm_topk_prob=True)
+    torch.manual_seed(seed)
+    gate = Qwen3MoeTopKRouter(config).to(torch.bfloat16)
+    torch.nn.init.normal_(gate.weight, std=0.02)
+    plan, why = moe_router.probe(gate)
+    assert why is None and plan == moe_router._Plan(8, "softmax", True, None)
+
+
+def test_the_probe_refuses_a_router_that_picks_other_experts():
+    block = grouped(qwen3_moe())
+    original = type(block.gate).forward
+
+    def lowest(self, hidden):  # the same weights' shape, the wrong experts
+        logits, _, _ = original(self, hidden)
+        probs = torch.softmax(-logits.float(), -1)
+        weights, index = probs.topk(self.top_k, -1)
+        return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), index
+
+    block.gate.forward = lowest.__get__(block.gate)
+    why = moe_router.fuse_router(block)
+    assert why is not None and "not a softmax or sigmoid top-k" in why
+
+
 @pytest.mark.parametrize("change,words", [
     (lambda b: setattr(b, "experts", torch.nn.Identity()), "GroupedExperts"),
     (lambda b: setattr(b.gate, "top_k", 2.0), "top_k"),
