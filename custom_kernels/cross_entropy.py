@@ -12,9 +12,10 @@ when given (float32 ``[R]``), in the logits' dtype: ``softmax(x) - eps / V - (1 
 onehot(label)``, times ``1 - tanh^2`` under a soft-cap, 0 for ignored rows. One read and one
 write of the chunk in one launch, fp32 math (see the .cu file for the passes and the L2).
 
-Labels outside ``[0, V)`` that are not ``ignore_index`` are treated as ignored (loss 0, gradient
-0) by the kernel and by the torch path alike: nothing is read out of bounds, and nothing syncs
-with the host to check them (``cutlass_ops.linear_cross_entropy`` refuses them before).
+A label outside ``[0, V)`` that is not ``ignore_index`` makes its row's loss and gradient NaN, in
+the kernel and the torch path alike: nothing is read out of bounds, and nothing syncs with the
+host to check the labels (``cutlass_ops.linear_cross_entropy`` refuses them off a GPU, where the
+check costs no sync).
 
 The step is the custom op ``custom_kernels::cross_entropy_chunk`` (it mutates ``logits``, returns
 the losses, and has a fake), so a ``torch.compile(fullgraph=True)`` graph calls it opaquely.
@@ -258,8 +259,10 @@ def torch_chunk_step(logits: torch.Tensor, capped: Optional[torch.Tensor], label
     """``F.cross_entropy`` on float32 logits, a row at a time: ``logits`` are the (capped)
     float32 logits, ``capped`` the soft-cap's tanh (None without a cap). Returns the per-row loss
     (0 where ignored) and the gradient of the summed loss with respect to the pre-cap logits
-    (float32, a new tensor). Labels outside [0, V) count as ignored, as in the kernel."""
+    (float32, a new tensor). A label outside [0, V) that is not ``ignore_index`` makes its row's
+    loss and gradient NaN, as in the kernel."""
     valid = (labels != ignore_index) & (labels >= 0) & (labels < logits.shape[-1])
+    out_of_range = ~valid & (labels != ignore_index)
     target = torch.where(valid, labels, 0)
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, target[:, None])[:, 0]
@@ -274,6 +277,9 @@ def torch_chunk_step(logits: torch.Tensor, capped: Optional[torch.Tensor], label
     grad *= valid[:, None]
     if capped is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
         grad *= 1.0 - capped * capped
+    if out_of_range.any():  # off a GPU (or the tests'): no launch waits on this
+        loss = torch.where(out_of_range, float("nan"), loss)
+        grad[out_of_range] = float("nan")
     return loss, grad
 
 

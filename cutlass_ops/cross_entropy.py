@@ -55,6 +55,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     ``ignore_index``; bias: (V,). Returns a scalar (``mean``, ``sum``) or labels' shape (``none``,
     float32). ``num_items_in_batch``: with ``mean``, divide the sum by it instead of by the count
     of non-ignored labels. ``chunk_rows``: rows a chunk (default: from free memory and V).
+    A label outside [0, V) that is not ``ignore_index``: UnsupportedInputError off a GPU; on a GPU
+    its row's loss and gradients are NaN (checking first would sync with the host every step).
     """
     rows_hidden, flat_labels = _check(hidden, weight, labels, bias, reduction, label_smoothing,
                                       logit_softcap, num_items_in_batch, ignore_index)
@@ -117,7 +119,9 @@ def _check(hidden, weight, labels, bias, reduction, label_smoothing, logit_softc
     if len(devices) > 1:
         raise UnsupportedInputError(f"tensors on different devices: {sorted(map(str, devices))}")
     flat = labels.reshape(-1).long()
-    if not torch.compiler.is_compiling():  # a host sync: eager only (a compiled graph skips it)
+    # Read on the host off a GPU only: on a GPU it would be a sync in every train step (the one
+    # sync of a converted model's step); there the kernel makes a bad label's row NaN instead.
+    if not flat.is_cuda and not torch.compiler.is_compiling():
         bad = (flat != ignore_index) & ((flat < 0) | (flat >= weight.shape[0]))
         if bool(bad.any()):
             first = flat[bad][0].item()

@@ -26,8 +26,10 @@
 // row in registers would make the re-read unnecessary, at the price of a kernel specialised per
 // vocabulary size; the L2 gives nearly the same traffic for any V.
 //
-// Bounds: a label outside [0, V) is treated as ignored (loss 0, gradient 0), so the kernel never
-// reads outside its row whatever the labels (the caller refuses such labels before the launch).
+// Bounds: a label outside [0, V) that is not ignore_index makes its row's loss and gradient NaN,
+// and nothing is read outside the row whatever the labels. Checking the labels before the launch
+// would read them on the host, a sync in every train step; a NaN loss says as loudly that a label
+// was out of range.
 //
 // Defines: DTYPE 0 fp32 / 1 fp16 / 2 bf16; VEC 1: 16-byte loads and stores on the 16-byte-aligned
 // interior of every row, the few elements before and after it taken one by one (so any V, row
@@ -297,10 +299,10 @@ __device__ void pass2(T* row, const Layout& L, const Params& p, const Grad& g) {
   }
 }
 
-__device__ void zero_row(T* row, const Layout& L) {
+__device__ void fill_row(T* row, const Layout& L, float value) {
   Pack z;
 #pragma unroll
-  for (int e = 0; e < VPT; ++e) z.v[e] = from_float<T>(0.0f);
+  for (int e = 0; e < VPT; ++e) z.v[e] = from_float<T>(value);
   for (int k = threadIdx.x; k < L.packs; k += BLOCK) store(row + L.head + k * VPT, z);
   if (static_cast<int>(threadIdx.x) < L.extras) __stcs(row + L.extra_col(threadIdx.x), z.v[0]);
 }
@@ -329,9 +331,10 @@ cross_entropy_chunk(T* logits, const long long* labels, const float* row_scale, 
     const Layout L = layout(row, v);
     const long long label = labels[r];
     const bool valid = label != ignore_index && label >= 0 && label < vocab;
-    if (!valid) {
-      if (threadIdx.x == 0) losses[r] = 0.0f;
-      if (write_grad) zero_row(row, L);
+    if (!valid) {  // ignored: 0; a label out of range: NaN
+      const float fill = label == ignore_index ? 0.0f : __int_as_float(0x7fc00000);
+      if (threadIdx.x == 0) losses[r] = fill;
+      if (write_grad) fill_row(row, L, fill);
       continue;
     }
     // Read before the barriers, hence before pass 2 overwrites it.

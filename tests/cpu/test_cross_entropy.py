@@ -243,14 +243,19 @@ def test_chunk_op_bfloat16_gradient_is_written_in_place_in_bfloat16():
     assert torch.equal(logits, grad_ref.to(torch.bfloat16))
 
 
-def test_chunk_op_treats_labels_out_of_range_as_ignored():
+def test_chunk_op_makes_rows_of_labels_out_of_range_nan():
+    """The kernel's rule, which the torch step shares: no read out of bounds, no host check;
+    the row's loss and gradient are NaN, an ignored row's 0, the others untouched."""
     from custom_kernels.cross_entropy import chunk_loss_and_grad
 
     logits, labels = chunk_inputs()
+    labels[0] = -100
+    expected = chunk_loss_and_grad(logits.clone(), labels.clone())
     labels[1], labels[2] = 300, -7
     losses = chunk_loss_and_grad(logits, labels)
-    assert losses[1] == 0 and losses[2] == 0 and (logits[1:3] == 0).all()
-    assert (losses[3:] > 0).any()
+    assert losses[0] == 0 and (logits[0] == 0).all()
+    assert losses[1:3].isnan().all() and logits[1:3].isnan().all()
+    assert torch.equal(losses[3:], expected[3:]) and not logits[3:].isnan().any()
 
 
 def test_chunk_op_passes_opcheck():

@@ -75,13 +75,28 @@ def test_peak_memory_is_one_chunk_not_the_logits():
     assert extra < full_logits_fp32 / 2, extra
 
 
-def test_bad_labels_are_refused_before_any_launch():
-    from custom_kernels.core.errors import UnsupportedInputError
-
+def test_a_label_out_of_range_makes_its_row_nan_without_a_host_sync():
+    """On a GPU the labels are not read on the host (a sync every step): a label outside
+    [0, V) that is not ignore_index makes its row's loss and gradient NaN, the other rows
+    untouched; off a GPU the call refuses it (tests/cpu)."""
     h, w, labels = case(64, 64, 1000, torch.bfloat16)
-    labels[3] = 1000
-    with pytest.raises(UnsupportedInputError, match="outside"):
-        cutlass_ops.linear_cross_entropy(h, w, labels)
+    labels[3], labels[5] = 1000, -7
+    h.requires_grad_(True)
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in the call raises
+    try:
+        losses = cutlass_ops.linear_cross_entropy(h, w, labels, reduction="none")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    bad = torch.zeros(64, dtype=torch.bool, device="cuda")
+    bad[[3, 5]] = True
+    assert losses[bad].isnan().all() and not losses[~bad].isnan().any()
+    good = labels.clone()
+    good[bad] = -100
+    expected = reference(h.detach().float(), w.float(), good, reduction="none")
+    assert torch.allclose(losses[~bad], expected[~bad], rtol=2e-2, atol=2e-2)
+    losses.nansum().backward()
+    assert h.grad[bad].isnan().all() and not h.grad[~bad].isnan().any()
+    assert cutlass_ops.linear_cross_entropy(h.detach(), w, labels).isnan()
 
 
 # ---- the fused chunk kernel -------------------------------------------------------------------
