@@ -231,13 +231,20 @@ def test_kernel_strided_and_misaligned_rows_stay_in_bounds(offset, width, dtype)
     assert torch.equal(buffer[mask], outside[mask])
 
 
-def test_kernel_treats_labels_out_of_range_as_ignored():
-    logits, labels = chunk_case(20, 32000, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_makes_rows_of_labels_out_of_range_nan(dtype):
+    """Nothing read out of bounds, no host check: the row's loss and gradient are NaN, ignored
+    rows 0, the other rows what they would be."""
+    logits, labels = chunk_case(20, 32000, dtype)
+    labels[0] = -100
+    expected_logits = logits.clone()
+    expected = ce.chunk_loss_and_grad(expected_logits, labels.clone())
     labels[1], labels[2], labels[3] = 32000, -5, 2 ** 40
     losses = ce.chunk_loss_and_grad(logits, labels)
     torch.cuda.synchronize()
-    assert (losses[1:4] == 0).all() and (logits[1:4] == 0).all()
-    assert (losses[4:][labels[4:] != -100] > 0).all()
+    assert losses[0] == 0 and (logits[0] == 0).all()
+    assert losses[1:4].isnan().all() and logits[1:4].isnan().all()
+    assert torch.equal(losses[4:], expected[4:]) and torch.equal(logits[4:], expected_logits[4:])
 
 
 def test_kernel_custom_ignore_index_and_many_rows_per_block():
