@@ -277,9 +277,8 @@ def torch_chunk_step(logits: torch.Tensor, capped: Optional[torch.Tensor], label
     grad *= valid[:, None]
     if capped is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
         grad *= 1.0 - capped * capped
-    if out_of_range.any():  # off a GPU (or the tests'): no launch waits on this
-        loss = torch.where(out_of_range, float("nan"), loss)
-        grad[out_of_range] = float("nan")
+    loss = torch.where(out_of_range, float("nan"), loss)
+    grad.masked_fill_(out_of_range[:, None], float("nan"))
     return loss, grad
 
 
