@@ -35,9 +35,9 @@ def test_merged_linear_matches_separate_layers(packed, bias):
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_the_backward_keeps_no_copy_of_the_weights(packed):
-    """Weights that are not packed (FSDP2's gathered ones never are) are concatenated for the
-    GEMM, but autograd keeps the weights, not that copy: a kept copy would hold every layer's
-    merged weights from its forward to its backward. A packed view is kept: it is no copy."""
+    """Autograd keeps the weights (or their packed view), never a merged copy: a kept copy
+    would hold every layer's merged weights from its forward to its backward (FSDP2 frees its
+    gathered weights after each layer's forward)."""
     layers = _layers()
     if packed:
         fused_linear.pack(layers)
@@ -50,6 +50,34 @@ def test_the_backward_keeps_no_copy_of_the_weights(packed):
     assert saved and all(t.untyped_storage().data_ptr() in storages for t in saved)
     y.sum().backward()
     assert x.grad is not None and all(w.grad is not None for w in weights)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_unpacked_weights_are_never_concatenated(monkeypatch, grad, bias):
+    """FSDP2's gathered weights are separate tensors: each weight's GEMM writes its columns of
+    the output in place, and dX sums the weights' GEMMs, so no pass copies the weights (a
+    concatenation copied 272 MB of a Llama-3-8B layer each way). Same values as the layers."""
+    layers = _layers(bias, widths=(8, 4, 12))
+    assert not fused_linear.is_packed(layers)
+    x = torch.randn(2, 5, 16, requires_grad=grad)
+    expected = torch.cat([l(x) for l in layers], -1)
+    params = [p for l in layers for p in l.parameters()]
+    theirs = torch.autograd.grad(expected, [x, *params], torch.ones_like(expected)) \
+        if grad else None
+
+    def no_cat(*args, **kwargs):
+        raise AssertionError("the weights were concatenated")
+
+    with torch.set_grad_enabled(grad):
+        merged_bias = fused_linear.merged_bias(layers)  # (the biases are concatenated: small)
+        monkeypatch.setattr(torch, "cat", no_cat)
+        y = fused_linear.merged_linear(x, [l.weight for l in layers], merged_bias)
+        torch.testing.assert_close(y, expected.detach())
+        if grad:
+            mine = torch.autograd.grad(y, [x, *params], torch.ones_like(y))
+            for a, b in zip(mine, theirs):
+                torch.testing.assert_close(a, b)
 
 
 def test_pack_keeps_parameters_and_values():
