@@ -36,6 +36,8 @@ torch reference.
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 from typing import Optional
 
@@ -104,12 +106,19 @@ def _launch(a, b, ya, yb, cos, sin, backward: bool) -> None:
                *_strides(cos, 2), *_strides(sin, 2))
     vw = vector_width(first.element_size(), half, strides, [t.data_ptr() for t in tensors])
     device = first.device.index
-    kernel = jit.get_kernel(SOURCE, kernel_name(backward), device=device,
-                            defines=_defines(DTYPE_CODES[first.dtype], vw))
+    kernel = _kernel(backward, DTYPE_CODES[first.dtype], vw, device)
     groups = -(-(heads_a + heads_b) // HEADS)
     grid = (-(-rows * (half // vw) // BLOCK), min(groups, MAX_GRID_Y))
     launch(kernel, _ptr(a), _ptr(b), _ptr(ya), _ptr(yb), cos.data_ptr(), sin.data_ptr(), rows,
            seq, half, heads_a, heads_b, *strides, grid=grid, block=BLOCK, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(backward: bool, dtype_code: int, vw: int, device: int):
+    """The loaded kernel; cached here too, which saves get_kernel's key normalisation (host
+    time a call, at the start of a step where the GPU waits on the host)."""
+    return jit.get_kernel(SOURCE, kernel_name(backward), device=device,
+                          defines=_defines(dtype_code, vw))
 
 
 def _ptr(t) -> int:

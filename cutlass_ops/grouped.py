@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from custom_kernels.core import fallback
+from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -131,7 +132,12 @@ def _check_cuda_layout(name: str, t: Tensor, *, address: bool = False) -> None:
 def grouped_mm_op(a: Tensor, b: Tensor, offs: Optional[Tensor],
                   offs_cover_all: bool = False) -> Tensor:
     """See the module docstring; ``grouped_mm`` checks the inputs first. ``offs_cover_all``:
-    the backward's promise (``grouped_mm``'s keyword of that name)."""
+    the backward's promise (``routed_grouped_mm``'s)."""
+    return _run(a, b, offs)
+
+
+def _run(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> Tensor:
+    """The op's implementation (no autograd)."""
     form = form_of(a, b, offs)
     if fallback.off_cuda({"a": a, "b": b, "offs": offs}, "cutlass_ops.grouped_mm",
                          "cutlass_ops.grouped.reference"):
@@ -204,7 +210,7 @@ def _backward(ctx, grad: Tensor):
     form = form_of(a, b, offs)
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
-        grad_a = grouped_mm_op(grad, b.transpose(-1, -2), offs)
+        grad_a = _call(grad, b.transpose(-1, -2), offs)
         if form in ("2d3d", "2d2d") and not ctx.offs_cover_all:  # a's rows or columns grouped
             grad_a = _zero_past(grad_a, offs, 0 if form == "2d3d" else 1)
     if ctx.needs_input_grad[1]:
@@ -213,9 +219,9 @@ def _backward(ctx, grad: Tensor):
             # Computed as (grad^T a)^T, the gradient comes out in the weight's own layout, so
             # AccumulateGrad adds it in place instead of copying a transposed [E, N, K] (a
             # strided copy of every expert's weight gradient; docs/measurements.md).
-            grad_b = grouped_mm_op(grad.transpose(-1, -2), a, offs).transpose(-1, -2)
+            grad_b = _call(grad.transpose(-1, -2), a, offs).transpose(-1, -2)
         else:
-            grad_b = grouped_mm_op(a.transpose(-1, -2), grad, offs)
+            grad_b = _call(a.transpose(-1, -2), grad, offs)
         if form in ("2d2d", "3d2d") and not ctx.offs_cover_all:  # b's rows or columns grouped
             grad_b = _zero_past(grad_b, offs, 0 if form == "2d2d" else 1)
     return grad_a, grad_b, None, None
@@ -233,6 +239,31 @@ def _zero_past(t: Tensor, offs: Tensor, dim: int) -> Tensor:
 torch.library.register_autograd("cutlass_ops::grouped_mm", _backward, setup_context=_setup)
 
 
+class _EagerGroupedMM(torch.autograd.Function):
+    """The op's autograd without its dispatch (``_call``)."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs, offs_cover_all):
+        _setup(ctx, (a, b, offs, offs_cover_all), None)
+        return _run(a, b, offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _backward(ctx, grad)
+
+
+def _call(a: Tensor, b: Tensor, offs: Optional[Tensor], offs_cover_all: bool = False) -> Tensor:
+    """The custom op; eagerly with plain tensors its implementation (through
+    ``_EagerGroupedMM`` when a gradient is wanted), since torch's Python custom-op dispatch
+    costs about as much host time as the launch itself (about 0.1 ms on an H100 host, at the
+    start of a train step where the GPU waits on the host: docs/measurements.md)."""
+    if torch.compiler.is_compiling() or not plain_eager(a, b, offs):
+        return grouped_mm_op(a, b, offs, offs_cover_all)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _EagerGroupedMM.apply(a, b, offs, offs_cover_all)
+    return _run(a, b, offs)
+
+
 # ---- the public function and the reference --------------------------------------------------
 
 def grouped_mm(a: Tensor, b: Tensor, offs: Optional[Tensor] = None, *,
@@ -240,7 +271,7 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Optional[Tensor] = None, *,
     """One GEMM per group (see the module docstring for the forms, ``offs`` and the layouts).
     ``out_dtype``: None or the operands' dtype (the accumulation is float32 either way)."""
     check(a, b, offs, out_dtype)
-    return grouped_mm_op(a, b, offs)
+    return _call(a, b, offs)
 
 
 def routed_grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
@@ -250,7 +281,7 @@ def routed_grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     pass over it. Not checked (that would read offs on the host): not public API; anyone else
     calls ``grouped_mm``, whose backward zeroes those rows."""
     check(a, b, offs, None)
-    return grouped_mm_op(a, b, offs, True)
+    return _call(a, b, offs, True)
 
 
 def bounds(offs: Tensor, extent: int) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from cutlass_ops import (causal_mask, decoder_blocks, lm_loss, moe, moe_router, norm_probe, ops,
-                         step_graphs)
+                         rotary_embedding, step_graphs)
 from cutlass_ops.gemms.config import Activation
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
@@ -224,6 +224,7 @@ def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_
         decisions += _fuse_routers(model, include, exclude)
     if fuse_blocks:
         decisions += _fuse_decoder_layers(model, include, exclude)
+        decisions += _fuse_rotary_embeddings(model, include, exclude)
         if any(d.converted and decoder_blocks.is_fused(model.get_submodule(d.name))
                for d in decisions) and causal_mask.structure_refusal(model) is None:
             causal_mask.route(model)
@@ -255,6 +256,24 @@ def _fuse_routers(model, include, exclude) -> list:
             continue
         why = moe_router.fuse_router(block)
         decisions.append(Decision(name, kind, why is None, why or moe_router.describe(gate)))
+    return decisions
+
+
+def _fuse_rotary_embeddings(model, include, exclude) -> list[Decision]:
+    """Hugging Face rotary embedding modules (found by structure) computing their cos / sin
+    tables on one launch where the probe agrees (cutlass_ops.rotary_embedding)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    decisions = []
+    for name, module in model.named_modules():
+        if not rotary_embedding.looks_like_rotary_embedding(module):
+            continue
+        kind = type(module).__name__
+        if include is not None and name not in include or name in exclude:
+            decisions.append(Decision(name, kind, False, "excluded by the caller"))
+            continue
+        why = rotary_embedding.fuse(module, dtype)
+        decisions.append(Decision(name, kind, why is None, why or (
+            "cos / sin tables in one launch, the same bits (cutlass_ops.rotary_embedding)")))
     return decisions
 
 

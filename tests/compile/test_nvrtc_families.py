@@ -101,6 +101,15 @@ def test_moe_combine_family_compiles(cache_root, dtype, backward):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotary_tables_family_compiles(cache_root, dtype):
+    from custom_kernels import rotary_tables
+
+    for freq in ("float32", "bfloat16"):  # a model cast to bf16 casts its inv_freq buffer too
+        path = rotary_tables.compile_rotary_tables(dtype, freq)
+        assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_moe_combine_kernels_do_not_spill(dtype):
     """ptxas's report for every slots-a-thread variant (the register ceilings of
     csrc/moe_combine.cu were set so that none spills; int32 indices were the tightest)."""

@@ -111,6 +111,29 @@ def test_routed_rows_skip_the_tail_zeroing_and_keep_the_gradients(monkeypatch):
     assert len(masked) == 1  # without the promise the tail is zeroed
 
 
+def test_eager_calls_skip_the_custom_op_dispatch_and_compiled_ones_take_it(monkeypatch):
+    """Plain tensors eagerly: the implementation directly (autograd through a Function), since
+    the op's Python dispatch costs a launch's worth of host time; the same values and
+    gradients. Under torch.compile the custom op is what the graph holds."""
+    a = torch.randn(24, 16, requires_grad=True)
+    b = torch.randn(4, 16, 8, requires_grad=True)
+    offs = offsets([5, 0, 11, 8])
+    grad = torch.randn(24, 8)
+    cutlass_ops.grouped_mm(a, b, offs).backward(grad)
+    want = (a.grad.clone(), b.grad.clone())
+    a.grad = b.grad = None
+    dispatched = []
+    real = grouped.grouped_mm_op
+    monkeypatch.setattr(grouped, "grouped_mm_op", lambda *args: dispatched.append(1) or
+                        real(*args))
+    out = cutlass_ops.grouped_mm(a, b, offs)
+    out.backward(grad)
+    assert not dispatched and torch.equal(a.grad, want[0]) and torch.equal(b.grad, want[1])
+    torch.compile(cutlass_ops.grouped_mm, fullgraph=True, backend="aot_eager")(
+        a.detach(), b.detach(), offs)
+    assert dispatched
+
+
 def test_the_custom_op_passes_opcheck():
     op = torch.ops.cutlass_ops.grouped_mm.default
     for form, (a_shape, b_shape, sizes) in CASES.items():
