@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from cutlass_ops import fused_linear, sharded_gemms, step_graphs
+from cutlass_ops import fused_linear, mixins, sharded_gemms, step_graphs
 from custom_kernels.core.tolerances import relative_error
 from custom_kernels.norms import ops as norm_ops
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
@@ -391,17 +391,8 @@ def _sliding_window(attention):
     return getattr(attention.config, "sliding_window", None)
 
 
-_classes: dict = {}
-
-
 def _fused_class(mixin: type, cls: type) -> type:
-    """``Fused<cls>``: the mixin's forward on top of the model's class (cached per class)."""
-    key = (mixin, cls)
-    if key not in _classes:
-        _classes[key] = type(f"Fused{cls.__name__}", (mixin, cls),
-                             {"_hf_class": cls, "__module__": __name__,
-                              "__doc__": f"{cls.__name__} as a fused block ({__name__})."})
-    return _classes[key]
+    return mixins.fused_class(mixin, cls, "as a fused block")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cutlass_ops import mixins
 from cutlass_ops.moe import SORTED_PAIRS, GroupedExperts
 from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
 from custom_kernels.moe_routing import route
@@ -37,7 +38,6 @@ PLAN = "_cutlass_ops_router"  # on a fused router: its _Plan
 EXPERTS = "_cutlass_ops_experts"  # on a fused router: the block's experts module
 PROBE_TOKENS = 64
 CANDIDATES = (("softmax", True), ("softmax", False), ("sigmoid", True), ("sigmoid", False))
-_classes: dict = {}
 
 
 class _Plan(NamedTuple):
@@ -70,11 +70,7 @@ class FusedTopKRouter:
 
 
 def _fused_class(cls: type) -> type:
-    if cls not in _classes:
-        _classes[cls] = type(f"Fused{cls.__name__}", (FusedTopKRouter, cls),
-                             {"_hf_class": cls, "__module__": __name__,
-                              "__doc__": f"{cls.__name__} on one routing pass ({__name__})."})
-    return _classes[cls]
+    return mixins.fused_class(FusedTopKRouter, cls, "on one routing pass")
 
 
 def structure_refusal(block: nn.Module) -> Optional[str]:

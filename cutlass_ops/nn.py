@@ -263,17 +263,25 @@ def _fuse_rotary_embeddings(model, include, exclude) -> list[Decision]:
     """Hugging Face rotary embedding modules (found by structure) computing their cos / sin
     tables on one launch where the probe agrees (cutlass_ops.rotary_embedding)."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return _swaps(model, include, exclude, rotary_embedding.looks_like_rotary_embedding,
+                  lambda module: rotary_embedding.fuse(module, dtype),
+                  lambda module: "cos / sin tables in one launch, the same bits "
+                  "(cutlass_ops.rotary_embedding)")
+
+
+def _swaps(model, include, exclude, recognised, swap, done) -> list[Decision]:
+    """A decision for each module ``recognised`` by structure: excluded by the caller, or
+    ``swap(module)``'s refusal, or ``done(module)`` when it swapped."""
     decisions = []
-    for name, module in model.named_modules():
-        if not rotary_embedding.looks_like_rotary_embedding(module):
+    for name, module in list(model.named_modules()):
+        if not recognised(module):
             continue
         kind = type(module).__name__
         if include is not None and name not in include or name in exclude:
             decisions.append(Decision(name, kind, False, "excluded by the caller"))
             continue
-        why = rotary_embedding.fuse(module, dtype)
-        decisions.append(Decision(name, kind, why is None, why or (
-            "cos / sin tables in one launch, the same bits (cutlass_ops.rotary_embedding)")))
+        why = swap(module)
+        decisions.append(Decision(name, kind, why is None, why or done(module)))
     return decisions
 
 
@@ -367,18 +375,9 @@ _MOE_BLOCK = ("fused attention half: QKV as one GEMM, the rotary kernel, the fir
 def _fuse_decoder_layers(model, include, exclude) -> list[Decision]:
     """Decoder layers (found by structure, after their Linears and norms were converted) made
     fused blocks where the probe agrees."""
-    decisions = []
-    for name, module in list(model.named_modules()):
-        if not decoder_blocks.looks_like_decoder_layer(module):
-            continue
-        kind = type(module).__name__
-        if include is not None and name not in include or name in exclude:
-            decisions.append(Decision(name, kind, False, "excluded by the caller"))
-            continue
-        why = decoder_blocks.fuse(module)
-        done = _MOE_BLOCK if why is None and decoder_blocks.has_moe_mlp(module) else _DENSE_BLOCK
-        decisions.append(Decision(name, kind, why is None, why or done))
-    return decisions
+    return _swaps(model, include, exclude, decoder_blocks.looks_like_decoder_layer,
+                  decoder_blocks.fuse, lambda module: _MOE_BLOCK
+                  if decoder_blocks.has_moe_mlp(module) else _DENSE_BLOCK)
 
 
 def _next_in_sequential(parent: nn.Sequential, child: str) -> nn.Module | None:

@@ -26,12 +26,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from cutlass_ops import mixins
 from custom_kernels.core.tolerances import relative_error
 from custom_kernels.rotary_tables import DTYPE_CODES, POSITION_DTYPES, rotary_tables
 
 DYNAMIC_TYPES = ("dynamic", "longrope")  # rope types whose inv_freq follows the positions
 PROBE_POSITIONS = 64
-_classes: dict = {}
 
 
 class FusedRotaryEmbedding:
@@ -47,11 +47,7 @@ class FusedRotaryEmbedding:
 
 
 def _fused_class(cls: type) -> type:
-    if cls not in _classes:
-        _classes[cls] = type(f"Fused{cls.__name__}", (FusedRotaryEmbedding, cls),
-                             {"_hf_class": cls, "__module__": __name__,
-                              "__doc__": f"{cls.__name__} on one launch ({__name__})."})
-    return _classes[cls]
+    return mixins.fused_class(FusedRotaryEmbedding, cls, "on one launch")
 
 
 def looks_like_rotary_embedding(module: nn.Module) -> bool:
