@@ -153,6 +153,20 @@ def _copying_route(checked: CheckedScaled, fast_accum: bool, reason: str) -> Rou
     return Route(dispatch.Decision("copy", None, reason), run)
 
 
+def _skinny_without_copies(checked: CheckedScaled, fast_accum: bool, scale_a,
+                           scale_b) -> Route | None:
+    """The skinny kernel on a blockwise call's own tensors where its copies (rows padded to a
+    multiple of 4: a decode step's M) would be routed to it: it takes any M and reads the scales
+    through their strides, so the copies would buy nothing. None otherwise."""
+    if scale_a.stride(0) != 1 or scale_b.stride(0) != 1:  # not the column-major views it reads
+        return None
+    padded = dataclasses.replace(checked, m=checked.m + -checked.m % 4)
+    decision = decide(padded, fast_accum, scale_a, scale_b, scales_read=False)
+    if not isinstance(decision.choice, scaled_skinny.SkinnyConfig):
+        return None
+    return _skinny_route(decision, checked)
+
+
 def _cutlass_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum: bool,
                    key) -> Route:
     """The chosen kernel; its first call plans it on that call's tensors (load, can_implement,
@@ -225,14 +239,16 @@ def known_route(a, b, scale_a, scale_b, bias, out_dtype, fast_accum: bool) -> Ro
     return _routes.get(_signature(a, b, scale_a, scale_b, bias, out_dtype, fast_accum))
 
 
-def decide(checked: CheckedScaled, fast_accum: bool, scale_a, scale_b) -> dispatch.Decision:
-    """Which kernel runs the call (see the module docstring)."""
+def decide(checked: CheckedScaled, fast_accum: bool, scale_a, scale_b, *,
+           scales_read: bool = True) -> dispatch.Decision:
+    """Which kernel runs the call (see the module docstring). ``scales_read=False``: the
+    scales' layout is not judged (the decision for copies of them, ``_skinny_without_copies``)."""
     from custom_kernels.core.device import current_scope, current_spec
     from cutlass_ops.gemms.loader import is_built
 
     if scale_a.device.type != "cuda":  # the op called directly on other tensors
         return dispatch.Decision("torch", None, f"the tensors are on {scale_a.device}")
-    refusal = scaled_plan.layout_refusal(checked, scale_a, scale_b)
+    refusal = scaled_plan.layout_refusal(checked, scale_a, scale_b) if scales_read else None
     if refusal is not None:
         return dispatch.Decision("torch", None, refusal)
     problem = scaled_plan.problem_of(checked, fast_accum)
@@ -267,8 +283,10 @@ def route(a, b, scale_a, scale_b, bias, checked: CheckedScaled, fast_accum: bool
         return found
     copy_reason = _blockwise_copy_reason(checked, scale_a, scale_b)
     if copy_reason is not None:
+        made = _skinny_without_copies(checked, fast_accum, scale_a, scale_b) or \
+            _copying_route(checked, fast_accum, copy_reason)
         with _lock:
-            return _routes.setdefault(key, _copying_route(checked, fast_accum, copy_reason))
+            return _routes.setdefault(key, made)
     decision = decide(checked, fast_accum, scale_a, scale_b)
     if decision.choice is None:
         made = _torch_route(decision, checked, fast_accum)
@@ -287,8 +305,10 @@ def explain(a, b, scale_a, scale_b, *, bias=None, out_dtype=None,
 
     checked = check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
     copy_reason = _blockwise_copy_reason(checked, scale_a, scale_b)
-    if copy_reason is not None:  # the copies are dispatched in turn
-        return dispatch.Decision("copy", None, copy_reason)
+    if copy_reason is not None:  # the copies are dispatched in turn, unless the skinny
+        direct = _skinny_without_copies(checked, use_fast_accum, scale_a, scale_b)  # takes it
+        return direct.decision if direct is not None else \
+            dispatch.Decision("copy", None, copy_reason)
     return decide(checked, use_fast_accum, scale_a, scale_b)
 
 

@@ -3,7 +3,8 @@ dequantized float32 product on random data (scales that differ row by row and bl
 rows that do not fill a block, a bias, a float32 output, an e5m2 operand, every split count),
 the same bits on every run (the cluster sums its partial tiles in a fixed order), CUDA graphs,
 and dispatch: a tuned skinny winner runs through cutlass_ops.scaled_mm, eagerly, in a graph and
-under torch.compile, and one whose cubin is not in the cache is not compiled on a call."""
+under torch.compile, a blockwise call of M % 4 != 0 runs it without padded copies, and one whose
+cubin is not in the cache is not compiled on a call."""
 
 import pytest
 import torch
@@ -127,6 +128,25 @@ def test_dispatch_runs_a_tuned_skinny_winner_eagerly_in_graphs_and_under_compile
     torch.cuda.synchronize()
     doubled = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, recipe)
     assert relative_error(captured, doubled) < TOLERANCE
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_a_blockwise_call_of_m_not_a_multiple_of_4_runs_the_skinny_winner_without_copies(
+        tmp_path, monkeypatch, m):
+    """Blockwise calls of M % 4 != 0 (decode) are padded for the CUTLASS kernels and cuBLAS;
+    where the padded call's winner is the skinny kernel, it runs on the call's own tensors."""
+    winner = tuned_skinny_winner(tmp_path, monkeypatch, Recipe.BLOCKWISE, 4, 1024, 2048, False)
+    a, b, sa, sb = inputs(Recipe.BLOCKWISE, m, 1024, 2048, seed=9)
+    decision = scaled_dispatch.explain(a, b, sa, sb)
+    assert decision.choice == winner, decision
+    copies = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *args, **kw: copies.append(1) or real_cat(*args,
+                                                                                        **kw))
+    out = cutlass_ops.scaled_mm(a, b, sa, sb)
+    assert not copies and out.shape == (m, 1024)
+    expected = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, Recipe.BLOCKWISE)
+    assert relative_error(out, expected) < TOLERANCE
 
 
 def test_a_skinny_winner_without_its_cubin_runs_torch_rather_than_compile(tmp_path,
