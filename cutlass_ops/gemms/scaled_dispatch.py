@@ -158,8 +158,8 @@ def _skinny_without_copies(checked: CheckedScaled, fast_accum: bool, scale_a,
     """The skinny kernel on a blockwise call's own tensors where its copies (rows padded to a
     multiple of 4: a decode step's M) would be routed to it: it takes any M and reads the scales
     through their strides, so the copies would buy nothing. None otherwise."""
-    if scale_a.stride(0) != 1 or scale_b.stride(0) != 1:  # not the column-major views it reads
-        return None
+    if any(t.shape[0] > 1 and t.stride(0) != 1 for t in (scale_a, scale_b)):
+        return None  # not the column-major views it reads
     padded = dataclasses.replace(checked, m=checked.m + -checked.m % 4)
     decision = decide(padded, fast_accum, scale_a, scale_b, scales_read=False)
     if not isinstance(decision.choice, scaled_skinny.SkinnyConfig):
