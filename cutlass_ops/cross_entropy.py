@@ -243,6 +243,15 @@ def _scale(t, scale):
     return kernel.scale_(t, scale) if t is not None else None
 
 
+def divisor(reduction: str, labels, ignore_index: int, num_items=None):
+    """What the summed loss is divided by: 1 for ``sum``; for ``mean``, ``num_items`` (Hugging
+    Face's trainer) or the count of non-ignored labels, as F.cross_entropy (a device value: no
+    sync; NaN in the loss when every label is ignored)."""
+    if reduction != "mean":
+        return 1.0
+    return float(num_items) if num_items is not None else (labels != ignore_index).sum()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, smoothing, softcap,
@@ -259,10 +268,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         losses, *grads = _loss_and_grads(hidden, weight, bias, labels, *args,
                                          wants=tuple(ctx.needs_input_grad[:3]))
         ctx.grads = grads
-        ctx.count = 1.0
-        if reduction == "mean":  # F.cross_entropy: the non-ignored rows (NaN when none is)
-            ctx.count = float(num_items) if num_items is not None else \
-                (labels != ignore_index).sum()
+        ctx.count = divisor(reduction, labels, ignore_index, num_items)
         return losses.sum() / ctx.count
 
     @staticmethod

@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cutlass_ops.cross_entropy import (REDUCTIONS, _accumulate, _chunks, _matmul,
+from cutlass_ops.cross_entropy import (REDUCTIONS, _accumulate, _chunks, _matmul, divisor,
                                        default_chunk_rows)
 from custom_kernels import cross_entropy as kernel
 from custom_kernels.core.errors import UnsupportedInputError
@@ -378,10 +378,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         losses, _, *grads = _run(hidden, weight, labels, plan,
                                  wants=tuple(ctx.needs_input_grad[:2]))
         ctx.grads = grads
-        ctx.count = 1.0
-        if reduction == "mean":  # F.cross_entropy: the non-ignored rows (NaN when none is)
-            ctx.count = float(num_items) if num_items is not None else \
-                (labels != plan.ignore_index).sum()
+        ctx.count = divisor(reduction, labels, plan.ignore_index, num_items)
         return losses.sum() / ctx.count
 
     @staticmethod
