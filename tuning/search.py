@@ -4,9 +4,9 @@ For each problem: candidates from our model (and NVIDIA's heuristics when instal
 parallel through the artifact cache, all problems' kernels at once (one kernel serves every shape
 it fits); then the protocol's rounds, so that tens of kernels cost seconds, not minutes, of GPU
 time per shape: every built candidate verified against a float32 reference and timed briefly;
-the run-time variants (raster order, swizzle, splits) of the best few, verified too; each of the
-best four timed beside torch.matmul, the pair interleaved repetition by repetition; the best
-ratio wins and is stored with torch's time and the runners-up.
+the run-time variants (raster order, swizzle, splits) of the best few (of all, for FP8), verified
+too; each of the best four timed beside torch.matmul, the pair interleaved repetition by
+repetition; the best ratio wins and is stored with torch's time and the runners-up.
 
 A time budget goes mostly to builds (each problem's best candidates first); measuring gets the
 rest, and each problem at least a few seconds.
@@ -32,6 +32,8 @@ from tuning.protocol import Progress
 ROUNDS = protocol.Rounds()  # the protocol's own: GEMMs are what it was set for
 BUILD_SHARE = 0.75  # of a time budget, for builds: measuring is quick but must not be starved
 MIN_MEASURE_S = 2.0  # every problem's measuring time, budget or not
+# Scaled FP8 problems vary this many of their first round's kernels: all of candidates.fp8_seeds.
+FP8_VARIED_KERNELS = 12
 
 
 @dataclasses.dataclass
@@ -142,16 +144,17 @@ class GemmFamily:
 
     def derived(self, problem: GemmProblem, ranked: list[Choice]) -> list[Choice]:
         """The run-time variants of the best few kernels (no new build). For scaled FP8
-        problems, also those of the best stream-K kernel wherever it ranked: its first-round
-        time is CUTLASS's own split count, and the forced splits are what small-M, long-K
-        shapes need (the H200 tune measured torch 1.2x faster there without them)."""
+        problems, those of every kernel of the pool (``FP8_VARIED_KERNELS``: the FP8 seeds
+        whole, short of an exhaustive search's pool): a kernel's
+        first-round time at the default tile order says little about its best order. On an
+        H100 the kernel that won 16384x14336x4096 tensorwise once swizzled (pingpong 128x128,
+        1.05x torch) ranked last of eight unswizzled, at 1.37x the best one's time
+        (docs/measurements.md, "Every FP8 kernel's tile orders"). That includes the stream-K
+        kernel's forced split counts wherever it ranked: its first-round time is CUTLASS's
+        own split count, and small-M, long-K shapes need the forced splits."""
         choices = [c for c in ranked if isinstance(c, Choice)]
-        kernels = choices[:self.strategy.varied_kernels]
-        if problem.operands.scaling.value != "none":
-            stream_k = next((c for c in choices if c.config.tile_scheduler.value == "streamk"),
-                            None)
-            if stream_k is not None and stream_k not in kernels:
-                kernels.append(stream_k)
+        fp8 = problem.operands.scaling.value != "none"
+        kernels = choices[:max(self.strategy.varied_kernels, FP8_VARIED_KERNELS if fp8 else 0)]
         return [variant for choice in kernels
                 for variant in candidates.variants(problem, choice, self.device)[1:]]
 

@@ -4,7 +4,8 @@ from tuning_fakes import SCOPE, FakeBackend, stored
 from cutlass_ops.gemms.config import GemmOperands, GemmProblem
 from cutlass_ops.gemms.gemm_entries import gemm_cache
 from cutlass_ops.gemms.choice import Choice
-from tuning.search import tune
+from tuning.candidates import Strategy
+from tuning.search import GemmFamily, tune
 
 OPS = GemmOperands.make("bf16")
 
@@ -254,6 +255,42 @@ def test_a_scaled_tune_times_the_stream_k_kernels_splits_wherever_it_ranked(tmp_
     split_variants = [c for c in cutlass
                       if c.config.tile_scheduler.value == "streamk" and c.config.splits > 1]
     assert split_variants and not any(c.swap_ab for c in cutlass)
+
+
+def test_a_scaled_tune_varies_every_kernel_and_finds_one_that_ranked_last_unswizzled(tmp_path):
+    """FP8 problems time the tile orders of every kernel of the pool, not of the best few: a
+    kernel last in round 1 (its default order) wins once swizzled, as pingpong 128x128 did on
+    an H100. A bf16 problem still varies the strategy's best few only."""
+    from cutlass_ops.gemms.scaled_plan import scaled_problem
+
+    from tuning_fakes import FakeSession
+
+    class SwizzleBloomer(FakeSession):  # the slowest kernel at swizzle 1 is fastest at 8
+        def time_ms(self, choice, reps):
+            ms = super().time_ms(choice, reps)
+            if choice.backend == "cutlass" and choice.config.build_fields() == slow.build_fields():
+                return ms / 100 if choice.config.swizzle == 8 else ms * 10
+            return ms
+
+    backend = FakeBackend()
+    problem = scaled_problem("tensorwise", 16384, 14336, 4096, fast_accum=True)
+    pool = GemmFamily(backend, Strategy.QUICK, budget_s=None, use_heuristics=False,
+                      progress=None, build_chunk=None).candidates(problem)
+    slow = max((c for c in pool if isinstance(c, Choice)),
+               key=lambda c: FakeSession(backend, problem).time_ms(c, 1)).config
+    backend.session = lambda p: SwizzleBloomer(backend, p)
+    cache = gemm_cache(SCOPE, tmp_path)
+    tune([problem], backend=backend, strategy="quick", cache=cache, use_heuristics=False)
+    winner = cache.get(problem).winner
+    assert winner.config.build_fields() == slow.build_fields() and winner.config.swizzle == 8
+
+    backend = FakeBackend()
+    bf16 = problems()[0]
+    tune([bf16], backend=backend, strategy="quick", cache=gemm_cache(SCOPE, tmp_path),
+         use_heuristics=False)
+    varied = {c.config.build_fields() for c in backend.timed
+              if c.backend == "cutlass" and c.config.swizzle > 1}
+    assert len(varied) <= Strategy.QUICK.varied_kernels
 
 
 def test_a_small_m_scaled_tune_times_the_skinny_kernel_and_stores_its_winner(tmp_path):
