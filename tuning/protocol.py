@@ -6,7 +6,8 @@ candidates, its builds and a session per problem; this module runs the steps ali
 2. ``build`` them all (in parallel, through the build cache): a failure is recorded, never fatal;
 3. each built candidate verified against the family's float32 reference (the bounds of
    ``custom_kernels.core.tolerances``), then timed briefly with the one clock (``tuning.timing``):
-   the first round. Optionally a round 2 of candidates derived from the best (GEMM: run-time
+   the first round, one candidate after another or (``Rounds.interleaved``) as one group beside
+   torch's call. Optionally a round 2 of candidates derived from the best (GEMM: run-time
    variants of a compiled kernel), verified and timed alike;
 4. the finalists (and the family's baseline, the heuristic's choice, whatever its rank) timed
    again beside torch's same call, interleaved repetition by repetition, so that clock and power
@@ -44,6 +45,12 @@ class Rounds:
     # Each finalist timed beside torch alone, not all in one group: how many compute-bound kernels
     # share a round changes the GPU's power-limited clocks, and users compare one kernel to torch.
     paired: bool = True
+    # The first round and round 2 each timed as one group with torch's call, interleaved
+    # repetition by repetition, and ranked by time over torch's in the same group. Timed one
+    # after another instead, a kernel's rank depends on when it ran: on an H100 the clocks of a
+    # long FP8 tune drift by ~10%, more than the kernels differ (docs/measurements.md, "Every
+    # FP8 kernel's tile orders").
+    interleaved: bool = False
 
 
 class Session(Protocol):
@@ -115,7 +122,10 @@ class Measured:
     """One problem's rounds."""
 
     runnable: int  # candidates built and ready
-    first_ms: dict  # {candidate: ms} of the first round and round 2, in the order timed
+    # {candidate: ms} of the first round and round 2, in the order timed. Interleaved rounds
+    # (Rounds.interleaved) scale each time by the first group's torch time over its own group's,
+    # so that times of both rounds rank alike.
+    first_ms: dict
     final_ms: dict  # {finalist: ms} beside torch
     torch_beside: dict  # {finalist: torch's ms beside it}
     torch_alone_ms: float | None  # torch's time when no candidate ran
@@ -172,31 +182,49 @@ def measure(problem, family: Family, plan: list, built: dict,
     def out_of_time() -> bool:
         return deadline is not None and time.perf_counter() > deadline
 
-    def try_candidate(candidate) -> None:
-        tried.add(candidate)
-        error = session.verify(candidate)
-        if error is None:
-            try:
-                first[candidate] = session.time_ms(candidate, rounds.first_reps)
-            except GraphCaptureError as exc:  # it would break a user's CUDA graph too
-                error = f"capture: {exc}"
-        if error is not None:
-            failures.append(Failure(candidate.name, error.split(":")[0], error))
+    def verified(candidates) -> list:
+        nonlocal complete
+        out = []
+        for candidate in candidates:
+            if out_of_time() and (first or out):
+                complete = False
+                break
+            tried.add(candidate)
+            error = session.verify(candidate)
+            if error is None:
+                out.append(candidate)
+            else:
+                failures.append(Failure(candidate.name, error.split(":")[0], error))
+        return out
 
+    def time_alone(candidate) -> None:
+        try:
+            first[candidate] = session.time_ms(candidate, rounds.first_reps)
+        except GraphCaptureError as exc:  # it would break a user's CUDA graph too
+            error = f"capture: {exc}"
+            failures.append(Failure(candidate.name, "capture", error))
+
+    def time_round(candidates) -> None:
+        """Verifies, then times, a round's candidates (``Rounds.interleaved``: as one group)."""
+        group = verified(candidates)
+        if rounds.interleaved and group:
+            try:
+                times, torch_ms = session.compare_ms(group, rounds.first_reps)
+            except GraphCaptureError:
+                pass  # some candidate cannot be captured: time each alone to find which
+            else:
+                scale = torch_scale.setdefault("first", torch_ms) / torch_ms
+                first.update((c, ms * scale) for c, ms in times.items())
+                return
+        for candidate in group:
+            time_alone(candidate)
+
+    torch_scale: dict = {}
     session = family.session(problem)
     try:
-        for candidate in runnable:
-            if out_of_time() and first:
-                complete = False
-                break
-            try_candidate(candidate)
-
-        for candidate in family.derived(problem, sorted(first, key=first.get)):
-            if out_of_time():
-                complete = False
-                break
-            if candidate not in tried:
-                try_candidate(candidate)
+        time_round(runnable)
+        time_round([c for c in family.derived(problem, sorted(first, key=first.get))
+                    if c not in tried])
 
         finalists = sorted(first, key=first.get)[:rounds.finalists]
         baseline = family.baseline(problem, plan)

@@ -29,7 +29,9 @@ from tuning.backend import Backend
 from tuning.candidates import Strategy
 from tuning.protocol import Progress
 
-ROUNDS = protocol.Rounds()  # the protocol's own: GEMMs are what it was set for
+# The protocol's own (GEMMs are what it was set for), with each round timed as one interleaved
+# group: a long FP8 tune's clock drift otherwise ranked the kernels by when they ran.
+ROUNDS = protocol.Rounds(interleaved=True)
 BUILD_SHARE = 0.75  # of a time budget, for builds: measuring is quick but must not be starved
 MIN_MEASURE_S = 2.0  # every problem's measuring time, budget or not
 # Scaled FP8 problems vary this many of their first round's kernels: all of candidates.fp8_seeds.
