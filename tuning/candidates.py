@@ -236,25 +236,30 @@ def fp8_seeds(problem: GemmProblem) -> list[Choice]:
     """Kernels for scaled FP8 problems (tile K 128, unswapped), searched before the model's:
     pingpong 128x128 and cooperative 128x256 / 256x128 tiles with 2-CTA clusters above M 128
     (the shapes vLLM's and CUTLASS's own sm90 FP8 dispatch settle on), pingpong 64-row tiles
-    with long clusters at small M, stream-K cooperative tiles where K is long beside M x N.
+    with long clusters at small M and 64x64 ones with short clusters (cuBLAS's tensorwise tile
+    at M = 128 on an H100: 64x64, cluster 1x2), stream-K cooperative tiles where K is long
+    beside M x N.
 
     Promoted accumulation (blockwise scaling, and tensorwise / rowwise without fast
     accumulation: the backward GEMMs of convert(fp8=...)) keeps a second float32 accumulator a
     warp group, so its tiles stop at 64 x 128 a warp group: cooperative 128x128 (with and
     without stream-K) and pingpong 64x128. The wider ones spill their second accumulator and
-    run at a fraction of torch._scaled_mm's rate (docs/measurements.md, "FP8 GEMMs")."""
+    run at a fraction of torch._scaled_mm's rate (docs/measurements.md, "FP8 GEMMs"). Blockwise
+    also tries cooperative 128x128 with a 1x4 cluster (cuBLAS's blockwise tile at M = 128)."""
     pp, coop = KernelSchedule.PINGPONG, KernelSchedule.COOPERATIVE
     persistent, stream_k = TileScheduler.PERSISTENT, TileScheduler.STREAM_K
     promoted = problem.operands.scaling is Scaling.BLOCKWISE or not problem.operands.fast_accum
     if promoted and (problem.m > 128 or problem.operands.scaling is Scaling.BLOCKWISE):
         shapes = [(coop, (128, 128), (1, 1), persistent), (coop, (128, 128), (2, 1), persistent),
                   (coop, (128, 128), (1, 2), persistent), (coop, (128, 128), (1, 1), stream_k),
-                  (coop, (128, 128), (2, 1), stream_k), (pp, (64, 128), (1, 1), persistent),
+                  (coop, (128, 128), (2, 1), stream_k), (coop, (128, 128), (1, 4), persistent),
+                  (pp, (64, 128), (1, 1), persistent),
                   (pp, (64, 128), (2, 1), persistent), (pp, (64, 128), (1, 2), persistent)]
     elif problem.m <= 128:
         shapes = [(pp, (64, 128), (2, 1), persistent), (pp, (64, 128), (1, 2), persistent),
                   (pp, (64, 128), (1, 1), persistent), (pp, (64, 64), (1, 8), persistent),
-                  (pp, (64, 64), (1, 4), persistent),
+                  (pp, (64, 64), (1, 4), persistent), (pp, (64, 64), (1, 2), persistent),
+                  (pp, (64, 64), (1, 1), persistent), (pp, (64, 64), (2, 1), persistent),
                   *([] if promoted else [(pp, (64, 256), (1, 2), persistent)]),
                   (coop, (128, 128), (1, 2), persistent), (coop, (128, 128), (1, 1), stream_k)]
     else:

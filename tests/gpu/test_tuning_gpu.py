@@ -77,7 +77,10 @@ def test_report_plots_the_tuned_shapes(tmp_path):
     out = tmp_path / "report.png"
     done = _cli("report", "--out", str(out), "--json")
     assert done.returncode == 0, done.stderr
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # One PNG a GPU: with more than one GPU's tuning in the cache, each is named after its GPU.
+    reports = [Path(p) for p in json.loads(done.stdout)["reports"]]
+    assert reports and all(p.parent == tmp_path for p in reports)
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in reports)
 
 
 def test_graph_timing_replays_the_kernels_and_refuses_an_uncapturable_call():
