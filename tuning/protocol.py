@@ -201,11 +201,11 @@ def measure(problem, family: Family, plan: list, built: dict,
         try:
             first[candidate] = session.time_ms(candidate, rounds.first_reps)
         except GraphCaptureError as exc:  # it would break a user's CUDA graph too
-            error = f"capture: {exc}"
-            failures.append(Failure(candidate.name, "capture", error))
+            failures.append(Failure(candidate.name, "capture", f"capture: {exc}"))
 
     def time_round(candidates) -> None:
         """Verifies, then times, a round's candidates (``Rounds.interleaved``: as one group)."""
+        nonlocal first_torch_ms
         group = verified(candidates)
         if rounds.interleaved and group:
             try:
@@ -213,13 +213,14 @@ def measure(problem, family: Family, plan: list, built: dict,
             except GraphCaptureError:
                 pass  # some candidate cannot be captured: time each alone to find which
             else:
-                scale = torch_scale.setdefault("first", torch_ms) / torch_ms
+                first_torch_ms = first_torch_ms or torch_ms
+                scale = first_torch_ms / torch_ms
                 first.update((c, ms * scale) for c, ms in times.items())
                 return
         for candidate in group:
             time_alone(candidate)
 
-    torch_scale: dict = {}
+    first_torch_ms = None  # torch's time in the first interleaved group: the rounds' scale
     session = family.session(problem)
     try:
         time_round(runnable)
