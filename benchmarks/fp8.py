@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import cutlass_ops  # noqa: E402
-from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from benchmarks.common import (copy_bandwidth_gbs, print_table, require_gpu,  # noqa: E402
+                               write_result)
 from benchmarks.gemm import LLM_SHAPES, rotating, rotation_sets  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
 
@@ -61,16 +62,25 @@ def problem(recipe: str, m: int, n: int, k: int, fast: bool):
     return scaled_problem(recipe, m, n, k, fast_accum=fast)
 
 
+def minimum_bytes(m: int, n: int, k: int) -> int:
+    """Each e4m3 operand read once, the bf16 output written once (scales are a rounding error)."""
+    return m * k + n * k + 2 * m * n
+
+
 def row(kind, recipe, m, n, k, ours_ms, torch_ms, correct, **detail) -> dict:
-    """A row: ``ratio`` is ours over torch's TFLOP/s as printed (BENCHMARKS.md)."""
+    """A row: ``ratio`` is ours over torch's TFLOP/s as printed (BENCHMARKS.md). ``detail``
+    also has both calls' rates in GB/s of ``minimum_bytes``: the small-M shapes are bound by the
+    weight's bytes, and ``summary`` sets them beside the device's copy bandwidth."""
     ours = round(tflops(m, n, k, ours_ms), 1) if ours_ms else 0.0
     reference = round(tflops(m, n, k, torch_ms), 1) if torch_ms else 0.0
+    gbs = {f"{name}_gbs": round(minimum_bytes(m, n, k) / ms / 1e6, 1)
+           for name, ms in (("ours", ours_ms), ("torch", torch_ms)) if ms}
     return {"case": f"{kind} {recipe} {m}x{n}x{k}", "unit": "TFLOP/s", "ours": ours,
             "reference": reference, "reference_name": "torch._scaled_mm",
             "ratio": round(ours / reference, 4) if ours and reference else 0.0,
             "correct": correct, "detail": {"ours_ms": ours_ms and round(ours_ms, 5),
                                            "torch_ms": torch_ms and round(torch_ms, 5),
-                                           **detail}}
+                                           **gbs, **detail}}
 
 
 def kernel_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
@@ -201,10 +211,17 @@ def main() -> None:
     print_table(["case", "ours TFLOP/s", "torch TFLOP/s", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])
     totals = summary(rows)
+    copy_gbs = copy_bandwidth_gbs()
+    for r in rows:  # memory-bound rows: the fraction of a device-to-device copy's rate
+        for name in ("ours", "torch"):
+            if f"{name}_gbs" in r["detail"]:
+                r["detail"][f"{name}_fraction_of_copy_bandwidth"] = round(
+                    r["detail"][f"{name}_gbs"] / copy_gbs, 3)
     for key, value in totals.items():
         print(f"{key}: {value}")
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     name = "fp8_quick" if args.quick else "fp8"
-    path = write_result(name, rows, **totals, tune=tune,
+    path = write_result(name, rows, **totals, tune=tune, copy_bandwidth_gbs=round(copy_gbs, 1),
                         note="bf16 output; e4m3 x e4m3; fast accumulation for tensorwise and "
                         "rowwise unless detail.fast_accum is false")
     print(f"wrote {path}")
