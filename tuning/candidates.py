@@ -244,8 +244,8 @@ def fp8_seeds(problem: GemmProblem) -> list[Choice]:
     accumulation: the backward GEMMs of convert(fp8=...)) keeps a second float32 accumulator a
     warp group, so its tiles stop at 64 x 128 a warp group: cooperative 128x128 (with and
     without stream-K) and pingpong 64x128. The wider ones spill their second accumulator and
-    run at a fraction of torch._scaled_mm's rate (docs/measurements.md, "FP8 GEMMs"). Blockwise
-    also tries cooperative 128x128 with a 1x4 cluster (cuBLAS's blockwise tile at M = 128)."""
+    run at a fraction of torch._scaled_mm's rate (docs/measurements.md, "FP8 GEMMs"). They
+    also try cooperative 128x128 with a 1x4 cluster (cuBLAS's blockwise tile at M = 128)."""
     pp, coop = KernelSchedule.PINGPONG, KernelSchedule.COOPERATIVE
     persistent, stream_k = TileScheduler.PERSISTENT, TileScheduler.STREAM_K
     promoted = problem.operands.scaling is Scaling.BLOCKWISE or not problem.operands.fast_accum
