@@ -195,7 +195,7 @@ def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_
         if not isinstance(module, nn.Linear) or isinstance(module, Linear):
             continue
         kind = type(module).__name__
-        if include is not None and name not in include or name in exclude:
+        if _excluded(name, include, exclude):
             decisions.append(Decision(name, kind, False, "excluded by the caller"))
             continue
         reason = _why_not(module)
@@ -251,7 +251,7 @@ def _fuse_routers(model, include, exclude) -> list:
         name = f"{block_name}.gate".lstrip(".")
         gate = block.gate
         kind = type(gate).__name__
-        if include is not None and name not in include or name in exclude:
+        if _excluded(name, include, exclude):
             decisions.append(Decision(name, kind, False, "excluded by the caller"))
             continue
         why = moe_router.fuse_router(block)
@@ -269,6 +269,11 @@ def _fuse_rotary_embeddings(model, include, exclude) -> list[Decision]:
                   "(cutlass_ops.rotary_embedding)")
 
 
+def _excluded(name: str, include, exclude) -> bool:
+    """The caller's choice: ``name`` is outside ``include`` (when given) or inside ``exclude``."""
+    return include is not None and name not in include or name in exclude
+
+
 def _swaps(model, include, exclude, recognised, swap, done) -> list[Decision]:
     """A decision for each module ``recognised`` by structure: excluded by the caller, or
     ``swap(module)``'s refusal, or ``done(module)`` when it swapped."""
@@ -277,7 +282,7 @@ def _swaps(model, include, exclude, recognised, swap, done) -> list[Decision]:
         if not recognised(module):
             continue
         kind = type(module).__name__
-        if include is not None and name not in include or name in exclude:
+        if _excluded(name, include, exclude):
             decisions.append(Decision(name, kind, False, "excluded by the caller"))
             continue
         why = swap(module)
@@ -287,7 +292,7 @@ def _swaps(model, include, exclude, recognised, swap, done) -> list[Decision]:
 
 def _convert_norm(model, name, module, include, exclude) -> Decision:
     kind = type(module).__name__
-    if include is not None and name not in include or name in exclude:
+    if _excluded(name, include, exclude):
         return Decision(name, kind, False, "excluded by the caller")
     weight = module.weight
     if weight is None or len(module.normalized_shape) != 1:
@@ -309,7 +314,7 @@ def _convert_norm(model, name, module, include, exclude) -> Decision:
 
 def _excluded_or_off_cuda(name, kind, weight, include, exclude) -> Decision | None:
     """The refusals every probed conversion starts with: the caller's choice, CPU weights."""
-    if include is not None and name not in include or name in exclude:
+    if _excluded(name, include, exclude):
         return Decision(name, kind, False, "excluded by the caller")
     if weight.device.type != "cuda":
         return Decision(name, kind, False, f"weights on {weight.device}: move the model to a "

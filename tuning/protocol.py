@@ -47,9 +47,9 @@ class Rounds:
     paired: bool = True
     # The first round and round 2 each timed as one group with torch's call, interleaved
     # repetition by repetition, and ranked by time over torch's in the same group. Timed one
-    # after another instead, a kernel's rank depends on when it ran: on an H100 the clocks of a
-    # long FP8 tune drift by ~10%, more than the kernels differ (docs/measurements.md, "Every
-    # FP8 kernel's tile orders").
+    # after another instead, a kernel's rank depends on when it ran: the clocks of a long tune
+    # drift by more than the kernels differ (docs/measurements.md, "Every FP8 kernel's tile
+    # orders").
     interleaved: bool = False
 
 

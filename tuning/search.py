@@ -34,8 +34,6 @@ from tuning.protocol import Progress
 ROUNDS = protocol.Rounds(interleaved=True)
 BUILD_SHARE = 0.75  # of a time budget, for builds: measuring is quick but must not be starved
 MIN_MEASURE_S = 2.0  # every problem's measuring time, budget or not
-# Scaled FP8 problems vary this many of their first round's kernels: all of candidates.fp8_seeds.
-FP8_VARIED_KERNELS = 12
 
 
 @dataclasses.dataclass
@@ -146,18 +144,17 @@ class GemmFamily:
 
     def derived(self, problem: GemmProblem, ranked: list[Choice]) -> list[Choice]:
         """The run-time variants of the best few kernels (no new build). For scaled FP8
-        problems, those of every kernel of the pool (``FP8_VARIED_KERNELS``: the FP8 seeds
-        whole, short of an exhaustive search's pool): a kernel's
-        first-round time at the default tile order says little about its best order. On an
-        H100 the kernel that won 16384x14336x4096 tensorwise once swizzled (pingpong 128x128,
-        1.05x torch) ranked last of eight unswizzled, at 1.37x the best one's time
-        (docs/measurements.md, "Every FP8 kernel's tile orders"). That includes the stream-K
-        kernel's forced split counts wherever it ranked: its first-round time is CUTLASS's
-        own split count, and small-M, long-K shapes need the forced splits."""
+        problems, those of every kernel of the seed pool (``candidates.fp8_seeds``): a kernel's
+        first-round time at the default tile order says little about its best order, and an
+        H100 tune's winners ranked last unswizzled (docs/measurements.md, "Every FP8 kernel's
+        tile orders"). That includes the stream-K kernel's forced split counts wherever it
+        ranked: its first-round time is CUTLASS's own split count, and small-M, long-K shapes
+        need the forced splits."""
         choices = [c for c in ranked if isinstance(c, Choice)]
-        fp8 = problem.operands.scaling.value != "none"
-        kernels = choices[:max(self.strategy.varied_kernels, FP8_VARIED_KERNELS if fp8 else 0)]
-        return [variant for choice in kernels
+        count = self.strategy.varied_kernels
+        if problem.operands.scaling.value != "none":
+            count = max(count, len(candidates.fp8_seeds(problem)))
+        return [variant for choice in choices[:count]
                 for variant in candidates.variants(problem, choice, self.device)[1:]]
 
     def baseline(self, problem: GemmProblem, plan: list[Choice]) -> None:
