@@ -6,10 +6,15 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
 (BENCHMARKS.md schema; ``ratio`` = our tokens/s over the reference's):
 - ``train``: forward and backward of the causal-LM loss on ``--tokens`` tokens (2 sequences);
 - ``prefill``: the inference forward on the same tokens, under no_grad;
-- ``decode batch 1`` / ``decode batch 16``: ``generate()`` of ``--new-tokens`` greedy tokens after a
-  128-token prompt, with its KV cache (eager and ours; compiled decoding is not timed here); each
-  repetition is a whole generate() of many steps, so half of ``--reps`` of them, eager's and
-  ours interleaved (the host's speed drifts);
+- ``decode batch 1 ours vs hf static compile`` / ``decode batch 16 ...``: ``generate()`` of
+  ``--new-tokens`` greedy tokens after a 128-token prompt, ours (the converted model, its own
+  KV cache and decode-step graphs) against Hugging Face's ``generate(cache_implementation=
+  "static")`` of the unconverted model, which compiles the decoding forward itself (inductor,
+  "reduce-overhead": CUDA graphs; ``detail.reference_settings`` records the version, the compile
+  settings and that it compiled): the strongest decode a Hugging Face user gets. ``decode batch
+  1 ours vs eager`` / ``... 16 ...``: the same against eager's dynamic cache. Each repetition
+  is a whole generate() of many steps, so half of ``--reps`` of them, the variants interleaved
+  (the host's speed drifts); ``--no-compile`` leaves the static-cache peer out;
 - ``train ours vs ours without fused loss``: the converted model against itself converted with
   ``fused_loss=False`` (the head and loss as Hugging Face computes them);
 - ``peak memory train ours vs eager`` (and vs compile, vs ours without fused loss): unit 1/GB, so
@@ -312,11 +317,20 @@ def two_layer_run() -> dict | None:
                      for r in quick.get("rows", [])]}
 
 
-def measure_decode(variants, batch, new_tokens, reps, vocab: int = VOCAB):
+HF_STATIC = "hf static compile"
+# generate() keywords of the decode variants that are not plain generate() calls of their model:
+# Hugging Face's static KV cache, with which generate() compiles the decoding forward itself
+# (its default CompileConfig: inductor, mode "reduce-overhead", i.e. CUDA graphs).
+GENERATE_OPTIONS = {HF_STATIC: {"cache_implementation": "static"}}
+
+
+def measure_decode(variants, batch, new_tokens, reps, vocab: int = VOCAB, options=None):
     """generate() of each variant, interleaved repetition by repetition (tuning.timing's
     do_bench_interleaved): decoding is host-bound, and the host's speed drifts over a run by more
     than the differences measured, so sequential timing would credit whoever ran on a quiet
-    stretch."""
+    stretch. ``options``: extra generate() keywords by variant name (``GENERATE_OPTIONS`` by
+    default); the warm-up call also compiles a variant whose keywords make generate() compile."""
+    options = GENERATE_OPTIONS if options is None else options
     prompt = torch.randint(0, vocab, (batch, PROMPT), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(batch))
     out = {}
@@ -325,16 +339,28 @@ def measure_decode(variants, batch, new_tokens, reps, vocab: int = VOCAB):
         for name, model in variants.items():
             model.eval()
 
-            def generate(model=model):
+            def generate(model=model, extra=options.get(name, {})):
                 return model.generate(prompt, attention_mask=torch.ones_like(prompt),
                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      do_sample=False, pad_token_id=0)
+                                      do_sample=False, pad_token_id=0, **extra)
             generators[name] = generate
             out[name] = {"tokens": generate()}
         times = do_bench_interleaved(generators, warmup=1, reps=reps, flush_l2=False)
     for name in variants:
         out[name]["ms"] = times[name].median_ms
     return out
+
+
+def static_peer_settings(model) -> dict:
+    """What Hugging Face's static-cache generate() ran with: its version, the cache, the compile
+    settings generate() used, and whether it did compile (its compiled forward exists)."""
+    import transformers
+
+    config = model.generation_config.compile_config
+    settings = config.to_dict() if config is not None else "transformers' default CompileConfig"
+    return {"transformers": transformers.__version__, "cache_implementation": "static",
+            "compile_config": settings,
+            "compiled": getattr(model, "_compiled_call", None) is not None}
 
 
 def train_problems(model, tokens: int) -> list:
@@ -445,21 +471,32 @@ def prefill_rows(prefill: dict, tokens: int) -> list:
     return rows
 
 
-def decode_row(decode: dict, models: dict, batch: int, new_tokens: int, judge=None) -> dict:
-    """The decode row of one batch: correct when teacher-forced decoding of eager's generated
-    tokens keeps ours' logits within bound at every step. Random weights leave near-ties among
-    the logits, so free-running greedy paths may part after one rounding difference: their
-    agreement (generated tokens only) is reported, not checked. ``judge``: another rule, called
-    with the teacher-forced check, returning a dict with "correct" and its own detail."""
+def decode_row(decode: dict, models: dict, batch: int, new_tokens: int, judge=None,
+               reference: str = "eager") -> dict:
+    """The decode row of one batch against ``reference`` (a variant of ``decode``): correct when
+    teacher-forced decoding of eager's generated tokens keeps ours' logits within bound at every
+    step (always against eager's model: the peers' caches and graphs change no arithmetic).
+    Random weights leave near-ties among the logits, so free-running greedy paths may part after
+    one rounding difference: their agreement (generated tokens only) is reported, not checked.
+    ``judge``: another rule, called with the teacher-forced check, returning a dict with
+    "correct" and its own detail."""
     check = model_checks.teacher_forced_decode(models["ours"], models["eager"],
                                                decode["eager"]["tokens"], PROMPT)
     same = model_checks.generated_agreement(decode["ours"]["tokens"],
                                             decode["eager"]["tokens"], PROMPT)
     judged = {"correct": check.ok} if judge is None else judge(check)
     correct = judged.pop("correct")
-    return rate_row(f"decode batch {batch} ours vs eager", batch * new_tokens, decode["ours"],
-                    decode["eager"], "eager", correct, generated_tokens_equal=round(same, 4),
-                    **check.detail(), **judged)
+    detail = {"generated_tokens_equal": round(same, 4), **check.detail(), **judged}
+    if reference != "eager":
+        tokens = batch * new_tokens
+        detail["eager"] = round(tokens / decode["eager"]["ms"] * 1e3, 1)  # tokens/s
+        detail["reference_generated_tokens_equal_eager"] = round(
+            model_checks.generated_agreement(decode[reference]["tokens"],
+                                             decode["eager"]["tokens"], PROMPT), 4)
+        if reference == HF_STATIC:
+            detail["reference_settings"] = static_peer_settings(models["eager"])
+    return rate_row(f"decode batch {batch} ours vs {reference}", batch * new_tokens,
+                    decode["ours"], decode[reference], reference, correct, **detail)
 
 
 def parse_args(argv=None):
@@ -596,9 +633,13 @@ def main() -> None:
             rows += e2e_fp8.prefill_rows(prefill, args.tokens, args.recipes, emulations, peers)
         save()
     decode_variants = {k: v for k, v in variants.items() if k in ("eager", "ours")}
+    if not args.no_compile:
+        decode_variants[HF_STATIC] = variants["eager"]  # generate() compiles it (static cache)
     for batch in (1, 16) if "decode" in args.sections else ():
         decode = measure_decode(decode_variants, batch, args.new_tokens, max(5, args.reps // 2))
-        rows.append(decode_row(decode, decode_variants, batch, args.new_tokens))
+        for reference in [r for r in ("eager", HF_STATIC) if r in decode]:
+            rows.append(decode_row(decode, decode_variants, batch, args.new_tokens,
+                                   reference=reference))
         save()
     print_table(["case", "ours", "reference", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])
