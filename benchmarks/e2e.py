@@ -355,11 +355,11 @@ def static_peer_settings(model) -> dict:
     """What Hugging Face's static-cache generate() ran with: its version, the cache, the compile
     settings generate() used, and whether it did compile (its compiled forward exists)."""
     import transformers
+    from transformers.generation import CompileConfig
 
-    config = model.generation_config.compile_config
-    settings = config.to_dict() if config is not None else "transformers' default CompileConfig"
+    config = model.generation_config.compile_config or CompileConfig()  # generate()'s default
     return {"transformers": transformers.__version__, "cache_implementation": "static",
-            "compile_config": settings,
+            "compile_config": config.to_dict(),
             "compiled": getattr(model, "_compiled_call", None) is not None}
 
 

@@ -33,6 +33,7 @@ recipe), ``prefill ours fp8 vs ours bf16``. A row without its figures has ``ours
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -40,6 +41,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -48,14 +50,20 @@ from custom_kernels.core.tolerances import (MODEL_LOGITS, fp8_model_tolerance, r
                                             relative_tolerance)
 
 RECIPES = fp8_emulation.RECIPES
+# torchao's float8 recipes of our names (the main peers: Liger's fused linear cross-entropy as
+# their loss), and the same with HF's full-logits loss (a weaker figure, run when named).
 TORCHAO = ("torchao-tensorwise", "torchao-rowwise")
-PEERS = (*TORCHAO, "liger")
-PEER_PACKAGES = {"torchao-tensorwise": "torchao", "torchao-rowwise": "torchao",
+HF_LOSS = "-hf-loss"
+TORCHAO_HF_LOSS = tuple(f"{variant}{HF_LOSS}" for variant in TORCHAO)
+PEERS = (*TORCHAO, *TORCHAO_HF_LOSS, "liger")
+DEFAULT_PEERS = (*TORCHAO, "liger")
+PEER_PACKAGES = {**dict.fromkeys((*TORCHAO, *TORCHAO_HF_LOSS), "torchao"),
                  "liger": "liger_kernel"}
 PEER_PINS = {"torchao": "torchao==0.18.0", "liger_kernel": "liger-kernel==0.8.5"}
-TRAIN_FP8, MEMORY_FP8 = "train ours fp8 vs ours bf16", "peak memory train ours fp8 vs ours bf16"
-TRAIN_TORCHAO, PREFILL_FP8 = "train ours fp8 vs torchao float8", "prefill ours fp8 vs ours bf16"
-CASES = (TRAIN_FP8, MEMORY_FP8, TRAIN_TORCHAO, PREFILL_FP8)
+NO_TORCHAO = ("torchao 0.18's Float8LinearConfig.from_recipe_name has no blockwise recipe "
+              "(tensorwise, rowwise, rowwise_with_gw_hp); its blockwise training is a prototype "
+              "(torchao.prototype.blockwise_fp8_training), not measured: the reference is ours "
+              "bf16")
 
 
 def fp8_name(recipe: str) -> str:
@@ -92,12 +100,14 @@ def fp8_variants(eager, recipes) -> tuple[dict, dict, dict]:
 
 class Emulations:
     """The recipes' float32 emulations (``fp8_emulation.emulate_fp8``) of the eager model on
-    the benchmark's tokens, each built once, its copy freed after: their gradient errors against
-    eager's and their prefill logits (last 16 positions, as ``e2e.measure_prefill`` keeps)."""
+    the benchmark's tokens, each built once, its copy freed after: their gradient bounds
+    (``model_checks.fp8_gradient_bound``: the emulation's gradients, kept in host memory, which
+    an FP8 model's are compared with directly) and their prefill logits (last 16 positions, as
+    ``e2e.measure_prefill`` keeps)."""
 
     def __init__(self, eager, ids):
         self.eager, self.ids = eager, ids
-        self.grad_errors, self.logits = {}, {}
+        self.bounds, self.logits = {}, {}
 
     def _model(self, recipe):
         return fp8_emulation.emulate_fp8(copy.deepcopy(self.eager), recipe)
@@ -107,21 +117,20 @@ class Emulations:
         with torch.no_grad():
             return model(input_ids=self.ids).logits[:, -16:].float()
 
-    def gradient_errors(self, recipe: str, reference_grads: dict) -> dict:
-        if recipe not in self.grad_errors:
+    def gradient_bound(self, recipe: str, reference_grads: dict) -> model_checks.EmulationBound:
+        """The recipe's ``EmulationBound``, its errors against ``reference_grads`` (eager's)."""
+        if recipe not in self.bounds:
             model = self._model(recipe)
             model.train()
             _, grads = e2e.first_step(model, e2e.train_step(model, self.ids))
-            self.grad_errors[recipe] = {n: model_checks.gradient_error(grads[n], g)
-                                        for n, g in reference_grads.items()}
+            self.bounds[recipe] = model_checks.fp8_gradient_bound(grads, reference_grads)
             del grads
             self.logits.setdefault(recipe, self._prefill(model))
-        return self.grad_errors[recipe]
+        return self.bounds[recipe]
 
     def tolerances(self, recipe: str):
         """What ``e2e.measure_train`` calls with eager's (loss, gradients)."""
-        return lambda loss, grads: model_checks.fp8_gradient_tolerances(
-            self.gradient_errors(recipe, grads))
+        return lambda loss, grads: self.gradient_bound(recipe, grads)
 
     def prefill_logits(self, recipe: str) -> torch.Tensor:
         if recipe not in self.logits:
@@ -137,35 +146,34 @@ class Emulations:
                 "logits_tolerance": round(bound, 5), "emulated_logits_error": round(emulated, 5)}
 
 
-# --- choosing and summarizing ------------------------------------------------------------------
+# --- summarizing ---------------------------------------------------------------------------------
 
-def best(entries: dict, correct, key: str = "ms") -> str | None:
-    """The name of the entry with the least ``key`` among those ``correct`` says pass, else among
-    all measured ones (the row then says it is not correct); None when none was measured."""
-    measured = {n: e for n, e in entries.items() if e.get(key) is not None}
-    passing = {n: e for n, e in measured.items() if correct(e)}
-    pool = passing or measured
-    return min(pool, key=lambda n: pool[n][key]) if pool else None
+def torchao_variant(recipe: str) -> str | None:
+    """The torchao peer of one of our recipes (its own recipe of the same name), or None where
+    torchao 0.18 has none (``NO_TORCHAO``)."""
+    variant = f"torchao-{recipe}"
+    return variant if variant in TORCHAO else None
 
 
-def _train_summary(entry: dict) -> dict:
-    if "ms" not in entry:
-        return {"error": entry.get("error", "not measured")}
-    check = entry["check"]
-    summary = {"ms": round(entry["ms"], 3), "peak_gb": round(entry["peak_gb"], 2),
-               "loss": entry["loss"], "correct": check.ok,
-               "grad_worst_parameter": check.gradients.worst_parameter,
-               "grad_worst_relative_error": round(check.gradients.worst_error, 6),
-               "grad_tolerance": round(check.gradients.tolerance, 6)}
-    memory = e2e.memory_breakdown(entry)
-    if memory:
-        summary["memory"] = memory
-    return summary
+def train_case(recipe: str) -> str:
+    peer = "torchao " + recipe if torchao_variant(recipe) else "ours bf16"
+    return f"train ours fp8 {recipe} vs {peer}"
+
+
+def memory_case(recipe: str) -> str:
+    peer = "torchao " + recipe if torchao_variant(recipe) else "ours bf16"
+    return f"peak memory train ours fp8 {recipe} vs {peer}"
+
+
+def prefill_case(recipe: str) -> str:
+    peer = "torchao " + recipe if torchao_variant(recipe) else "ours bf16"
+    return f"prefill ours fp8 {recipe} vs {peer}"
 
 
 def peer_summaries(peers: dict, section: str) -> dict:
     """Each peer's figures of one section ("train" or "prefill") for a row's detail: its time,
-    check, eager's time in its process (to compare processes by), or why it has none."""
+    check, eager's time in its process (to compare processes by), its settings and versions, or
+    why it has none."""
     out = {}
     for name, peer in peers.items():
         part = (peer or {}).get(section)
@@ -174,7 +182,7 @@ def peer_summaries(peers: dict, section: str) -> dict:
             continue
         eager_ms = (peer.get("eager") or {}).get(f"{section}_ms")
         out[name] = {**part, "eager_ms_in_its_process": eager_ms,
-                     "versions": peer.get("versions", {})}
+                     "settings": peer.get("settings", {}), "versions": peer.get("versions", {})}
     return out
 
 
@@ -186,94 +194,140 @@ def missing_row(case: str, unit: str, ours, reference, reference_name: str, reas
             "detail": {"missing": reason, **detail}}
 
 
-def _tokens_per_s(tokens: int, ms: float) -> float:
-    return round(tokens / ms * 1e3, 1)
+def _tokens_per_s(tokens: int, ms: float | None) -> float | None:
+    return None if ms is None else round(tokens / ms * 1e3, 1)
 
 
-def _reasons(entries: dict) -> str:
-    return "; ".join(f"{n}: {e.get('error', 'not measured')}" for n, e in entries.items())
+def peer_name(variant: str) -> str:
+    """A torchao peer as a row names it: its recipe, compile, and its loss."""
+    recipe = variant.split("-")[1]
+    loss = ", HF full-logits loss" if variant.endswith(HF_LOSS) else ""
+    return f"torchao float8 {recipe} + compile{loss}"
+
+
+def _peer_entry(peers: dict, variant: str | None, section: str) -> tuple[dict | None, str]:
+    """A peer's figures of ``section`` (None without) and why it has none."""
+    if variant is None:
+        return None, "no torchao peer"
+    peer = peers.get(variant) or {}
+    part = peer.get(section)
+    if part and part.get("ms") is not None:
+        return part, ""
+    return None, f"{variant} has no {section} figure ({peer.get('error') or 'not run'})"
+
+
+def _reference(recipe: str, peers: dict, section: str, bf16: dict) -> tuple:
+    """(the row's reference entry, its name, why it is missing) for one recipe's row: torchao's
+    recipe of the same name + compile where torchao has one, else ours bf16."""
+    variant = torchao_variant(recipe)
+    if variant is None:
+        return bf16, "ours bf16", ""
+    entry, why = _peer_entry(peers, variant, section)
+    return entry, peer_name(variant), why
+
+
+def _weaker(recipe: str, peers: dict, section: str, bf16: dict, eager: dict,
+            tokens: int) -> dict:
+    """The weaker references of a row, by name, in tokens/s: eager and ours bf16 (this
+    process), and torchao with HF's full-logits loss (its own process) where measured."""
+    out = {"eager": _tokens_per_s(tokens, eager["ms"])}
+    if torchao_variant(recipe):
+        out["ours bf16"] = _tokens_per_s(tokens, bf16["ms"])
+        variant = f"torchao-{recipe}{HF_LOSS}"
+        entry, _ = _peer_entry(peers, variant, section)
+        if entry:
+            out[peer_name(variant)] = _tokens_per_s(tokens, entry["ms"])
+    return out
+
+
+def _detail(recipe: str, peers: dict, section: str, measured: dict, tokens: int) -> dict:
+    """What every row of a recipe's ``section`` says: the recipe, why its reference is ours bf16
+    where it is, the weaker references, and the peers' figures (torchao's of the recipe, Liger's)."""
+    detail = {"recipe": recipe}
+    if not torchao_variant(recipe):
+        detail["no_torchao_peer"] = NO_TORCHAO
+    detail["weaker_references_tokens_per_s"] = _weaker(recipe, peers, section, measured["ours"],
+                                                       measured["eager"], tokens)
+    detail["peers"] = peer_summaries({v: peers.get(v) for v in peers
+                                      if v.startswith(f"torchao-{recipe}") or v == "liger"},
+                                     section)
+    return detail
+
+
+def _missing(recipe: str, entry: dict, key: str, reference_why: str) -> str:
+    """Why a recipe's row lacks a figure: ours' reason, the reference's, whichever apply."""
+    reasons = [] if key in entry else [f"ours fp8 {recipe}: {entry.get('error', 'not measured')}"]
+    return "; ".join(reasons + ([reference_why] if reference_why else []))
+
+
+def _inverse(gb: float | None) -> float | None:
+    return None if gb is None else round(1 / gb, 5)
+
+
+def _reference_correct(reference: dict):
+    """The reference's own check: a peer's "correct", ours bf16's train check."""
+    check = reference.get("check")
+    return reference.get("correct", None if check is None else check.ok)
 
 
 # --- rows --------------------------------------------------------------------------------------
 
 def train_rows(train: dict, peers: dict, tokens: int, recipes) -> list:
-    """The FP8 train and peak memory rows from ``e2e.measure_train``'s results (our FP8
-    variants by ``fp8_name``, those that failed as {"error": why}) and the peers' results."""
-    ours = {r: train.get(fp8_name(r), {"error": "not measured"}) for r in recipes}
-    recipe = best(ours, lambda e: e["check"].ok)
-    common = {"recipes": {r: _train_summary(e) for r, e in ours.items()},
-              "peers": peer_summaries(peers, "train"),
-              "eager_ms": round(train["eager"]["ms"], 3)}
-    bf16 = train["ours"]
-    if recipe is None:
-        why = f"no FP8 recipe ran: {_reasons(ours)}"
-        return [missing_row(TRAIN_FP8, "tokens/s", None, _tokens_per_s(tokens, bf16["ms"]),
-                            "ours bf16", why, **common),
-                missing_row(MEMORY_FP8, "1/GB", None, round(1 / bf16["peak_gb"], 5),
-                            "ours bf16", why, **common),
-                _torchao_row(None, peers, tokens, why, common)]
-    chosen, check = ours[recipe], ours[recipe]["check"]
-    detail = {"recipe": recipe, "loss_ours": chosen["loss"], **check.detail(), **common}
-    rows = [e2e.rate_row(TRAIN_FP8, tokens, chosen, bf16, "ours bf16", check.ok,
-                         loss_reference=bf16["loss"], **detail)]
-    memory = e2e.memory_row(chosen, bf16, "ours bf16", check.ok, case=MEMORY_FP8)
-    memory["detail"].update(recipe=recipe, chosen_as="the train row's recipe",
-                            recipes_gb={r: s.get("peak_gb") for r, s in
-                                        common["recipes"].items()})
-    rows.append(memory)
-    rows.append(_torchao_row(chosen, peers, tokens, None, detail))
+    """One train row and one peak memory row per recipe (``train_case``, ``memory_case``),
+    from ``e2e.measure_train``'s results (our FP8 variants by ``fp8_name``, those that failed as
+    {"error": why}) and the peers' results; no recipe stands for another."""
+    rows = []
+    for recipe in recipes:
+        rows += _recipe_train_rows(recipe, train, peers, tokens)
     return rows
 
 
-def _torchao_row(chosen, peers: dict, tokens: int, ours_missing, detail) -> dict:
-    """``train ours fp8 vs torchao float8``: the reference is the faster torchao recipe whose
-    process measured a train step (its own check in detail, not the row's)."""
-    torchao = {n: (peers.get(n) or {}).get("train") or {} for n in TORCHAO}
-    faster = best(torchao, lambda e: True)
-    ours = None if chosen is None else _tokens_per_s(tokens, chosen["ms"])
-    if faster is None:
-        why = "; ".join(f"{n}: {(peers.get(n) or {}).get('error', 'not run')}" for n in TORCHAO)
-        why = f"torchao float8 has no train figure ({why})"
-        if ours_missing:
-            why = f"{ours_missing}; {why}"
-        return missing_row(TRAIN_TORCHAO, "tokens/s", ours, None, "torchao float8", why,
-                           **detail)
-    reference = torchao[faster]
-    name = f"torchao float8 {faster.split('-', 1)[1]} + compile"
-    if chosen is None:
-        return missing_row(TRAIN_TORCHAO, "tokens/s", None, _tokens_per_s(tokens, reference["ms"]),
-                           name, ours_missing, torchao_variant=faster, **detail)
-    return e2e.rate_row(TRAIN_TORCHAO, tokens, chosen, reference, name,
-                        chosen["check"].ok, torchao_variant=faster,
-                        reference_correct=reference.get("correct"), **detail)
+def _recipe_train_rows(recipe: str, train: dict, peers: dict, tokens: int) -> list:
+    ours = train.get(fp8_name(recipe), {"error": "not measured"})
+    reference, name, reference_why = _reference(recipe, peers, "train", train["ours"])
+    detail = _detail(recipe, peers, "train", train, tokens)
+    if "ms" in ours:
+        detail.update(loss_ours=ours["loss"], **ours["check"].detail())
+    if "ms" not in ours or reference is None:
+        why, reference = _missing(recipe, ours, "ms", reference_why), reference or {}
+        return [missing_row(train_case(recipe), "tokens/s", _tokens_per_s(tokens, ours.get("ms")),
+                            _tokens_per_s(tokens, reference.get("ms")), name, why, **detail),
+                missing_row(memory_case(recipe), "1/GB", _inverse(ours.get("peak_gb")),
+                            _inverse(reference.get("peak_gb")), name, why, **detail)]
+    ok = ours["check"].ok
+    row = e2e.rate_row(train_case(recipe), tokens, ours, reference, name, ok,
+                       loss_reference=reference.get("loss"),
+                       reference_correct=_reference_correct(reference), **detail)
+    memory = e2e.memory_row(ours, reference, name, ok, case=memory_case(recipe))
+    memory["detail"].update({k: v for k, v in detail.items()
+                             if k in ("recipe", "no_torchao_peer")})
+    return [row, memory]
 
 
 def prefill_rows(prefill: dict, tokens: int, recipes, emulations: Emulations,
                  peers: dict) -> list:
-    """``prefill ours fp8 vs ours bf16`` from ``e2e.measure_prefill``'s results: each recipe's
-    logits checked against eager's with the emulation's bound."""
-    eager_logits = prefill["eager"]["logits"]
-    ours = {}
-    for recipe in recipes:
-        entry = prefill.get(fp8_name(recipe), {"error": "not measured"})
-        if "logits" not in entry:
-            ours[recipe] = {"error": entry.get("error", "not measured")}
-            continue
-        check = emulations.logits_check(recipe, entry["logits"], eager_logits)
-        ours[recipe] = {"ms": entry["ms"], **check}
-    recipe = best(ours, lambda e: e["correct"])
-    detail = {"recipes": {r: {k: (round(v, 3) if k == "ms" else v) for k, v in e.items()}
-                          for r, e in ours.items()},
-              "peers": peer_summaries(peers, "prefill"),
-              "eager_ms": round(prefill["eager"]["ms"], 3)}
-    bf16 = prefill["ours"]
-    if recipe is None:
-        return [missing_row(PREFILL_FP8, "tokens/s", None, _tokens_per_s(tokens, bf16["ms"]),
-                            "ours bf16", f"no FP8 recipe ran: {_reasons(ours)}", **detail)]
-    chosen = ours[recipe]
-    return [e2e.rate_row(PREFILL_FP8, tokens, chosen, bf16, "ours bf16", chosen["correct"],
-                         recipe=recipe, **{k: v for k, v in chosen.items()
-                                           if k not in ("ms", "correct")}, **detail)]
+    """One prefill row per recipe (``prefill_case``) from ``e2e.measure_prefill``'s results:
+    its logits checked against eager's with the recipe's emulation's bound."""
+    return [_recipe_prefill_row(recipe, prefill, tokens, emulations, peers)
+            for recipe in recipes]
+
+
+def _recipe_prefill_row(recipe: str, prefill: dict, tokens: int, emulations: Emulations,
+                        peers: dict) -> dict:
+    ours = prefill.get(fp8_name(recipe), {"error": "not measured"})
+    reference, name, reference_why = _reference(recipe, peers, "prefill", prefill["ours"])
+    detail = _detail(recipe, peers, "prefill", prefill, tokens)
+    if "logits" in ours:
+        detail.update(emulations.logits_check(recipe, ours["logits"],
+                                              prefill["eager"]["logits"]))
+    correct = detail.pop("correct", False)
+    if "logits" not in ours or ours.get("ms") is None or reference is None:
+        why = _missing(recipe, ours, "logits", reference_why) or "ours fp8 was not timed"
+        return missing_row(prefill_case(recipe), "tokens/s", _tokens_per_s(tokens, ours.get("ms")),
+                           _tokens_per_s(tokens, (reference or {}).get("ms")), name, why,
+                           **detail)
+    return e2e.rate_row(prefill_case(recipe), tokens, ours, reference, name, correct,
+                        reference_correct=_reference_correct(reference), **detail)
 
 
 # --- peers, each in its own process ------------------------------------------------------------
@@ -370,28 +424,99 @@ def run_peers(variants, args, directory: Path, timeout: float, fresh: bool = Fal
 
 # --- a peer's own process ----------------------------------------------------------------------
 
-def build_peer(variant: str, model):
-    """``model`` made the peer, in place (the result may wrap it)."""
-    if variant in TORCHAO:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """A peer made of e2e's model: its train step (returning the loss), its inference forward
+    (returning the logits), the module whose peak ``e2e.peak_memory`` measures, and its settings
+    as the result records them."""
+    step: Callable[[], torch.Tensor]
+    forward: Callable[[], torch.Tensor]
+    module: torch.nn.Module
+    settings: dict
 
-        config = Float8LinearConfig.from_recipe_name(variant.split("-", 1)[1])
-        convert_to_float8_training(model, config=config,
-                                   module_filter_fn=lambda module, fqn: fqn != "lm_head")
-        return torch.compile(model)
+
+def torchao_recipe(variant: str) -> str | None:
+    """The float8 recipe of a torchao peer ("tensorwise", "rowwise"); None for another peer."""
+    return variant.split("-")[1] if variant in (*TORCHAO, *TORCHAO_HF_LOSS) else None
+
+
+def build_peer(variant: str, model, ids) -> Peer:
+    """``model`` made the peer, in place, on the tokens ``ids``."""
+    recipe = torchao_recipe(variant)
+    if recipe:
+        return _torchao_peer(recipe, model, ids, fused_loss=not variant.endswith(HF_LOSS))
     if variant == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(model=model)  # 0.8.5's defaults: RoPE, RMSNorm, SwiGLU, FLCE
-        return model
+        return Peer(e2e.train_step(model, ids), lambda: model(input_ids=ids).logits, model,
+                    {"patches": "apply_liger_kernel_to_llama(model=...), its defaults: RoPE, "
+                                "RMSNorm, SwiGLU, fused linear cross-entropy", "compile": None})
     raise ValueError(f"unknown peer {variant!r}; known: {PEERS}")
 
 
-def _versions(variant: str) -> dict:
+def _torchao_peer(recipe: str, model, ids, fused_loss: bool) -> Peer:
+    """torchao float8 ``recipe`` on every Linear but the LM head, compiled. Its loss: Liger's
+    fused linear cross-entropy on the final hidden states and the LM head's weight (the
+    strongest fused loss torchao's model can take; the decoder compiled, the loss Liger's
+    kernels), or with ``fused_loss`` False (or Liger missing) HF's full-logits loss inside
+    ``torch.compile(model)``."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda module, fqn: fqn != "lm_head")
+    settings = {"recipe": f"Float8LinearConfig.from_recipe_name({recipe!r})",
+                "converted": "convert_to_float8_training, every Linear but lm_head (bf16)"}
+    if fused_loss and not installed("liger_kernel"):
+        settings["loss_note"] = (f"liger_kernel is not installed (pip install "
+                                 f"{PEER_PINS['liger_kernel']}): HF's full-logits loss instead")
+        fused_loss = False
+    if not fused_loss:
+        compiled = torch.compile(model)
+        settings.update(compile="torch.compile(model)",
+                        loss="hf full logits (float32 cross-entropy in the compiled model)")
+        return Peer(e2e.train_step(compiled, ids), lambda: compiled(input_ids=ids).logits,
+                    compiled, settings)
+    from liger_kernel.transformers.fused_linear_cross_entropy import (
+        LigerFusedLinearCrossEntropyLoss)
+
+    base = torch.compile(model.model)
+    settings.update(compile="torch.compile(model.model): the decoder (Liger's loss kernels run "
+                            "outside it)",
+                    loss=f"liger fused linear cross-entropy {_version('liger-kernel')} on the "
+                         f"final hidden states and lm_head.weight, labels shifted as HF's")
+    return Peer(_fused_loss_step(model, base, LigerFusedLinearCrossEntropyLoss(), ids),
+                lambda: model.lm_head(base(input_ids=ids).last_hidden_state), model, settings)
+
+
+def _fused_loss_step(model, base, loss_fn, ids):
+    """A train step of HF's causal-LM loss (position t predicts token t + 1, the mean over
+    every predicted token) through ``loss_fn(lm_head weight, hidden [tokens, hidden], labels)``."""
+    labels = ids[:, 1:].reshape(-1)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        hidden = base(input_ids=ids).last_hidden_state[:, :-1]
+        out = loss_fn(model.lm_head.weight, hidden.reshape(-1, hidden.shape[-1]), labels)
+        loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+        loss = out[0] if loss is None else loss  # a (loss, z_loss) tuple
+        loss.backward()
+        return loss
+    return step
+
+
+def _version(package: str) -> str:
     import importlib.metadata
 
-    package = PEER_PINS[PEER_PACKAGES[variant]].split("==")[0]
-    return {package: importlib.metadata.version(package)}
+    return importlib.metadata.version(package)
+
+
+def _versions(variant: str) -> dict:
+    """The versions of the packages the peer runs (Liger's too for torchao's fused loss)."""
+    packages = [PEER_PINS[PEER_PACKAGES[variant]].split("==")[0]]
+    if torchao_recipe(variant) and not variant.endswith(HF_LOSS) and installed("liger_kernel"):
+        packages.append("liger-kernel")
+    return {package: _version(package) for package in packages}
 
 
 def _time(fn, reps: int) -> float:
@@ -402,10 +527,11 @@ def _time(fn, reps: int) -> float:
 
 def measure_peer(variant: str, args) -> dict:
     """What ``run_peer`` reads: eager's reference and times, then the peer's train step
-    (check, peak, time) and prefill (logits check, time), on e2e's model and tokens."""
+    (check, peak, time) and prefill (logits check, time), on e2e's model and tokens. A torchao
+    peer's gradients are checked as ours are: against its recipe's float32 emulation."""
     result = {"meta": peer_meta(variant, args), "variant": variant, "error": None}
     eager, ids = e2e.llama(args.layers), e2e.token_ids(args.tokens)
-    recipe = variant.split("-", 1)[1] if variant in TORCHAO else None
+    recipe = torchao_recipe(variant)
     emulations = Emulations(eager, ids) if recipe else None
     step = e2e.train_step(eager, ids)
     loss, grads = e2e.first_step(eager, step)
@@ -421,30 +547,37 @@ def measure_peer(variant: str, args) -> dict:
     result["eager"] = {"train_ms": round(eager_train_ms, 3), "prefill_ms": round(
         eager_prefill_ms, 3), "loss": loss}
     result["versions"] = _versions(variant)
-    model = build_peer(variant, eager)
-    model.train()
-    step = e2e.train_step(model, ids)
-    ours_loss, ours_grads = e2e.first_step(model, step)
-    check = model_checks.check_train_step(ours_loss, ours_grads, loss, grads, tolerance)
-    del ours_grads, grads
-    memory = e2e.peak_memory(model, step)
-    result["train"] = {"ms": round(_time(step, args.reps), 3),
+    peer = build_peer(variant, eager, ids)
+    result["settings"] = peer.settings
+    eager.train()
+    peer_loss, peer_grads = e2e.first_step(peer.module, peer.step)
+    check = model_checks.check_train_step(peer_loss, peer_grads, loss, grads, tolerance)
+    del peer_grads, grads
+    memory = e2e.peak_memory(peer.module, peer.step)
+    result["train"] = {"ms": round(_time(peer.step, args.reps), 3),
                        "peak_gb": round(memory["peak_gb"], 2),
                        "memory": e2e.memory_breakdown({"memory": memory}),
-                       "loss": ours_loss, "correct": check.ok, **check.detail()}
+                       "loss": peer_loss, "correct": check.ok, **check.detail()}
+    result["prefill"] = _peer_prefill(peer, eager, args.reps, eager_logits, emulations, recipe)
+    return result
+
+
+def _peer_prefill(peer: Peer, model, reps: int, eager_logits, emulations, recipe) -> dict:
+    """The peer's inference forward: its last 16 positions' logits checked against eager's
+    (an FP8 recipe's by its emulation's bound, Liger's by the bf16 one), and its time."""
     model.zero_grad(set_to_none=True)
-    logits = e2e.prefill_logits(model, ids)
+    model.eval()
+    with torch.no_grad():
+        logits = peer.forward()[:, -16:].float()
     if emulations:
-        prefill = emulations.logits_check(recipe, logits, eager_logits)
+        check = emulations.logits_check(recipe, logits, eager_logits)
     else:
         error = relative_error(logits, eager_logits)
         bound = relative_tolerance(torch.bfloat16, MODEL_LOGITS)
-        prefill = {"correct": error <= bound, "logits_error_vs_eager": round(error, 5),
-                   "logits_tolerance": bound}
+        check = {"correct": error <= bound, "logits_error_vs_eager": round(error, 5),
+                 "logits_tolerance": bound}
     with torch.no_grad():
-        result["prefill"] = {"ms": round(_time(lambda: model(input_ids=ids), args.reps), 3),
-                             **prefill}
-    return result
+        return {"ms": round(_time(peer.forward, reps), 3), **check}
 
 
 def peer_main(args) -> int:

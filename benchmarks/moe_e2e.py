@@ -5,12 +5,39 @@ GEMMs, the norms, the chunked loss head) against Hugging Face's default path eag
 ``torch.compile`` of it, timed interleaved in one process: a train step (forward + backward),
 prefill, and ``generate()`` at batch 1 and 16; peak memory.
 
+Hugging Face's experts are pinned to ``experts_implementation="grouped_mm"`` (``HF_EXPERTS``,
+transformers' default, passed to ``from_config`` and checked on the built model) on the eager
+and the compiled side alike (``torch.compile`` wraps the same model); the file records it
+(``hf_experts_implementation``). transformers' ``generate()`` itself switches ``grouped_mm``
+experts to ``batched_mm`` while it decodes on a GPU (``_optimize_model_for_decode``, in 5.17 as
+in 5.24): each decode row's ``detail.hf_experts_in_generate`` says what one short generate()
+of the eager model ran (observed with a hook, not assumed).
+
+Decode rows, at batch 1 and 16 (``--new-tokens`` greedy tokens after a 128-token prompt; ours
+is the converted model's ``generate()``): ``decode batch <b> <family> ours vs hf static compile``
+against Hugging Face's ``generate(cache_implementation="static")`` of the unconverted model,
+which compiles its decoding forward itself (``e2e.HF_STATIC``; Mixtral and Qwen3-MoE both set
+``_can_compile_fullgraph``, so transformers 5.17 takes that path for them; ``detail.
+reference_settings`` records the compile settings and that it compiled), the strongest decode a
+Hugging Face user gets; and ``decode batch <b> <family> ours vs eager``, the dynamic-cache eager
+``generate()``. Should the static-cache compiled path fail for a model, the row is against the
+static cache without compile (``... ours vs hf static no compile``), or, should that fail too,
+there is only the eager row; ``detail.hf_static_failures`` says why. ``--no-compile`` leaves the
+static-cache peer out. All three are timed interleaved.
+
 The checks are ``benchmarks.e2e``'s: the loss and every parameter's gradient against eager's,
-prefill logits, teacher-forced decode logits. The gradients' bound is eager's float32 twin's
+prefill logits, teacher-forced decode logits (always against eager's model: caches and graphs
+change no arithmetic). The gradients' bound is eager's float32 twin's
 (``FloatTwin``): each parameter of ours (and of compile) may be at most twice as far from
 eager's gradient as the same model in float32 is, and never need be closer than the bf16 model
 bound, since the routers' gate gradients are too fragile in bf16 for one fixed bound
-(``custom_kernels.core.tolerances``' ``TWIN_MODEL_MARGINS``). Each row's ``detail`` names
+(``custom_kernels.core.tolerances``' ``TWIN_MODEL_MARGINS``); the decode check is bounded by the
+float32 twin's teacher-forced errors the same way (``model_checks.twin_decode_check``). Each
+row whose ``correct`` comes from a bound has the bound and the measured error in ``detail``
+(train: ``grad_bound``, ``grad_tolerance``, ``grad_worst_relative_error``, ``loss_bound``,
+``loss_relative_error``; prefill: ``logits_bound``, ``logits_error_vs_eager``; decode:
+``logits_bound``, ``worst_step_bound``, ``median_step_bound`` and ours' teacher-forced
+errors). Each row's ``detail`` names
 what convert did to each layer (its report) and, for the train rows, the bound's rule and the
 twin's errors, and where ours' step spends its GPU time (the kernels with the most time,
 torch.profiler).
@@ -20,7 +47,9 @@ torch.profiler).
         [--quick]
 
 Writes benchmarks/results/moe_e2e.json (moe_e2e_quick.json with --quick: one layer each, 1024
-tokens, 16 new tokens).
+tokens, 16 new tokens). A run of some models and sections keeps the file's rows of the others
+when they were written by the same code, GPU and settings, so each (model, sections) pair may
+be its own device call.
 """
 
 from __future__ import annotations
@@ -53,18 +82,58 @@ MODELS = {
 }
 SECTIONS = ("train", "prefill", "decode")
 PROFILE_TOP = 12
+HF_EXPERTS = "grouped_mm"  # Hugging Face's experts on the eager and compiled sides
+HF_STATIC_NO_COMPILE = "hf static no compile"
+# The static-cache peers, best first: the first whose generate() runs is the decode reference.
+STATIC_PEERS = ((e2e.HF_STATIC, {"cache_implementation": "static"}),
+                (HF_STATIC_NO_COMPILE, {"cache_implementation": "static",
+                                        "disable_compile": True}))
+# torch.compile's variants (train, prefill) and generate()'s compiled decoding (each batch, the
+# experts switched) recompile the same nn.Module call: room for them all, so that none falls
+# back to eager silently at the default limit of 8.
+RECOMPILE_LIMIT = 64
 
 
-def build(name: str, layers: int | None = None):
-    """The model of ``MODELS[name]`` on the GPU in bf16, seeded (every run draws the same)."""
+def build(name: str, layers: int | None = None, device: str = "cuda"):
+    """The model of ``MODELS[name]`` in bf16, seeded (every run draws the same), its experts
+    pinned to ``HF_EXPERTS``."""
     import transformers
 
     config_class, default_layers, keywords = MODELS[name]
     config = getattr(transformers, config_class)(
         num_hidden_layers=layers or default_layers, **keywords)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        return transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, experts_implementation=HF_EXPERTS).to(torch.bfloat16)
+    if model.config._experts_implementation != HF_EXPERTS:
+        raise RuntimeError(f"{name}: transformers gave experts_implementation="
+                           f"{model.config._experts_implementation!r}, not {HF_EXPERTS!r}")
+    return model
+
+
+def experts_in_generate(model) -> list[str]:
+    """The experts implementations Hugging Face's ``generate()`` runs ``model``'s first experts
+    module with, in order (prefill, then decoding), from one short greedy generate() of the
+    dynamic cache watched by a hook (removed before decoding is timed or compiled)."""
+    experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    seen = []
+
+    def note(module, args):
+        implementation = module.config._experts_implementation
+        if not seen or seen[-1] != implementation:
+            seen.append(implementation)
+
+    handle = experts.register_forward_pre_hook(note)
+    prompt = torch.zeros(1, 8, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.no_grad():
+            model.eval().generate(prompt, attention_mask=torch.ones_like(prompt),
+                                  max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                  pad_token_id=0)
+    finally:
+        handle.remove()
+    return seen
 
 
 def named(row: dict, family: str) -> dict:
@@ -181,12 +250,30 @@ def measure_train(variants: dict, ids, reps: int) -> tuple[dict, FloatTwin]:
     return e2e.measure_train(variants, ids, reps, tolerances), twin
 
 
+LOSS_BOUND = 1e-2  # model_checks.loss_within's: ours' loss within 1% of eager's
+
+
 def train_rows(train: dict, twin: FloatTwin, tokens: int) -> list[dict]:
     """``e2e.train_rows`` with the twin's figures in each train row's detail (the check's
-    ``grad_bound`` names the rule)."""
+    ``grad_bound`` names the rule) and the loss check's bound and error."""
     rows = e2e.train_rows(train, tokens)
     for row in rows:
-        row["detail"].update(twin.detail(row["detail"]))
+        detail = row["detail"]
+        detail.update(twin.detail(detail))
+        if "loss_ours" in detail and "loss_eager" in detail:
+            detail.setdefault("loss_bound", LOSS_BOUND)
+            detail.setdefault("loss_relative_error", round(
+                abs(detail["loss_ours"] - detail["loss_eager"]) / abs(detail["loss_eager"]), 6))
+    return rows
+
+
+def prefill_rows(prefill: dict, tokens: int) -> list[dict]:
+    """``e2e.prefill_rows`` with the rule its check applies named in each row's detail."""
+    rows = e2e.prefill_rows(prefill, tokens)
+    for row in rows:
+        row["detail"].setdefault(
+            "logits_bound", "logits_error_vs_eager < 0.02, or at most 1.5 x "
+                            "reference_logits_error_vs_eager")
     return rows
 
 
@@ -215,35 +302,68 @@ def measure(family: str, args) -> list[dict]:
             rows.append(named(row, family))
     if "prefill" in args.sections:
         prefill = e2e.measure_prefill(variants, ids, args.reps)
-        rows += [named(row, family) for row in e2e.prefill_rows(prefill, args.tokens)]
-    decode_variants = {"eager": eager, "ours": ours}
-    decoded = {}
-    for batch in (1, 16) if "decode" in args.sections else ():
-        decoded[batch] = e2e.measure_decode(decode_variants, batch, args.new_tokens,
-                                            max(3, args.reps // 2), vocab)
-    if decoded:
-        twin = copy.deepcopy(eager).float().eval()
-        for batch, decode in decoded.items():
-            rows.append(named(decode_row(decode, decode_variants, twin, batch,
-                                         args.new_tokens), family))
-        del twin
+        rows += [named(row, family) for row in prefill_rows(prefill, args.tokens)]
+    if "decode" in args.sections:
+        rows += [named(row, family) for row in decode_section(eager, ours, args)]
+    return rows
+
+
+def decode_section(eager, ours, args) -> list[dict]:
+    """The decode rows of both batches: ours against the static-cache peer (``STATIC_PEERS``,
+    none with ``--no-compile``) and against eager, each judged by eager's float32 twin."""
+    models = {"eager": eager, "ours": ours}
+    seen = experts_in_generate(eager)
+    peers = () if args.no_compile else STATIC_PEERS
+    decoded = {batch: measure_decode(models, batch, args.new_tokens, max(3, args.reps // 2),
+                                     eager.config.vocab_size, peers) for batch in (1, 16)}
+    twin = copy.deepcopy(eager).float().eval()
+    rows = []
+    for batch, (decode, peer, failures) in decoded.items():
+        twin_check = twin_decode(twin, eager, decode)
+        for reference in ([peer] if peer else []) + ["eager"]:
+            row = e2e.decode_row(decode, models, batch, args.new_tokens, reference=reference,
+                                 judge=lambda check: model_checks.twin_decode_check(
+                                     check, twin_check))
+            row["detail"]["hf_experts_in_generate"] = seen
+            if reference == HF_STATIC_NO_COMPILE:
+                row["detail"]["reference_settings"] = {"cache_implementation": "static",
+                                                       "disable_compile": True}
+            if failures:
+                row["detail"]["hf_static_failures"] = failures
+            rows.append(row)
+    del twin
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
 
 
-def decode_row(decode: dict, models: dict, twin, batch: int, new_tokens: int) -> dict:
-    """``e2e.decode_row`` judged by the float32 ``twin`` (``model_checks.twin_decode_check``):
-    the twin decodes eager's tokens teacher-forced against eager as ours does (true float32,
-    not TF32: it stands for the exact result), and ours may be twice as far from eager."""
+def measure_decode(models: dict, batch: int, new_tokens: int, reps: int, vocab: int,
+                   peers=STATIC_PEERS) -> tuple[dict, str | None, dict]:
+    """``e2e.measure_decode`` of eager, ours and the first of ``peers`` (name, generate()
+    keywords; a peer runs eager's model) whose generate() runs: (the measurements, that peer's
+    name or None, why each earlier peer failed)."""
+    failures = {}
+    for peer, options in peers:
+        try:
+            return (e2e.measure_decode({**models, peer: models["eager"]}, batch, new_tokens,
+                                       reps, vocab, options={peer: options}), peer, failures)
+        except Exception as error:  # noqa: BLE001 - the row says why, against the next peer
+            failures[peer] = f"{type(error).__name__}: {error}"[:500]
+            torch._dynamo.reset()  # nothing half-compiled left for the next peer
+    return e2e.measure_decode(models, batch, new_tokens, reps, vocab, options={}), None, failures
+
+
+def twin_decode(twin, eager, decode: dict):
+    """The float32 ``twin``'s teacher-forced decoding of eager's generated tokens against eager
+    (true float32, not TF32: it stands for the exact result): what
+    ``model_checks.twin_decode_check`` judges ours by."""
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        twin_check = model_checks.teacher_forced_decode(twin, models["eager"],
-                                                        decode["eager"]["tokens"], e2e.PROMPT)
+        return model_checks.teacher_forced_decode(twin, eager, decode["eager"]["tokens"],
+                                                  e2e.PROMPT)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    return e2e.decode_row(decode, models, batch, new_tokens,
-                          judge=lambda check: model_checks.twin_decode_check(check, twin_check))
 
 
 def parse_args(argv=None):
@@ -271,20 +391,37 @@ def family_of(row: dict) -> str | None:
     return next((f for f in MODELS if f" {f} ours " in row["case"]), None)
 
 
+def kept_rows(rows: list[dict], models, sections) -> list[dict]:
+    """The rows a run of ``models`` and ``sections`` does not measure again: another model's,
+    or another section's ("peak memory" rows are the train section's)."""
+    return [r for r in rows
+            if family_of(r) not in models or e2e.section_of(r["case"]) not in sections]
+
+
+def run_meta(args, gpu: str) -> dict:
+    """What a result file's rows were measured with: a later run keeps them only when equal."""
+    return dict(gpu=gpu, tokens=args.tokens, new_tokens=args.new_tokens, tune=args.tune,
+                layers={f: args.layers or MODELS[f][1] for f in MODELS},
+                hf_experts_implementation=HF_EXPERTS)
+
+
 def main() -> None:
     args = parse_args()
     require_gpu()
     name = "moe_e2e_quick" if args.quick else "moe_e2e"
-    # Each model may be measured in its own run (one device call each): a run keeps the other
-    # models' rows of a run of the same code, GPU and settings, and replaces its own.
-    meta = dict(gpu=torch.cuda.get_device_name(), tokens=args.tokens,
-                new_tokens=args.new_tokens, tune=args.tune,
-                layers={f: args.layers or MODELS[f][1] for f in MODELS})
-    kept = [r for r in rows_of_same_run(name, meta) if family_of(r) not in args.models]
+    # Each model and section may be measured in its own run (one device call each): a run keeps
+    # the other models' and sections' rows of a run of the same code, GPU and settings, and
+    # replaces its own.
+    meta = run_meta(args, torch.cuda.get_device_name())
+    kept = kept_rows(rows_of_same_run(name, meta), args.models, args.sections)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
     rows = []
     for family in args.models:
         rows += measure(family, args)
-        write_result(name, kept + rows, **{k: v for k, v in meta.items() if k != "gpu"})
+        write_result(name, kept + rows, **{k: v for k, v in meta.items() if k != "gpu"},
+                     recompile_limit=torch._dynamo.config.recompile_limit)
+        torch._dynamo.reset()  # this model's compiled graphs, before the next model's
         torch.cuda.empty_cache()
     rows = kept + rows
     print_table(["case", "ours", "reference", "ratio", "correct"],

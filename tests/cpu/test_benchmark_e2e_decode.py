@@ -52,6 +52,7 @@ def test_the_static_cache_row_names_its_peer_and_keeps_eager_beside_it():
     assert settings["cache_implementation"] == "static"
     assert settings["compiled"] is False  # nothing ran generate() with it here
     assert settings["transformers"] == transformers.__version__
+    assert settings["compile_config"]["mode"] == "reduce-overhead"
     assert detail["logits_tolerance"] > 0 and "teacher_forced_worst_logits_error" in detail
     assert result["correct"]
 
