@@ -25,12 +25,17 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
   op): at ``--quick``'s 2 layers and 1024 tokens that floor, 2 x 2.974 = 5.948 GB, is above
   every eager-mode variant's activation peak, so they all read 5.95-5.96 GB and the rows say so
   (``detail.at_the_floor``); ``forward_peak_gb`` still tells them apart.
-- FP8 (issue 38; ``benchmarks/e2e_fp8.py`` says how): ``train ours fp8 vs ours bf16``,
-  ``prefill ours fp8 vs ours bf16``, ``peak memory train ours fp8 vs ours bf16`` and ``train ours
-  fp8 vs torchao float8``, "ours fp8" the best of ``convert(model, fp8=recipe)`` per recipe
-  (named in ``detail``), torchao float8 and Liger-Kernel each measured in a process of its own
-  (``--only-variant``), their figures in ``detail.peers``. FP8 checks are bounded by the
-  recipe's float32 emulation (``benchmarks/fp8_emulation.py``), not by the bf16 bounds.
+- FP8 (issues 38 and 50; ``benchmarks/e2e_fp8.py`` says how): per recipe of ``--recipes``, no
+  recipe standing for another, ``train ours fp8 R vs torchao R``, ``peak memory train ours fp8 R
+  vs torchao R`` and ``prefill ours fp8 R vs torchao R`` for R tensorwise and rowwise, "ours fp8
+  R" ``convert(model, fp8=R)`` and the reference torchao float8 R + torch.compile with Liger's
+  fused linear cross-entropy as its loss, measured in a process of its own (``--only-variant``);
+  blockwise's rows are against ours bf16 (torchao 0.18 has no blockwise ``Float8LinearConfig``
+  recipe). Weaker references (eager, ours bf16, torchao with HF's full-logits loss where its
+  ``-hf-loss`` peer ran) are in ``detail.weaker_references_tokens_per_s``, the peers' figures,
+  settings and versions in ``detail.peers``. FP8 gradients are compared with the recipe's
+  float32 emulation (``benchmarks/fp8_emulation.py``) directly, the bound and the worst error
+  in ``detail``.
 Times are CUDA-event medians after warm-up, the variants interleaved repetition by repetition
 (the host's speed drifts over a run). Checks (``benchmarks/model_checks.py``, bounds from
 ``custom_kernels.core.tolerances``), each against eager on the same inputs: a ``train`` row is
@@ -55,8 +60,9 @@ run copies the rows of an e2e_quick.json written by the same code into its ``det
         [--peers-only] [--peer-dir build/e2e_peers] [--peer-timeout 540]
 
 A whole run with the compiled variants takes more than seven minutes (torch.compile's warm-ups
-of two 8-layer models, for training and for inference); ``--sections`` splits it across runs of
-the same code, each adding its rows to the file. The peers run first, one process at a time,
+of two 8-layer models, for training and for inference); ``--sections`` splits it across runs,
+each adding its rows to the file: the other sections' rows of the same model stay, a row from
+other code or another GPU labelled with its run (``detail["run"]``). The peers run first, one process at a time,
 and their results stay in ``--peer-dir`` for later runs of the same code and sizes: ``--peers-only``
 runs them alone, so that a later ``--fp8-only`` run (eager, ours, ours fp8 per recipe; train and
 prefill; the file's other rows kept) fits one command.
@@ -279,15 +285,38 @@ def section_of(case: str) -> str:
     return "train" if first == "peak" else first
 
 
+SAME_MODEL = ("layers", "tokens", "new_tokens")  # the meta keys that make rows comparable
+
+
 def kept_rows(name: str, meta: dict, sections: set) -> list:
-    """The rows of sections not measured now, from the result file, when it was written by the
-    same code (project version) for the same model; none otherwise. Each row keeps the reference
-    measured beside it in its own run."""
-    from benchmarks.common import rows_of_same_run
+    """The rows of sections not measured now, from the result file, when it was written for the
+    same model (``meta``); none otherwise. Each row keeps the reference measured beside it in
+    its own run, and a row of another run (other code, or another GPU) says which in
+    ``detail["run"]`` (GPU and versions): a run of some sections leaves the others' figures
+    standing, labelled, rather than dropping them."""
+    import json
+
+    from benchmarks.common import RESULTS, versions
 
     if sections >= set(SECTIONS):
         return []
-    return [r for r in rows_of_same_run(name, meta) if section_of(r["case"]) not in sections]
+    try:
+        old = json.loads((RESULTS / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if any(old.get(k) != meta[k] for k in SAME_MODEL if k in meta):
+        return []
+    this_run = old.get("versions", {}).get("project") == versions()["project"]
+    rows = []
+    for row in old.get("rows", []):
+        if section_of(row["case"]) in sections:
+            continue
+        run = row.get("detail", {}).get("run")
+        if run is None and not this_run:
+            run = {"gpu": old.get("gpu"), "versions": old.get("versions")}
+        rows.append(row if run is None else {**row, "detail": {**row.get("detail", {}),
+                                                                "run": run}})
+    return rows
 
 
 def replaced_rows(old: list, rows: list) -> list:
@@ -500,7 +529,7 @@ def decode_row(decode: dict, models: dict, batch: int, new_tokens: int, judge=No
 
 
 def parse_args(argv=None):
-    from benchmarks.e2e_fp8 import PEERS, RECIPES
+    from benchmarks.e2e_fp8 import DEFAULT_PEERS, PEERS, RECIPES, TORCHAO
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, 1024 tokens, 32 new")
@@ -529,8 +558,9 @@ def parse_args(argv=None):
     fp8.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES),
                      help="our FP8 recipes to measure (default all)")
     fp8.add_argument("--peers", nargs="+", choices=[*PEERS, "none"], default=None,
-                     help="peers measured in their own processes (default all; torchao's with "
-                          "--fp8-only)")
+                     help="peers measured in their own processes (default torchao's two "
+                          "recipes with Liger's fused loss, and Liger; torchao's alone with "
+                          "--fp8-only; the -hf-loss ones, torchao with HF's loss, when named)")
     fp8.add_argument("--peers-only", action="store_true",
                      help="only run the peers into --peer-dir (for a later run to reuse)")
     fp8.add_argument("--peer-dir", default=str(Path(__file__).resolve().parent.parent / "build"
@@ -550,8 +580,7 @@ def parse_args(argv=None):
     if args.no_fp8:
         args.recipes, args.peers = [], ["none"]
     if args.peers is None:
-        args.peers = [p for p in PEERS if p.startswith("torchao")] if args.fp8_only else \
-            list(PEERS)
+        args.peers = list(TORCHAO) if args.fp8_only else list(DEFAULT_PEERS)
     args.peers = [p for p in args.peers if p != "none"]
     return args
 

@@ -62,7 +62,7 @@ def test_print_shapes_needs_no_gpu(args, count):
     assert all(re.fullmatch(r"\d+x\d+x\d+", shape) for shape in shapes)
 
 
-def test_e2e_sections_keep_the_other_sections_rows_of_the_same_code(tmp_path, monkeypatch):
+def test_e2e_sections_keep_the_other_sections_rows_of_the_same_model(tmp_path, monkeypatch):
     import json
 
     sys.path.insert(0, str(BENCHMARKS.parent))
@@ -79,8 +79,11 @@ def test_e2e_sections_keep_the_other_sections_rows_of_the_same_code(tmp_path, mo
     assert [r["case"] for r in kept] == ["train ours vs eager", "peak memory train ours vs eager"]
     assert e2e.kept_rows("e2e", meta, set(e2e.SECTIONS)) == []
     assert e2e.kept_rows("e2e", {**meta, "layers": 2}, {"train"}) == []  # another model
+    assert all("run" not in r.get("detail", {}) for r in kept)  # this code's own rows
     monkeypatch.setattr(common, "versions", lambda: {"project": "0.1.0+def"})
-    assert e2e.kept_rows("e2e", meta, {"train"}) == []  # other code
+    other = e2e.kept_rows("e2e", {**meta, "converted": 85}, {"train"})  # other code: labelled
+    assert [r["case"] for r in other] == ["prefill ours vs eager", "decode batch 1 ours vs eager"]
+    assert all(r["detail"]["run"]["versions"]["project"] == "0.1.0+abc" for r in other)
     assert e2e.kept_rows("missing", meta, {"train"}) == []
 
 
