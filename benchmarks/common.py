@@ -125,6 +125,23 @@ def rows_of_same_run(name: str, meta: dict) -> list[dict]:
     return old.get("rows", []) if same else []
 
 
+def labelled_rows(name: str, meta: dict) -> list[dict]:
+    """The rows of ``benchmarks/results/<name>.json`` when that file was written with the same
+    ``meta`` (model, sizes, settings), by any code: a row of other code than this run's says so
+    in ``detail["run"]`` (GPU and versions), so that figures kept from an earlier device call
+    stand labelled beside the new ones."""
+    try:
+        old = json.loads((RESULTS / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if any(old.get(k) != v for k, v in meta.items()):
+        return []
+    if old.get("versions", {}).get("project") == versions()["project"]:
+        return old.get("rows", [])
+    run = {"gpu": old.get("gpu"), "versions": old.get("versions")}
+    return [{**r, "detail": {"run": run, **r.get("detail", {})}} for r in old.get("rows", [])]
+
+
 def print_table(headers: list[str], rows: list[list]) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
     for row in [headers, ["-" * w for w in widths], *rows]:

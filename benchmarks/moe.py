@@ -1,5 +1,5 @@
 """Mixture-of-experts: grouped GEMMs (``cutlass_ops.grouped_mm``) against ``torch._grouped_mm``,
-and a converted Hugging Face MoE block against the eager one.
+and a converted Hugging Face MoE block against Hugging Face's own ``grouped_mm`` experts.
 
 Grouped rows: the expert GEMMs of Mixtral-8x7B (8 experts, 4096 -> 14336 -> 4096, top-2),
 Qwen3-30B-A3B (128 experts, 2048 -> 768 -> 2048, top-8) and DeepSeek-V3 (256 experts,
@@ -177,11 +177,20 @@ def problems(models, tokens) -> list:
         for count in tokens:
             out += moe_problems(experts, inter, hidden, count * top_k)
             out += moe_problems(experts, hidden, inter, count * top_k)
-    for model in models[:2]:
-        experts, hidden, inter, top_k = MODELS[model]
-        out += moe_problems(experts, 2 * inter, hidden, tokens[0] * top_k, backward=True)
-        out += moe_problems(experts, hidden, inter, tokens[0] * top_k, backward=True)
+    out += block_problems(models[:2], tokens[0])
     return list(dict.fromkeys(out))
+
+
+def block_problems(models, tokens: int) -> list:
+    """The blocks' grouped problems: the gate+up and down GEMMs' forward, dX and dW."""
+    from tuning.grouped_search import moe_problems
+
+    out = []
+    for model in models:
+        experts, hidden, inter, top_k = MODELS[model]
+        out += moe_problems(experts, 2 * inter, hidden, tokens * top_k, backward=True)
+        out += moe_problems(experts, hidden, inter, tokens * top_k, backward=True)
+    return out
 
 
 def hf_block(model: str, device="cuda"):
@@ -285,6 +294,45 @@ def block_result(model, tokens, ms: dict, errors: dict, converted: list,
             "correct": errors["ours"] < BLOCK_BOUND and bool(converted), "detail": detail}
 
 
+def kept_grouped(name: str) -> tuple[list, dict]:
+    """The result file's grouped rows, each with the run it came from in ``detail["run"]``
+    (GPU, versions), and its summary figures of them: what a ``--blocks-only`` run keeps."""
+    import json
+
+    from benchmarks.common import RESULTS
+
+    try:
+        old = json.loads((RESULTS / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return [], {}
+    run = {"gpu": old.get("gpu"), "versions": old.get("versions")}
+    rows = [{**r, "detail": {"run": run, **r.get("detail", {})}}
+            for r in old.get("rows", []) if r["case"].startswith("grouped ")]
+    summary = {k: v for k, v in old.items() if k not in ("benchmark", "gpu", "versions", "rows")}
+    return rows, summary
+
+
+def blocks_only(args) -> int:
+    """The block rows alone, their grouped problems tuned first with ``--tune``; the file's
+    grouped rows and summary kept (``kept_grouped``)."""
+    require_gpu()
+    models = ["Qwen3-30B-A3B"] if args.quick else list(MODELS)[:2]
+    name = "moe_quick" if args.quick else "moe"
+    grouped, summary = kept_grouped(name)
+    if args.tune:
+        from tuning import grouped_search
+
+        grouped_search.tune(list(dict.fromkeys(block_problems(models, TOKENS[0]))),
+                            strategy=args.tune)
+        summary["blocks_tune_strategy"] = args.tune
+    rows = []
+    for model in models:
+        rows.append(block_row(model, 4096, max(5, args.reps // 3)))
+        print(rows[-1]["case"], rows[-1]["ratio"], rows[-1]["correct"], flush=True)
+        write_result(name, grouped + rows, **summary)
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="Qwen3-30B-A3B, 4096 tokens")
@@ -295,7 +343,12 @@ def main() -> None:
     parser.add_argument("--no-dynamic-twins", action="store_true",
                         help="tune without the DSL kernels' dynamic-scheduler twins and write "
                         "moe_dynamic_twins_off.json (give it an empty CUTLASS_OPS_CACHE_DIR)")
+    parser.add_argument("--blocks-only", action="store_true",
+                        help="only the block rows (their problems tuned with --tune); the "
+                        "file's grouped rows and figures stay, each row labelled with its run")
     args = parser.parse_args()
+    if args.blocks_only:
+        raise SystemExit(blocks_only(args))
     if args.no_dynamic_twins and not args.tune:
         parser.error("--no-dynamic-twins changes the tune: give --tune too")
     require_gpu()

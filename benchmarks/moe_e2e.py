@@ -16,14 +16,15 @@ of the eager model ran (observed with a hook, not assumed).
 Decode rows, at batch 1 and 16 (``--new-tokens`` greedy tokens after a 128-token prompt; ours
 is the converted model's ``generate()``): ``decode batch <b> <family> ours vs hf static compile``
 against Hugging Face's ``generate(cache_implementation="static")`` of the unconverted model,
-which compiles its decoding forward itself (``e2e.HF_STATIC``; Mixtral and Qwen3-MoE both set
-``_can_compile_fullgraph``, so transformers 5.17 takes that path for them; ``detail.
-reference_settings`` records the compile settings and that it compiled), the strongest decode a
-Hugging Face user gets; and ``decode batch <b> <family> ours vs eager``, the dynamic-cache eager
-``generate()``. Should the static-cache compiled path fail for a model, the row is against the
-static cache without compile (``... ours vs hf static no compile``), or, should that fail too,
-there is only the eager row; ``detail.hf_static_failures`` says why. ``--no-compile`` leaves the
-static-cache peer out. All three are timed interleaved.
+which compiles its decoding forward itself (``e2e.HF_STATIC``: transformers 5.17 compiles
+whenever the cache is a compileable one on a GPU, and both models' classes declare
+``_can_compile_fullgraph``; ``detail.reference_settings`` records the compile settings and
+that it compiled), the strongest decode a Hugging Face user gets; and ``decode batch <b>
+<family> ours vs eager``, the dynamic-cache eager ``generate()``. Should the static-cache
+compiled path fail for a model, the row is against the static cache without compile (``...
+ours vs hf static no compile``), or, should that fail too, there is only the eager row;
+``detail.hf_static_failures`` says why. ``--no-compile`` leaves the static-cache peer out. All
+three are timed interleaved.
 
 The checks are ``benchmarks.e2e``'s: the loss and every parameter's gradient against eager's,
 prefill logits, teacher-forced decode logits (always against eager's model: caches and graphs
@@ -37,9 +38,8 @@ row whose ``correct`` comes from a bound has the bound and the measured error in
 (train: ``grad_bound``, ``grad_tolerance``, ``grad_worst_relative_error``, ``loss_bound``,
 ``loss_relative_error``; prefill: ``logits_bound``, ``logits_error_vs_eager``; decode:
 ``logits_bound``, ``worst_step_bound``, ``median_step_bound`` and ours' teacher-forced
-errors). Each row's ``detail`` names
-what convert did to each layer (its report) and, for the train rows, the bound's rule and the
-twin's errors, and where ours' step spends its GPU time (the kernels with the most time,
+errors). The train rows' ``detail`` also names what convert did to each layer (its report),
+the twin's errors, and where ours' step spends its GPU time (the kernels with the most time,
 torch.profiler).
 
     python benchmarks/moe_e2e.py [--models qwen3-moe mixtral] [--tokens 4096] [--reps 10]
@@ -48,8 +48,8 @@ torch.profiler).
 
 Writes benchmarks/results/moe_e2e.json (moe_e2e_quick.json with --quick: one layer each, 1024
 tokens, 16 new tokens). A run of some models and sections keeps the file's rows of the others
-when they were written by the same code, GPU and settings, so each (model, sections) pair may
-be its own device call.
+when they were written on the same GPU with the same settings (a row of other code labelled
+with its run, ``detail["run"]``), so each (model, sections) pair may be its own device call.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks import e2e, model_checks  # noqa: E402
-from benchmarks.common import (print_table, require_gpu, rows_of_same_run,  # noqa: E402
+from benchmarks.common import (labelled_rows, print_table, require_gpu,  # noqa: E402
                                write_result)
 
 # name: (config class, layers, the config's keywords): the published models' shapes.
@@ -410,10 +410,10 @@ def main() -> None:
     require_gpu()
     name = "moe_e2e_quick" if args.quick else "moe_e2e"
     # Each model and section may be measured in its own run (one device call each): a run keeps
-    # the other models' and sections' rows of a run of the same code, GPU and settings, and
-    # replaces its own.
+    # the other models' and sections' rows of a run of the same GPU and settings (those of
+    # other code labelled with their run), and replaces its own.
     meta = run_meta(args, torch.cuda.get_device_name())
-    kept = kept_rows(rows_of_same_run(name, meta), args.models, args.sections)
+    kept = kept_rows(labelled_rows(name, meta), args.models, args.sections)
     limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
     rows = []

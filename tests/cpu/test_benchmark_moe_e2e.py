@@ -135,11 +135,15 @@ def test_the_float32_twin_bounds_ours_and_compile_once_and_is_freed(cpu_timing, 
         twin.grad_errors[detail["grad_worst_parameter"]], 6)
     assert detail["twin_grad_worst_relative_error"] == round(
         max(twin.grad_errors.values()), 6)
+    # the loss check's bound and error
+    assert detail["loss_bound"] == 0.01
+    assert detail["loss_relative_error"] == round(
+        abs(detail["loss_ours"] - detail["loss_eager"]) / abs(detail["loss_eager"]), 6)
     memory = next(r for r in rows if r["case"].startswith("peak memory"))
     assert not any(k.startswith("twin_") for k in memory["detail"])
 
 
-def test_a_run_keeps_the_other_models_rows_of_the_same_run(tmp_path, monkeypatch):
+def test_a_run_keeps_the_other_models_rows_of_the_same_settings(tmp_path, monkeypatch):
     """Two runs (one model each) build one file: the second keeps the first's rows when the
     code, GPU and settings agree, and drops them when a setting differs."""
     import json
@@ -152,7 +156,143 @@ def test_a_run_keeps_the_other_models_rows_of_the_same_run(tmp_path, monkeypatch
     rows = [{"case": "train qwen3-moe ours vs eager"}, {"case": "train mixtral ours vs eager"}]
     (tmp_path / "moe_e2e.json").write_text(json.dumps(
         {"versions": common.versions(), **meta, "rows": rows}))
-    kept = common.rows_of_same_run("moe_e2e", meta)
+    kept = common.labelled_rows("moe_e2e", meta)
     assert [moe_e2e.family_of(r) for r in kept] == ["qwen3-moe", "mixtral"]
-    assert common.rows_of_same_run("moe_e2e", {**meta, "tune": "quick"}) == []
+    assert all("run" not in r.get("detail", {}) for r in kept)  # this code's own rows
+    assert common.labelled_rows("moe_e2e", {**meta, "tune": "quick"}) == []
+    monkeypatch.setattr(common, "versions", lambda: {"project": "0.1.0+other"})
+    other = common.labelled_rows("moe_e2e", meta)  # other code: kept, labelled with its run
+    assert [r["detail"]["run"]["gpu"] for r in other] == ["G", "G"]
+    assert other[0]["detail"]["run"]["versions"]["project"] != "0.1.0+other"
     assert moe_e2e.family_of({"case": "peak memory train mixtral ours vs compile"}) == "mixtral"
+
+
+# --- issue 50: HF's experts pinned, decode against HF's static-cache generate() ---------------
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+def test_build_pins_the_experts_implementation(monkeypatch, experts):
+    """The model is built with ``HF_EXPERTS`` passed through (not transformers' default)."""
+    monkeypatch.setattr(moe_e2e, "HF_EXPERTS", experts)
+    model = moe_e2e.build("qwen3-moe", 1, device="meta")
+    assert model.config._experts_implementation == experts
+    assert model.model.layers[0].mlp.experts.config._experts_implementation == experts
+
+
+def test_the_result_file_records_hf_experts():
+    meta = moe_e2e.run_meta(moe_e2e.parse_args([]), "G")
+    assert meta["hf_experts_implementation"] == moe_e2e.HF_EXPERTS == "grouped_mm"
+
+
+def test_experts_in_generate_reports_what_generate_ran_and_removes_its_hook():
+    model = tiny_qwen3_moe()
+    experts = model.model.layers[0].mlp.experts
+    assert moe_e2e.experts_in_generate(model) == ["grouped_mm"]  # a CPU: no decode switch
+    assert not experts._forward_pre_hooks
+    model.set_experts_implementation("eager")
+    assert moe_e2e.experts_in_generate(model) == ["eager"]
+
+
+NEW_TOKENS = 3
+DECODE_MS = {"eager": 30.0, "ours": 5.0, e2e.HF_STATIC: 8.0, moe_e2e.HF_STATIC_NO_COMPILE: 20.0}
+
+
+@pytest.fixture
+def fake_decode(monkeypatch):
+    """e2e.measure_decode without CUDA: eager's greedy tokens for every variant (real, on the
+    CPU), each variant's time from DECODE_MS; a peer whose keywords are in ``failing`` raises.
+    A 16-token prompt: the checks' cost on a CPU is the prompt's."""
+    calls, failing = [], set()
+    monkeypatch.setattr(e2e, "PROMPT", 16)
+
+    def measure_decode(variants, batch, new_tokens, reps, vocab, options=None):
+        calls.append((batch, dict(options or {})))
+        for name, keywords in (options or {}).items():
+            if name in failing:
+                raise RuntimeError(f"{name} failed")
+        prompt = torch.randint(0, vocab, (batch, e2e.PROMPT),
+                               generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            tokens = variants["eager"].generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return {name: {"tokens": tokens, "ms": DECODE_MS[name]} for name in variants}
+    monkeypatch.setattr(e2e, "measure_decode", measure_decode)
+    return calls, failing
+
+
+@pytest.mark.parametrize("fault", [None, "skipped layer"])
+def test_decode_rows_are_against_hf_static_compile_and_eager(fake_decode, fault):
+    calls, _ = fake_decode
+    eager = tiny_qwen3_moe().eval()
+    ours = copy.deepcopy(eager)
+    if fault:
+        skip_layer(ours, 1)
+    args = moe_e2e.parse_args(["--new-tokens", str(NEW_TOKENS)])
+    rows = moe_e2e.decode_section(eager, ours, args)
+    assert [r["case"] for r in rows] == [
+        f"decode batch {b} ours vs {ref}" for b in (1, 16) for ref in (e2e.HF_STATIC, "eager")]
+    assert [options for _, options in calls] == [
+        {e2e.HF_STATIC: {"cache_implementation": "static"}}] * 2
+    for row in rows:
+        batch = int(row["case"].split()[2])
+        reference = row["case"].split(" vs ")[1]
+        assert row["reference_name"] == reference
+        assert row["ours"] == round(batch * NEW_TOKENS / DECODE_MS["ours"] * 1e3, 1)
+        assert row["reference"] == round(batch * NEW_TOKENS / DECODE_MS[reference] * 1e3, 1)
+        assert row["ratio"] == round(row["ours"] / row["reference"], 4)
+        detail = row["detail"]
+        # the twin's bound and ours' measured errors
+        assert {"logits_bound", "worst_step_bound", "median_step_bound",
+                "teacher_forced_worst_logits_error",
+                "teacher_forced_median_logits_error"} <= set(detail)
+        assert detail["hf_experts_in_generate"] == ["grouped_mm"]
+        assert row["correct"] == (fault is None)
+        if reference == e2e.HF_STATIC:
+            assert detail["eager"] == round(batch * NEW_TOKENS / DECODE_MS["eager"] * 1e3, 1)
+            assert detail["reference_settings"]["cache_implementation"] == "static"
+        assert "hf_static_failures" not in detail
+
+
+def test_decode_falls_back_to_the_static_cache_without_compile_and_says_why(fake_decode):
+    calls, failing = fake_decode
+    failing.add(e2e.HF_STATIC)
+    models = {"eager": tiny_qwen3_moe().eval()}
+    models["ours"] = copy.deepcopy(models["eager"])
+    decode, peer, failures = moe_e2e.measure_decode(models, 1, NEW_TOKENS, 3, 101)
+    assert peer == moe_e2e.HF_STATIC_NO_COMPILE
+    assert failures == {e2e.HF_STATIC: f"RuntimeError: {e2e.HF_STATIC} failed"}
+    assert calls[-1][1] == {peer: {"cache_implementation": "static", "disable_compile": True}}
+    assert set(decode) == {"eager", "ours", peer}
+    failing.add(peer)
+    decode, peer, failures = moe_e2e.measure_decode(models, 1, NEW_TOKENS, 3, 101)
+    assert peer is None and set(failures) == {e2e.HF_STATIC, moe_e2e.HF_STATIC_NO_COMPILE}
+    assert set(decode) == {"eager", "ours"}
+
+
+def test_no_compile_decodes_against_eager_only(fake_decode):
+    eager = tiny_qwen3_moe().eval()
+    args = moe_e2e.parse_args(["--new-tokens", str(NEW_TOKENS), "--no-compile"])
+    rows = moe_e2e.decode_section(eager, copy.deepcopy(eager), args)
+    assert [r["case"] for r in rows] == ["decode batch 1 ours vs eager",
+                                         "decode batch 16 ours vs eager"]
+
+
+def test_prefill_rows_name_their_bound():
+    logits = torch.ones(2, 16, 8)
+    prefill = {name: {"ms": ms, "logits": logits * (1 + error)} for name, ms, error in
+               [("eager", 10.0, 0.0), ("ours", 5.0, 0.01), ("compile", 8.0, 0.0)]}
+    rows = moe_e2e.prefill_rows(prefill, 64)
+    assert [r["case"] for r in rows] == ["prefill ours vs eager", "prefill ours vs compile"]
+    for row in rows:
+        assert "0.02" in row["detail"]["logits_bound"]
+        assert row["detail"]["logits_error_vs_eager"] == pytest.approx(0.01, abs=1e-4)
+
+
+def test_a_run_keeps_the_other_sections_of_its_model():
+    rows = [{"case": c} for c in ("train qwen3-moe ours vs eager",
+                                  "peak memory train qwen3-moe ours vs eager",
+                                  "decode batch 1 qwen3-moe ours vs hf static compile",
+                                  "decode batch 1 mixtral ours vs eager")]
+    kept = moe_e2e.kept_rows(rows, ["qwen3-moe"], ["decode"])
+    assert [r["case"] for r in kept] == [rows[0]["case"], rows[1]["case"], rows[3]["case"]]
+    assert moe_e2e.kept_rows(rows, ["qwen3-moe", "mixtral"], list(moe_e2e.SECTIONS)) == []
