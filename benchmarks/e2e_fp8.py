@@ -1,33 +1,46 @@
-"""The FP8 part of ``benchmarks/e2e.py`` (issue 38): our FP8 variants, the peers measured in
-processes of their own, and the rows that compare them.
+"""The FP8 part of ``benchmarks/e2e.py`` (issues 38 and 50): our FP8 variants, the peers measured
+in processes of their own, and the rows that compare them.
 
 - **Ours**: ``cutlass_ops.convert(model, fp8=recipe)`` for each recipe (``--recipes``), with
-  convert's other options as the bf16 "ours" (the LM head stays bf16), measured in the main
-  process beside eager and ours bf16, interleaved. A recipe convert refuses, or one that makes
-  no layer FP8, or whose first step raises, is a result (its reason), not a crash.
+  convert's other options as the bf16 "ours" (the LM head stays bf16, the loss through the
+  chunked head), measured in the main process beside eager and ours bf16, interleaved. A recipe
+  convert refuses, or one that makes no layer FP8, or whose first step raises, is a result (its
+  reason), not a crash.
 - **Peers**, each in its own process (``e2e.py --only-variant NAME --json OUT``): torchao 0.18
   float8 training (``Float8LinearConfig.from_recipe_name`` tensorwise or rowwise,
-  ``convert_to_float8_training`` with the LM head left out, then ``torch.compile``), and
-  Liger-Kernel 0.8.5 (``apply_liger_kernel_to_llama(model=...)``: RoPE, RMSNorm, SwiGLU, fused
-  linear cross-entropy). Each builds the same model (same seed) on the same tokens, takes eager's
-  reference and times first (Liger's RoPE patch reaches every Llama of its process), then its own
-  train step and prefill with e2e.py's functions. torchao float8 patches inductor and Liger
-  transformers' modules: neither may touch the main process. Neither package is a dependency of
-  cutlass-ops: a peer that cannot be imported is a row saying so.
+  ``convert_to_float8_training`` with the LM head left out), its loss Liger-Kernel 0.8.5's
+  fused linear cross-entropy on the final hidden states and the LM head's weight (the strongest
+  fused loss torchao's model can take), the decoder under ``torch.compile``
+  (``torchao-tensorwise``, ``torchao-rowwise``); the same with HF's full-logits loss and the
+  whole model compiled (``torchao-tensorwise-hf-loss``, ``torchao-rowwise-hf-loss``, run when
+  ``--peers`` names them); and Liger-Kernel 0.8.5 on bf16 (``apply_liger_kernel_to_llama``:
+  RoPE, RMSNorm, SwiGLU, fused linear cross-entropy). Each builds the same model (same seed) on
+  the same tokens, takes eager's reference and times first (Liger's RoPE patch reaches every
+  Llama of its process), then its own train step and prefill; its settings (recipe, compile,
+  loss) and versions are in its result. torchao float8 patches inductor and Liger transformers'
+  modules: neither may touch the main process. Neither package is a dependency of cutlass-ops:
+  a peer that cannot be imported is a row saying so; torchao without Liger falls back to HF's
+  loss and says so (``settings.loss_note``).
 - **Checks**: an FP8 model cannot match eager within the bf16 bounds, and no fixed bound works
-  at this depth (``custom_kernels.core.tolerances``): each parameter's gradient, and the prefill
-  logits, may be at most the FP8 margin times as far from eager's as the recipe's float32
-  emulation (``benchmarks.fp8_emulation``, torch operations on the same model and tokens); the
-  loss keeps the 1% bound; a parameter that lost its gradient fails. torchao's recipes are
-  checked the same way (its tensorwise and rowwise are ours), Liger by the bf16 bounds.
+  at this depth (``custom_kernels.core.tolerances``). Each parameter's gradient is compared
+  directly with the recipe's float32 emulation's (``benchmarks.fp8_emulation``, torch operations
+  on the same model and tokens; ``model_checks.EmulationBound``): its distance from it within
+  the FP8 margin times the emulation's own error against eager (the noise one implementation of
+  the recipe carries), and its norm within ``model_checks.FP8_NORM_RATIO`` of the emulation's,
+  which a gradient at half its value fails however noisy; a lost gradient (a skipped layer's)
+  fails. The prefill logits may be at most the FP8 margin times as far from eager's as the
+  emulation's; the loss keeps the 1% bound. torchao's recipes are checked the same way (its
+  tensorwise and rowwise are ours), Liger by the bf16 bounds.
 
-Rows (``ours fp8`` is the fastest correct recipe of the row, else the fastest measured, named
-in ``detail.recipe`` with every recipe's figures in ``detail.recipes`` and the peers' in
-``detail.peers``): ``train ours fp8 vs ours bf16``, ``peak memory train ours fp8 vs ours bf16``
-(the train row's recipe; each recipe's peak broken down in ``detail.recipes``, as
-``e2e.peak_memory`` says), ``train ours fp8 vs torchao float8`` (the reference: the faster torchao
-recipe), ``prefill ours fp8 vs ours bf16``. A row without its figures has ``ours`` or
-``reference`` null, ``ratio`` null, ``correct`` false and ``detail.missing`` saying why.
+Rows, per recipe R of ``--recipes`` (no recipe stands for another): ``train ours fp8 R vs
+torchao R``, ``peak memory train ours fp8 R vs torchao R`` and ``prefill ours fp8 R vs torchao
+R`` for R tensorwise and rowwise, the reference torchao's R + compile with the fused loss; for
+blockwise ``... vs ours bf16`` (``detail.no_torchao_peer`` says why). Each row's ``detail`` has
+the check's bound and measured worst errors, the weaker references in tokens/s
+(``weaker_references_tokens_per_s``: eager, ours bf16, torchao with HF's loss where measured)
+and the peers' figures, settings and versions (``peers``). A row without its figures has
+``ours`` or ``reference`` null, ``ratio`` null, ``correct`` false and ``detail.missing`` saying
+why (a peer that did not finish within ``--peer-timeout`` included).
 """
 
 from __future__ import annotations
@@ -241,8 +254,9 @@ def _weaker(recipe: str, peers: dict, section: str, bf16: dict, eager: dict,
 
 
 def _detail(recipe: str, peers: dict, section: str, measured: dict, tokens: int) -> dict:
-    """What every row of a recipe's ``section`` says: the recipe, why its reference is ours bf16
-    where it is, the weaker references, and the peers' figures (torchao's of the recipe, Liger's)."""
+    """What every row of a recipe's ``section`` says: the recipe, why its reference is ours
+    bf16 where it is, the weaker references, and the peers' figures (torchao's of the recipe,
+    Liger's)."""
     detail = {"recipe": recipe}
     if not torchao_variant(recipe):
         detail["no_torchao_peer"] = NO_TORCHAO
@@ -299,8 +313,8 @@ def _recipe_train_rows(recipe: str, train: dict, peers: dict, tokens: int) -> li
                        loss_reference=reference.get("loss"),
                        reference_correct=_reference_correct(reference), **detail)
     memory = e2e.memory_row(ours, reference, name, ok, case=memory_case(recipe))
-    memory["detail"].update({k: v for k, v in detail.items()
-                             if k in ("recipe", "no_torchao_peer")})
+    memory["detail"].update({k: v for k, v in detail.items()  # correct: the train check's
+                             if k in ("recipe", "no_torchao_peer") or k.startswith("grad_")})
     return [row, memory]
 
 

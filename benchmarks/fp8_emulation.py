@@ -1,7 +1,8 @@
 """FP8 training emulated in float32 with torch operations alone: the reference an FP8 model's
 numerics are checked against (``benchmarks/e2e.py``'s FP8 rows, through
-``model_checks.fp8_gradient_tolerances``), its CPU tests, and the calibration of the FP8 bound in
-``custom_kernels.core.tolerances`` (``python benchmarks/fp8_emulation.py``).
+``model_checks.fp8_gradient_bound``: each gradient compared with the emulation's directly), its
+CPU tests, and the calibration of the FP8 bound in ``custom_kernels.core.tolerances``
+(``python benchmarks/fp8_emulation.py``).
 
 An FP8 GEMM with float32 accumulation computes the exact products of its FP8 operands, so
 quantizing each operand (scale, round to the FP8 type, unscale) and multiplying the results in

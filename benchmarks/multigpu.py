@@ -571,16 +571,42 @@ def peer_settings(breaks: int) -> dict:
             "transformers": transformers.__version__}
 
 
+PEER_RULE = ("ours within the bounds; a compiled peer computes the same step: its loss within "
+             "the loss bound, no one-sided gradient, gradients and logits within twice the bf16 "
+             "bound (torch.compile reorders bf16 sums: 0.056 on one q_proj at 4 layers, H200)")
+
+
+def peer_agrees(check: dict) -> bool:
+    """A compiled peer's check, by ``PEER_RULE``: what shows it measured the same step, without
+    holding its bf16 reordering to the bound ours must meet."""
+    if "logits_error" in check:
+        return check["logits_error"] <= 2 * check["logits_bound"]  # NaN fails
+    return (check["loss_error"] <= check["loss_bound"] and not check["one_sided_gradients"]
+            and check["worst_gradient_error"] <= 2 * check["gradient_bound"])
+
+
+def judged(checks: dict) -> bool:
+    """A row's verdict over its models' checks: ours by its own bound, peers by ``PEER_RULE``."""
+    return all(c["correct"] if k == "ours" else peer_agrees(c) for k, c in checks.items())
+
+
+def ratio(ours: float, reference: float) -> float:
+    """BENCHMARKS.md: ratio is ours / reference as written in the row."""
+    return round(ours / reference, 4)
+
+
 def tp_row(case: str, ms: dict, peer: str, per_gpu: float, peer_name: str, checks: dict,
            detail: dict, ok: bool = True) -> dict:
     """One TP row (tokens/s per GPU): ``ours`` against ``ms[peer]``, correct when ``ok`` and
-    every one of ``checks`` (by model) is."""
-    row = {"case": case, "unit": "tokens/s per GPU", "ours": round(per_gpu / ms["ours"], 1),
-           "reference": round(per_gpu / ms[peer], 1), "reference_name": peer_name,
-           "ratio": round(ms[peer] / ms["ours"], 4),
-           "correct": ok and all(c["correct"] for c in checks.values()),
+    ``judged(checks)``."""
+    ours, reference = round(per_gpu / ms["ours"], 1), round(per_gpu / ms[peer], 1)
+    row = {"case": case, "unit": "tokens/s per GPU", "ours": ours,
+           "reference": reference, "reference_name": peer_name,
+           "ratio": ratio(ours, reference),
+           "correct": ok and judged(checks),
            "detail": {"ours_ms": ms["ours"], "reference_ms": ms[peer],
-                      **bounds(checks["ours"]), "checks": checks, **detail}}
+                      **bounds(checks["ours"]), "checks": checks, "rule": PEER_RULE,
+                      **detail}}
     print(row["case"], row["ratio"], row["correct"], flush=True)
     return row
 
@@ -706,13 +732,12 @@ def data_parallel_rows(world: int, mode: str, got: dict, single: float | None, a
     for peer, suffix, peer_name in peers:
         speedup = ms[peer] / ms["ours"]
         used = {k: checks[k] for k in ("ours", peer) if k in checks}
+        ours, reference = round(total / ms["ours"], 1), round(total / ms[peer], 1)
         rows.append({"case": f"{mode} train converted vs {suffix}", "unit": "tokens/s",
-                     "ours": round(total / ms["ours"], 1),
-                     "reference": round(total / ms[peer], 1), "reference_name": peer_name,
-                     "ratio": round(speedup, 4),
-                     "correct": all(c["correct"] for c in used.values()),
+                     "ours": ours, "reference": reference, "reference_name": peer_name,
+                     "ratio": ratio(ours, reference), "correct": judged(used),
                      "detail": {"ours_ms": ms["ours"], "reference_ms": ms[peer],
-                                **bounds(checks["ours"]), "checks": used,
+                                **bounds(checks["ours"]), "checks": used, "rule": PEER_RULE,
                                 "one_gpu_speedup": None if single is None else round(single, 4),
                                 "tokens_per_rank": args.tokens,
                                 "collectives_per_train_step": got.get("comms"),

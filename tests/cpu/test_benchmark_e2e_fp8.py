@@ -1,9 +1,12 @@
-"""benchmarks/e2e.py's FP8 rows (benchmarks/e2e_fp8.py) on a CPU: the row names, the best
-recipe, variants that are missing (convert refusing fp8=, a step that raises, torchao not
-installed) reported as rows rather than crashes, the peers' processes and the merging of their
-results, and the FP8 check: a tiny random Llama converted FP8 (convert's CPU path) passes the
-bound set by the recipe's float32 emulation, a copy with one layer's scale applied twice or a
-layer skipped fails it, and the FP8 model fails the bf16 bound that the check replaces."""
+"""benchmarks/e2e.py's FP8 rows (benchmarks/e2e_fp8.py) on a CPU: one row per recipe against
+torchao's recipe of the same name (blockwise's against ours bf16), no best-of; variants that are
+missing (convert refusing fp8=, a step that raises, torchao not installed) reported as rows
+rather than crashes; the peers' processes, the merging of their results, and torchao's fused
+loss step; and the FP8 gradient check, which compares each gradient with the recipe's float32
+emulation's directly: a tiny random Llama converted FP8 (convert's CPU path) passes it, a
+gradient at half (or twice) its value fails it however noisy the parameter, and so does a
+skipped layer (no gradient, zeros, another parameter's), one layer's scale applied twice, and
+the FP8 model fails the bf16 bound that the check replaces."""
 
 import copy
 import json
@@ -69,6 +72,11 @@ def test_convert_fp8_passes_the_emulation_bound_and_fails_the_bf16_one(rowwise):
     bf16 = model_checks.check_train_step(loss, grads, *reference,
                                          model_checks.gradient_tolerance(eager))
     assert not bf16.ok and bf16.loss_ok
+    # One layer's gradients at half their value, the rest honest: that layer fails.
+    halved = {n: g * 0.5 if n.startswith("model.layers.1.") else g for n, g in grads.items()}
+    check = model_checks.check_train_step(loss, halved, *reference, bounds)
+    assert not check.ok and check.gradients.failing == sum(
+        n.startswith("model.layers.1.") for n in grads)
 
 
 @pytest.mark.parametrize("fault", ["wrong scale", "skipped layer"])
@@ -105,6 +113,86 @@ def test_fp8_bounds_follow_the_emulation_with_the_bf16_floor():
     nan = model_checks.fp8_gradient_tolerances({"a": float("nan")})
     assert not model_checks.compare_gradients({"a": torch.ones(2)}, {"a": torch.ones(2)},
                                               nan).ok  # a NaN emulation passes nothing
+
+
+# --- the gradient check against the emulation, on fake gradients ---------------------------------
+
+def noisy(g, level, seed):
+    """``g`` plus noise of ``level`` x its norm, independent of it (seeded)."""
+    noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(seed))
+    return g + noise * (level * g.norm() / noise.norm())
+
+
+@pytest.fixture
+def fake():
+    """Eager's gradients of three parameters, the emulation's (eager's plus FP8-like noise: 2%
+    on "quiet", 40% on "noisy" and "other", as a deep model's norm weights get) and the
+    emulation's bound; the parameters' sizes those of norm weights and a small projection."""
+    torch.manual_seed(0)
+    eager = {"quiet": torch.randn(64, 64), "noisy": torch.randn(4096), "other": torch.randn(4096)}
+    levels = {"quiet": 0.02, "noisy": 0.4, "other": 0.4}
+    emulated = {n: noisy(g, levels[n], seed=1) for n, g in eager.items()}
+    return eager, emulated, model_checks.fp8_gradient_bound(emulated, eager)
+
+
+def check(fake, **changes):
+    """The emulation check of the emulation's gradients with ``changes`` made (name: tensor)."""
+    eager, emulated, bound = fake
+    return model_checks.check_train_step(5.0, {**emulated, **changes}, 5.0, eager, bound)
+
+
+def test_an_honest_fp8_gradient_passes_with_its_own_noise(fake):
+    """Another implementation of the recipe carries its own noise, as large as the emulation's
+    and independent of it: about sqrt(2) x as far from the emulation as the emulation is from
+    eager, within the margin, and of the same norm."""
+    eager, emulated, bound = fake
+    honest = {n: noisy(g, level, seed=2) for (n, g), level in
+              zip(eager.items(), (0.02, 0.4, 0.4))}
+    result = check(fake, **honest)
+    assert result.ok, result.detail()
+    detail = result.detail()
+    assert detail["grad_reference"] == "the recipe's float32 emulation"
+    assert 0.3 < detail["grad_worst_relative_error"] <= detail["grad_tolerance"]
+    assert 0.9 < detail["grad_norm_ratio"] < 1.1 and detail["grad_norm_ratio_window"] == [0.8, 1.25]
+    assert "float32 emulation" in detail["grad_bound"] and "norm" in detail["grad_bound"]
+
+
+@pytest.mark.parametrize("name", ["quiet", "noisy"])
+def test_a_gradient_at_half_its_value_fails(fake, name):
+    """On the quiet parameter the distance fails it (0.5 against a bound of 0.05); on the noisy
+    one the distance alone would pass it (0.5 within 1.5 x 0.4) and the norm fails it."""
+    eager, emulated, bound = fake
+    result = check(fake, **{name: emulated[name] * 0.5})
+    assert not result.ok and result.gradients.failing == 1
+    if name == "noisy":
+        error = model_checks.gradient_error(emulated[name] * 0.5, emulated[name])
+        assert error == pytest.approx(0.5) and error < bound.tolerances[name]
+        detail = result.detail()
+        assert detail["grad_norm_ratio_furthest_parameter"] == "noisy"
+        assert detail["grad_norm_ratio"] == pytest.approx(0.5)
+    assert not check(fake, **{name: emulated[name] * 2.0}).ok  # twice its value too
+
+
+@pytest.mark.parametrize("skipped", ["none", "zeros", "another parameter's"])
+def test_a_skipped_layer_s_gradient_fails(fake, skipped):
+    """A layer skipped: its parameter gets no gradient, zeros, or (its input passed through)
+    what another parameter of its shape gets."""
+    eager, emulated, bound = fake
+    got = {"none": None, "zeros": torch.zeros(4096),
+           "another parameter's": emulated["other"]}[skipped]
+    result = check(fake, noisy=got)
+    assert not result.ok and result.gradients.failing == 1
+    assert check(fake).ok  # the emulation itself passes
+
+
+def test_the_emulation_s_gradients_wait_on_the_host():
+    grads = {"w": torch.ones(3)}
+    bound = model_checks.fp8_gradient_bound(grads, {"w": torch.ones(3) * 1.01}, store="meta")
+    assert bound.reference["w"].device.type == "meta"
+    with pytest.raises(model_checks.ParameterMismatch):
+        model_checks.fp8_gradient_bound(grads, {"v": torch.ones(3)})
+    with pytest.raises(model_checks.ParameterMismatch):
+        model_checks.fp8_gradient_bound(grads, grads).check({"v": torch.ones(3)})
 
 
 # --- measuring in one process (CUDA timing and memory stubbed) ----------------------------------
@@ -156,23 +244,37 @@ def test_missing_and_failing_recipes_are_rows_not_crashes(cpu_timing, monkeypatc
     train.update({n: {"error": why} for n, why in missing.items()})
     peers = {"torchao-tensorwise": {"error": "torchao is not installed"}}
     rows = {r["case"]: r for r in e2e_fp8.train_rows(train, peers, 256, e2e_fp8.RECIPES)}
-    assert list(rows) == [e2e_fp8.TRAIN_FP8, e2e_fp8.MEMORY_FP8, e2e_fp8.TRAIN_TORCHAO]
-    row = rows[e2e_fp8.TRAIN_FP8]
-    assert row["detail"]["recipe"] == "rowwise" and row["correct"], row["detail"]
-    assert row["ratio"] == round(row["ours"] / row["reference"], 4)
-    assert "TypeError" in row["detail"]["recipes"]["tensorwise"]["error"]
-    assert "ZeroDivisionError" in row["detail"]["recipes"]["blockwise"]["error"]
-    torchao = rows[e2e_fp8.TRAIN_TORCHAO]
-    assert torchao["reference"] is None and torchao["ratio"] is None
-    assert not torchao["correct"] and "not installed" in torchao["detail"]["missing"]
+    assert list(rows) == [f"{kind} ours fp8 {recipe} vs {peer}" for recipe, peer in
+                          (("tensorwise", "torchao tensorwise"),
+                           ("rowwise", "torchao rowwise"), ("blockwise", "ours bf16"))
+                          for kind in ("train", "peak memory train")]
+    tensorwise = rows["train ours fp8 tensorwise vs torchao tensorwise"]
+    assert tensorwise["ours"] is None and tensorwise["ratio"] is None and not tensorwise["correct"]
+    assert "TypeError" in tensorwise["detail"]["missing"]
+    assert "not installed" in tensorwise["detail"]["missing"]
+    rowwise = rows["train ours fp8 rowwise vs torchao rowwise"]  # torchao rowwise never ran
+    assert rowwise["ours"] is not None and rowwise["reference"] is None
+    assert not rowwise["correct"] and "torchao-rowwise has no train figure" in \
+        rowwise["detail"]["missing"]
+    assert rowwise["detail"]["grad_failing_parameters"] == 0  # ours' check is still recorded
+    blockwise = rows["train ours fp8 blockwise vs ours bf16"]
+    assert "ZeroDivisionError" in blockwise["detail"]["missing"]
+    assert "no blockwise recipe" in blockwise["detail"]["no_torchao_peer"]
 
     prefill = e2e.measure_prefill({k: v for k, v in variants.items()}, ids, 2,
                                   fragile=set(conversions))
     prefill.update({n: {"error": why} for n, why in missing.items()})
-    (row,) = e2e_fp8.prefill_rows(prefill, 256, e2e_fp8.RECIPES, emulations, peers)
-    assert row["case"] == e2e_fp8.PREFILL_FP8 and row["detail"]["recipe"] == "rowwise"
-    assert row["correct"] and row["detail"]["logits_error_vs_eager"] <= \
-        row["detail"]["logits_tolerance"]
+    peers["torchao-rowwise"] = {"prefill": {"ms": 50.0, "correct": True}}
+    rows = {r["case"]: r for r in e2e_fp8.prefill_rows(prefill, 256, e2e_fp8.RECIPES,
+                                                       emulations, peers)}
+    row = rows["prefill ours fp8 rowwise vs torchao rowwise"]
+    assert row["correct"] and row["reference_name"] == "torchao float8 rowwise + compile"
+    assert row["detail"]["logits_error_vs_eager"] <= row["detail"]["logits_tolerance"]
+    assert row["ratio"] == round(row["ours"] / row["reference"], 4)
+    assert not rows["prefill ours fp8 tensorwise vs torchao tensorwise"]["correct"]
+    blockwise = rows["prefill ours fp8 blockwise vs ours bf16"]  # its forward raises
+    assert blockwise["ours"] is None and "ZeroDivisionError" in blockwise["detail"]["missing"]
+    assert blockwise["reference"] is not None
 
 
 def entry(ms, ok, peak=2.0):
@@ -181,50 +283,79 @@ def entry(ms, ok, peak=2.0):
             "check": model_checks.TrainCheck(5.0, 5.0, grads)}
 
 
-def test_best_recipe_is_the_fastest_correct_one_else_the_fastest_measured():
-    ok = lambda e: e["ok"]  # noqa: E731
-    entries = {"a": {"ms": 1.0, "ok": False}, "b": {"ms": 2.0, "ok": True},
-               "c": {"ms": 3.0, "ok": True}, "d": {"error": "x"}}
-    assert e2e_fp8.best(entries, ok) == "b"
-    assert e2e_fp8.best({k: {**v, "ok": False} for k, v in entries.items()}, ok) == "a"
-    assert e2e_fp8.best({"d": {"error": "x"}}, ok) is None
+def peer(ms, peak=14.5, eager_ms=12.1, **settings):
+    return {"train": {"ms": ms, "correct": True, "loss": 5.0, "peak_gb": peak},
+            "eager": {"train_ms": eager_ms}, "versions": {"torchao": "0.18.0"},
+            "settings": settings}
 
 
-def test_rows_name_each_row_s_best_recipe_and_the_faster_torchao():
+def test_each_recipe_has_its_own_rows_against_torchao_s_same_recipe():
     train = {"eager": entry(12.0, True, 3.0), "ours": entry(10.0, True, 2.5),
              "ours fp8 tensorwise": entry(7.0, False, 2.0),  # fastest, but wrong
              "ours fp8 rowwise": entry(8.0, True, 2.2), "ours fp8 blockwise": entry(9.0, True, 1.9)}
-    peers = {"torchao-tensorwise": {"train": {"ms": 8.5, "correct": True},
-                                    "eager": {"train_ms": 12.1}, "versions": {"torchao": "0.18.0"}},
-             "torchao-rowwise": {"train": {"ms": 9.5, "correct": True}},
+    peers = {"torchao-tensorwise": peer(8.5, loss="liger fused linear cross-entropy 0.8.5"),
+             "torchao-rowwise": peer(9.5), "torchao-rowwise-hf-loss": peer(11.0),
              "liger": {"error": "liger_kernel is not installed"}}
-    rows = e2e_fp8.train_rows(train, peers, 4096, e2e_fp8.RECIPES)
-    assert [r["case"] for r in rows] == [
-        "train ours fp8 vs ours bf16", "peak memory train ours fp8 vs ours bf16",
-        "train ours fp8 vs torchao float8"]
-    fp8, memory, torchao = rows
-    assert fp8["detail"]["recipe"] == "rowwise" and fp8["correct"]
-    assert fp8["ours"] == round(4096 / 8.0 * 1e3, 1) and fp8["reference_name"] == "ours bf16"
-    assert fp8["detail"]["recipes"]["tensorwise"]["correct"] is False
-    # The memory row is the train row's recipe (blockwise's smaller peak is in detail).
-    assert memory["detail"]["recipe"] == "rowwise" and memory["ratio"] == round(2.5 / 2.2, 4)
-    assert memory["detail"]["recipes_gb"]["blockwise"] == 1.9
-    assert torchao["reference_name"] == "torchao float8 tensorwise + compile"
-    assert torchao["ratio"] == round(torchao["ours"] / torchao["reference"], 4) < 1.1
-    assert torchao["detail"]["peers"]["torchao-tensorwise"]["eager_ms_in_its_process"] == 12.1
-    assert "not installed" in torchao["detail"]["peers"]["liger"]["error"]
+    rows = {r["case"]: r for r in e2e_fp8.train_rows(train, peers, 4096, e2e_fp8.RECIPES)}
+    tensorwise = rows["train ours fp8 tensorwise vs torchao tensorwise"]
+    # No best-of: the wrong tensorwise is its own row, not correct, against torchao's tensorwise.
+    assert not tensorwise["correct"] and tensorwise["ours"] == round(4096 / 7.0 * 1e3, 1)
+    assert tensorwise["reference_name"] == "torchao float8 tensorwise + compile"
+    assert tensorwise["reference"] == round(4096 / 8.5 * 1e3, 1)
+    assert tensorwise["ratio"] == round(tensorwise["ours"] / tensorwise["reference"], 4)
+    detail = tensorwise["detail"]
+    assert detail["peers"]["torchao-tensorwise"]["settings"]["loss"].startswith("liger fused")
+    assert detail["peers"]["torchao-tensorwise"]["eager_ms_in_its_process"] == 12.1
+    assert "not installed" in detail["peers"]["liger"]["error"]
+    assert detail["weaker_references_tokens_per_s"] == {
+        "eager": round(4096 / 12.0 * 1e3, 1), "ours bf16": round(4096 / 10.0 * 1e3, 1)}
+    assert detail["grad_tolerance"] == 0.2 and detail["grad_worst_relative_error"] == 0.1
+    rowwise = rows["train ours fp8 rowwise vs torchao rowwise"]
+    assert rowwise["correct"] and rowwise["reference"] == round(4096 / 9.5 * 1e3, 1)
+    assert rowwise["detail"]["weaker_references_tokens_per_s"][
+        "torchao float8 rowwise + compile, HF full-logits loss"] == round(4096 / 11.0 * 1e3, 1)
+    memory = rows["peak memory train ours fp8 rowwise vs torchao rowwise"]
+    assert memory["ratio"] == round(14.5 / 2.2, 4) and memory["detail"]["recipe"] == "rowwise"
+    blockwise = rows["train ours fp8 blockwise vs ours bf16"]
+    assert blockwise["reference_name"] == "ours bf16" and blockwise["correct"]
+    assert blockwise["detail"]["reference_correct"] is True
+    assert "ours bf16" not in blockwise["detail"]["weaker_references_tokens_per_s"]
     # No recipe ran: every row says so, with the figures it has.
     nothing = {k: v for k, v in train.items() if not k.startswith("ours fp8")}
     for row in e2e_fp8.train_rows(nothing, peers, 4096, e2e_fp8.RECIPES):
         assert row["ours"] is None and row["ratio"] is None and not row["correct"]
-        assert "no FP8 recipe ran" in row["detail"]["missing"]
+        assert "not measured" in row["detail"]["missing"]
         assert row["reference"] is not None
+
+
+def test_torchao_s_fused_loss_step_is_hf_s_causal_lm_loss():
+    """The torchao peer's step with a fused loss computes what HF's labels=ids loss does
+    (positions shifted, the mean over every predicted token): here with torch's own linear and
+    cross-entropy in Liger's place."""
+    model, ids = tiny_llama(layers=1).float(), tokens()
+
+    def loss_fn(weight, hidden, labels):
+        return torch.nn.functional.cross_entropy(hidden @ weight.t(), labels)
+    fused = e2e_fp8._fused_loss_step(model, model.model, loss_fn, ids)
+    loss, grads = e2e.first_step(model, fused)
+    reference, expected = e2e.first_step(model, e2e.train_step(model, ids))
+    assert loss == pytest.approx(reference, rel=1e-5)
+    assert all(model_checks.gradient_error(grads[n], g) < 1e-4 for n, g in expected.items())
+
+
+def test_peer_names_and_recipes():
+    assert e2e_fp8.torchao_recipe("torchao-rowwise-hf-loss") == "rowwise"
+    assert e2e_fp8.torchao_recipe("liger") is None
+    assert e2e_fp8.peer_name("torchao-tensorwise") == "torchao float8 tensorwise + compile"
+    assert e2e_fp8.torchao_variant("blockwise") is None
+    assert e2e_fp8.PEER_PACKAGES["torchao-tensorwise-hf-loss"] == "torchao"
 
 
 def test_fp8_only_runs_keep_the_rows_they_do_not_write_again():
     old = [{"case": c} for c in ("train ours vs eager", "decode batch 1 ours vs eager",
                                  "train ours vs compile")]
-    new = [{"case": "train ours vs eager", "new": True}, {"case": e2e_fp8.TRAIN_FP8}]
+    new = [{"case": "train ours vs eager", "new": True},
+           {"case": e2e_fp8.train_case("rowwise")}]
     assert e2e.replaced_rows(old, new) == old[1:]
 
 
@@ -298,7 +429,10 @@ def test_fp8_only_selects_the_fp8_variants_and_torchao_peers():
     assert args.sections == ["train", "prefill"] and args.peers == list(e2e_fp8.TORCHAO)
     assert args.recipes == list(e2e_fp8.RECIPES)
     full = e2e.parse_args([])
-    assert full.peers == list(e2e_fp8.PEERS) and full.sections == list(e2e.SECTIONS)
+    assert full.peers == list(e2e_fp8.DEFAULT_PEERS) and full.sections == list(e2e.SECTIONS)
+    assert "torchao-rowwise-hf-loss" not in full.peers
+    assert e2e.parse_args(["--peers", "torchao-rowwise-hf-loss"]).peers == [
+        "torchao-rowwise-hf-loss"]
     assert e2e.parse_args(["--no-fp8"]).peers == [] == e2e.parse_args(["--no-fp8"]).recipes
     assert e2e.parse_args(["--fp8-only", "--peers", "none"]).peers == []
 
@@ -312,3 +446,47 @@ def test_tune_lists_each_recipe_s_fp8_gemms():
     scalings = {p.operands.scaling.value for p in problems}
     assert scalings == {"rowwise", "blockwise"} and len(problems) % 3 == 0
     assert e2e.fp8_problems(model, SimpleNamespace(recipes=[], tokens=256)) == []
+
+
+def test_a_torchao_peer_s_process_records_its_loss_and_checks_against_the_emulation(
+        monkeypatch):
+    """measure_peer's wiring for torchao with Liger's fused loss, on a CPU: torchao and Liger
+    stubbed (no conversion; torch's linear and cross-entropy as the fused loss), no compile, CUDA
+    timing and memory stubbed. It records its loss in its settings, checks its gradients against
+    the recipe's emulation and its logits by the emulation's bound; the HF-loss peer, and
+    torchao without Liger, record theirs."""
+    import types
+
+    float8 = types.ModuleType("torchao.float8")
+    float8.Float8LinearConfig = SimpleNamespace(from_recipe_name=lambda name: name)
+    float8.convert_to_float8_training = lambda model, config, module_filter_fn: model
+    fused = types.ModuleType("liger_kernel.transformers.fused_linear_cross_entropy")
+
+    class LigerFusedLinearCrossEntropyLoss:
+        def __call__(self, weight, hidden, labels):
+            return torch.nn.functional.cross_entropy((hidden @ weight.t()).float(), labels)
+    fused.LigerFusedLinearCrossEntropyLoss = LigerFusedLinearCrossEntropyLoss
+    monkeypatch.setitem(sys.modules, "torchao.float8", float8)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.fused_linear_cross_entropy",
+                        fused)
+    monkeypatch.setattr(e2e_fp8, "installed", lambda package: True)
+    monkeypatch.setattr(e2e_fp8, "_version", lambda package: "0.0")
+    monkeypatch.setattr(e2e_fp8, "_time", lambda fn, reps: fn() is not None and 1.0)
+    monkeypatch.setattr(e2e_fp8, "peer_meta", lambda variant, args: {"variant": variant})
+    monkeypatch.setattr(torch, "compile", lambda module: module)
+    monkeypatch.setattr(e2e, "llama", lambda layers: tiny_llama(layers))
+    monkeypatch.setattr(e2e, "token_ids", lambda count: tokens()[:, :32])
+    monkeypatch.setattr(e2e, "peak_memory", lambda model, step: {"peak_gb": 1.0})
+    args = SimpleNamespace(layers=1, tokens=256, reps=2)
+    fused_result = e2e_fp8.measure_peer("torchao-rowwise", args)
+    assert fused_result["settings"]["loss"].startswith("liger fused linear cross-entropy")
+    assert fused_result["versions"] == {"torchao": "0.0", "liger-kernel": "0.0"}
+    train = fused_result["train"]
+    assert train["correct"] and train["grad_reference"] == "the recipe's float32 emulation"
+    assert train["loss"] == pytest.approx(fused_result["eager"]["loss"], rel=1e-2)
+    assert fused_result["prefill"]["correct"] and fused_result["prefill"]["ms"] == 1.0
+    hf = e2e_fp8.build_peer("torchao-rowwise-hf-loss", tiny_llama(1), tokens()[:, :32])
+    assert hf.settings["loss"].startswith("hf full logits") and hf.forward().shape[-1] == VOCAB
+    monkeypatch.setattr(e2e_fp8, "installed", lambda package: package != "liger_kernel")
+    assert "not installed" in e2e_fp8.build_peer("torchao-tensorwise", tiny_llama(1),
+                                                 tokens()).settings["loss_note"]

@@ -263,3 +263,20 @@ def test_twin_decode_check_allows_the_twins_near_ties_not_a_systematic_error():
     wild = DecodeCheck((0.01, 0.7, 0.01, 0.01), 0.9, 0.05)  # farther than any twin flip
     assert not twin_decode_check(wild, twin)["correct"]
     assert not twin_decode_check(DecodeCheck((float("nan"),) * 4, 0.0, 0.05), twin)["correct"]
+
+
+def test_norm_ratio_and_the_emulation_bound_s_edges():
+    """The FP8 check's norm ratio: 0 for a lost gradient, inf for one the reference lacks, NaN
+    for NaN (each outside any window), 1 where neither has one."""
+    ones = torch.ones(4)
+    assert model_checks.norm_ratio(ones * 0.5, ones) == pytest.approx(0.5)
+    assert model_checks.norm_ratio(None, ones) == 0.0
+    assert model_checks.norm_ratio(ones, torch.zeros(4)) == math.inf
+    assert model_checks.norm_ratio(None, None) == model_checks.norm_ratio(torch.zeros(4),
+                                                                         None) == 1.0
+    assert math.isnan(model_checks.norm_ratio(ones * math.nan, ones))
+    bound = model_checks.fp8_gradient_bound({"w": ones, "b": None}, {"w": ones, "b": None})
+    assert bound.check({"w": ones, "b": None}).ok
+    for bad in (ones * math.nan, ones * 0.7, ones * 1.3, None):
+        assert not bound.check({"w": bad, "b": None}).ok
+    assert not bound.check({"w": ones, "b": ones}).ok  # a gradient the emulation has not
