@@ -529,7 +529,7 @@ def decode_row(decode: dict, models: dict, batch: int, new_tokens: int, judge=No
 
 
 def parse_args(argv=None):
-    from benchmarks.e2e_fp8 import DEFAULT_PEERS, PEERS, RECIPES, TORCHAO
+    from benchmarks.e2e_fp8 import DEFAULT_PEERS, PEERS, RECIPES, TORCHAO, TORCHAO_HF_LOSS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, 1024 tokens, 32 new")
@@ -559,8 +559,8 @@ def parse_args(argv=None):
                      help="our FP8 recipes to measure (default all)")
     fp8.add_argument("--peers", nargs="+", choices=[*PEERS, "none"], default=None,
                      help="peers measured in their own processes (default torchao's two "
-                          "recipes with Liger's fused loss, and Liger; torchao's alone with "
-                          "--fp8-only; the -hf-loss ones, torchao with HF's loss, when named)")
+                          "recipes with Liger's fused loss and with HF's loss compiled, and "
+                          "Liger; torchao's alone with --fp8-only)")
     fp8.add_argument("--peers-only", action="store_true",
                      help="only run the peers into --peer-dir (for a later run to reuse)")
     fp8.add_argument("--peer-dir", default=str(Path(__file__).resolve().parent.parent / "build"
@@ -580,7 +580,7 @@ def parse_args(argv=None):
     if args.no_fp8:
         args.recipes, args.peers = [], ["none"]
     if args.peers is None:
-        args.peers = list(TORCHAO) if args.fp8_only else list(DEFAULT_PEERS)
+        args.peers = list(TORCHAO + TORCHAO_HF_LOSS) if args.fp8_only else list(DEFAULT_PEERS)
     args.peers = [p for p in args.peers if p != "none"]
     return args
 

@@ -328,6 +328,23 @@ def test_each_recipe_has_its_own_rows_against_torchao_s_same_recipe():
         assert row["reference"] is not None
 
 
+def test_the_reference_is_torchao_s_faster_configuration_of_the_recipe():
+    """Liger's fused loss is not always torchao's faster configuration: where HF's compiled
+    loss is faster, it is the row's reference and the Liger one a weaker reference."""
+    train = {"eager": entry(12.0, True, 3.0), "ours": entry(10.0, True, 2.5),
+             "ours fp8 tensorwise": entry(7.0, True, 2.0)}
+    peers = {"torchao-tensorwise": peer(11.0), "torchao-tensorwise-hf-loss": peer(8.0)}
+    row = e2e_fp8.train_rows(train, peers, 4096, ["tensorwise"])[0]
+    assert row["reference_name"] == "torchao float8 tensorwise + compile, HF full-logits loss"
+    assert row["reference"] == round(4096 / 8.0 * 1e3, 1)
+    assert row["ratio"] == round(row["ours"] / row["reference"], 4)
+    assert row["detail"]["weaker_references_tokens_per_s"][
+        "torchao float8 tensorwise + compile"] == round(4096 / 11.0 * 1e3, 1)
+    del peers["torchao-tensorwise-hf-loss"]  # measured alone: the Liger one is the reference
+    alone = e2e_fp8.train_rows(train, peers, 4096, ["tensorwise"])[0]
+    assert alone["reference"] == round(4096 / 11.0 * 1e3, 1)
+
+
 def test_torchao_s_fused_loss_step_is_hf_s_causal_lm_loss():
     """The torchao peer's step with a fused loss computes what HF's labels=ids loss does
     (positions shifted, the mean over every predicted token): here with torch's own linear and
@@ -426,11 +443,12 @@ def test_the_peer_command_is_this_e2e_with_the_run_s_sizes(tmp_path):
 
 def test_fp8_only_selects_the_fp8_variants_and_torchao_peers():
     args = e2e.parse_args(["--fp8-only"])
-    assert args.sections == ["train", "prefill"] and args.peers == list(e2e_fp8.TORCHAO)
+    assert args.sections == ["train", "prefill"]
+    assert args.peers == [*e2e_fp8.TORCHAO, *e2e_fp8.TORCHAO_HF_LOSS]
     assert args.recipes == list(e2e_fp8.RECIPES)
     full = e2e.parse_args([])
     assert full.peers == list(e2e_fp8.DEFAULT_PEERS) and full.sections == list(e2e.SECTIONS)
-    assert "torchao-rowwise-hf-loss" not in full.peers
+    assert "torchao-rowwise-hf-loss" in full.peers  # both of torchao's configurations
     assert e2e.parse_args(["--peers", "torchao-rowwise-hf-loss"]).peers == [
         "torchao-rowwise-hf-loss"]
     assert e2e.parse_args(["--no-fp8"]).peers == [] == e2e.parse_args(["--no-fp8"]).recipes
