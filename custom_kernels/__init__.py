@@ -21,5 +21,5 @@ def __getattr__(name):
     import importlib
 
     value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups are plain attribute reads, not this hook (~2 us)
+    globals()[name] = value  # later lookups are plain attribute reads, not this hook
     return value

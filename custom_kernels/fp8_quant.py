@@ -452,7 +452,7 @@ def quantize(x: torch.Tensor, granularity, *, fp8_dtype: torch.dtype = torch.flo
         return torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=transpose, amax=amax)
     if torch.compiler.is_compiling() or not plain_eager(x, amax):  # the op and its fake
         return torch.ops.custom_kernels.fp8_quantize(x, g.value, fp8_dtype, transpose)
-    # eagerly: no custom-op dispatch (~15 us), and the signature's plan kept
+    # eagerly: no custom-op dispatch (more host time than the launch), the signature's plan kept
     return _quantize_impl(x, g, fp8_dtype, transpose,
                           _signature(x, granularity, fp8_dtype, which), amax)
 

@@ -1,5 +1,5 @@
 """A gradient's amax handed from the backward kernel that wrote the gradient to the backward
-that quantizes it (issue 38, quantization where the data already is).
+that quantizes it (quantization where the data already is).
 
 A tensorwise FP8 GEMM's backward quantizes its output gradient dy with one scale for the whole
 tensor, so it needs ``max|dy|`` before any value: a pass of its own over dy, unless the kernel

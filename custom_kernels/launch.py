@@ -9,7 +9,7 @@ Arguments go to the kernel as cuda.core packs them: a Python ``int`` becomes a 6
 The stream is torch's current stream on ``device`` (torch's current device when None; launchers
 pass the tensors' device): the cuda.core ``Stream`` wrapper is cached per raw handle and the
 ``LaunchConfig`` per shape, so a launch costs the handle lookup, two cache lookups and
-``cuda.core.launch`` (3.4 us).
+``cuda.core.launch`` (docs/measurements.md, "Host cost", times each).
 
 cuda.core launches through the driver API, which needs a context current in the calling thread.
 torch's own calls bind the device's primary context lazily, so a thread whose first CUDA work is
@@ -97,7 +97,7 @@ def _cluster_grid(grid, cluster: int):
 
 def current_stream_handle(index: int) -> int:
     """torch's current stream on device ``index`` as a raw handle; the private call avoids
-    building a Stream object (about 1.5 us)."""
+    building a Stream object each call."""
     try:
         return torch._C._cuda_getCurrentRawStream(index)
     except AttributeError:

@@ -256,7 +256,7 @@ def combine(rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) ->
 
 def _combine(rows, inverse, weights):
     """Under torch.compile (and export), the custom op: the graph sees it with its fake impl.
-    Eagerly, the same kernel without torch's Python custom-op dispatch (about 15 us a call):
+    Eagerly, the same kernel without torch's Python custom-op dispatch (more host time than the launch):
     directly when no gradient is needed, else through an autograd.Function whose backward
     launches the backward kernel."""
     if torch.compiler.is_compiling() or not plain_eager(rows, inverse, weights):

@@ -267,8 +267,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def _rotary(q, k, cos, sin):
     """Under torch.compile (and export), the custom op: the graph sees it with its fake impl.
-    Eagerly, the same kernel without torch's Python custom-op dispatch (about 15 us a call,
-    more than the launch): directly when no gradient is needed, else through an
+    Eagerly, the same kernel without torch's Python custom-op dispatch (more host
+    time a call than the launch): directly when no gradient is needed, else through an
     autograd.Function whose backward launches the backward kernel."""
     if torch.compiler.is_compiling() or not plain_eager(q, k, cos, sin):
         return torch.ops.custom_kernels.rotary_fwd(q, k, cos, sin)

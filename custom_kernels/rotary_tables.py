@@ -9,7 +9,7 @@
     cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 with the same roundings, so the same bits (the kernel's header says how). In torch that is eight
-launches of a few microseconds of GPU time each, and about 0.2 ms of host time on an H100 host:
+launches of a few microseconds of GPU time each, and more host time than GPU time:
 at the start of a train step or a prefill, when the GPU has nothing queued yet, and at every
 decode step. Here it is one launch.
 

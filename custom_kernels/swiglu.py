@@ -27,7 +27,7 @@ eagerly, under ``torch.compile(fullgraph=True)`` (the custom ops ``custom_kernel
 the kernel is compiled and loaded on first use). Tensors off a CUDA device run ``torch_swiglu``
 (the CPU rule, ``custom_kernels.core.fallback``).
 
-``swiglu_fp8(gate_up, granularity)`` (issue 38, quantization where the data already is) returns
+``swiglu_fp8(gate_up, granularity)`` (quantization where the data already is) returns
 ``(y, q, scale)``: ``y`` as ``swiglu`` computes it and, from the same kernel, its FP8
 quantization, equal to ``fp8_quant.quantize(y, granularity)`` bit for bit ("row" or
 "block_1x128"; its docstring says more), for down_proj's FP8 GEMM; the op is
@@ -323,8 +323,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _swiglu(gate_up):
     """Under torch.compile (and export), the custom op: the graph sees it with its fake impl.
-    Eagerly, the same kernel without torch's Python custom-op dispatch (about 15 us a call,
-    more than the launch): directly when no gradient is needed, else through an
+    Eagerly, the same kernel without torch's Python custom-op dispatch (more host
+    time a call than the launch): directly when no gradient is needed, else through an
     autograd.Function whose backward launches the backward kernel."""
     if torch.compiler.is_compiling() or not plain_eager(gate_up):
         return torch.ops.custom_kernels.swiglu_fwd(gate_up)

@@ -2,8 +2,8 @@
 
 Eagerly, Hugging Face leaves an unpadded batch's causal mask to SDPA's ``is_causal``; while
 tracing it cannot look at the padding mask's values, so it builds the [B, 1, S, S] mask, and SDPA
-runs its masked kernels. On an H100 (Llama-3-8B shape, 2 x 2048 tokens, 8 layers) cuDNN's masked
-backward took 11.0 ms against 4.4 ms with ``is_causal`` (docs/measurements.md), which is most of
+runs its masked kernels. cuDNN's masked backward takes more than twice as long as with
+``is_causal`` (docs/measurements.md has the figures), which is most of
 what a compiled model loses against the converted eager one. Without any padding mask (no
 ``attention_mask`` passed: a training batch of full sequences), whether the mask is needed is not
 data but the call's structure, which a compiled graph is specialised on anyway.

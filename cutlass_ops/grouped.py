@@ -255,8 +255,8 @@ class _EagerGroupedMM(torch.autograd.Function):
 def _call(a: Tensor, b: Tensor, offs: Optional[Tensor], offs_cover_all: bool = False) -> Tensor:
     """The custom op; eagerly with plain tensors its implementation (through
     ``_EagerGroupedMM`` when a gradient is wanted), since torch's Python custom-op dispatch
-    costs about as much host time as the launch itself (about 0.1 ms on an H100 host, at the
-    start of a train step where the GPU waits on the host: docs/measurements.md)."""
+    costs about as much host time as the launch itself (at the start of a train step, where the
+    GPU waits on the host: docs/measurements.md has the figures)."""
     if torch.compiler.is_compiling() or not plain_eager(a, b, offs):
         return grouped_mm_op(a, b, offs, offs_cover_all)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):

@@ -1,4 +1,4 @@
-"""A mixture of experts' top-k router in one pass (issue 39): Hugging Face's routers (Qwen2-MoE's,
+"""A mixture of experts' top-k router in one pass: Hugging Face's routers (Qwen2-MoE's,
 Qwen3-MoE's and Mixtral's ``...TopKRouter``: ``logits = x W^T``, softmax in float32, top-k,
 renormalised or not) run as the router GEMM and ``custom_kernels.moe_routing.route``, whose
 kernels also sort the (token, slot) pairs by expert on the device: the counts per expert, the

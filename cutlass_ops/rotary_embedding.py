@@ -1,8 +1,8 @@
 """A Hugging Face model's rotary embedding module (``...RotaryEmbedding``: ``forward(x,
 position_ids) -> (cos, sin)``) on one launch: ``custom_kernels.rotary_tables``.
 
-Hugging Face computes the tables afresh at every forward: eight small launches and about 0.2 ms
-of host time on an H100 host, at the start of the step where the GPU has nothing queued yet (a
+Hugging Face computes the tables afresh at every forward: eight small launches and their host
+time, at the start of the step where the GPU has nothing queued yet (a
 converted MoE train step spends its first milliseconds waiting on the host:
 docs/measurements.md), and at every decode step. The kernel computes the same bits in one launch.
 

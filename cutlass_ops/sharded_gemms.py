@@ -1,5 +1,5 @@
 """The GEMMs of a fused decoder block on each rank's shards of its weights (tensor
-parallelism, issue 40): ``TensorParallelGemms`` stands in for ``cutlass_ops.fused_linear``'s
+parallelism): ``TensorParallelGemms`` stands in for ``cutlass_ops.fused_linear``'s
 merged and residual GEMMs (``decoder_blocks`` calls them through its ``GEMMS`` key) and reads
 each DTensor weight's local shard; ``adopt(attention, mlp)`` checks that a layer's weights are
 sharded the Megatron way (q, k, v, gate, up ``Shard(0)``; o_proj, down_proj ``Shard(1)``; one

@@ -1,4 +1,4 @@
-"""Tensor parallelism for converted models (issue 40): ``parallelize(model, mesh)`` shards a
+"""Tensor parallelism for converted models: ``parallelize(model, mesh)`` shards a
 model whose decoder layers ``convert`` fused (``cutlass_ops.decoder_blocks``) over a 1-D device
 mesh, Megatron-style, keeping every fusion on each rank's own shard:
 

@@ -22,6 +22,29 @@ def _check(what: str, probe: Callable[[], str], required: bool) -> dict[str, Any
         return {"what": what, "ok": False, "detail": str(exc)[:300], "required": required}
 
 
+def _torch() -> str:
+    import torch
+
+    from custom_kernels.core.version import OLDEST_TORCH, release
+
+    if release(torch.__version__) < OLDEST_TORCH:
+        raise RuntimeError(f"torch {torch.__version__} is older than {OLDEST_TORCH[0]}."
+                           f"{OLDEST_TORCH[1]}, the oldest release cutlass-ops is tested on")
+    return f"torch {torch.__version__}"
+
+
+def _transformers() -> str:
+    from custom_kernels.core.version import OLDEST_TRANSFORMERS, release
+
+    version = _version("transformers")
+    if version is None:
+        raise RuntimeError("not installed (optional: convert() of Hugging Face models)")
+    if release(version) < OLDEST_TRANSFORMERS:
+        raise RuntimeError(f"transformers {version} is older than {OLDEST_TRANSFORMERS[0]}."
+                           f"{OLDEST_TRANSFORMERS[1]}, the oldest release convert() is tested on")
+    return f"transformers {version}"
+
+
 def _gpu() -> str:
     import torch
 
@@ -91,6 +114,8 @@ def _cache() -> str:
 def diagnose() -> dict[str, Any]:
     checks = [
         _check("python", lambda: platform.python_version(), True),
+        _check("torch", _torch, True),
+        _check("transformers", _transformers, False),
         _check("gpu", _gpu, False),
         _check("nvcc", _nvcc, True),
         _check("cutlass", _cutlass, True),

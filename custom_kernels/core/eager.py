@@ -1,7 +1,7 @@
 """When a kernel family may skip torch's custom-op dispatch: the one rule of the families' eager
 fast paths (norms, rotary, swiglu).
 
-The custom ops cost about 15 us of Python dispatch a call, more than a launch; eagerly, with plain
+The custom ops cost more Python dispatch a call than a launch (docs/measurements.md, "Host cost"); eagerly, with plain
 tensors, the families call their launchers directly (or through an autograd.Function). That is
 exact only when nothing else must see the call: no fake, functional or other subclass tensor, and
 no torch dispatch mode (fake tensor mode, profiling modes) active. Anything else goes through
@@ -83,9 +83,8 @@ def fast_autograd(qualname: str, *, eager, backward, setup_context,
     wrapper does. ``eager_grads=False``: ``eager`` computes the op without autograd, and
     calls that need gradients take the autograd.Function too.
 
-    torch's wrapper costs a pytree walk, a redispatch and a second Python kernel a call: an
-    eager call through ``torch.ops`` took 7.1 us against 2.4 us with this kernel on a CPU host
-    for an op whose own work took 0.9 us (docs/measurements.md, "Host cost of a call"). Compiled
+    torch's wrapper costs a pytree walk, a redispatch and a second Python kernel a call, about three times the
+    cost of this kernel for a small op (docs/measurements.md, "Host cost of a call"). Compiled
     graphs call the ops through the dispatcher too, so they gain as much a call."""
     namespace, name = qualname.split("::")
     torch.library.register_autograd(qualname, backward, setup_context=setup_context)

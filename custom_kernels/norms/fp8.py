@@ -1,4 +1,4 @@
-"""RMSNorm whose kernel also writes its output in FP8 (issue 38, quantization where the data
+"""RMSNorm whose kernel also writes its output in FP8 (quantization where the data
 already is): the QKV and gate+up GEMMs of an FP8 decoder block read ``q`` and its scales instead
 of quantizing ``y`` in a pass of their own.
 

@@ -467,8 +467,8 @@ def _kernel_runs(kind, x, weight, bias, residual, out_dtype, config) -> bool:
 
 def _norm(kind, x, weight, bias, residual, eps, out_dtype, config):
     """Under torch.compile (and export), the custom ops: the graph sees them with their fake
-    impls. Eagerly, the same kernels without torch's Python custom-op dispatch (it costs about
-    15 us a call, more than the launch): directly when no gradient is needed, else through an
+    impls. Eagerly, the same kernels without torch's Python custom-op dispatch (it costs more
+    host time a call than the launch): directly when no gradient is needed, else through an
     autograd.Function whose backward is the custom ops' backward."""
     if torch.compiler.is_compiling() or not plain_eager(x, weight, bias, residual):
         if kind == "rms":

@@ -1,4 +1,4 @@
-"""FP8 training and inference on Hopper (issue 38): FP8 Linear layers whose forward and backward
+"""FP8 training and inference on Hopper: FP8 Linear layers whose forward and backward
 GEMMs run through ``cutlass_ops.scaled_mm`` per a recipe (tensorwise, rowwise, blockwise), and
 the conversion that ``cutlass_ops.convert(model, fp8=...)`` delegates to. See README.md here.
 

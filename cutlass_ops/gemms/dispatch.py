@@ -401,7 +401,7 @@ def _fast_launch(kernel, template, workspace_bytes: int, swap_ab: bool, has_c: b
 
 def _current_stream(index: int) -> int:
     """torch's current stream on a device, as a raw handle. The private call avoids building a
-    Stream object per launch (about 1.5 us); the public one is the fallback."""
+    Stream object per launch (a cost docs/measurements.md gives); the public one is the fallback."""
     try:
         return torch._C._cuda_getCurrentRawStream(index)
     except AttributeError:

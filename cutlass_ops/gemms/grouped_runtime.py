@@ -63,9 +63,8 @@ def integer_refusal(form: str, a: torch.Tensor, b: torch.Tensor,
 def _loaded(config: GroupedConfig) -> ctypes.CDLL:
     """``config``'s kernel library, found in the build cache (or built) and loaded once per
     process. The lookup (a key over the launcher's source, the artifact's ELF header, its
-    sidecar, the trust checks of its directories) cost 0.5-0.6 ms of host time a call on an
-    H100 host, more than the launch: a Qwen3-MoE train step makes 24 grouped calls
-    (docs/measurements.md). A failed build raises and is not remembered."""
+    sidecar, the trust checks of its directories) cost more host time than the launch, and a
+    Qwen3-MoE train step makes dozens of grouped calls (docs/measurements.md has the figures). A failed build raises and is not remembered."""
     return _library(build(config))
 
 

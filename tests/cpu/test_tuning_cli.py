@@ -132,7 +132,8 @@ def test_doctor_reports_every_check(capsys):
     report = json.loads(out)
     assert code in (0, 1)
     names = {c["what"] for c in report["checks"]}
-    assert {"gpu", "nvcc", "nvrtc", "cutlass", "cache", "nvidia-matmul-heuristics"} <= names
+    assert {"torch", "transformers", "gpu", "nvcc", "nvrtc", "cutlass", "cache",
+            "nvidia-matmul-heuristics"} <= names
     assert set(report["missing_required"]) <= set(report["missing"])
     code, out, _ = run(capsys, "doctor")
     assert "cache" in out
@@ -355,3 +356,25 @@ def test_every_option_and_command_has_help():
                 assert all(choice.help for choice in action._choices_actions), parser.prog
                 continue
             assert action.help, f"{parser.prog} {action.option_strings or action.dest}"
+
+
+@pytest.mark.parametrize("version, ok", [("2.10.1+cu128", False), ("2.11.0+cu130", True),
+                                         ("2.13.0+cpu", True), ("3.0.0", True)])
+def test_doctor_names_a_torch_older_than_the_oldest_tested(monkeypatch, version, ok):
+    import torch
+
+    from tuning import doctor
+
+    monkeypatch.setattr(torch, "__version__", version)
+    check = doctor._check("torch", doctor._torch, True)
+    assert check["ok"] is ok
+    if not ok:
+        assert version in check["detail"] and "2.11" in check["detail"]
+
+
+def test_doctor_names_an_old_transformers(monkeypatch):
+    from tuning import doctor
+
+    monkeypatch.setattr(doctor, "_version", lambda name: "4.56.0")
+    check = doctor._check("transformers", doctor._transformers, False)
+    assert not check["ok"] and "4.56.0" in check["detail"] and "5.17" in check["detail"]
