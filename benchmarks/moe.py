@@ -159,8 +159,8 @@ def grouped_row(model, direction, tokens, routing, reps) -> dict:
 def tuned_entry(x, wt, offs):
     """The tuning entry ``cutlass_ops.grouped_mm`` dispatches on for this call (a
     ``grouped_entries.GroupedEntry``), or None."""
-    from cutlass_ops.gemms import grouped_build, grouped_entries
-    from cutlass_ops.gemms.grouped_runtime import layout
+    from cutlass_ops.gemms.grouped import grouped_build, grouped_entries
+    from cutlass_ops.gemms.grouped.grouped_runtime import layout
 
     problem = grouped_build.GroupedProblem.of("2d3d", x, wt, offs, "bf16", layout(x), layout(wt))
     return grouped_entries.grouped_cache().get(problem)

@@ -87,8 +87,8 @@ def vocab_parallel_linear_cross_entropy(hidden, weight_shard, labels, **options)
 
 def grouped_mm(a, b, offs=None, *, out_dtype=None):
     """One GEMM per group (mixture-of-experts experts) with torch._grouped_mm's semantics, with
-    autograd (see cutlass_ops.grouped for the forms and the offsets)."""
-    from cutlass_ops.grouped import grouped_mm as _grouped_mm
+    autograd (see cutlass_ops.moe.grouped for the forms and the offsets)."""
+    from cutlass_ops.moe.grouped import grouped_mm as _grouped_mm
 
     return _grouped_mm(a, b, offs, out_dtype=out_dtype)
 

@@ -17,9 +17,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from cutlass_ops import (causal_mask, decoder_blocks, lm_loss, moe, moe_router, norm_probe, ops,
-                         rotary_embedding, step_graphs)
+from cutlass_ops import (causal_mask, decoder_blocks, lm_loss, norm_probe, ops, rotary_embedding,
+                         step_graphs)
 from cutlass_ops.gemms.config import Activation
+from cutlass_ops.moe import experts as moe_experts, moe_router
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -140,7 +141,7 @@ def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: boo
     like Hugging Face's (Mixtral, Qwen3-MoE: 3-D ``gate_up_proj`` / ``down_proj``, SiLU) runs as
     two grouped GEMMs and a SwiGLU kernel without its per-expert loop, after a probe
     (``cutlass_ops.moe``), and its block's top-k router as one routing pass that also sorts the
-    tokens by expert, after a probe of its own (``cutlass_ops.moe_router``). With ``fp8``
+    tokens by expert, after a probe of its own (``cutlass_ops.moe.moe_router``). With ``fp8``
     ("tensorwise", "rowwise" or "blockwise"), then, the Linear layers and the fused blocks' GEMMs that take the recipe run FP8 forward and backward
     with bf16 master weights and the same state_dict, the LM head only with ``fp8_lm_head``
     (``cutlass_ops.fp8``; the report names each layer's recipe or why not). Returns what was
@@ -182,8 +183,8 @@ def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_
              experts) -> ConversionReport:
     decisions = []
     for name, module in list(model.named_modules()):
-        if experts and moe.looks_like_experts(module) and \
-                not isinstance(module, moe.GroupedExperts):
+        if experts and moe_experts.looks_like_experts(module) and \
+                not isinstance(module, moe_experts.GroupedExperts):
             decisions.append(_convert_experts(model, name, module, include, exclude))
             continue
         if norms and type(module) in (nn.RMSNorm, nn.LayerNorm):
@@ -242,10 +243,10 @@ def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_
 
 def _fuse_routers(model, include, exclude) -> list:
     """The top-k routers of blocks whose experts are converted, made one routing pass
-    (cutlass_ops.moe_router) when the probe agrees."""
+    (cutlass_ops.moe.moe_router) when the probe agrees."""
     decisions = []
     for block_name, block in model.named_modules():
-        if not isinstance(getattr(block, "experts", None), moe.GroupedExperts) or \
+        if not isinstance(getattr(block, "experts", None), moe_experts.GroupedExperts) or \
                 not isinstance(getattr(block, "gate", None), nn.Module):
             continue
         name = f"{block_name}.gate".lstrip(".")
@@ -359,11 +360,11 @@ def _convert_experts(model, name, module, include, exclude) -> Decision:
     if not name:
         return Decision(name, kind, False, "the model itself is an experts module: use "
                         "cutlass_ops.moe.GroupedExperts")
-    why = moe.probe(module)
+    why = moe_experts.probe(module)
     if why is not None:
         return Decision(name, kind, False, why)
     parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, moe.GroupedExperts(module))
+    setattr(model.get_submodule(parent_name), child, moe_experts.GroupedExperts(module))
     return Decision(name, kind, True, f"{weight.shape[0]} experts as two grouped GEMMs and a "
                     "SwiGLU kernel, no per-expert loop (cutlass_ops.moe)")
 

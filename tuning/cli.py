@@ -305,7 +305,7 @@ def _tune_grouped(args, problems: list | None = None) -> int:
     --backward dX and dW, over ROWS routed rows (tokens x top-k); or ``problems`` (--model's)."""
     from tuning import grouped_search
 
-    from cutlass_ops.gemms.grouped_build import ELEMENTS
+    from cutlass_ops.gemms.grouped.grouped_build import ELEMENTS
 
     if args.dtype not in ELEMENTS:
         raise ValueError(f"grouped GEMMs are {' or '.join(ELEMENTS)}, not {args.dtype}")

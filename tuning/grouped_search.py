@@ -1,6 +1,6 @@
-"""Tuning the grouped (mixture-of-experts) GEMM kernels (``cutlass_ops.gemms.grouped_build``):
+"""Tuning the grouped (mixture-of-experts) GEMM kernels (``cutlass_ops.gemms.grouped.grouped_build``):
 the grouped family's side of the tuner protocol (``tuning.protocol``), with the CuTe DSL path's
-variable-length kernels (``cutlass_ops.gemms.dsl_grouped``, with the ``dsl`` extra on an sm90 GPU)
+variable-length kernels (``cutlass_ops.gemms.grouped.dsl_grouped``, with the ``dsl`` extra on an sm90 GPU)
 in the same pool for the 2d3d and 2d2d forms.
 
 Per ``GroupedProblem`` (form, groups, per-group extents with the grouped one bucketed, element,
@@ -8,7 +8,7 @@ layouts): the candidates built in parallel (nvcc, through the build cache; about
 per config and layouts: the sizes are run-time values), each run on random operands with the
 rows spread evenly over the groups and Zipf-skewed (``GroupedSession``), checked against the
 per-group float32 reference
-(``cutlass_ops.grouped.reference``), timed as CUDA-graph replays after an L2 flush, the best
+(``cutlass_ops.moe.grouped.reference``), timed as CUDA-graph replays after an L2 flush, the best
 few beside ``torch._grouped_mm`` interleaved; the winner is the best of those that beat torch on
 every routing (``GroupedFamily.entry``). Where the first round's best on the even routing is not
 its best on the skewed one, the pair joins as a ``skew_dispatch.SkewDispatch`` (2d3d keys;
@@ -26,9 +26,10 @@ import time
 from statistics import geometric_mean
 from typing import Callable, Iterable
 
-from cutlass_ops.gemms import dsl, dsl_grouped, grouped_build, skew_dispatch
-from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem
-from cutlass_ops.gemms.grouped_entries import GROUPED, grouped_cache
+from cutlass_ops.gemms import dsl
+from cutlass_ops.gemms.grouped import dsl_grouped, grouped_build, skew_dispatch
+from cutlass_ops.gemms.grouped.grouped_build import GroupedConfig, GroupedProblem
+from cutlass_ops.gemms.grouped.grouped_entries import GROUPED, grouped_cache
 from custom_kernels.core.elements import element
 from tuning import protocol
 
@@ -40,7 +41,7 @@ def moe_problems(experts: int, n: int, k: int, rows: int, *, backward: bool = Fa
     """An MoE layer's expert GEMM ``rows`` x K -> N over ``experts`` experts, its weights as
     Hugging Face stores them ([E, N, K]): the forward (2d3d, B column-major), and with
     ``backward`` dX (2d3d, B row-major) and dW, computed in the weights' layout as
-    dY^T X (2d2d, A column-major: ``cutlass_ops.grouped``'s backward)."""
+    dY^T X (2d2d, A column-major: ``cutlass_ops.moe.grouped``'s backward)."""
     per_group = grouped_build.bucket(rows / experts)
     problems = [GroupedProblem("2d3d", experts, per_group, n, k, element, "t", "n")]
     if backward:
@@ -239,7 +240,7 @@ class GroupedSession:
     def __init__(self, problem: GroupedProblem):
         import torch
 
-        from cutlass_ops import grouped
+        from cutlass_ops.moe import grouped
         from custom_kernels.core.tolerances import GEMM, relative_tolerance
 
         self.problem = p = problem
@@ -293,7 +294,7 @@ class GroupedSession:
                           dtype=torch.int32).cumsum(0).to(torch.int32)
 
     def _launch(self, config, offs):
-        from cutlass_ops.gemms import grouped_runtime
+        from cutlass_ops.gemms.grouped import grouped_runtime
 
         return lambda: grouped_runtime.launch(config, self.problem.form, self.a, self.b, offs,
                                               self.out)

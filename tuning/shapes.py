@@ -180,7 +180,7 @@ def model_grouped_problems(model: Any, tokens: int, *, dtype: str = "bf16",
     layers, as ``convert`` runs them (``cutlass_ops.moe``): each experts module's gate+up and
     down GEMMs over ``tokens`` x top-k routed rows, with their dX and dW when ``backward``.
     Top-k comes from the model's config (``num_experts_per_tok``) or a router's ``top_k``."""
-    from cutlass_ops.moe import looks_like_experts
+    from cutlass_ops.moe.experts import looks_like_experts
     from tuning.grouped_search import moe_problems
 
     experts = [m for m in model.modules() if looks_like_experts(m)]

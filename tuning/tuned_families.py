@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cutlass_ops.gemms import gemm_entries, grouped_entries
+from cutlass_ops.gemms import gemm_entries
+from cutlass_ops.gemms.grouped import grouped_entries
 from custom_kernels.core.tuned_store import EntrySchema, TuningCache, all_caches
 from custom_kernels.norms import tuned as norm_entries
 

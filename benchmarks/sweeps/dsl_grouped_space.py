@@ -1,4 +1,4 @@
-"""The DSL grouped kernels (``cutlass_ops.gemms.dsl_grouped``, QuACK's variable-length M) with
+"""The DSL grouped kernels (``cutlass_ops.gemms.grouped.dsl_grouped``, QuACK's variable-length M) with
 the 64-row pingpong tiles of ``dsl.SMALL_TILES`` beside the grouped candidates' measured best,
 on ``benchmarks/moe.py``'s 24 expert GEMMs (forward, 2d3d): do short tiles help experts with few
 routed rows? Needs ``cutlass-ops[dsl]``.
@@ -38,7 +38,8 @@ import torch  # noqa: E402
 
 from benchmarks.common import print_table, require_gpu_and_dsl, write_result  # noqa: E402
 from benchmarks.moe import MODELS, ROUTINGS, TOKENS, expert_operands  # noqa: E402
-from cutlass_ops.gemms import dsl, dsl_grouped  # noqa: E402
+from cutlass_ops.gemms import dsl
+from cutlass_ops.gemms.grouped import dsl_grouped  # noqa: E402
 from cutlass_ops.gemms.dsl import DslConfig  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 from tuning.timing import do_bench, do_bench_interleaved  # noqa: E402

@@ -1,4 +1,4 @@
-"""What a skew dispatch (``cutlass_ops.gemms.skew_dispatch``) costs beside the kernel it picks:
+"""What a skew dispatch (``cutlass_ops.gemms.grouped.skew_dispatch``) costs beside the kernel it picks:
 the routing split and the idle kernel's launch, on ``benchmarks/moe.py``'s expert GEMMs.
 
 For each case and routing (even, Zipf), interleaved as the tuner times (CUDA-graph replays, L2
@@ -26,10 +26,10 @@ import torch  # noqa: E402
 from benchmarks.common import print_table, require_gpu_and_dsl, write_result  # noqa: E402
 from benchmarks.moe import ROUTINGS, expert_operands  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
-from custom_kernels import routing_split  # noqa: E402
-from cutlass_ops import grouped  # noqa: E402
-from cutlass_ops.gemms import grouped_build, grouped_runtime  # noqa: E402
-from cutlass_ops.gemms.skew_dispatch import SkewDispatch  # noqa: E402
+from custom_kernels.moe import routing_split  # noqa: E402
+from cutlass_ops.moe import grouped  # noqa: E402
+from cutlass_ops.gemms.grouped import grouped_build, grouped_runtime  # noqa: E402
+from cutlass_ops.gemms.grouped.skew_dispatch import SkewDispatch  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
 
 CASES = (("DeepSeek-V3", "up", 4096), ("DeepSeek-V3", "down", 4096),

@@ -2,7 +2,7 @@
 raises ``EntryRejected`` naming the field and what was wrong.
 
 A tuning entry is input like any other (a cache directory can be shared, a bundle mailed): the
-family schemas (``cutlass_ops.gemms.gemm_entries``, ``cutlass_ops.gemms.grouped_entries``,
+family schemas (``cutlass_ops.gemms.gemm_entries``, ``cutlass_ops.gemms.grouped.grouped_entries``,
 ``custom_kernels.norms.tuned``) read every field they use through these, so that no string
 passes for a time, no bool for an integer, and no number outside what a launcher can hold.
 """

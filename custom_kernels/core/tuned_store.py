@@ -8,7 +8,7 @@ faster of two valid entries for a problem stays).
 
 A trust boundary: what is read from a cache file or an imported document is input. Each family
 has one schema (an ``EntrySchema``: ``cutlass_ops.gemms.gemm_entries``,
-``cutlass_ops.gemms.grouped_entries``, ``custom_kernels.norms.tuned``) that turns a stored
+``cutlass_ops.gemms.grouped.grouped_entries``, ``custom_kernels.norms.tuned``) that turns a stored
 entry into a typed record or rejects it; the rest of the code sees records only. A scope must
 have its fields' types, and the file path built from it must stay in the family's folder. A
 rejected entry is skipped with one log line naming the file, the key and the reason, counted

@@ -5,7 +5,7 @@ import ctypes
 
 import pytest
 
-from cutlass_ops.gemms import grouped_build, grouped_runtime
+from cutlass_ops.gemms.grouped import grouped_build, grouped_runtime
 
 pytestmark = pytest.mark.compile
 

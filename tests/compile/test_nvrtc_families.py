@@ -89,7 +89,7 @@ def test_swiglu_family_compiles(cache_root, dtype, backward):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backward", [False, True])
 def test_moe_combine_family_compiles(cache_root, dtype, backward):
-    from custom_kernels import moe_combine
+    from custom_kernels.moe import moe_combine
 
     for vec in (True, False):  # 16-byte accesses; one element an access
         paths = [moe_combine.compile_moe_combine(dtype, vec, backward)]
@@ -114,7 +114,7 @@ def test_moe_combine_kernels_do_not_spill(dtype):
     """ptxas's report for every slots-a-thread variant (the register ceilings of
     csrc/moe_combine.cu were set so that none spills; int32 indices were the tightest)."""
 
-    from custom_kernels import moe_combine
+    from custom_kernels.moe import moe_combine
     from custom_kernels.core import elements
 
     code = elements.element(dtype).code
@@ -126,7 +126,7 @@ def test_moe_combine_kernels_do_not_spill(dtype):
 
 @pytest.mark.smoke
 def test_routing_split_compiles(cache_root):
-    from custom_kernels import routing_split
+    from custom_kernels.moe import routing_split
 
     path = routing_split.compile_routing_split()
     assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
@@ -167,7 +167,7 @@ def test_fused_fp8_outputs_compile(cache_root, dtype):
 def test_moe_routing_family_compiles(cache_root, dtype):
     """Each of the four kernels for E of 1, 2, 8 and 32 lanes' worth of experts (8, 64, 256,
     1024; the kernels compile in ceil(E / 32)); the scan depends on neither."""
-    from custom_kernels import moe_routing
+    from custom_kernels.moe import moe_routing
 
     paths = [moe_routing.compile_moe_routing("scan", dtype)]
     for experts in (8, 64, 256, 1024):
@@ -181,7 +181,7 @@ def test_moe_routing_kernels_do_not_spill(dtype):
     """ptxas's report for the kernels at 1, 8 and 32 experts a lane (32 is the most registers:
     the top-k and backward kernels keep a row's scores in them)."""
 
-    from custom_kernels import moe_routing
+    from custom_kernels.moe import moe_routing
     from custom_kernels.core import elements
 
     code = elements.element(dtype).code

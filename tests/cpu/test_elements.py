@@ -65,7 +65,7 @@ def test_the_kernel_sources_switch_on_the_tables_codes():
 
 
 def test_the_grouped_build_passes_the_tables_code():
-    from cutlass_ops.gemms.grouped_build import GroupedConfig
+    from cutlass_ops.gemms.grouped.grouped_build import GroupedConfig
 
     for name in ("bf16", "f16"):
         assert f"GROUPED_ELEMENT={element(name).code}" in GroupedConfig(name).defines()

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 from tuning_fakes import SCOPE, stored
 
-from cutlass_ops.gemms import grouped_entries
+from cutlass_ops.gemms.grouped import grouped_entries
 from custom_kernels.core.tuned_store import TuningCache
-from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem, bucket, candidates
+from cutlass_ops.gemms.grouped.grouped_build import GroupedConfig, GroupedProblem, bucket, candidates
 from tuning import grouped_search
 
 
@@ -97,7 +97,7 @@ def test_the_skewed_routing_keeps_the_rows_and_aligned_groups(groups, per_group)
 
 
 def test_tuned_config_reads_a_winner_that_beat_torch(tmp_path, monkeypatch):
-    from cutlass_ops.gemms import grouped_build
+    from cutlass_ops.gemms.grouped import grouped_build
 
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
     problem = GroupedProblem("2d3d", 8, 1024, 14336, 4096)
@@ -181,7 +181,8 @@ class FakeDslBackend(FakeBackend):
 
 
 def test_the_dsl_kernels_join_the_pool_and_the_winner_names_its_path(tmp_path, monkeypatch):
-    from cutlass_ops.gemms import dsl, dsl_grouped, grouped_build
+    from cutlass_ops.gemms import dsl
+    from cutlass_ops.gemms.grouped import dsl_grouped, grouped_build
 
     monkeypatch.setattr(dsl, "unavailable", lambda: None)  # the extra, as if installed
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
@@ -209,7 +210,8 @@ def test_the_dsl_kernels_join_the_pool_and_the_winner_names_its_path(tmp_path, m
 
 
 def test_the_dsl_path_takes_the_varlen_forms_only(monkeypatch):
-    from cutlass_ops.gemms import dsl, dsl_grouped
+    from cutlass_ops.gemms import dsl
+    from cutlass_ops.gemms.grouped import dsl_grouped
 
     problem = GroupedProblem("2d3d", 8, 1024, 14336, 4096)
     monkeypatch.setattr(dsl, "unavailable", lambda: "needs quack-kernels")
@@ -225,7 +227,8 @@ def test_the_dsl_path_takes_the_varlen_forms_only(monkeypatch):
 @pytest.mark.parametrize("m, form, short", [(128, "2d3d", True), (16, "2d3d", True),
                                             (256, "2d3d", False), (128, "2d2d", False)])
 def test_short_groups_get_the_64_row_tiles_first(monkeypatch, m, form, short):
-    from cutlass_ops.gemms import dsl, dsl_grouped
+    from cutlass_ops.gemms import dsl
+    from cutlass_ops.gemms.grouped import dsl_grouped
 
     monkeypatch.setattr(dsl, "unavailable", lambda: None)
     problem = GroupedProblem(form, 256, m, 2048, 7168)
@@ -276,7 +279,7 @@ class FakeSplitSession(FakeSession):
         self.routing_times, self.ratios = {}, {}
 
     def _pair(self, config):
-        from cutlass_ops.gemms import skew_dispatch
+        from cutlass_ops.gemms.grouped import skew_dispatch
 
         if skew_dispatch.is_skew_dispatch(config):
             return [self._pair(config.even)[0] + 0.01, self._pair(config.skewed)[1] + 0.01]
@@ -306,7 +309,7 @@ class FakeSplitBackend(FakeBackend):
 
 
 def test_a_skew_dispatch_of_the_two_routings_best_wins_where_it_pays(tmp_path, monkeypatch):
-    from cutlass_ops.gemms import grouped_build, skew_dispatch
+    from cutlass_ops.gemms.grouped import grouped_build, skew_dispatch
 
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
     backend = FakeSplitBackend()
@@ -343,7 +346,7 @@ def test_no_skew_dispatch_when_one_kernel_is_best_on_both_routings():
 
 @pytest.mark.parametrize("strategy, count", [("quick", 1), ("default", 2), ("exhaustive", 4)])
 def test_dynamic_twins_of_the_best_static_dsl_kernels(strategy, count):
-    from cutlass_ops.gemms import dsl_grouped
+    from cutlass_ops.gemms.grouped import dsl_grouped
     from cutlass_ops.gemms.dsl import DslConfig
 
     cpp = candidates(grouped_search.moe_problems(8, 14336, 4096, 8192)[0])[0]
@@ -373,7 +376,8 @@ def test_a_tune_without_dynamic_twins_times_none(tmp_path, monkeypatch):
 
 def test_round_2_times_the_twins_before_pairing_the_routings_best(monkeypatch):
     """The skew pair is made after the twins are timed, so a twin can be half of it."""
-    from cutlass_ops.gemms import dsl, dsl_grouped, skew_dispatch
+    from cutlass_ops.gemms import dsl
+    from cutlass_ops.gemms.grouped import dsl_grouped, skew_dispatch
 
     monkeypatch.setattr(dsl, "unavailable", lambda: None)
     family = grouped_search.GroupedFamily("quick", FakeSplitBackend(), lambda message: None)
@@ -391,8 +395,9 @@ def test_round_2_times_the_twins_before_pairing_the_routings_best(monkeypatch):
 
 
 def test_skew_dispatch_names_round_trip_and_refuse_nonsense(monkeypatch):
-    from cutlass_ops.gemms import dsl, grouped_build, skew_dispatch
-    from cutlass_ops.gemms.skew_dispatch import SkewDispatch
+    from cutlass_ops.gemms import dsl
+    from cutlass_ops.gemms.grouped import grouped_build, skew_dispatch
+    from cutlass_ops.gemms.grouped.skew_dispatch import SkewDispatch
 
     monkeypatch.setattr(dsl, "unavailable", lambda: None)
     mixed = SkewDispatch(dsl.DslConfig(64, 128, 2, 1, True, tile_k=128),
@@ -419,8 +424,8 @@ def test_skew_dispatch_names_round_trip_and_refuse_nonsense(monkeypatch):
 
 
 def test_a_skew_dispatch_refuses_the_2d2d_form():
-    from cutlass_ops.gemms import skew_dispatch
-    from cutlass_ops.gemms.skew_dispatch import SkewDispatch
+    from cutlass_ops.gemms.grouped import skew_dispatch
+    from cutlass_ops.gemms.grouped.skew_dispatch import SkewDispatch
 
     config = SkewDispatch(GroupedConfig.from_name(EVEN_BEST), GroupedConfig.from_name(SKEWED_BEST),
                           2.0)

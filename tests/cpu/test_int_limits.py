@@ -100,8 +100,8 @@ def test_the_residuals_strides_are_checked_too(monkeypatch):
 
 
 def test_grouped_counts_beyond_the_launchers_int32_run_torch(monkeypatch, warnings):
-    from cutlass_ops import grouped
-    from cutlass_ops.gemms import grouped_entries, grouped_runtime
+    from cutlass_ops.moe import grouped
+    from cutlass_ops.gemms.grouped import grouped_entries, grouped_runtime
 
     offs = meta(2**31, dtype=torch.int32)
     b = meta(2**31, 8, 8)

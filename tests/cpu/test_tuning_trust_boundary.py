@@ -11,8 +11,9 @@ import math
 import pytest
 from tuning_fakes import SCOPE, FakeBackend
 
-from cutlass_ops.gemms import dispatch, grouped_entries
-from cutlass_ops.gemms.grouped_build import GroupedProblem
+from cutlass_ops.gemms import dispatch
+from cutlass_ops.gemms.grouped import grouped_entries
+from cutlass_ops.gemms.grouped.grouped_build import GroupedProblem
 from custom_kernels.core import tuned_store
 from tuning import cli
 
@@ -321,12 +322,12 @@ def _device():
 
 
 def test_the_grouped_launcher_refuses_a_kernel_of_another_element_type_or_layout():
-    """The last check before a launch (GPU test: tests/gpu/test_grouped_gpu.py): it runs before
+    """The last check before a launch (GPU test: tests/gpu/moe/test_grouped_gpu.py): it runs before
     any build, so CPU tensors show it."""
     import torch
 
-    from cutlass_ops.gemms import grouped_runtime
-    from cutlass_ops.gemms.grouped_build import GroupedConfig
+    from cutlass_ops.gemms.grouped import grouped_runtime
+    from cutlass_ops.gemms.grouped.grouped_build import GroupedConfig
     from custom_kernels.core.errors import UnsupportedInputError
 
     x = torch.randn(64, 32, dtype=torch.bfloat16)

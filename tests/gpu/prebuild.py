@@ -39,7 +39,7 @@ WORK = [
 def grouped_work():
     """The grouped kernels of the GPU tests (the default tile in each layout the forms use) and
     of a default grouped tune of an MoE layer's forward, dX and dW."""
-    from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem, candidates
+    from cutlass_ops.gemms.grouped.grouped_build import GroupedConfig, GroupedProblem, candidates
 
     configs = [GroupedConfig(layout_a=la, layout_b=lb) for la, lb in ("tn", "nt", "tt")]
     for la, lb, m in (("t", "n", 64), ("t", "n", 1024), ("t", "t", 1024), ("n", "t", 4096)):
@@ -56,7 +56,7 @@ def main():
         by_operands.setdefault(operands, []).append(config)
     # Emission is one cutlass_cppgen process per operand set; run those side by side too.
     from cutlass_ops.gemms.build import default_jobs
-    from cutlass_ops.gemms.grouped_build import build as build_grouped
+    from cutlass_ops.gemms.grouped.grouped_build import build as build_grouped
     from custom_kernels.core.errors import BuildError
 
     failed = 0

@@ -24,8 +24,8 @@ GEMM is one of the four forms: for ``y = grouped_mm(x, w, offs)`` (``2d3d``),
 
 On CUDA the GEMMs run a tuned kernel where ``cutlass-tune tune --grouped`` stored a winner that
 beat ``torch._grouped_mm`` on every routing it timed, for the call's key
-(``cutlass_ops.gemms.grouped_build.GroupedProblem``): our CUTLASS sm90 grouped kernel, or with
-``cutlass-ops[dsl]`` QuACK's variable-length DSL kernel (``cutlass_ops.gemms.dsl_grouped``);
+(``cutlass_ops.gemms.grouped.grouped_build.GroupedProblem``): our CUTLASS sm90 grouped kernel, or with
+``cutlass-ops[dsl]`` QuACK's variable-length DSL kernel (``cutlass_ops.gemms.grouped.dsl_grouped``);
 else ``torch._grouped_mm`` (CUTLASS's two fixed sm90 configs); either way the offsets are never
 read on the host (no sync; CUDA-graph
 safe); nothing checks their values there (a
@@ -140,7 +140,7 @@ def _run(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> Tensor:
     """The op's implementation (no autograd)."""
     form = form_of(a, b, offs)
     if fallback.off_cuda({"a": a, "b": b, "offs": offs}, "cutlass_ops.grouped_mm",
-                         "cutlass_ops.grouped.reference"):
+                         "cutlass_ops.moe.grouped.reference"):
         return reference(a, b, offs)
     for name, t in (("a", a), ("b", b)):
         _check_cuda_layout(name, t, address=True)
@@ -152,7 +152,7 @@ def _run(a: Tensor, b: Tensor, offs: Optional[Tensor]) -> Tensor:
         return a.new_zeros(output_shape(form, a, b, offs))
     config = _tuned(form, a, b, offs)
     if config is not None:
-        from cutlass_ops.gemms import grouped_runtime
+        from cutlass_ops.gemms.grouped import grouped_runtime
 
         out = a.new_empty(output_shape(form, a, b, offs))
         return grouped_runtime.launch(config, form, a, b, offs, out)
@@ -170,8 +170,8 @@ def _tuned(form: str, a: Tensor, b: Tensor, offs: Optional[Tensor]):
     key = (form, a.device, a.dtype, a.shape, a.stride(), b.shape, b.stride(),
            None if offs is None else offs.shape)
     if key not in _tuned_by_signature:
-        from cutlass_ops.gemms import grouped_build, grouped_entries
-        from cutlass_ops.gemms.grouped_runtime import (element_name, group_starts_aligned,
+        from cutlass_ops.gemms.grouped import grouped_build, grouped_entries
+        from cutlass_ops.gemms.grouped.grouped_runtime import (element_name, group_starts_aligned,
                                                         integer_refusal, layout)
 
         config = None

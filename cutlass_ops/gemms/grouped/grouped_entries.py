@@ -1,5 +1,5 @@
 """The grouped GEMMs' tuned entries (``tuning.grouped_search`` writes them): one typed record per
-stored problem, the schema that reads it, and the lookup ``cutlass_ops.grouped`` runs.
+stored problem, the schema that reads it, and the lookup ``cutlass_ops.moe.grouped`` runs.
 
 A grouped winner is named (``grouped-bf16-tn-...``, ``dsl-sm90-...``, or a ``skew-...`` pair of
 them), and the name says which element type and layouts a C++ kernel was compiled for. An entry
@@ -17,9 +17,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from cutlass_ops.gemms import dsl, dsl_grouped, skew_dispatch
+from cutlass_ops.gemms import dsl
+from cutlass_ops.gemms.grouped import dsl_grouped, skew_dispatch
 from cutlass_ops.gemms.dsl import DslConfig
-from cutlass_ops.gemms.grouped_build import ELEMENTS, GroupedConfig, GroupedProblem
+from cutlass_ops.gemms.grouped.grouped_build import ELEMENTS, GroupedConfig, GroupedProblem
 from custom_kernels.core import tuned_fields as f
 from custom_kernels.core.tuned_store import CacheScope, TuningCache, family_dir
 

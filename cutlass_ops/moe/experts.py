@@ -9,14 +9,14 @@ same ``state_dict`` keys) and computes the same sum with no host sync:
 
 1. the (token, slot) pairs sorted by expert (a stable sort), and the cumulative expert counts
    as the grouped GEMMs' offsets (a scatter-add on the device), or the same from the routing
-   pass of a fused router (``cutlass_ops.moe_router``);
+   pass of a fused router (``cutlass_ops.moe.moe_router``);
 2. the tokens gathered in that order (the backward sums each token's rows in one kernel, as
    step 3 does), one grouped GEMM with every expert's ``gate_up_proj``,
    SiLU(gate) * up in one kernel (``custom_kernels.swiglu``, Hugging Face's bits), one grouped
-   GEMM with ``down_proj`` (``cutlass_ops.grouped``: the routed pairs cover every row);
+   GEMM with ``down_proj`` (``cutlass_ops.moe.grouped``: the routed pairs cover every row);
 3. each token's results read through the inverse of the sort and summed over its slots with
    their routing weights, in float32, rounded once, in one kernel each way
-   (``custom_kernels.moe_combine.combine``; its backward gives the expert outputs' and the
+   (``custom_kernels.moe.moe_combine.combine``; its backward gives the expert outputs' and the
    routing weights' gradients). Hugging Face rounds each expert's share to the model's dtype
    before adding it: the two agree within that dtype's tolerance.
 
@@ -33,9 +33,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from cutlass_ops.grouped import routed_grouped_mm
+from cutlass_ops.moe.grouped import routed_grouped_mm
 from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
-from custom_kernels.moe_combine import combine
+from custom_kernels.moe.moe_combine import combine
 from custom_kernels.swiglu import swiglu
 
 PROBE_TOKENS = 64
@@ -65,7 +65,7 @@ def sorted_pairs(top_k_index: torch.Tensor, experts: int):
     """(token_of_row [T * k], offsets [E] int32, inverse [T, k]): the (token, slot) pairs
     sorted by expert (stably), each sorted row's token, the grouped GEMMs' cumulative group
     ends, and the sorted row holding pair (t, j); in torch, with no host sync
-    (``custom_kernels.moe_routing.route`` writes the same in its routing pass)."""
+    (``custom_kernels.moe.moe_routing.route`` writes the same in its routing pass)."""
     tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # the pairs, grouped by expert
@@ -128,7 +128,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        # The sort a fused router (cutlass_ops.moe_router) made for this very index, if any.
+        # The sort a fused router (cutlass_ops.moe.moe_router) made for this very index, if any.
         # (None while torch.compile traces: the router hands nothing over then.)
         handed = None if torch.compiler.is_compiling() else \
             self.__dict__.pop(SORTED_PAIRS, None)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import cutlass_ops
-from cutlass_ops import grouped
-from cutlass_ops.gemms import dsl, dsl_grouped, grouped_entries
+from cutlass_ops.moe import grouped
+from cutlass_ops.gemms import dsl
+from cutlass_ops.gemms.grouped import dsl_grouped, grouped_entries
 from custom_kernels.core.tolerances import relative_error
 
 pytestmark = [pytest.mark.gpu,

@@ -12,7 +12,7 @@ v /= v.sum(-1, keepdim=True) if normalize; weights = v.to(logits.dtype)``, and t
 - ``offsets`` [E] int32: the pairs whose expert is <= e (cumulative ends, as
   ``torch._grouped_mm`` takes them);
 - ``inverse`` [T, k] int32: the sorted row holding pair (t, j), so ``token_of_row[inverse[t, j]]
-  == t`` (what ``custom_kernels.moe_combine.combine`` takes).
+  == t`` (what ``custom_kernels.moe.moe_combine.combine`` takes).
 
 Scores in float32: ``scoring="softmax"``, p = softmax over the row (max subtracted, IEEE
 division); ``"sigmoid"``, p = 1 / (1 + exp(-l)) elementwise (a DeepSeek-V3-style router without

@@ -1,4 +1,4 @@
-"""The one-pass top-k router (cutlass_ops.moe_router) on the CPU (``route``'s torch reference
+"""The one-pass top-k router (cutlass_ops.moe.moe_router) on the CPU (``route``'s torch reference
 stands in for its kernels), against Hugging Face's own routers in their blocks (Mixtral: float32
 weights, always renormalised; Qwen3-MoE: the logits' dtype, renormalised or not): the block's
 output, every gradient (the router's weight too), the experts taking the router's sort (and
@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from cutlass_ops import moe, moe_router
+from cutlass_ops.moe import experts as moe_experts, moe_router
 
 from test_moe import assert_same_block, mixtral, qwen3_moe  # noqa: E402
 
@@ -25,7 +25,7 @@ def quiet(warnings):
 
 def grouped(block):
     block = copy.deepcopy(block)
-    block.experts = moe.GroupedExperts(block.experts)
+    block.experts = moe_experts.GroupedExperts(block.experts)
     return block
 
 
@@ -39,13 +39,13 @@ def qwen3_unnormalised(dtype=torch.float32):
 def handed(monkeypatch):
     """Whether each experts call got the router's sort."""
     seen = []
-    forward = moe.experts_forward
+    forward = moe_experts.experts_forward
 
     def spy(*args):
         seen.append(args[-1] is not None)
         return forward(*args)
 
-    monkeypatch.setattr(moe, "experts_forward", spy)
+    monkeypatch.setattr(moe_experts, "experts_forward", spy)
     return seen
 
 
@@ -87,7 +87,7 @@ def test_the_experts_sort_for_themselves_when_the_index_is_another_tensor(handed
     out = block.experts(h, index.clone(), weights)  # not the tensor the router handed over
     assert handed == [False]
     torch.testing.assert_close(out, block.experts(h, index, weights))  # (and nothing stale)
-    assert moe.SORTED_PAIRS not in block.experts.__dict__
+    assert moe_experts.SORTED_PAIRS not in block.experts.__dict__
 
 
 def test_the_router_keeps_its_class_as_a_base_its_weight_and_its_state_dict():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cutlass_ops
-from cutlass_ops import grouped
+from cutlass_ops.moe import grouped
 from custom_kernels.core.errors import UnsupportedInputError
 
 
@@ -176,7 +176,7 @@ def test_out_dtype_is_the_operands_and_int64_offsets_are_taken():
 
 
 def test_grouped_kernel_configs_name_round_trip_and_refuse_by_name():
-    from cutlass_ops.gemms.grouped_build import GroupedConfig
+    from cutlass_ops.gemms.grouped.grouped_build import GroupedConfig
 
     config = GroupedConfig()
     assert config.name == "grouped-bf16-tn-cooperative-t128x256x64-c2x1"
@@ -193,7 +193,7 @@ def test_grouped_kernel_configs_name_round_trip_and_refuse_by_name():
 def test_our_kernel_is_used_only_where_every_group_starts_aligned():
     """TMA needs 16-byte aligned group starts and the offsets stay on the device: the grouped
     extent must not be a unit-stride dimension (then grouped_mm keeps torch._grouped_mm)."""
-    from cutlass_ops.gemms.grouped_runtime import group_starts_aligned
+    from cutlass_ops.gemms.grouped.grouped_runtime import group_starts_aligned
 
     x, w = torch.randn(64, 32).bfloat16(), torch.randn(4, 48, 32).bfloat16()
     assert group_starts_aligned("2d3d", x, w.transpose(1, 2))  # tokens row-major
@@ -208,8 +208,8 @@ def test_our_kernel_is_used_only_where_every_group_starts_aligned():
 def test_a_grouped_kernel_library_is_looked_up_once_per_process(monkeypatch):
     """The build cache's lookup costs more host time than a launch: ``run`` finds a config's
     library once and keeps it; a failed build is not remembered."""
-    from cutlass_ops.gemms import grouped_runtime
-    from cutlass_ops.gemms.grouped_build import GroupedConfig
+    from cutlass_ops.gemms.grouped import grouped_runtime
+    from cutlass_ops.gemms.grouped.grouped_build import GroupedConfig
     from custom_kernels.core.errors import BuildError
 
     calls = []

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses import FakeTensorMode
 
-from custom_kernels import moe_combine as mc
+from custom_kernels.moe import moe_combine as mc
 from custom_kernels.core.errors import UnsupportedInputError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -458,14 +458,14 @@ def experts_problem(tokens=24, experts=6, top_k=3, hidden=32, inter=20, dtype=to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_forward_equals_a_per_expert_loop(dtype):
-    from cutlass_ops import moe
+    from cutlass_ops.moe import experts as moe_experts
     from custom_kernels.core.tolerances import relative_error
 
     args = experts_problem(dtype=dtype)
     differentiable = [0, 2, 3, 4]  # hidden, the routing weights, both expert weights
     ours_in = [a.clone().requires_grad_(i in differentiable) for i, a in enumerate(args)]
     ref_in = [a.clone().requires_grad_(i in differentiable) for i, a in enumerate(args)]
-    ours, ref = moe.experts_forward(*ours_in), loop_experts(*ref_in)
+    ours, ref = moe_experts.experts_forward(*ours_in), loop_experts(*ref_in)
     assert ours.dtype == dtype and ours.shape == args[0].shape
     dout = torch.randn_like(ours)
     ours.backward(dout)
@@ -479,11 +479,11 @@ def test_experts_forward_equals_a_per_expert_loop(dtype):
 def test_experts_forward_takes_weights_of_another_dtype():
     """Routing weights neither float32 nor the model's dtype are read as float32, as the torch
     chain did; their gradient comes back in their own dtype."""
-    from cutlass_ops import moe
+    from cutlass_ops.moe import experts as moe_experts
 
     args = experts_problem(dtype=torch.bfloat16)
     args[2] = args[2].half().requires_grad_()
-    out = moe.experts_forward(*args)
+    out = moe_experts.experts_forward(*args)
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and args[2].grad.dtype == torch.float16
     want = loop_experts(*args)

@@ -1,10 +1,10 @@
 """The routing split without a GPU: the input rules and the reference's choice (the CPU path),
-which the kernel is checked against in tests/gpu/test_skew_dispatch_gpu.py."""
+which the kernel is checked against in tests/gpu/moe/test_skew_dispatch_gpu.py."""
 
 import pytest
 import torch
 
-from custom_kernels import routing_split
+from custom_kernels.moe import routing_split
 from custom_kernels.core.errors import UnsupportedInputError
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._subclasses import FakeTensorMode
 
-from custom_kernels import moe_routing as mr
+from custom_kernels.moe import moe_routing as mr
 from custom_kernels.core.errors import UnsupportedInputError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

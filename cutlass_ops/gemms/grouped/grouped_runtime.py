@@ -2,7 +2,7 @@
 ``csrc/grouped_launcher.cu`` through ctypes, on torch's current stream, with the workspace from
 torch's allocator and the offsets never read on the host.
 
-``run(config, a, b, offs)`` takes the operands of ``cutlass_ops.grouped``'s forms (checked
+``run(config, a, b, offs)`` takes the operands of ``cutlass_ops.moe.grouped``'s forms (checked
 there) whose layouts are the config's and returns the new output.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from custom_kernels.core import int_limits
 from custom_kernels.core.errors import KernelLaunchError, UnsupportedInputError
-from cutlass_ops.gemms.grouped_build import ELEMENTS, GroupedConfig, build
+from cutlass_ops.gemms.grouped.grouped_build import ELEMENTS, GroupedConfig, build
 from custom_kernels.core.elements import element
 
 ABI_VERSION = 1
@@ -186,7 +186,7 @@ def launch(config, form: str, a: torch.Tensor, b: torch.Tensor,
            offs: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """``run`` for a C++ ``GroupedConfig``, ``dsl_grouped.run`` for a DSL config, both kernels
     of a ``skew_dispatch.SkewDispatch``: a tuned winner (``grouped_entries.tuned_config``)."""
-    from cutlass_ops.gemms import dsl_grouped, skew_dispatch
+    from cutlass_ops.gemms.grouped import dsl_grouped, skew_dispatch
 
     if skew_dispatch.is_skew_dispatch(config):
         return skew_dispatch.launch(config, launch, form, a, b, offs, out)

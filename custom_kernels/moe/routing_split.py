@@ -8,7 +8,7 @@ rows, and the other way round when it has more. Launching a kernel tuned for eve
 ``even`` and one tuned for skewed routing on ``uneven`` computes the product once, with the
 kernel that suits the routing, without reading the offsets on the host: one launch of one block,
 CUDA-graph safe, and the choice is made afresh at every replay. The caller's kernels must write
-nothing for all-empty groups (the 2d3d form: groups of rows; ``cutlass_ops.gemms.skew_dispatch``).
+nothing for all-empty groups (the 2d3d form: groups of rows; ``cutlass_ops.gemms.grouped.skew_dispatch``).
 
 Offsets off a CUDA device take ``reference`` (the CPU rule, ``custom_kernels.core.fallback``).
 """

@@ -4,7 +4,7 @@ device: ``SkewDispatch(even, skewed, skew)``.
 A grouped key holds the mean rows per group, not the skew: reading the offsets on the host would
 cost a sync per call. The tuner times every candidate on an even and a Zipf-skewed routing, and
 the best kernel on one is often not the best on the other (docs/measurements.md). A
-``SkewDispatch`` launches ``custom_kernels.routing_split`` (one block) and then both kernels: the
+``SkewDispatch`` launches ``custom_kernels.moe.routing_split`` (one block) and then both kernels: the
 ``even`` one gets the offsets when the largest group holds at most ``skew`` times the mean rows,
 the ``skewed`` one otherwise, and the other gets all-empty groups, computes no tile and writes
 nothing. Only the 2d3d form (groups of rows: forward and dX) qualifies: in the 2d2d form (dW) an
@@ -22,7 +22,7 @@ import math
 import re
 from typing import Any, Optional
 
-from custom_kernels.routing_split import split_checked
+from custom_kernels.moe.routing_split import split_checked
 
 PREFIX = "skew"
 FORMS = ("2d3d",)
@@ -75,7 +75,7 @@ def threshold(skewed_ratio: float) -> float:
 def launch(config: SkewDispatch, launch_one, form: str, a, b, offs, out):
     """``out`` = the grouped product of a 2d3d call: the split, then both kernels through
     ``launch_one`` (``grouped_runtime.launch``), each on its share of the offsets. The
-    operands are ``cutlass_ops.grouped``'s, checked there (int32 offsets on the GPU); ``skew``
+    operands are ``cutlass_ops.moe.grouped``'s, checked there (int32 offsets on the GPU); ``skew``
     was checked when the config was made."""
     if form not in FORMS:
         raise ValueError(f"a skew dispatch runs the {FORMS} form only, not {form}")

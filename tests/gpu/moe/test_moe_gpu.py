@@ -36,7 +36,7 @@ def block(kind: str):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_converted_block_matches_the_eager_loop_forward_and_backward(kind):
     import cutlass_ops
-    from cutlass_ops.moe import GroupedExperts
+    from cutlass_ops.moe.experts import GroupedExperts
 
     eager = block(kind)
     ours = copy.deepcopy(eager)

@@ -9,12 +9,12 @@ logits; the backward's token loop past the grid cap; T = 0; no host sync; opchec
 against the custom op; torch.compile(fullgraph=True); a CUDA graph replayed on new logits.
 
 Not run yet on a GPU when written: the kernels were compiled (nvcc, NVRTC) and their arithmetic
-and bookkeeping checked in torch (tests/cpu/test_moe_routing.py) only."""
+and bookkeeping checked in torch (tests/cpu/moe/test_moe_routing.py) only."""
 
 import pytest
 import torch
 
-from custom_kernels import moe_routing as mr
+from custom_kernels.moe import moe_routing as mr
 from custom_kernels.core.tolerances import NORMS, relative_error, relative_tolerance
 
 pytestmark = pytest.mark.gpu

@@ -4,7 +4,7 @@
 A ``GroupedConfig`` names one kernel: the element type (bf16 or fp16), A's and B's layouts
 (``t``: row-major, ``n``: column-major, for A (M x K) and B (K x N); a Hugging Face expert weight
 [N, K] used as B is column-major), the CTA tile, the cluster and the schedule. One kernel serves
-every form of ``cutlass_ops.grouped`` with its operand layouts and every group count: the
+every form of ``cutlass_ops.moe.grouped`` with its operand layouts and every group count: the
 problem sizes are read on the device. A build needs nvcc, not a GPU (about 35 s).
 """
 
@@ -24,7 +24,7 @@ from cutlass_ops.gemms.build import (BUILD_TIMEOUT_S, cutlass_include_dirs, nvcc
                                      nvcc_path, nvcc_version)
 from cutlass_ops.gemms.config import Arch
 
-LAUNCHER = Path(__file__).resolve().parent / "csrc" / "grouped_launcher.cu"
+LAUNCHER = Path(__file__).resolve().parents[1] / "csrc" / "grouped_launcher.cu"  # gemms/csrc
 LIBRARY = "grouped.so"
 ELEMENTS = ("bf16", "f16")  # what the launcher is compiled for (custom_kernels.core.elements)
 _NAME = re.compile(r"grouped-(bf16|f16)-([tn])([tn])-(cooperative|pingpong)-t(\d+)x(\d+)x(\d+)"
@@ -94,7 +94,7 @@ def bucket(rows_per_group: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GroupedProblem:
-    """What a grouped GEMM is tuned for: the form (``cutlass_ops.grouped``), the group count,
+    """What a grouped GEMM is tuned for: the form (``cutlass_ops.moe.grouped``), the group count,
     the per-group extents (the grouped one as a bucket of its mean: ``bucket``), the element
     type and A's and B's layouts. Routing skew is not in the key: the offsets live on the
     device, and reading them would cost a sync per call."""
@@ -127,7 +127,7 @@ class GroupedProblem:
     @classmethod
     def of(cls, form: str, a, b, offs, element: str, layout_a: str,
            layout_b: str) -> GroupedProblem:
-        """The key of a call's operands (``cutlass_ops.grouped``'s forms)."""
+        """The key of a call's operands (``cutlass_ops.moe.grouped``'s forms)."""
         if form == "2d3d":
             groups = b.shape[0]
             return cls(form, groups, bucket(a.shape[0] / max(1, groups)), b.shape[-1],
@@ -196,11 +196,11 @@ def config_from_name(name: str):
     (``dsl-...``, None without the extra) or a pair of them (``skew-...``, None where either
     is)."""
     if name.startswith("skew-"):
-        from cutlass_ops.gemms.skew_dispatch import SkewDispatch
+        from cutlass_ops.gemms.grouped.skew_dispatch import SkewDispatch
 
         return SkewDispatch.from_name(name, config_from_name)
     if name.startswith("dsl-"):
-        from cutlass_ops.gemms import dsl_grouped
+        from cutlass_ops.gemms.grouped import dsl_grouped
 
         return dsl_grouped.config_from_name(name)
     return GroupedConfig.from_name(name)

@@ -6,7 +6,7 @@ convert's report."""
 import pytest
 import torch
 
-from cutlass_ops import moe
+from cutlass_ops.moe import experts as moe_experts
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,7 +41,7 @@ def grouped_copy(block):
     import copy
 
     ours = copy.deepcopy(block)
-    ours.experts = moe.GroupedExperts(ours.experts)
+    ours.experts = moe_experts.GroupedExperts(ours.experts)
     return ours
 
 
@@ -83,15 +83,16 @@ def test_state_dict_and_parameters_are_the_modules_own():
     assert list(ours.state_dict()) == list(theirs.state_dict())
     block = mixtral()
     experts = block.experts
-    grouped = moe.GroupedExperts(experts)
+    grouped = moe_experts.GroupedExperts(experts)
     assert grouped.gate_up_proj is experts.gate_up_proj and grouped.down_proj is experts.down_proj
 
 
 def test_structure_recognition_and_the_probe():
     block = mixtral()
-    assert moe.looks_like_experts(block.experts) and not moe.looks_like_experts(block)
-    assert not moe.looks_like_experts(block.gate)
-    assert moe.probe(block.experts) is None
+    assert moe_experts.looks_like_experts(block.experts)
+    assert not moe_experts.looks_like_experts(block)
+    assert not moe_experts.looks_like_experts(block.gate)
+    assert moe_experts.probe(block.experts) is None
 
     class GeluExperts(torch.nn.Module):  # built like them, with another activation
         def __init__(self, experts):
@@ -110,8 +111,8 @@ def test_structure_recognition_and_the_probe():
             return out
 
     look_alike = GeluExperts(block.experts)
-    assert moe.looks_like_experts(look_alike)
-    assert "differs" in moe.probe(look_alike)
+    assert moe_experts.looks_like_experts(look_alike)
+    assert "differs" in moe_experts.probe(look_alike)
 
 
 def test_convert_reports_experts_off_cuda_and_leaves_them():
@@ -133,5 +134,5 @@ def test_the_experts_forward_compiles_with_fullgraph():
     _, weights, index = block.gate(x)
     args = (x, index, weights, block.experts.gate_up_proj.detach(),
             block.experts.down_proj.detach())
-    compiled = torch.compile(moe.experts_forward, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(*args), moe.experts_forward(*args))
+    compiled = torch.compile(moe_experts.experts_forward, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(*args), moe_experts.experts_forward(*args))

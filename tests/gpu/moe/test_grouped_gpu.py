@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cutlass_ops
-from cutlass_ops import grouped
+from cutlass_ops.moe import grouped
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.core.tolerances import relative_error
 
@@ -106,7 +106,7 @@ def test_compiles_with_fullgraph():
 def test_the_cutlass_grouped_kernel_computes_every_form(form):
     """The CUTLASS sm90 grouped kernel (csrc/grouped_launcher.cu, built on first use) on each
     form, with the layouts the backward passes produce, against the per-group reference."""
-    from cutlass_ops.gemms import grouped_runtime
+    from cutlass_ops.gemms.grouped import grouped_runtime
 
     sizes = [64, 0, 200, 248]
     offs = None if form == "3d3d" else offsets(sizes)
@@ -140,8 +140,8 @@ def test_a_grouped_entry_of_the_wrong_element_type_is_refused_at_lookup_and_at_l
     """An imported entry naming an fp16 kernel for a bf16 key (issue 37): the store refuses it,
     grouped_mm runs torch._grouped_mm with the right result, and the launcher itself refuses
     an fp16 kernel for bf16 tensors before anything is built or launched."""
-    from cutlass_ops.gemms import grouped_entries, grouped_runtime
-    from cutlass_ops.gemms.grouped_build import GroupedConfig, GroupedProblem
+    from cutlass_ops.gemms.grouped import grouped_entries, grouped_runtime
+    from cutlass_ops.gemms.grouped.grouped_build import GroupedConfig, GroupedProblem
     from custom_kernels.core.device import current_scope
     from custom_kernels.core.tuned_store import TuningCache
 

@@ -10,7 +10,7 @@ the same with the torch fallback."""
 import pytest
 import torch
 
-from custom_kernels import moe_combine as mc
+from custom_kernels.moe import moe_combine as mc
 from custom_kernels.core.tolerances import NORMS, relative_error, relative_tolerance
 
 pytestmark = pytest.mark.gpu
@@ -250,7 +250,7 @@ def test_side_stream():
 def test_experts_forward_with_the_kernel_equals_it_with_the_fallback(monkeypatch):
     """cutlass_ops.moe.experts_forward, the same call with the torch fallback in the kernel's
     place: the output and every gradient (hidden, routing weights, expert weights) agree."""
-    from cutlass_ops import moe
+    from cutlass_ops.moe import experts as moe_experts
 
     g = torch.Generator("cuda").manual_seed(0)
     tokens, experts, top_k, hidden, inter = 256, 16, 4, 512, 256
@@ -265,11 +265,11 @@ def test_experts_forward_with_the_kernel_equals_it_with_the_fallback(monkeypatch
 
     def forward_backward():
         leaves = [t.detach().requires_grad_() for t in (x, weights.bfloat16(), gate_up, down)]
-        out = moe.experts_forward(leaves[0], index, leaves[1], leaves[2], leaves[3])
+        out = moe_experts.experts_forward(leaves[0], index, leaves[1], leaves[2], leaves[3])
         return [out, *torch.autograd.grad(out, leaves, dout)]
 
     ours = forward_backward()
-    monkeypatch.setattr(moe, "combine", mc.torch_combine)
+    monkeypatch.setattr(moe_experts, "combine", mc.torch_combine)
     theirs = forward_backward()
     for name, got, want in zip(["out", "hidden", "weights", "gate_up", "down"], ours, theirs):
         assert relative_error(got, want) < bound(torch.bfloat16), name

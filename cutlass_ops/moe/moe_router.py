@@ -1,6 +1,6 @@
 """A mixture of experts' top-k router in one pass: Hugging Face's routers (Qwen2-MoE's,
 Qwen3-MoE's and Mixtral's ``...TopKRouter``: ``logits = x W^T``, softmax in float32, top-k,
-renormalised or not) run as the router GEMM and ``custom_kernels.moe_routing.route``, whose
+renormalised or not) run as the router GEMM and ``custom_kernels.moe.moe_routing.route``, whose
 kernels also sort the (token, slot) pairs by expert on the device: the counts per expert, the
 grouped GEMMs' offsets, each sorted row's token and the inverse of the sort. The converted experts
 (``cutlass_ops.moe.GroupedExperts``) take that sort instead of making their own (a stable
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cutlass_ops import mixins
-from cutlass_ops.moe import SORTED_PAIRS, GroupedExperts
+from cutlass_ops.moe.experts import SORTED_PAIRS, GroupedExperts
 from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
-from custom_kernels.moe_routing import route
+from custom_kernels.moe.moe_routing import route
 
 PLAN = "_cutlass_ops_router"  # on a fused router: its _Plan
 EXPERTS = "_cutlass_ops_experts"  # on a fused router: the block's experts module
@@ -173,7 +173,7 @@ def describe(gate: nn.Module) -> str:
     weights = "float32" if plan.weights_dtype is not None else "the logits' dtype"
     return (f"top-{plan.top_k} {plan.scoring} router"
             f"{', renormalised' if plan.normalize else ''} (weights in {weights}) in one "
-            "routing pass that also sorts the tokens by expert (cutlass_ops.moe_router)")
+            "routing pass that also sorts the tokens by expert (cutlass_ops.moe.moe_router)")
 
 
 __all__ = ["FusedTopKRouter", "fuse_router", "unfuse_router", "probe", "structure_refusal",

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import cutlass_ops
-from custom_kernels import routing_split
+from custom_kernels.moe import routing_split
 from custom_kernels.core.tolerances import relative_error
-from cutlass_ops import grouped
-from cutlass_ops.gemms import dsl, grouped_build, grouped_entries, grouped_runtime, skew_dispatch
-from cutlass_ops.gemms.grouped_build import GroupedConfig
-from cutlass_ops.gemms.skew_dispatch import SkewDispatch
+from cutlass_ops.moe import grouped
+from cutlass_ops.gemms import dsl
+from cutlass_ops.gemms.grouped import grouped_build, grouped_entries, grouped_runtime, skew_dispatch
+from cutlass_ops.gemms.grouped.grouped_build import GroupedConfig
+from cutlass_ops.gemms.grouped.skew_dispatch import SkewDispatch
 
 # The split kernel is NVRTC's; the cases with our C++ grouped kernel (CPP) build it with nvcc.
 pytestmark = pytest.mark.gpu
