@@ -395,7 +395,7 @@ def static_peer_settings(model) -> dict:
 def train_problems(model, tokens: int) -> list:
     """The GEMMs the converted model trains with on ``tokens`` tokens: every Linear forward and
     backward, and the chunked loss head's."""
-    from cutlass_ops.cross_entropy import default_chunk_rows
+    from cutlass_ops.fused_cross_entropy import default_chunk_rows
     from tuning.shapes import model_problems
 
     chunk = default_chunk_rows(tokens, model.config.vocab_size, torch.device("cuda"),

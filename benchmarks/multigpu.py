@@ -290,7 +290,8 @@ def data_parallel_models(mode: str, rank: int, layers: int) -> tuple[dict, dict]
     decoder layer, then the root) and their clips; FSDP2 also the unconverted model with each
     layer compiled before it is sharded (torchtitan's order): ``compiled``."""
     import cutlass_ops
-    from custom_kernels import clip_grad, clip_grad_distributed
+    from custom_kernels import clip_grad
+    from custom_kernels.parallel import clip_grad_distributed
 
     plain = llama(layers)
     ours = copy.deepcopy(plain)

@@ -1,4 +1,4 @@
-"""Fused RMSNorm and LayerNorm (custom_kernels.norms.ops), forward and backward, against
+"""Fused RMSNorm and LayerNorm (custom_kernels.norms.norm_ops), forward and backward, against
 torch.compile, bf16.
 
     python benchmarks/norms.py [--quick] [--plot] [--kinds rms ln]
@@ -35,8 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import (RESULTS, copy_bandwidth_gbs, print_table, require_gpu,  # noqa: E402
                                write_result)
-from custom_kernels.norms import ops as norms  # noqa: E402
-from custom_kernels.norms import config as nc  # noqa: E402
+from custom_kernels.norms import norm_ops as norms  # noqa: E402
+from custom_kernels.norms import norm_config as nc  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
 
 HIDDEN = [256, 1000, 4096, 8192, 32768, 65536, 262144]

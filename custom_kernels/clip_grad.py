@@ -26,7 +26,7 @@ function, the torch fallback and the float64 reference.
   several GPUs, other dtypes, sparse or non-contiguous gradients. Gradients on a GPU and off one
   together raise UnsupportedInputError.
 - DTensor gradients (FSDP2's ``fully_shard``) take torch's clip here, with the reason logged:
-  ``custom_kernels.clip_grad_distributed.clip_grad_norm_`` is the one for them (our local norm
+  ``custom_kernels.parallel.clip_grad_distributed.clip_grad_norm_`` is the one for them (our local norm
   and one all-reduce).
 - Devices without cooperative launch take the two-kernel path (``cooperative=False`` forces it).
 - CUDA graphs: call once eagerly before capturing (the queue counters and the task table are
@@ -330,7 +330,7 @@ def total_norm(parameters_or_grads, norm_type: float = 2.0,
     ``get_total_norm`` where ``clip_grad_norm_`` falls back to torch. ``out_dtype``: the
     result's dtype (default torch's, the promotion of the gradients' dtypes; float32 keeps the
     kernels' float32 total unrounded). The distributed clip's local step
-    (``custom_kernels.clip_grad_distributed``)."""
+    (``custom_kernels.parallel.clip_grad_distributed``)."""
     grads = gradients(parameters_or_grads)
     norm_type = float(norm_type)
     if not grads:
@@ -382,7 +382,7 @@ def _torch_reason(grads, norm_code) -> str:
         raise UnsupportedInputError(f"clip_grad_norm_: gradients on {', '.join(devices)}: on "
                                     "CUDA devices and off them in one call")
     if any(hasattr(g, "device_mesh") for g in grads):
-        return ("DTensor gradients (FSDP2): custom_kernels.clip_grad_distributed.clip_grad_norm_ "
+        return ("DTensor gradients (FSDP2): custom_kernels.parallel.clip_grad_distributed.clip_grad_norm_ "
                 "clips them with our kernels and one all-reduce")
     if on_gpu == {False}:
         return f"the gradients are on {', '.join(devices)}, not a CUDA device"

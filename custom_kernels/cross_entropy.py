@@ -24,7 +24,7 @@ Tensors off a CUDA device run ``torch_chunk_loss_and_grad`` (the CPU rule,
 launch can be captured in a CUDA graph.
 
 Read top-down: the launcher, the compile function, the custom op and its fake, the public
-function, then the torch step (the fallback, and ``cutlass_ops.cross_entropy``'s step off CUDA).
+function, then the torch step (the fallback, and ``cutlass_ops.fused_cross_entropy``'s step off CUDA).
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def scale_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The torch step: the fallback off CUDA, and cutlass_ops.cross_entropy's step there
+# The torch step: the fallback off CUDA, and cutlass_ops.fused_cross_entropy's step there
 # ---------------------------------------------------------------------------------------------
 
 def torch_chunk_step(logits: torch.Tensor, capped: Optional[torch.Tensor], labels: torch.Tensor,

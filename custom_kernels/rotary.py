@@ -44,7 +44,8 @@ from typing import Optional
 import torch
 
 from custom_kernels.core import elements
-from custom_kernels import jit, sharding
+from custom_kernels import jit
+from custom_kernels.parallel import sharding_rules
 from custom_kernels.core import fallback
 from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
@@ -240,8 +241,8 @@ def _backward(ctx, dq_out, dk_out):
 
 
 torch.library.register_autograd("custom_kernels::rotary_fwd", _backward, setup_context=_setup)
-# DTensor inputs (tensor parallelism) run on each rank's shard: custom_kernels.sharding.
-sharding.register("rotary_fwd", "rotary_bwd")
+# DTensor inputs (tensor parallelism) run on each rank's shard: custom_kernels.parallel.sharding_rules.
+sharding_rules.register("rotary_fwd", "rotary_bwd")
 
 
 # ---------------------------------------------------------------------------------------------

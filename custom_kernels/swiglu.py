@@ -33,7 +33,7 @@ quantization, equal to ``fp8_quant.quantize(y, granularity)`` bit for bit ("row"
 "block_1x128"; its docstring says more), for down_proj's FP8 GEMM; the op is
 ``custom_kernels::swiglu_fp8_fwd``. ``swiglu_with_amax(gate_up, grad_amax=)`` returns ``(y,
 amax)`` for the tensorwise recipe, whose one scale needs the whole tensor's amax first: the
-kernels reduce y's amax, and in the backward d_gate_up's (``custom_kernels.grad_amax``), as
+kernels reduce y's amax, and in the backward d_gate_up's (``custom_kernels.fp8.grad_amax``), as
 they write them, so that neither is read again for it.
 
 Read top-down: the launchers, the compile functions, the custom ops, the public functions, then
@@ -49,13 +49,14 @@ from typing import Optional
 import torch
 
 from custom_kernels.core import elements
-from custom_kernels import jit, sharding
+from custom_kernels import jit
+from custom_kernels.parallel import sharding_rules
 from custom_kernels.core import fallback
 from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.fp8_quant import (Granularity, check_fused_output, empty_scale, rows_team,
+from custom_kernels.fp8.fp8_quant import (Granularity, check_fused_output, empty_scale, rows_team,
                                       torch_quantize)
-from custom_kernels.grad_amax import GradAmax
+from custom_kernels.fp8.grad_amax import GradAmax
 from custom_kernels.launch import launch
 
 SOURCE = "swiglu.cu"
@@ -248,8 +249,8 @@ def _backward(ctx, dy):
 
 
 torch.library.register_autograd("custom_kernels::swiglu_fwd", _backward, setup_context=_setup)
-# DTensor inputs (tensor parallelism) run on each rank's shard: custom_kernels.sharding.
-sharding.register("swiglu_fwd", "swiglu_bwd")
+# DTensor inputs (tensor parallelism) run on each rank's shard: custom_kernels.parallel.sharding_rules.
+sharding_rules.register("swiglu_fwd", "swiglu_bwd")
 
 
 def _fp8_impl(gate_up, g: Granularity, fp8_dtype, write_y: bool):
@@ -351,7 +352,7 @@ def swiglu_with_amax(gate_up: torch.Tensor, *, grad_amax: Optional[GradAmax] = N
     """``(y, amax)``: ``y = swiglu(gate_up)`` (the same bits) and, from the same kernel, y's
     largest |value| as a float32 scalar tensor on the device (``fp8_quant.tensor_amax(y)`` bit
     for bit), so that a tensorwise FP8 ``quantize(y, "tensor", amax=amax)`` (down_proj's input)
-    reads y once instead of twice. ``grad_amax`` (``custom_kernels.grad_amax``): the backward
+    reads y once instead of twice. ``grad_amax`` (``custom_kernels.fp8.grad_amax``): the backward
     kernel also reduces d_gate_up's amax and records it there, for the FP8 backward of the GEMM
     that wrote gate_up. Where the kernels do not run eagerly (torch.compile, tensors off a CUDA
     device, tensor subclasses) this is ``(swiglu(gate_up), None)`` and ``grad_amax`` stays
@@ -455,7 +456,7 @@ def _fp8_granularity(granularity, entry: str) -> Granularity:
         raise UnsupportedInputError(
             f"{entry}: granularity {granularity!r} is not written by the SwiGLU kernel (it "
             f"writes 'row' and 'block_1x128'); 'tensor' needs the whole tensor's amax before "
-            f"any value is quantized: quantize y with custom_kernels.fp8_quant.quantize instead")
+            f"any value is quantized: quantize y with custom_kernels.fp8.fp8_quant.quantize instead")
     return g
 
 

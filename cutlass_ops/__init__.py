@@ -71,8 +71,8 @@ def scaled_mm(a, b, scale_a, scale_b, *, bias=None, out_dtype=None, use_fast_acc
 
 def linear_cross_entropy(hidden, weight, labels, **options):
     """Cross-entropy of the LM head ``hidden @ weight.T`` against ``labels`` without
-    materializing the logits (see cutlass_ops.cross_entropy)."""
-    from cutlass_ops.cross_entropy import linear_cross_entropy as _loss
+    materializing the logits (see cutlass_ops.fused_cross_entropy)."""
+    from cutlass_ops.fused_cross_entropy import linear_cross_entropy as _loss
 
     return _loss(hidden, weight, labels, **options)
 

@@ -66,7 +66,7 @@ from torch.nn.modules import module as torch_module
 
 from cutlass_ops import fused_linear, mixins, sharded_gemms, step_graphs
 from custom_kernels.core.tolerances import relative_error
-from custom_kernels.norms import ops as norm_ops
+from custom_kernels.norms import norm_ops
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
 LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
@@ -168,7 +168,7 @@ class FusedMLP:
         In an FP8 MLP whose recipe takes it, the SwiGLU kernel also writes down_proj's FP8
         input; in a tensorwise one, it reduces the amaxes of its output and (backward) of
         gate+up's output gradient, which the FP8 GEMMs' quantization then need not read for."""
-        from custom_kernels.grad_amax import GradAmax
+        from custom_kernels.fp8.grad_amax import GradAmax
         from custom_kernels.swiglu import swiglu, swiglu_fp8, swiglu_with_amax
 
         gemms, down = _gemms(self), self.down_proj

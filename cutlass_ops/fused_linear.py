@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from cutlass_ops import sharding
+from cutlass_ops import gemm_sharding_rules
 from cutlass_ops.gemms import dispatch
 from custom_kernels.core.eager import PLAIN, fast_autograd
 
@@ -307,7 +307,7 @@ class _EagerResidual(torch.autograd.Function):
 
 def _subclass(*tensors) -> bool:
     """A tensor subclass (DTensor: tensor parallelism) among them: the custom op, whose
-    sharding rules (cutlass_ops.sharding) keep it on each rank's shard."""
+    sharding rules (cutlass_ops.gemm_sharding_rules) keep it on each rank's shard."""
     return any(t is not None and type(t) not in PLAIN for t in tensors)
 
 
@@ -362,8 +362,8 @@ fast_autograd("cutlass_ops::merged_linear", eager=merged_linear, backward=_merge
 fast_autograd("cutlass_ops::linear_residual", eager=linear_residual,
               backward=_residual_backward, setup_context=_residual_setup)
 
-# DTensor inputs (tensor parallelism) run on each rank's shard: cutlass_ops.sharding.
-sharding.register("merged_linear", "merged_linear_backward", "linear_residual")
+# DTensor inputs (tensor parallelism) run on each rank's shard: cutlass_ops.gemm_sharding_rules.
+gemm_sharding_rules.register("merged_linear", "merged_linear_backward", "linear_residual")
 
 __all__ = ["merged_linear", "linear_residual", "pack", "is_packed", "merged_view",
            "merged_bias", "MergedView"]

@@ -1,7 +1,7 @@
 """A causal language model's loss through ``linear_cross_entropy``: when a Hugging Face causal LM
 (``...ForCausalLM``: a decoder ``model``, an ``lm_head`` Linear, a ``forward`` taking ``labels``)
 is called with labels, its logits are never materialized. The backbone runs as it would, then
-the head and the loss run a chunk of rows at a time (``cutlass_ops.cross_entropy``), with the
+the head and the loss run a chunk of rows at a time (``cutlass_ops.fused_cross_entropy``), with the
 loss Hugging Face computes: labels shifted by one, ``ignore_index`` -100, the mean over the
 non-ignored labels or the sum over ``num_items_in_batch`` when the trainer passes it, and the
 config's ``final_logit_softcapping`` (Gemma 2). The output's ``logits`` is then None, as Hugging
@@ -47,7 +47,7 @@ def loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
                      num_items_in_batch=None) -> torch.Tensor:
     """Hugging Face's causal-LM loss (labels shifted by one) from the backbone's last hidden
     states, through the chunked head."""
-    from cutlass_ops.cross_entropy import linear_cross_entropy
+    from cutlass_ops.fused_cross_entropy import linear_cross_entropy
 
     shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     head = model.lm_head

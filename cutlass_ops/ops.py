@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from cutlass_ops import sharding
+from cutlass_ops import gemm_sharding_rules
 from cutlass_ops.gemms import epilogues
 from cutlass_ops.gemms import dispatch
 from custom_kernels.core.eager import PLAIN, fast_autograd
@@ -211,7 +211,7 @@ fast_autograd("cutlass_ops::bmm", eager=lambda a, b: _matmul(a, b, 3, "bmm"),
 fast_autograd("cutlass_ops::linear", eager=linear_fast, backward=_linear_backward,
               setup_context=_linear_setup)
 
-# DTensor inputs (tensor parallelism) run on each rank's shard: cutlass_ops.sharding.
-sharding.register("mm", "linear")
+# DTensor inputs (tensor parallelism) run on each rank's shard: cutlass_ops.gemm_sharding_rules.
+gemm_sharding_rules.register("mm", "linear")
 
 __all__ = ["mm", "bmm", "linear", "linear_fast"]

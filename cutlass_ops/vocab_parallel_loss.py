@@ -10,7 +10,7 @@ trainer normalizes; ``sum``; ``none``; ``label_smoothing``; Gemma-2's ``logit_so
 on every rank. Backward gives ``hidden`` its full gradient on every rank (as a replicated input
 gets) and each rank's ``weight_shard`` the gradient of its own rows.
 
-A chunk of rows at a time, as ``cutlass_ops.cross_entropy.linear_cross_entropy``: the local
+A chunk of rows at a time, as ``cutlass_ops.fused_cross_entropy.linear_cross_entropy``: the local
 logits (one GEMM through ``cutlass_ops.matmul``, in the model dtype), then per row in float32
 this rank's log-sum-exp over its slice, the target logit where the label falls in its slice
 (else 0) and, with label smoothing, the sum of its logits; ONE all-gather of those statistics;
@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cutlass_ops.cross_entropy import (REDUCTIONS, _accumulate, _chunks, _matmul, divisor,
+from cutlass_ops.fused_cross_entropy import (REDUCTIONS, _accumulate, _chunks, _matmul, divisor,
                                        default_chunk_rows)
 from custom_kernels import cross_entropy as kernel
 from custom_kernels.core.errors import UnsupportedInputError

@@ -56,7 +56,8 @@ def rank_main(rank: int, world: int, port: int, mode: str, device_type: str, dty
               out: str) -> None:
     import torch.distributed as dist
 
-    from custom_kernels import clip_grad, clip_grad_distributed
+    from custom_kernels import clip_grad
+    from custom_kernels.parallel import clip_grad_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = "cpu" if device_type == "cpu" else f"cuda:{rank}"

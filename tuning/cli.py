@@ -377,7 +377,7 @@ _NORM_DTYPES = {e.name: e.torch_name for e in FLOATS}
 
 
 def _norm_problems(args):
-    from custom_kernels.norms import config as nc
+    from custom_kernels.norms import norm_config as nc
 
     dtype = _NORM_DTYPES[args.dtype]
     out = _NORM_DTYPES[args.out_dtype] if args.out_dtype else dtype

@@ -1,16 +1,16 @@
-"""Tuning the fused norms' launch configs (``custom_kernels.norms.config``) on this GPU: the norms'
+"""Tuning the fused norms' launch configs (``custom_kernels.norms.norm_config``) on this GPU: the norms'
 side of the tuner protocol (``tuning.protocol``), on a small space.
 
 Every candidate of a problem is compiled (in parallel, through the NVRTC cubin cache), run on
 random data and checked against the family's float32 reference before it may win
-(``custom_kernels.norms.ops.rms_norm_reference`` / ``layer_norm_reference``; autograd through them
+(``custom_kernels.norms.norm_ops.rms_norm_reference`` / ``layer_norm_reference``; autograd through them
 for the backward pass), then timed with the GPU queue kept ahead of the host (``tuning.timing``,
 ``pad_host``); the best few are timed again in one interleaved group with the heuristic's choice
 and torch eager, and the fastest is stored. Entries live in the tuning cache of this GPU and
 software scope, family ``norms`` (beside the GEMM caches, so GEMM listings stay GEMM only), one
 per ``NormProblem`` (kind, direction, hidden, dtypes, alignment, residual).
 
-``custom_kernels.norms.ops`` looks the winner up when it builds a plan for a problem (once per
+``custom_kernels.norms.norm_ops`` looks the winner up when it builds a plan for a problem (once per
 process and problem): a tuned problem runs its winner, any other the heuristic.
 
 Strategies: ``quick`` (the staged kernel with 1 to 3 stages and at least 256 threads, about 15
@@ -25,7 +25,7 @@ import time
 from typing import Callable, Iterable
 
 from custom_kernels.core import tolerances
-from custom_kernels.norms import config as nc
+from custom_kernels.norms import norm_config as nc
 from custom_kernels.norms.tuned import NORMS, norm_cache, tuned_config
 from tuning import protocol
 
@@ -111,7 +111,7 @@ class NormFamily:
         return candidates(problem, self.strategy)
 
     def build(self, plans: dict[nc.NormProblem, list[nc.NormConfig]]) -> dict:
-        from custom_kernels.norms import ops as norms
+        from custom_kernels.norms import norm_ops as norms
 
         out = {}
         for problem, configs in plans.items():
@@ -178,7 +178,7 @@ class NormSession:
     def __post_init__(self):
         import torch
 
-        from custom_kernels.norms import ops as norms
+        from custom_kernels.norms import norm_ops as norms
 
         p = self.problem
         dt = {name: getattr(torch, name) for name in nc.DTYPE_CODES}
@@ -207,7 +207,7 @@ class NormSession:
         self.torch_fn = self._torch_fn()
 
     def _reference(self, x, w, b, residual, out_dtype):
-        from custom_kernels.norms import ops as norms
+        from custom_kernels.norms import norm_ops as norms
 
         if self.problem.kind == "rms":
             return norms.rms_norm_reference(x, w, self.eps, residual=residual,
@@ -259,7 +259,7 @@ class NormSession:
         return lambda: torch.autograd.grad(y, (hg, wg), dy, retain_graph=True)
 
     def _runner(self, config: nc.NormConfig) -> Callable[[], tuple]:
-        from custom_kernels.norms import ops as norms
+        from custom_kernels.norms import norm_ops as norms
 
         p = self.problem
         if p.direction == "fwd":

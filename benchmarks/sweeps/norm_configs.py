@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import (copy_bandwidth_gbs, print_table, require_gpu,  # noqa: E402
                                write_result)
-from custom_kernels.norms import config as nc  # noqa: E402
+from custom_kernels.norms import norm_config as nc  # noqa: E402
 
 DTYPES = ("bfloat16", "float16", "float32")
 # (weight offset, gap from the weight's end to the bias) in bytes: spans the placements that moved
@@ -119,7 +119,7 @@ def gbs(nbytes: int, ms: float) -> float:
 
 def sweep_problem(problem, rows, args) -> list[dict]:
     from custom_kernels.core.tolerances import NORMS, relative_tolerance
-    from custom_kernels.norms.ops import precompile_configs
+    from custom_kernels.norms.norm_ops import precompile_configs
     from tuning.timing import do_bench, do_bench_interleaved
 
     configs = candidates(problem, args.strategy)

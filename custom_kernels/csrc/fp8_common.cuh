@@ -1,5 +1,5 @@
 // FP8 quantization of values a kernel already holds in registers: the rule of
-// custom_kernels/fp8_quant.py (and csrc/fp8_quant.cu), for the kernels that write an FP8 copy of
+// custom_kernels/fp8/fp8_quant.py (and csrc/fp8_quant.cu), for the kernels that write an FP8 copy of
 // their own output (the RMSNorm forward's NORM_FP8, the SwiGLU forward's FP8 kernel):
 //
 //   amax  = the largest |v| of a group, as the bits of |v| (sign cleared): unsigned order is

@@ -1,7 +1,7 @@
 // FP8 quantization with dynamic scaling: x (R, C) in T (float, half, bfloat16; rows through their
 // stride ld_x, unit last stride) to q (R, C) and / or qt = the quantization of x^T (C, R), both
 // row-major contiguous bytes of e4m3 or e5m2, with float32 dequantization scales. The Python side
-// (custom_kernels/fp8_quant.py) documents the rule; per group of elements that share a scale:
+// (custom_kernels/fp8/fp8_quant.py) documents the rule; per group of elements that share a scale:
 //
 //   amax  = the largest |v| of the group, as the bits of |v| (sign cleared): unsigned order is
 //           float order for non-negative floats, and a NaN's bits sit above inf's, so integer

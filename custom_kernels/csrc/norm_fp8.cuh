@@ -1,7 +1,7 @@
 // The RMSNorm forward's FP8 output (NORM_FP8; nothing here otherwise): beside y, the kernel writes
 // q = y quantized to FP8 (row-major, like y) and its float32 dequantization scales, from the
 // values it has just rounded to Out, so that q and the scales equal
-// custom_kernels.fp8_quant.quantize(y, granularity) bit for bit (the rule: fp8_common.cuh).
+// custom_kernels.fp8.fp8_quant.quantize(y, granularity) bit for bit (the rule: fp8_common.cuh).
 //
 //   NORM_FP8 1 ("row"):         one scale a row, scale[row]. The row's amax needs every vector
 //                               of the row: pass 1 writes y and reduces |y| over the row (the

@@ -164,7 +164,7 @@ swiglu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ gu, T* __restr
 // ---------------------------------------------------------------------------------------------
 // FP8 output (compiled with FP8 defined): y = silu(g) * u as the forward kernel rounds it, and q,
 // y quantized to FP8 with float32 dequantization scales, equal to
-// custom_kernels.fp8_quant.quantize(y, granularity) bit for bit (fp8_common.cuh has the rule).
+// custom_kernels.fp8.fp8_quant.quantize(y, granularity) bit for bit (fp8_common.cuh has the rule).
 // MODE 1: a scale per row, scale[r]; MODE 2: per 128 columns, scale[(c / 128) * rows + r]
 // (column-major (rows, I / 128)). As fp8_quant.cu's rows kernel: a team of 1 << shift threads
 // owns a group (a row, or a row's 128 columns; group_cols its width), computes its y a 16-byte

@@ -6,7 +6,7 @@ of quantizing ``y`` in a pass of their own.
 with ``h = x + residual``, the new residual stream, as ``rms_norm`` returns ``(y, h)``). ``y`` is
 ``rms_norm``'s output, the same bits (the same kernel and launch config, ``csrc/norm_fp8.cuh``
 adds the FP8 write); ``q`` (``x``'s shape, ``fp8_dtype``, row-major contiguous) and ``scale``
-equal ``custom_kernels.fp8_quant.quantize(y.reshape(-1, hidden), granularity)`` bit for bit:
+equal ``custom_kernels.fp8.fp8_quant.quantize(y.reshape(-1, hidden), granularity)`` bit for bit:
 the rounded ``y`` is what is quantized, so FP8 layers may take either path. Granularities:
 
 - ``"row"``: ``scale`` (rows, 1). The kernel reduces each row's amax of ``|y|`` (one more
@@ -22,7 +22,7 @@ reduction, then a second pass) and ``"block_128x128"`` (a weight's layout) are r
 comes back), for calls that need no gradient (inference: the FP8 GEMM reads ``q`` alone); with
 ``write_y=True`` the norm's backward is ``rms_norm``'s (``q`` and ``scale`` carry no gradient).
 
-Inputs as ``rms_norm`` takes them (``custom_kernels.norms.ops``), with ``hidden`` a multiple of
+Inputs as ``rms_norm`` takes them (``custom_kernels.norms.norm_ops``), with ``hidden`` a multiple of
 16 (an FP8 GEMM's K). The kernels read 16 bytes an access: rows whose stride or pointer does
 not allow it (and a misaligned weight) are copied first. ``config`` overrides the launch config
 as in ``rms_norm`` (16-byte vectors only). Tensors off a CUDA device run
@@ -45,11 +45,11 @@ from custom_kernels import jit
 from custom_kernels.core import elements
 from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.fp8_quant import (Granularity, check_fused_output, empty_scale,
+from custom_kernels.fp8.fp8_quant import (Granularity, check_fused_output, empty_scale,
                                       torch_quantize)
 from custom_kernels.launch import launch
-from custom_kernels.norms import config as nc
-from custom_kernels.norms import ops
+from custom_kernels.norms import norm_config as nc
+from custom_kernels.norms import norm_ops as ops
 
 # The granularities the kernels write, and their codes (csrc/norm_fp8.cuh's NORM_FP8).
 MODE_CODES = {Granularity.ROW: 1, Granularity.BLOCK_1X128: 2}
@@ -283,7 +283,7 @@ def _granularity(granularity, entry: str) -> Granularity:
         raise UnsupportedInputError(
             f"{entry}: granularity {granularity!r} is not written by the norm kernel (it writes "
             f"'row' and 'block_1x128'); 'tensor' needs the whole tensor's amax before any value "
-            f"is quantized: quantize y with custom_kernels.fp8_quant.quantize instead")
+            f"is quantized: quantize y with custom_kernels.fp8.fp8_quant.quantize instead")
     return g
 
 

@@ -1,4 +1,4 @@
-"""``RMSNorm`` and ``LayerNorm`` modules on the fused kernels of ``custom_kernels.norms.ops``.
+"""``RMSNorm`` and ``LayerNorm`` modules on the fused kernels of ``custom_kernels.norms.norm_ops``.
 
 They subclass ``torch.nn.RMSNorm`` / ``torch.nn.LayerNorm``: same constructor, same parameters,
 same ``state_dict`` (a checkpoint of one loads into the other). ``forward(x, residual=None)``
@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from custom_kernels.core.fallback import log_once
-from custom_kernels.norms import ops as norms
+from custom_kernels.norms import norm_ops as norms
 
 
 class RMSNorm(torch.nn.RMSNorm):

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 from custom_kernels.core import tuned_fields as f
 from custom_kernels.core.tuned_store import CacheScope, TuningCache, family_dir
-from custom_kernels.norms import config as nc
+from custom_kernels.norms import norm_config as nc
 
 NORMS = "norms"  # the family's name in exports, and its folder
 _FIELDS = {"problem", "winner", "winner_ms", "heuristic", "heuristic_ms", "torch_ms",

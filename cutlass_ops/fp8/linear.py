@@ -1,7 +1,7 @@
 """FP8 Linear layers: ``fp8_linear(x, weights, bias, recipe)`` computes ``x @ cat(weights)^T +
 bias`` (one GEMM for several weights, as ``cutlass_ops.fused_linear.merged_linear``) with its
 forward and both backward GEMMs through ``cutlass_ops.scaled_mm``, each operand quantized as the
-recipe says (``cutlass_ops.fp8.recipes``; quantization by ``custom_kernels.fp8_quant``):
+recipe says (``cutlass_ops.fp8.recipes``; quantization by ``custom_kernels.fp8.fp8_quant``):
 
     forward  y  = x W^T    a = x quantized along K,         b = W (N, K) along K
     dgrad    dx = dy W     a = dy along N,                  b = W^T (K, N), quantized from W
@@ -37,7 +37,7 @@ block_1x128 granularity, equal to ``quantize(x)`` bit for bit); the forward read
 quantizing ``x`` again, and a training call still quantizes x^T for the wgrad.
 **Amaxes given** (tensorwise, whose one scale needs the whole tensor's amax before any value):
 ``x_amax``, x's amax reduced by the kernel that wrote x, and ``grad_amax``, a
-``custom_kernels.grad_amax.GradAmax`` where the kernel that writes the output gradient records
+``custom_kernels.fp8.grad_amax.GradAmax`` where the kernel that writes the output gradient records
 its amax (``custom_kernels.swiglu.swiglu_with_amax`` does both for down_proj and gate+up): x and
 dy are then read once by their quantization (q and q^T from one pass) instead of twice.
 
@@ -62,9 +62,9 @@ from cutlass_ops.gemms.config import Activation
 from cutlass_ops.scaled import scaled_mm
 from custom_kernels.core.eager import PLAIN, fast_autograd
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.fp8_quant import (Granularity, empty_scale, quantize, quantize_pair,
+from custom_kernels.fp8.fp8_quant import (Granularity, empty_scale, quantize, quantize_pair,
                                       scale_shape, tensor_amax)
-from custom_kernels.grad_amax import GradAmax
+from custom_kernels.fp8.grad_amax import GradAmax
 
 # ---------------------------------------------------------------------------------------------
 # Operands and GEMMs (no autograd)
@@ -467,7 +467,7 @@ def fp8_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = No
     forward operand as the recipe quantizes it, when a kernel that wrote x wrote it too (no
     gradient flows through it; x keeps its own). Tensorwise recipes: ``x_amax``, x's amax
     (float32 scalar on the device) when a kernel that wrote x reduced it, so that x is read
-    once; ``grad_amax`` (``custom_kernels.grad_amax``), where the backward finds the output
+    once; ``grad_amax`` (``custom_kernels.fp8.grad_amax``), where the backward finds the output
     gradient's amax if the kernel that wrote that gradient recorded it. Both must be the very
     values' amaxes (a wrong one quantizes wrongly); torch.compile computes its own.
     UnsupportedInputError for shapes or dtypes the recipe does not take."""

@@ -11,7 +11,7 @@ A Linear y = x W^T (+ b) with x (M, K) tokens by in_features and W (N, K) runs t
 
 Each operand is quantized as the matrix it is read as (the ``tensor`` column), along that
 matrix's rows: the backward's operands are the transposes of the forward's tensors, quantized
-from them in place (``custom_kernels.fp8_quant``, ``transpose=True``).
+from them in place (``custom_kernels.fp8.fp8_quant``, ``transpose=True``).
 
 - **tensorwise** (torchao's default recipe): one scale per operand. Gradients are **e5m2**: one
   scale must cover the whole gradient, whose values span more binades than activations' (a few
@@ -44,7 +44,7 @@ import functools
 
 from custom_kernels.core.elements import element
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.fp8_quant import Granularity
+from custom_kernels.fp8.fp8_quant import Granularity
 
 TENSOR, ROW = Granularity.TENSOR, Granularity.ROW
 BLOCK_1X128, BLOCK_128X128 = Granularity.BLOCK_1X128, Granularity.BLOCK_128X128

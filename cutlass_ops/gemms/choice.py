@@ -102,7 +102,7 @@ def candidate_from_dict(data: dict[str, Any]):
 
         return DslConfig.from_dict(data)
     if data.get("backend") == "skinny":
-        from custom_kernels.fp8_skinny import SkinnyConfig
+        from custom_kernels.fp8.fp8_skinny import SkinnyConfig
 
         return SkinnyConfig.from_dict(data)
     return Choice.from_dict(data)

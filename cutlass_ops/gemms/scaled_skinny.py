@@ -1,4 +1,4 @@
-"""The few-rows FP8 kernel (``custom_kernels.fp8_skinny``) as a backend of ``scaled_mm``: which
+"""The few-rows FP8 kernel (``custom_kernels.fp8.fp8_skinny``) as a backend of ``scaled_mm``: which
 scaled problems it takes, its candidates beside the CUTLASS kernels in a tune, whether a tuned
 winner can run without a compile, and its launch on one call's tensors.
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from cutlass_ops.gemms.config import DType, GemmProblem, Layout, Scaling
-from custom_kernels import fp8_skinny
-from custom_kernels.fp8_skinny import SkinnyConfig
+from custom_kernels.fp8 import fp8_skinny
+from custom_kernels.fp8.fp8_skinny import SkinnyConfig
 
 BACKEND = fp8_skinny.PREFIX
 _OUT_TYPES = (DType.BF16, DType.F32)

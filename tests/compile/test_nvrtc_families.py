@@ -33,8 +33,8 @@ pytestmark = [pytest.mark.compile,
 
 @pytest.mark.smoke
 def test_norm_family_compiles_forward_and_backward(cache_root):
-    from custom_kernels.norms import config as nc
-    from custom_kernels.norms import ops
+    from custom_kernels.norms import norm_config as nc
+    from custom_kernels.norms import norm_ops as ops
 
     problems = [nc.NormProblem("rms", direction, 4096, "bfloat16", "bfloat16", "bfloat16",
                                residual=True) for direction in ("fwd", "bwd")]
@@ -134,7 +134,7 @@ def test_routing_split_compiles(cache_root):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_quant_family_compiles(cache_root, dtype):
-    from custom_kernels import fp8_quant as f
+    from custom_kernels.fp8 import fp8_quant as f
 
     paths = [f.compile_fp8_quant(f.AMAX_KERNEL, dtype, amax=f.AMAX_ROWS | f.AMAX_COLS)]
     for fp8, vec in (("e4m3", True), ("e5m2", False)):  # 16-byte accesses; one element an access
@@ -197,7 +197,7 @@ def test_moe_routing_kernels_do_not_spill(dtype):
 @pytest.mark.smoke
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_fp8_skinny_compiles_per_recipe(cache_root, recipe):
-    from custom_kernels import fp8_skinny as f
+    from custom_kernels.fp8 import fp8_skinny as f
 
     path = f.compile_fp8_skinny(f.SkinnyConfig(16, 4, 6), recipe)
     assert path.stat().st_size > 0 and path.with_suffix(".json").is_file()
@@ -207,7 +207,7 @@ def test_fp8_skinny_builds_never_spill(cache_root):
     """Every block height (its wgmma's N: 16 to 128 float32 accumulators a thread, twice: the
     block's sum and the running one) with the blockwise recipe's scale reads, e5m2 and a
     float32 output with a bias: all in registers."""
-    from custom_kernels import fp8_skinny as f
+    from custom_kernels.fp8 import fp8_skinny as f
 
     for bm in f.BLOCK_ROWS:
         for recipe, a, out32 in (("blockwise", "e4m3", False), ("rowwise", "e5m2", True)):

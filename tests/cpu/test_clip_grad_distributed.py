@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from custom_kernels import clip_grad, clip_grad_distributed
+from custom_kernels import clip_grad
+from custom_kernels.parallel import clip_grad_distributed
 from custom_kernels.core.errors import UnsupportedInputError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -15,7 +15,7 @@ import cutlass_ops
 import cutlass_ops.gemms.dispatch
 import custom_kernels
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.norms import ops as norms
+from custom_kernels.norms import norm_ops as norms
 
 
 def bf16(*shape):

@@ -100,7 +100,7 @@ def test_custom_ignore_index_and_int32_labels():
 
 
 def test_default_chunk_fits_the_budget():
-    from cutlass_ops.cross_entropy import CHUNK_BYTES_CAP, default_chunk_rows
+    from cutlass_ops.fused_cross_entropy import CHUNK_BYTES_CAP, default_chunk_rows
 
     rows = default_chunk_rows(4096 * 8, 128256, torch.device("cpu"))
     assert rows % 128 == 0 and rows * 128256 * 4 <= CHUNK_BYTES_CAP
@@ -301,7 +301,7 @@ def test_bfloat16_grad_weight_accumulated_in_bfloat16_stays_close_to_float32():
 def test_weight_gradient_accumulates_in_place_in_its_dtype(monkeypatch):
     """The first chunk's GEMM creates grad_weight in the weight's dtype; every later chunk adds
     into that same tensor (addmm_): one [V, H] buffer, never a float32 one."""
-    from cutlass_ops import cross_entropy as ce
+    from cutlass_ops import fused_cross_entropy as ce
 
     seen = []
     original = ce._accumulate
@@ -319,7 +319,7 @@ def test_weight_gradient_accumulates_in_place_in_its_dtype(monkeypatch):
 
 
 def test_a_frozen_head_gets_no_weight_gradient(monkeypatch):
-    from cutlass_ops import cross_entropy as ce
+    from cutlass_ops import fused_cross_entropy as ce
 
     monkeypatch.setattr(ce, "_accumulate", lambda *a: pytest.fail("grad_weight computed"))
     h, w, _, labels = inputs()
@@ -331,7 +331,7 @@ def test_a_frozen_head_gets_no_weight_gradient(monkeypatch):
 
 
 def test_default_chunk_budgets_the_model_dtype():
-    from cutlass_ops.cross_entropy import CHUNK_BYTES_CAP, default_chunk_rows
+    from cutlass_ops.fused_cross_entropy import CHUNK_BYTES_CAP, default_chunk_rows
 
     cpu = torch.device("cpu")
     rows = default_chunk_rows(4096 * 8, 128256, cpu, torch.bfloat16)

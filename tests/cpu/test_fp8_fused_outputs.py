@@ -12,8 +12,8 @@ from torch._subclasses import FakeTensorMode
 
 from custom_kernels import norms
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.fp8_quant import Granularity, quantize, torch_quantize
-from custom_kernels.norms import config as nc
+from custom_kernels.fp8.fp8_quant import Granularity, quantize, torch_quantize
+from custom_kernels.norms import norm_config as nc
 from custom_kernels.norms import fp8 as norm_fp8
 from custom_kernels.swiglu import swiglu, swiglu_fp8, torch_swiglu
 
@@ -295,7 +295,7 @@ def parameter_count(source: str, kernel: str) -> int:
 
 @pytest.fixture
 def norm_launches(monkeypatch):
-    from custom_kernels.norms import ops
+    from custom_kernels.norms import norm_ops as ops
 
     seen = []
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from cutlass_ops.fp8 import linear as fp8_linear_module
 from cutlass_ops.fp8 import recipes
 from cutlass_ops.fp8.linear import Linear, fp8_linear
-from custom_kernels import fp8_quant
+from custom_kernels.fp8 import fp8_quant
 from custom_kernels.core.errors import UnsupportedInputError
 
 from fp8_reference import (BOUND, E4M3, RECIPES, SPEC, operand, reference, row_error,  # noqa: E402

@@ -13,8 +13,8 @@ import torch
 from torch._subclasses import FakeTensorMode
 
 import cutlass_ops
-from custom_kernels import fp8_quant
-from custom_kernels.fp8_quant import Granularity, quantize, quantize_pair
+from custom_kernels.fp8 import fp8_quant
+from custom_kernels.fp8.fp8_quant import Granularity, quantize, quantize_pair
 from custom_kernels.core.errors import UnsupportedInputError
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -234,7 +234,7 @@ def test_off_cuda_is_logged_once(warnings):
     x = sample(4, 128)
     quantize(x, "row")
     quantize(x, "row")
-    assert warnings() == ["custom_kernels.fp8_quant.quantize uses torch_quantize: the tensors "
+    assert warnings() == ["custom_kernels.fp8.fp8_quant.quantize uses torch_quantize: the tensors "
                           "are on cpu, not a CUDA device"]
 
 

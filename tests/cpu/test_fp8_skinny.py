@@ -1,4 +1,4 @@
-"""The few-rows FP8 kernel's configs, rules and candidates (``custom_kernels.fp8_skinny``), and
+"""The few-rows FP8 kernel's configs, rules and candidates (``custom_kernels.fp8.fp8_skinny``), and
 its place in the tuning store and dispatch (``cutlass_ops.gemms.scaled_skinny``): a stored
 skinny winner is validated like any other (a crafted one naming a problem it cannot compute is
 refused), and a nearest-shape lookup passes over a skinny winner that cannot take the shape."""
@@ -9,11 +9,11 @@ from tuning_fakes import SCOPE
 from cutlass_ops.gemms import dispatch, gemm_entries, scaled_skinny
 from cutlass_ops.gemms.config import GemmOperands, GemmProblem
 from cutlass_ops.gemms.scaled_plan import scaled_problem
-from custom_kernels import fp8_skinny
+from custom_kernels.fp8 import fp8_skinny
 from custom_kernels.core.device import named_spec
 from custom_kernels.core.tuned_fields import EntryRejected
 from custom_kernels.core.tuned_store import CacheScope
-from custom_kernels.fp8_skinny import SkinnyConfig
+from custom_kernels.fp8.fp8_skinny import SkinnyConfig
 
 
 def test_config_names_round_trip():

@@ -1,5 +1,5 @@
 """Amaxes handed from the kernel that wrote a tensor to the FP8 quantization that reads it
-(tensorwise, issue 38) on the CPU: ``custom_kernels.grad_amax.GradAmax`` answers only for the
+(tensorwise, issue 38) on the CPU: ``custom_kernels.fp8.grad_amax.GradAmax`` answers only for the
 tensor it recorded, unchanged; SwiGLU's AMAX wiring (a torch stand-in for the kernels) reduces
 the amaxes of y and d_gate_up and records the latter; ``fp8_linear`` with ``x_amax`` and
 ``grad_amax`` gives the bits it gives without them when the amaxes are right, uses them (a wrong
@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from cutlass_ops.fp8.linear import fp8_linear
-from custom_kernels import fp8_quant, swiglu
+from custom_kernels import swiglu
+from custom_kernels.fp8 import fp8_quant
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.grad_amax import GradAmax
+from custom_kernels.fp8.grad_amax import GradAmax
 
 from test_swiglu import calls, hf_swiglu  # noqa: F401  (the kernels' torch stand-in)
 

@@ -60,7 +60,7 @@ def test_the_tree_keeps_every_contract(tree):
 
 
 def test_the_ground_floor_importing_a_kernel_family_fails(tree):
-    result = planted(tree, "custom_kernels/core/int_limits.py", "import custom_kernels.sharding")
+    result = planted(tree, "custom_kernels/core/int_limits.py", "import custom_kernels.parallel.sharding_rules")
     assert result.returncode != 0 and broken(result) == ["The kernel families"]
 
 
@@ -73,6 +73,6 @@ def test_a_module_no_layer_names_fails(tree):
 def test_a_circle_of_imports_fails(tree):
     # custom_kernels.norms has no layer contract: ops imports config, so config importing ops
     # closes a circle that only the acyclic contract sees.
-    result = planted(tree, "custom_kernels/norms/config.py",
+    result = planted(tree, "custom_kernels/norms/norm_config.py",
                      "from custom_kernels.norms import ops as _ops  # noqa: E402")
     assert result.returncode != 0 and broken(result) == ["No circles"]

@@ -1,4 +1,4 @@
-"""cutlass_ops.sharding on the CPU: two gloo ranks, a 1-D mesh, DTensor inputs laid out as torch's
+"""cutlass_ops.gemm_sharding_rules on the CPU: two gloo ranks, a 1-D mesh, DTensor inputs laid out as torch's
 tensor-parallel styles lay them (ColwiseParallel: W Shard(0); RowwiseParallel: x Shard(-1), W
 Shard(1); sequence parallel: x Shard(1), W replicated) through the public functions
 (``ops.linear_fast``, ``fused_linear.merged_linear`` / ``linear_residual``), which hand DTensors to

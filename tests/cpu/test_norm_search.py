@@ -8,8 +8,8 @@ import json
 import pytest
 from tuning_fakes import SCOPE
 
-from custom_kernels.norms import config as nc
-from custom_kernels.norms import ops as norms
+from custom_kernels.norms import norm_config as nc
+from custom_kernels.norms import norm_ops as norms
 from custom_kernels.norms import tuned
 from tuning import cli, norm_search
 from custom_kernels.core.tuned_store import TuningCache

@@ -14,8 +14,9 @@ import torch
 from torch._subclasses import FakeTensorMode
 
 from custom_kernels import jit
-from custom_kernels.norms import modules, ops as norms
-from custom_kernels.norms import config as nc
+from custom_kernels.norms import modules
+from custom_kernels.norms import norm_ops as norms
+from custom_kernels.norms import norm_config as nc
 from custom_kernels.core.errors import UnsupportedInputError
 
 ISSUE_HIDDEN = [256, 1000, 4096, 8192, 32768, 65536, 262144]

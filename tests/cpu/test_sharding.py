@@ -1,4 +1,4 @@
-"""custom_kernels.sharding on the CPU: two gloo ranks, a 1-D mesh, DTensor inputs sharded on the
+"""custom_kernels.parallel.sharding_rules on the CPU: two gloo ranks, a 1-D mesh, DTensor inputs sharded on the
 sequence or the batch (or the heads) through the path the public functions take for DTensors
 (``norms.ops._norm``, ``rotary._rotary``, ``swiglu._swiglu``: the custom ops). The results stay
 sharded (no gather), equal the references on the whole tensors (gradients too, weight gradients
@@ -110,7 +110,7 @@ def _gen(seed, *shape):
 
 
 def _norm_case(kind, residual):
-    from custom_kernels.norms import ops
+    from custom_kernels.norms import norm_ops as ops
 
     def ours(x, w, b, r):
         return ops._norm(kind, x, w, b, r, 1e-6, x.dtype, None)
@@ -241,12 +241,12 @@ def test_without_torch_distributed_tensor_loaded_the_rules_wait_for_it():
     interpreter that imports the ops first, then DTensor, has the rules."""
     import subprocess
 
-    code = ("import sys, torch, custom_kernels.norms.ops, custom_kernels.rotary, "
+    code = ("import sys, torch, custom_kernels.norms.norm_ops, custom_kernels.rotary, "
             "custom_kernels.swiglu\n"
             "assert 'torch.distributed.tensor' not in sys.modules\n"
             "from torch.distributed.tensor import DTensor\n"
             "funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs\n"
-            "from custom_kernels.sharding import RULES\n"
+            "from custom_kernels.parallel.sharding_rules import RULES\n"
             "missing = [n for n in RULES if getattr(torch.ops.custom_kernels, n).default "
             "not in funcs]\n"
             "assert not missing, missing\n")

@@ -26,7 +26,7 @@ def entry(ms, config=GemmConfig()):
 
 
 def norm_problem(hidden):
-    from custom_kernels.norms import config as nc
+    from custom_kernels.norms import norm_config as nc
 
     return nc.NormProblem("rms", "fwd", hidden, "bfloat16", "bfloat16", "bfloat16")
 

@@ -329,7 +329,7 @@ def test_a_small_m_scaled_tune_times_the_skinny_kernel_and_stores_its_winner(tmp
     ones; when one wins, the store keeps it as {"backend": "skinny", ...} and reads it back as
     a SkinnyConfig. Large-M and bf16 problems get none."""
     from cutlass_ops.gemms.scaled_plan import scaled_problem
-    from custom_kernels.fp8_skinny import SkinnyConfig
+    from custom_kernels.fp8.fp8_skinny import SkinnyConfig
 
     backend = FakeBackend()
     backend.skinny_factor = 0.05  # faster than torch and than any C++ kernel here

@@ -80,7 +80,7 @@ def _sharded(rank, world, cases):
 
 def _single(rank, world, cases):
     """World size 1: ours and linear_cross_entropy on the same inputs."""
-    from cutlass_ops.cross_entropy import linear_cross_entropy
+    from cutlass_ops.fused_cross_entropy import linear_cross_entropy
     from cutlass_ops.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
 
     out = []

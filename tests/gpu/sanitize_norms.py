@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from custom_kernels.norms import ops as norms  # noqa: E402
+from custom_kernels.norms import norm_ops as norms  # noqa: E402
 
 CASES = [  # (rows, hidden, dtype[, forward config[, LayerNorm forward config, weight dtype]])
     (37, 1000, torch.bfloat16),  # forward: the direct kernel, a warp per row; backward staged

@@ -249,7 +249,7 @@ def test_distributed_clip_on_one_gpu_with_nccl_matches_torch(tmp_path):
 
     import torch.distributed as dist
 
-    from custom_kernels import clip_grad_distributed
+    from custom_kernels.parallel import clip_grad_distributed
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

@@ -19,11 +19,11 @@ import torch
 import cutlass_ops
 from custom_kernels import jit, norms, swiglu
 from custom_kernels.core.tolerances import relative_error
-from custom_kernels.fp8_quant import Granularity, quantize, tensor_amax, torch_quantize
-from custom_kernels.grad_amax import GradAmax
-from custom_kernels.norms import config as nc
+from custom_kernels.fp8.fp8_quant import Granularity, quantize, tensor_amax, torch_quantize
+from custom_kernels.fp8.grad_amax import GradAmax
+from custom_kernels.norms import norm_config as nc
 from custom_kernels.norms import fp8 as norm_fp8
-from custom_kernels.norms import ops as norm_ops
+from custom_kernels.norms import norm_ops
 
 pytestmark = pytest.mark.gpu
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

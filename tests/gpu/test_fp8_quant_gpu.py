@@ -14,7 +14,7 @@ import torch
 
 import cutlass_ops
 from custom_kernels.core.tolerances import relative_error
-from custom_kernels.fp8_quant import Granularity, quantize, quantize_pair, torch_quantize
+from custom_kernels.fp8.fp8_quant import Granularity, quantize, quantize_pair, torch_quantize
 
 pytestmark = pytest.mark.gpu
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -262,7 +262,7 @@ def test_scaled_mm_wgrad_from_the_pair():
 def test_a_known_signature_skips_the_checks_and_gives_the_same_bytes(monkeypatch):
     """The second call of a signature takes its kept plan (no input checks: ``_check`` is not
     called), on new values; a new stride or alignment is a new signature."""
-    from custom_kernels import fp8_quant
+    from custom_kernels.fp8 import fp8_quant
 
     for g in ALL:
         x = data(256, 384)
@@ -288,7 +288,7 @@ def test_a_known_signature_skips_the_checks_and_gives_the_same_bytes(monkeypatch
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_a_given_amax_gives_the_same_bytes(transpose, fp8_dtype):
-    from custom_kernels.fp8_quant import tensor_amax
+    from custom_kernels.fp8.fp8_quant import tensor_amax
 
     x = data(512, 384)
     amax = tensor_amax(x)

@@ -1,4 +1,4 @@
-"""The few-rows FP8 kernel (custom_kernels.fp8_skinny) on the GPU: every recipe against the
+"""The few-rows FP8 kernel (custom_kernels.fp8.fp8_skinny) on the GPU: every recipe against the
 dequantized float32 product on random data (scales that differ row by row and block by block,
 rows that do not fill a block, a bias, a float32 output, an e5m2 operand, every split count),
 the same bits on every run (the cluster sums its partial tiles in a fixed order), CUDA graphs,
@@ -12,9 +12,9 @@ import torch
 import cutlass_ops
 from cutlass_ops.gemms import scaled_dispatch, scaled_inputs
 from cutlass_ops.gemms.scaled_inputs import Recipe
-from custom_kernels import fp8_skinny
+from custom_kernels.fp8 import fp8_skinny
 from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
-from custom_kernels.fp8_skinny import SkinnyConfig
+from custom_kernels.fp8.fp8_skinny import SkinnyConfig
 from tuning.scaled_session import quantized_inputs
 
 pytestmark = pytest.mark.gpu

@@ -16,8 +16,9 @@ import os
 import pytest
 import torch
 
-from custom_kernels.norms import modules, ops as norms
-from custom_kernels.norms import config as nc
+from custom_kernels.norms import modules
+from custom_kernels.norms import norm_ops as norms
+from custom_kernels.norms import norm_config as nc
 
 pytestmark = pytest.mark.gpu
 

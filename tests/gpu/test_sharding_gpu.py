@@ -1,4 +1,4 @@
-"""custom_kernels.sharding on two GPUs (marker gpu; NCCL ranks): the cases of
+"""custom_kernels.parallel.sharding_rules on two GPUs (marker gpu; NCCL ranks): the cases of
 tests/cpu/test_sharding.py with the ops' own CUDA kernels instead of the CPU stand-ins. Norms,
 rotary and SwiGLU on DTensors sharded on the sequence, the batch or the heads stay local (no
 collective forward or backward, results sharded, weight gradients Partial) and equal the torch

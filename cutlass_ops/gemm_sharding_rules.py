@@ -4,7 +4,7 @@
 The public functions (``ops.linear_fast``, ``fused_linear.merged_linear`` / ``linear_residual``)
 send DTensor inputs to these ops; each rule lists the (output placements, input placements)
 pairs under which the op is exact on each rank's local tensors, so that DTensor runs it locally
-and redistributes only inputs that match none. ``custom_kernels.sharding`` registers them (the
+and redistributes only inputs that match none. ``custom_kernels.parallel.sharding_rules`` registers them (the
 same deferred registration as the norms'). For y = x W^T + b, x [..., K], W [N, K]:
 
 * ColwiseParallel: W and b Shard(0) (out features), x replicated -> y Shard(-1).
@@ -41,7 +41,7 @@ first (a collective in the backward; the gradients stay right).
 
 from __future__ import annotations
 
-from custom_kernels import sharding as _base
+from custom_kernels.parallel import sharding_rules as _base
 
 _opt = _base._opt
 

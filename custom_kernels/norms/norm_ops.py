@@ -35,8 +35,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from custom_kernels import jit, sharding
-from custom_kernels.norms import config as nc
+from custom_kernels import jit
+from custom_kernels.parallel import sharding_rules
+from custom_kernels.norms import norm_config as nc
 from custom_kernels.norms.tuned import tuned_config
 from custom_kernels.launch import (allow_large_clusters, launch, max_active_blocks_per_sm,
                                    max_active_clusters, set_max_dynamic_shared, sm_count)
@@ -419,8 +420,8 @@ torch.library.register_autograd("custom_kernels::rms_norm_fwd", _rms_backward,
                                 setup_context=_rms_setup)
 torch.library.register_autograd("custom_kernels::layer_norm_fwd", _ln_backward,
                                 setup_context=_ln_setup)
-# DTensor inputs (tensor parallelism) run on each rank's shard: custom_kernels.sharding.
-sharding.register("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd")
+# DTensor inputs (tensor parallelism) run on each rank's shard: custom_kernels.parallel.sharding_rules.
+sharding_rules.register("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd")
 
 
 # ---------------------------------------------------------------------------------------------

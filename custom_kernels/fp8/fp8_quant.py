@@ -447,7 +447,7 @@ def quantize(x: torch.Tensor, granularity, *, fp8_dtype: torch.dtype = torch.flo
                      amax=amax)
         return q, scale
     g = _check(x, granularity, fp8_dtype, (transpose,), "quantize")
-    if not x.is_cuda and fallback.off_cuda({"x": x}, "custom_kernels.fp8_quant.quantize",
+    if not x.is_cuda and fallback.off_cuda({"x": x}, "custom_kernels.fp8.fp8_quant.quantize",
                                            "torch_quantize"):
         return torch_quantize(x, g, fp8_dtype=fp8_dtype, transpose=transpose, amax=amax)
     if torch.compiler.is_compiling() or not plain_eager(x, amax):  # the op and its fake
@@ -508,7 +508,7 @@ def quantize_pair(x: torch.Tensor, granularity, *,
         plan.execute(x, q, scale, qt, scale_t, amax=amax)
         return (q, scale), (qt, scale_t)
     g = _check(x, granularity, fp8_dtype, (False, True), "quantize_pair")
-    if not x.is_cuda and fallback.off_cuda({"x": x}, "custom_kernels.fp8_quant.quantize_pair",
+    if not x.is_cuda and fallback.off_cuda({"x": x}, "custom_kernels.fp8.fp8_quant.quantize_pair",
                                            "torch_quantize"):
         return _pair_impl(x, g, fp8_dtype, amax=amax)
     if torch.compiler.is_compiling() or not plain_eager(x, amax):

@@ -22,7 +22,7 @@ local tensors, so that DTensor runs it locally and redistributes only inputs tha
   is a layout question for the plan, not for this rule).
 
 Every rule also offers the all-replicated strategy. The op modules call ``register`` after
-defining their ops; ``cutlass_ops.sharding`` registers its GEMM ops' rules through it too. ``torch.distributed.tensor`` costs about 0.4 s to import (six times the
+defining their ops; ``cutlass_ops.gemm_sharding_rules`` registers its GEMM ops' rules through it too. ``torch.distributed.tensor`` costs about 0.4 s to import (six times the
 ops' modules), and a DTensor cannot exist before it is imported: so the rules are registered at
 once when it is loaded, else right after it is (an import hook that removes itself).
 """
@@ -156,7 +156,7 @@ def register(*names: str, namespace: str = "custom_kernels", rules=None,
     """Registers the rules of the named ops (defined already) with DTensor: now when
     ``torch.distributed.tensor`` is loaded, else right after it is. Nothing without
     torch.distributed (a build without it has no DTensor to serve). ``namespace`` / ``rules``:
-    another package's ops and its table (cutlass_ops.sharding); ``static_from``: op name -> the
+    another package's ops and its table (cutlass_ops.gemm_sharding_rules); ``static_from``: op name -> the
     index of its first non-tensor argument that changes the rule's answer (DTensor caches a
     strategy by the input placements and, from that index on, the other arguments; by default
     only int arguments are in the key, so a str or bool the rule reads must be named here)."""
