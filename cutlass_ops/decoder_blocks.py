@@ -22,9 +22,10 @@ without a copy.
 The attention itself
 (SDPA, flash or eager, the KV cache, sliding windows) is the model's: the fused attention calls
 the same ``ALL_ATTENTION_FUNCTIONS`` interface with the same arguments.
-The merged and residual GEMMs are a module's ``GEMMS`` attribute where one is set
-(``cutlass_ops.fp8``'s FP8 GEMMs, which add the residual after the GEMM), else
-``cutlass_ops.fused_linear``'s. In an FP8 block whose recipe quantizes activations per row or
+The merged and residual GEMMs are the attention's and the MLP's ``BlockGemms``
+(``cutlass_ops.block_gemms``: the contract, and the 16-bit default ``fused_linear``'s), held in
+each module's ``BlockState`` (``cutlass_ops.module_state``): ``cutlass_ops.fp8``'s FP8 GEMMs
+(which add the residual after the GEMM) and the tensor-parallel ones plug in there. In an FP8 block whose recipe quantizes activations per row or
 per 1x128 block, the kernels before the GEMMs also write the GEMMs' FP8 input (the same bits
 as quantizing their output): both norms (ours, called without hooks; ``RMSNorm.forward_fp8``)
 for QKV and gate+up, the SwiGLU kernel (``swiglu_fp8``) for down_proj. o_proj still quantizes
@@ -64,7 +65,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from cutlass_ops import fused_linear, mixins, sharded_gemms, step_graphs
+from cutlass_ops import fused_linear, mixins, module_state, sharded_gemms, step_graphs
+from cutlass_ops.block_gemms import BF16, BlockGemms, BlockState
 from custom_kernels.core.tolerances import relative_error
 from custom_kernels.norms import norm_ops
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
@@ -83,10 +85,6 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 PROBE_TOKENS = 16
 PROBE_TOLERANCE = 2e-2  # relative, on the layer's output: GEMMs of other shapes round otherwise
 RESIDUAL_NORMS = (RMSNorm, LayerNorm)  # ours: forward(x, residual) -> (norm(x + residual), sum)
-GEMMS = "_cutlass_ops_gemms"  # a module's own merged / residual GEMMs (cutlass_ops.fp8 sets it)
-# On a layer sharded by cutlass_ops.tensor_parallel (its GEMMs are then that module's; the
-# layer's weights are DTensors whose local shards the GEMMs read).
-TENSOR_PARALLEL = "_cutlass_ops_tensor_parallel"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,12 +170,12 @@ class FusedMLP:
         from custom_kernels.swiglu import swiglu, swiglu_fp8, swiglu_with_amax
 
         gemms, down = _gemms(self), self.down_proj
-        if getattr(gemms, "takes_amaxes", False) and not torch.compiler.is_compiling():
+        if gemms.takes_amaxes and not torch.compiler.is_compiling():
             slot = GradAmax()
             y, amax = swiglu_with_amax(self.gate_up(x, x_fp8, grad_amax=slot), grad_amax=slot)
             return gemms.linear_residual(y, down.weight, down.bias, residual, x_amax=amax)
         gate_up = self.gate_up(x, x_fp8)
-        fp8 = getattr(gemms, "input_fp8", None)
+        fp8 = gemms.input_fp8
         if fp8 is None:
             return gemms.linear_residual(swiglu(gate_up), down.weight, down.bias, residual)
         y, q, scale = swiglu_fp8(gate_up, fp8[0], fp8_dtype=fp8[1])
@@ -227,9 +225,8 @@ class FusedDecoderLayer:
         mlp, o, norm = self.mlp, self.self_attn.o_proj, self.post_attention_layernorm
         x_fp8 = None
         if isinstance(norm, RESIDUAL_NORMS):  # h = o_proj(a) + hidden_states, then x = norm(h)
-            gemms = _gemms(self.self_attn)  # tensor parallel: the ranks' partial sums reduced
-            attended = gemms.linear_reduced(a, o.weight, o.bias) \
-                if hasattr(gemms, "linear_reduced") else o(a)
+            # o_proj as the GEMMs run it (tensor parallel: the ranks' partial sums reduced)
+            attended = _gemms(self.self_attn).output_projection(o, a)
             fp8 = _norm_fp8(norm, mlp, attended, hidden_states)
             if fp8 is None:
                 x, h = norm(attended, hidden_states)
@@ -284,14 +281,12 @@ def _step_graphs(layer, hidden_states, position_embeddings, cache) -> _LayerGrap
     run eagerly. Only for caches of Hugging Face's own classes, which copy the k and v they are
     given (the graph's buffers) into their own storage."""
     if position_embeddings is None or (cache is not None and not _copying_cache(cache)) or \
-            TENSOR_PARALLEL in layer.__dict__:  # collectives stay out of the graphs
+            _gemms(layer.self_attn).collectives:  # collectives stay out of the graphs
         return None
     cos, sin = position_embeddings
     if not step_graphs.eligible(hidden_states, cos, sin) or _hooked(layer):
         return None
-    holder = layer.__dict__.get("_cutlass_ops_step_graphs")
-    if holder is None:
-        holder = layer.__dict__["_cutlass_ops_step_graphs"] = step_graphs.Holder()
+    holder = module_state.ensure(layer, step_graphs.Holder)
     key = step_graphs.signature(hidden_states, cos, sin)
     graphs = holder.lookup(key, _weight_pointers(layer))
     if graphs is None and holder.should_capture(key):
@@ -325,7 +320,7 @@ def _weight_pointers(layer) -> tuple:
     ``parameters()``'s cost, paid on every call. With GEMMs of its own (FP8: the graphs read
     copies made from the weights' values), each parameter's version too: a weight changed in
     place drops the graphs, and the next eager call refreshes the copies."""
-    versions = any(_gemms(m) is not fused_linear for m in (layer.self_attn, layer.mlp))
+    versions = any(_gemms(m).copies_weights for m in (layer.self_attn, layer.mlp))
 
     def walk(module, out):
         for p in module._parameters.values():
@@ -340,11 +335,21 @@ def _weight_pointers(layer) -> tuple:
     return tuple(walk(layer, []))
 
 
-def _gemms(module):
-    """The module's merged / residual GEMM functions: ``cutlass_ops.fused_linear``'s, or the
-    object an FP8 conversion set under ``GEMMS`` (``cutlass_ops.fp8.FusedGemms``, same
-    signatures)."""
-    return module.__dict__.get(GEMMS, fused_linear)
+def _gemms(module) -> BlockGemms:
+    """The module's merged / residual GEMMs (its ``BlockState``'s; the 16-bit ones if none)."""
+    state = module_state.get(module, BlockState)
+    return BF16 if state is None else state.gemms
+
+
+def gemms_of(module: nn.Module) -> BlockGemms:
+    """A fused attention's or MLP's GEMMs (``cutlass_ops.block_gemms``)."""
+    return _gemms(module)
+
+
+def set_gemms(module: nn.Module, gemms: BlockGemms | None) -> None:
+    """A fused attention's or MLP's GEMMs made ``gemms`` (FP8, tensor parallel), or its own
+    16-bit ones again with None; its packed-weight view starts afresh."""
+    module_state.put(module, BlockState(BF16 if gemms is None else gemms))
 
 
 def _fp8_input(x_fp8) -> dict:
@@ -359,7 +364,7 @@ def _norm_fp8(norm, module, x, residual=None):
     GEMMs take one (``FusedGemms.input_fp8``), the norm has ``forward_fp8`` (our RMSNorm) and
     no hooks (``forward_fp8`` is not ``__call__``), and its kernel takes the inputs (off a GPU
     the reference runs, as for ``norm(x)``)."""
-    fp8 = getattr(_gemms(module), "input_fp8", None)
+    fp8 = _gemms(module).input_fp8
     if fp8 is None or not hasattr(norm, "forward_fp8") or norm.weight is None or \
             len(norm.normalized_shape) != 1:
         return None
@@ -376,11 +381,8 @@ def _local_rows(weight) -> int:
 
 
 def _merged_view(module) -> fused_linear.MergedView:
-    """The module's kept view of its packed weights (``fuse`` makes it)."""
-    view = module.__dict__.get("_cutlass_ops_merged_view")
-    if view is None:
-        view = module.__dict__["_cutlass_ops_merged_view"] = fused_linear.MergedView()
-    return view
+    """The module's kept view of its packed weights (its ``BlockState``'s)."""
+    return module_state.ensure(module, BlockState).view
 
 
 def _sliding_window(attention):
@@ -504,6 +506,8 @@ def fuse(layer: nn.Module, *, require_gpu: bool = True) -> str | None:
     layer.__class__ = _fused_class(FusedDecoderLayer, originals[0])
     attention.__class__ = _fused_class(FusedAttention, originals[1])
     mlp.__class__ = _fused_class(FusedMoEMLP if moe else FusedMLP, originals[2])
+    for module in (attention, mlp):  # made here, not in a forward torch.compile may trace
+        module_state.ensure(module, BlockState)
     if gemms is not None:
         shard(layer, gemms)
     try:
@@ -520,19 +524,12 @@ def fuse(layer: nn.Module, *, require_gpu: bool = True) -> str | None:
     return why
 
 
-def shard(layer: nn.Module, gemms) -> None:
+def shard(layer: nn.Module, gemms: BlockGemms | None) -> None:
     """The fused ``layer``'s GEMMs made ``gemms`` (``sharded_gemms.TensorParallelGemms``: its
     weights are a tensor-parallel plan's shards), or back to its own with None."""
     for module in (layer.self_attn, layer.mlp):
-        module.__dict__.pop("_cutlass_ops_merged_view", None)
-        if gemms is None:
-            module.__dict__.pop(GEMMS, None)
-        elif not has_moe_mlp(layer) or module is layer.self_attn:
-            module.__dict__[GEMMS] = gemms
-    if gemms is None:
-        layer.__dict__.pop(TENSOR_PARALLEL, None)
-    else:
-        layer.__dict__[TENSOR_PARALLEL] = gemms
+        if gemms is None or not has_moe_mlp(layer) or module is layer.self_attn:
+            set_gemms(module, gemms)
 
 
 def shared_expert_mlps(mlp: nn.Module) -> dict:
@@ -595,6 +592,8 @@ def unfuse(layer: nn.Module) -> None:
     for module in (layer, layer.self_attn, layer.mlp, *layer.mlp.children()):
         if hasattr(type(module), "_hf_class"):
             module.__class__ = type(module)._hf_class
+        module_state.drop(module, BlockState)
+    module_state.drop(layer, step_graphs.Holder)
 
 
 def probe(layer: nn.Module, originals) -> str | None:

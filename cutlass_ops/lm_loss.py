@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import inspect
 import types
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
+from cutlass_ops import module_state
 from custom_kernels.core.errors import UnsupportedInputError
 
 IGNORE_INDEX = -100
@@ -69,21 +71,35 @@ def loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
                                 num_items_in_batch=num_items)
 
 
+class RoutedLoss(NamedTuple):
+    """A routed model's state (``cutlass_ops.module_state``): its own forward, the names of that
+    forward's positional parameters and the output class it returns."""
+
+    original_forward: Callable
+    positional: tuple
+    output_type: type
+
+
+def is_routed(model: nn.Module) -> bool:
+    return module_state.get(model, RoutedLoss) is not None
+
+
 def _forward(self, *args, **kwargs):
     """The model's own forward without labels; with them, the backbone, then the chunked head
     and loss (no logits)."""
     # Positional arguments by the original forward's parameter names (cheaper than binding a
     # signature, and traceable by torch.compile).
-    arguments = dict(zip(self._cutlass_ops_positional, args), **kwargs)
+    routed = module_state.get(self, RoutedLoss)
+    arguments = dict(zip(routed.positional, args), **kwargs)
     labels = arguments.pop("labels", None)
     if labels is None:
-        return self._cutlass_ops_original_forward(*args, **kwargs)
+        return routed.original_forward(*args, **kwargs)
     arguments.pop("logits_to_keep", None)
     arguments.pop("return_dict", None)
     outputs = self.model(**arguments)
     loss = loss_from_hidden(self, outputs[0], labels, arguments.get("num_items_in_batch"))
     fields = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
-    return self._cutlass_ops_output_type(loss=loss, logits=None, **fields)
+    return routed.output_type(loss=loss, logits=None, **fields)
 
 
 def route(model: nn.Module) -> str | None:
@@ -101,11 +117,9 @@ def route(model: nn.Module) -> str | None:
     output_type = type(expected)
     if getattr(expected, "loss", None) is None:
         return "its forward returned no loss for labels"
-    model._cutlass_ops_original_forward = original
-    model._cutlass_ops_positional = tuple(
+    module_state.put(model, RoutedLoss(original, tuple(
         name for name, p in inspect.signature(original).parameters.items()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-    model._cutlass_ops_output_type = output_type
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), output_type))
     model.forward = types.MethodType(_forward, model)
     with torch.no_grad():
         ours = model(input_ids=probe_ids, labels=probe_ids).loss
@@ -122,6 +136,4 @@ def unroute(model: nn.Module) -> None:
     """Restores the model's own forward."""
     if "forward" in vars(model):
         del model.forward
-    for name in ("_cutlass_ops_original_forward", "_cutlass_ops_positional",
-                 "_cutlass_ops_output_type"):
-        vars(model).pop(name, None)
+    module_state.drop(model, RoutedLoss)

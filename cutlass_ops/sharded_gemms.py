@@ -1,6 +1,6 @@
 """The GEMMs of a fused decoder block on each rank's shards of its weights (tensor
 parallelism): ``TensorParallelGemms`` stands in for ``cutlass_ops.fused_linear``'s
-merged and residual GEMMs (``decoder_blocks`` calls them through its ``GEMMS`` key) and reads
+merged and residual GEMMs (``decoder_blocks`` calls them as its blocks' ``BlockGemms``) and reads
 each DTensor weight's local shard; ``adopt(attention, mlp)`` checks that a layer's weights are
 sharded the Megatron way (q, k, v, gate, up ``Shard(0)``; o_proj, down_proj ``Shard(1)``; one
 1-D mesh, as torch's Llama plan or ``cutlass_ops.tensor_parallel.parallelize`` leaves them)
@@ -55,8 +55,13 @@ def _local(weights: Sequence[Tensor]) -> list[Tensor]:
 
 
 class TensorParallelGemms:
-    """A fused module's merged and residual GEMMs on its rank's shards (``decoder_blocks``
-    calls them through ``GEMMS``, as it calls ``cutlass_ops.fused_linear``'s)."""
+    """A fused module's merged and residual GEMMs on its rank's shards (a
+    ``cutlass_ops.block_gemms.BlockGemms``, held in the module's ``BlockState``)."""
+
+    input_fp8 = None
+    takes_amaxes = False
+    copies_weights = False
+    collectives = True  # the row-parallel GEMMs' partial sums are all-reduced
 
     def __init__(self, group):
         self.group = group
@@ -84,6 +89,9 @@ class TensorParallelGemms:
     def linear_residual(self, x: Tensor, weight: Tensor, bias: Optional[Tensor],
                         residual: Tensor) -> Tensor:
         return self.linear_reduced(x, weight, bias) + residual
+
+    def output_projection(self, module: nn.Module, x: Tensor) -> Tensor:
+        return self.linear_reduced(x, module.weight, module.bias)
 
 
 def is_sharded(weight) -> bool:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from cutlass_ops import decoder_blocks, sharded_gemms
+from cutlass_ops.block_gemms import Bf16Gemms
 from custom_kernels.core.errors import UnsupportedInputError
 
 
@@ -78,7 +79,7 @@ def refusal(model: nn.Module, world: int) -> Optional[str]:
             return f"layer {i} is a mixture of experts: not sharded yet"
         attention, mlp = layer.self_attn, layer.mlp
         for module in (attention, mlp):
-            if module.__dict__.get(decoder_blocks.GEMMS) is not None:
+            if not isinstance(decoder_blocks.gemms_of(module), Bf16Gemms):
                 return f"layer {i} has GEMMs of its own (FP8, or sharded already)"
         heads = attention.q_proj.out_features // attention.head_dim
         kv_heads = attention.k_proj.out_features // attention.head_dim

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from cutlass_ops import decoder_blocks
+from cutlass_ops import decoder_blocks, lm_loss
 from cutlass_ops.fp8 import recipes
 from cutlass_ops.fp8.linear import FusedGemms, Linear
 from cutlass_ops.fp8.recipes import Recipe
@@ -95,7 +95,7 @@ def _converted_reason(weight, recipe: Recipe) -> str:
 
 
 def _head_note(model) -> str:
-    if "_cutlass_ops_original_forward" in vars(model):  # cutlass_ops.lm_loss routed the loss
+    if lm_loss.is_routed(model):  # cutlass_ops.lm_loss routed the loss
         return ("; with labels the fused head and loss (cutlass_ops.lm_loss) read its weight "
                 "in bf16")
     return ""
@@ -134,7 +134,7 @@ def _convert_block(model, name: str, layer, recipe: Recipe) -> list[Choice]:
     moe = decoder_blocks.has_moe_mlp(layer)
     shared = list(_fused_shared_experts(layer).values())
     for module in (layer.self_attn, *shared) if moe else (layer.self_attn, layer.mlp):
-        module.__dict__[decoder_blocks.GEMMS] = FusedGemms(recipe)
+        decoder_blocks.set_gemms(module, FusedGemms(recipe))
     gemms = "merged QKV, o_proj" if moe else "merged QKV, o_proj, merged gate+up, down_proj"
     if shared:
         gemms += ", the shared experts' merged gate+up and down_proj"

@@ -536,8 +536,8 @@ WRITTEN_GRANULARITIES = (Granularity.ROW, Granularity.BLOCK_1X128)
 
 
 class FusedGemms:
-    """The merged and residual GEMMs of a fused decoder block (``cutlass_ops.decoder_blocks``
-    calls them with ``cutlass_ops.fused_linear``'s signatures, plus ``x_fp8``) in FP8: the
+    """The merged and residual GEMMs of a fused decoder block in FP8 (a
+    ``cutlass_ops.block_gemms.BlockGemms``: ``fused_linear``'s signatures, plus ``x_fp8``): the
     residual is added after the GEMM, in torch (the bf16 block adds it in the GEMM's epilogue).
     One per module (the attention: QKV and o_proj; the MLP: gate+up and down_proj), with their
     weights' FP8 copies. ``input_fp8``: (granularity, FP8 dtype) of the activation operand the
@@ -554,6 +554,9 @@ class FusedGemms:
         # Tensorwise: kernels that write an activation or a gradient can reduce its amax.
         self.takes_amaxes = a.granularity is Granularity.TENSOR
 
+    copies_weights = True  # the weights' FP8 copies, refreshed when a weight changes
+    collectives = False
+
     def __deepcopy__(self, memo):
         return FusedGemms(self.recipe)
 
@@ -569,6 +572,9 @@ class FusedGemms:
                         x_amax: Optional[Tensor] = None) -> Tensor:
         return fp8_linear(x, (weight,), bias, self.recipe, cache=self.residual_weights,
                           x_fp8=x_fp8, x_amax=x_amax) + residual
+
+    def output_projection(self, module: nn.Module, x: Tensor) -> Tensor:
+        return module(x)  # o_proj is an FP8 Linear of its own
 
 
 fast_autograd("cutlass_ops::fp8_linear", eager=_op_forward, backward=_op_backward,

@@ -28,11 +28,12 @@ the host).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from cutlass_ops import module_state
 from cutlass_ops.moe.grouped import routed_grouped_mm
 from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
 from custom_kernels.moe.moe_combine import combine
@@ -40,7 +41,14 @@ from custom_kernels.swiglu import swiglu
 
 PROBE_TOKENS = 64
 PROBE_TOP_K = 2
-SORTED_PAIRS = "_cutlass_ops_sorted_pairs"  # (index, sorted_pairs(index)) a router handed over
+
+
+class SortedPairs(NamedTuple):
+    """What a fused router (``cutlass_ops.moe.moe_router``) hands its experts for one call
+    (``cutlass_ops.module_state``): the top-k index it routed and that index's sort."""
+
+    index: torch.Tensor
+    pairs: tuple  # sorted_pairs(index)
 
 
 def looks_like_experts(module: nn.Module) -> bool:
@@ -131,8 +139,8 @@ class GroupedExperts(nn.Module):
         # The sort a fused router (cutlass_ops.moe.moe_router) made for this very index, if any.
         # (None while torch.compile traces: the router hands nothing over then.)
         handed = None if torch.compiler.is_compiling() else \
-            self.__dict__.pop(SORTED_PAIRS, None)
-        pairs = handed[1] if handed is not None and handed[0] is top_k_index else None
+            module_state.take(self, SortedPairs)
+        pairs = handed.pairs if handed is not None and handed.index is top_k_index else None
         return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
                                self.down_proj, pairs)
 

@@ -29,25 +29,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cutlass_ops import mixins
-from cutlass_ops.moe.experts import SORTED_PAIRS, GroupedExperts
+from cutlass_ops import mixins, module_state
+from cutlass_ops.moe.experts import GroupedExperts, SortedPairs
 from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
 from custom_kernels.moe.moe_routing import route
 
-PLAN = "_cutlass_ops_router"  # on a fused router: its _Plan
-EXPERTS = "_cutlass_ops_experts"  # on a fused router: the block's experts module
 PROBE_TOKENS = 64
 CANDIDATES = (("softmax", True), ("softmax", False), ("sigmoid", True), ("sigmoid", False))
 
 
-class _Plan(NamedTuple):
+class RoutingPlan(NamedTuple):
     top_k: int
     scoring: str
     normalize: bool
     weights_dtype: Optional[torch.dtype]  # None: the logits' dtype
 
 
-def _routed(weight: torch.Tensor, hidden: torch.Tensor, plan: _Plan):
+class RouterState(NamedTuple):
+    """A fused router's state (``cutlass_ops.module_state``): its plan, and the block's experts
+    module it hands each call's sort to."""
+
+    plan: RoutingPlan
+    experts: Optional[nn.Module]
+
+
+def _routed(weight: torch.Tensor, hidden: torch.Tensor, plan: RoutingPlan):
     """(logits, weights, index, the Routing) of ``hidden`` [T, H] under ``plan``."""
     logits = F.linear(hidden, weight)
     # float32 weights (Mixtral's): the route of the logits widened, whose weights are float32
@@ -60,12 +66,12 @@ class FusedTopKRouter:
     """The router's forward on ``route``; mixed into the model's router class."""
 
     def forward(self, hidden_states):
-        plan = self.__dict__[PLAN]
+        state = module_state.get(self, RouterState)
         hidden = hidden_states.reshape(-1, self.weight.shape[1])
-        logits, weights, index, r = _routed(self.weight, hidden, plan)
-        experts = self.__dict__.get(EXPERTS)
-        if experts is not None and not torch.compiler.is_compiling():
-            experts.__dict__[SORTED_PAIRS] = (index, (r.token_of_row, r.offsets, r.inverse))
+        logits, weights, index, r = _routed(self.weight, hidden, state.plan)
+        if state.experts is not None and not torch.compiler.is_compiling():
+            module_state.put(state.experts,
+                             SortedPairs(index, (r.token_of_row, r.offsets, r.inverse)))
         return logits, weights, index
 
 
@@ -94,7 +100,7 @@ def structure_refusal(block: nn.Module) -> Optional[str]:
     return None
 
 
-def probe(gate: nn.Module, seed: int = 0) -> tuple[Optional[_Plan], Optional[str]]:
+def probe(gate: nn.Module, seed: int = 0) -> tuple[Optional[RoutingPlan], Optional[str]]:
     """(the plan that reproduces ``gate``'s forward, None) or (None, why none does)."""
     weight = gate.weight
     generator = torch.Generator(weight.device).manual_seed(seed)
@@ -118,7 +124,7 @@ def probe(gate: nn.Module, seed: int = 0) -> tuple[Optional[_Plan], Optional[str
         errors = []
         index, weights = _by_expert(index, weights)
         for scoring, normalize in CANDIDATES:
-            plan = _Plan(k, scoring, normalize,
+            plan = RoutingPlan(k, scoring, normalize,
                          None if weights.dtype == weight.dtype else weights.dtype)
             logits, ours, our_index, _ = _routed(weight, x, plan)
             our_index, ours = _by_expert(our_index, ours)
@@ -156,25 +162,29 @@ def fuse_router(block: nn.Module) -> Optional[str]:
     if why is not None:
         return why
     gate.__class__ = _fused_class(type(gate))
-    gate.__dict__[PLAN] = plan
-    gate.__dict__[EXPERTS] = block.experts
+    module_state.put(gate, RouterState(plan, block.experts))
     return None
 
 
 def unfuse_router(gate: nn.Module) -> None:
     if isinstance(gate, FusedTopKRouter):
         gate.__class__ = type(gate)._hf_class
-        gate.__dict__.pop(PLAN, None)
-        gate.__dict__.pop(EXPERTS, None)
+        module_state.drop(gate, RouterState)
+
+
+def plan_of(gate: nn.Module) -> Optional[RoutingPlan]:
+    """A fused router's plan, or None for another module."""
+    state = module_state.get(gate, RouterState)
+    return None if state is None else state.plan
 
 
 def describe(gate: nn.Module) -> str:
-    plan = gate.__dict__[PLAN]
+    plan = plan_of(gate)
     weights = "float32" if plan.weights_dtype is not None else "the logits' dtype"
     return (f"top-{plan.top_k} {plan.scoring} router"
             f"{', renormalised' if plan.normalize else ''} (weights in {weights}) in one "
             "routing pass that also sorts the tokens by expert (cutlass_ops.moe.moe_router)")
 
 
-__all__ = ["FusedTopKRouter", "fuse_router", "unfuse_router", "probe", "structure_refusal",
-           "describe"]
+__all__ = ["FusedTopKRouter", "RoutingPlan", "fuse_router", "unfuse_router", "probe",
+           "structure_refusal", "describe", "plan_of"]

@@ -15,6 +15,7 @@ from torch import nn
 
 import cutlass_ops
 from cutlass_ops import decoder_blocks, norm_probe
+from cutlass_ops.block_gemms import BF16
 from cutlass_ops.fp8 import linear as fp8_linear_module
 from cutlass_ops.fp8 import FusedGemms, Linear, convert_fp8
 from custom_kernels import swiglu as swiglu_module
@@ -163,8 +164,8 @@ def test_fused_blocks_run_their_gemms_fp8_like_the_fp8_linears(recipe, monkeypat
     assert {c.name: c.recipe for c in choices if c.recipe} == dict.fromkeys(
         ["model.layers.0", "model.layers.1", *layer_names()], recipe)
     for layer in model.model.layers:
-        assert isinstance(layer.self_attn.__dict__[decoder_blocks.GEMMS], FusedGemms)
-        assert isinstance(layer.mlp.__dict__[decoder_blocks.GEMMS], FusedGemms)
+        assert isinstance(decoder_blocks.gemms_of(layer.self_attn), FusedGemms)
+        assert isinstance(decoder_blocks.gemms_of(layer.mlp), FusedGemms)
     calls = calls_of(monkeypatch)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     ours, theirs = model(ids, labels=ids), unfused(ids, labels=ids)
@@ -194,7 +195,7 @@ def quantizing_themselves(model):
     twin = copy.deepcopy(model)
     for layer in twin.model.layers:
         for module in (layer.self_attn, layer.mlp):
-            module.__dict__[decoder_blocks.GEMMS].input_fp8 = None
+            decoder_blocks.gemms_of(module).input_fp8 = None
     return twin
 
 
@@ -288,8 +289,8 @@ def test_a_block_with_a_projection_the_recipe_refuses_stays_16_bit():
         assert choices[f"model.layers.{i}"].reason.startswith(
             "self_attn.k_proj: 256x64: blockwise needs in_features and out_features multiples "
             "of 128")
-        assert decoder_blocks.GEMMS not in layer.self_attn.__dict__
-        assert decoder_blocks.GEMMS not in layer.mlp.__dict__
+        assert decoder_blocks.gemms_of(layer.self_attn) is BF16
+        assert decoder_blocks.gemms_of(layer.mlp) is BF16
         assert all(type(layer.get_submodule(p)) is nn.Linear for p in PROJECTIONS)
         assert all(choices[f"model.layers.{i}.{p}"].recipe is None for p in PROJECTIONS)
     twin = fused(tiny_llama(head_dim=64))
@@ -334,7 +335,7 @@ def test_decode_graphs_of_fp8_blocks_are_keyed_on_parameter_versions():
     convert_fp8(model, "rowwise", include=("model.layers.0",) + tuple(
         f"model.layers.0.{p}" for p in PROJECTIONS))
     fp8_layer = model.model.layers[0]
-    assert decoder_blocks.GEMMS not in bf16_layer.self_attn.__dict__
+    assert decoder_blocks.gemms_of(bf16_layer.self_attn) is BF16
     keys = [decoder_blocks._weight_pointers(layer) for layer in (fp8_layer, bf16_layer)]
     with torch.no_grad():
         for layer in (fp8_layer, bf16_layer):
@@ -423,8 +424,8 @@ def test_an_moe_block_runs_its_attention_and_shared_expert_fp8_and_its_experts_1
     for child in ("self_attn.q_proj", "self_attn.o_proj", "mlp.shared_expert.gate_proj",
                   "mlp.shared_expert.down_proj"):
         assert choices[f"model.layers.0.{child}"].recipe == "rowwise", child
-    assert isinstance(layer.mlp.shared_expert.__dict__[decoder_blocks.GEMMS], FusedGemms)
-    assert decoder_blocks.GEMMS not in layer.mlp.__dict__
+    assert isinstance(decoder_blocks.gemms_of(layer.mlp.shared_expert), FusedGemms)
+    assert decoder_blocks.gemms_of(layer.mlp) is BF16
     calls = calls_of(monkeypatch)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()

@@ -5,7 +5,7 @@ shared inputs' copies. The captures themselves: tests/gpu/test_step_graphs_gpu.p
 import pytest
 import torch
 
-from cutlass_ops import step_graphs
+from cutlass_ops import module_state, step_graphs
 
 
 def test_only_gradient_free_small_cuda_calls_are_eligible(monkeypatch):
@@ -119,7 +119,7 @@ def test_a_fused_layer_on_the_cpu_never_captures(grad):
     with torch.set_grad_enabled(grad):
         model(ids)
         model(ids)
-    assert all("_cutlass_ops_step_graphs" not in vars(layer) for layer in model.model.layers)
+    assert all(module_state.get(layer, step_graphs.Holder) is None for layer in model.model.layers)
 
 
 def test_paused_turns_graphs_off_inside(monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cutlass_ops
-from cutlass_ops import decoder_blocks
+from cutlass_ops import decoder_blocks, module_state, step_graphs
 from cutlass_ops.fp8.linear import Linear, fp8_linear
 from custom_kernels import swiglu as swiglu_module
 from custom_kernels.core.tolerances import relative_error
@@ -189,8 +189,8 @@ def generate(model, prompt, steps=8):
 
 
 def graph_count(model) -> int:
-    return sum(len(vars(layer)["_cutlass_ops_step_graphs"].graphs)
-               for layer in model.model.layers if "_cutlass_ops_step_graphs" in vars(layer))
+    holders = [module_state.get(layer, step_graphs.Holder) for layer in model.model.layers]
+    return sum(len(h.graphs) for h in holders if h is not None)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -233,7 +233,7 @@ def quantizing_themselves(model):
     twin = copy.deepcopy(model)
     for layer in twin.model.layers:
         for module in (layer.self_attn, layer.mlp):
-            module.__dict__[decoder_blocks.GEMMS].input_fp8 = None
+            decoder_blocks.gemms_of(module).input_fp8 = None
     return twin
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import cutlass_ops
+from cutlass_ops import module_state, step_graphs
 from custom_kernels.core.tolerances import relative_error
 
 pytestmark = pytest.mark.gpu
@@ -36,13 +37,12 @@ def tiny_llama(family="llama"):
 
 
 def graph_count(model) -> int:
-    return sum(len(vars(layer).get("_cutlass_ops_step_graphs").graphs)
-               for layer in model.model.layers
-               if vars(layer).get("_cutlass_ops_step_graphs") is not None)
+    holders = [module_state.get(layer, step_graphs.Holder) for layer in model.model.layers]
+    return sum(len(h.graphs) for h in holders if h is not None)
 
 
 def describe(model) -> str:
-    holders = [vars(layer).get("_cutlass_ops_step_graphs") for layer in model.model.layers]
+    holders = [module_state.get(layer, step_graphs.Holder) for layer in model.model.layers]
     return "; ".join(f"layer {i}: graphs {list(h.graphs.values()) if h else None}, "
                      f"seen {len(h.seen) if h else 0}" for i, h in enumerate(holders))
 

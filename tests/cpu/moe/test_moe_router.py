@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+from cutlass_ops import module_state
 from cutlass_ops.moe import experts as moe_experts, moe_router
 
 from test_moe import assert_same_block, mixtral, qwen3_moe  # noqa: E402
@@ -55,7 +56,7 @@ def test_the_block_with_the_fused_router_matches_hugging_faces(make, handed):
     theirs = grouped(make())
     ours = copy.deepcopy(theirs)
     assert moe_router.fuse_router(ours) is None
-    plan = ours.gate.__dict__[moe_router.PLAN]
+    plan = moe_router.plan_of(ours.gate)
     assert plan.normalize == (make is not qwen3_unnormalised)
     assert plan.weights_dtype is None  # float32 logits: float32 weights either way
     assert_same_block(ours, theirs, x_rtol=1e-4)
@@ -72,7 +73,7 @@ def test_bfloat16_routers_keep_their_weights_dtype(make, weights):
     theirs = grouped(make(torch.bfloat16))
     ours = copy.deepcopy(theirs)
     assert moe_router.fuse_router(ours) is None
-    assert ours.gate.__dict__[moe_router.PLAN].weights_dtype is weights
+    assert moe_router.plan_of(ours.gate).weights_dtype is weights
     x = torch.randn(2, 24, 64).bfloat16()
     assert ours.gate(x.view(-1, 64))[1].dtype == theirs.gate(x.view(-1, 64))[1].dtype
     assert relative_error(ours(x), theirs(x)) < 1e-2
@@ -87,7 +88,7 @@ def test_the_experts_sort_for_themselves_when_the_index_is_another_tensor(handed
     out = block.experts(h, index.clone(), weights)  # not the tensor the router handed over
     assert handed == [False]
     torch.testing.assert_close(out, block.experts(h, index, weights))  # (and nothing stale)
-    assert moe_experts.SORTED_PAIRS not in block.experts.__dict__
+    assert module_state.get(block.experts, moe_experts.SortedPairs) is None
 
 
 def test_the_router_keeps_its_class_as_a_base_its_weight_and_its_state_dict():
@@ -100,7 +101,7 @@ def test_the_router_keeps_its_class_as_a_base_its_weight_and_its_state_dict():
     assert "one routing pass" in moe_router.describe(block.gate)
     assert moe_router.fuse_router(block) == "its router is fused already"
     moe_router.unfuse_router(block.gate)
-    assert type(block.gate) is cls and moe_router.PLAN not in block.gate.__dict__
+    assert type(block.gate) is cls and moe_router.plan_of(block.gate) is None
 
 
 def test_the_probe_refuses_a_router_that_computes_something_else():
@@ -134,7 +135,7 @@ def test_the_probe_takes_qwen3_moe_routers_whose_bf16_logits_tie(seed):
     gate = Qwen3MoeTopKRouter(config).to(torch.bfloat16)
     torch.nn.init.normal_(gate.weight, std=0.02)
     plan, why = moe_router.probe(gate)
-    assert why is None and plan == moe_router._Plan(8, "softmax", True, None)
+    assert why is None and plan == moe_router.RoutingPlan(8, "softmax", True, None)
 
 
 def test_the_probe_refuses_a_router_that_picks_other_experts():
