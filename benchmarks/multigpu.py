@@ -26,7 +26,7 @@ a run adds its rows to those of the other section written by the same code):
     ``fully_shard``ed layer by layer and at the root (torchtitan's order), the main peer.
     ``detail`` has the converted model's speedup on one GPU (rank 0's slice).
   - ``tp``: tensor parallelism of degree ``--gpus``, the converted model through
-    ``cutlass_ops.tensor_parallel.parallelize`` (tokens/s per GPU; collectives of a train step
+    ``cutlass_ops.parallel.tensor_parallel.parallelize`` (tokens/s per GPU; collectives of a train step
     counted; peak memory). ``tp train`` and ``tp prefill converted vs torchtitan-style``: the
     unconverted model under torch's Llama plan with the LM head sharded on the vocabulary
     (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``), its loss (Hugging
@@ -353,11 +353,11 @@ def rank_main(rank: int, world: int, port: int, mode: str, layers: int, tokens: 
 
 
 def torch_tp_plan(model, mesh) -> None:
-    """torch's Llama plan on the unconverted model (``cutlass_ops.tensor_parallel.llama_plan``:
+    """torch's Llama plan on the unconverted model (``cutlass_ops.parallel.tensor_parallel.llama_plan``:
     logits gathered, as Hugging Face's ``tp_plan="auto"``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from cutlass_ops.tensor_parallel import llama_plan
+    from cutlass_ops.parallel.tensor_parallel import llama_plan
 
     parallelize_module(model, mesh, llama_plan(model))
 
@@ -371,7 +371,7 @@ NO_SEQUENCE_PARALLEL = (
     "each rank positions 0..S/tp and a mask of its own length; the model would have to be "
     "called with position ids and a mask made for the whole sequence")
 TORCHTITAN_SETTINGS = {
-    "plan": "cutlass_ops.tensor_parallel.llama_plan (q, k, v, gate, up ColwiseParallel; o_proj, "
+    "plan": "cutlass_ops.parallel.tensor_parallel.llama_plan (q, k, v, gate, up ColwiseParallel; o_proj, "
             "down_proj RowwiseParallel), lm_head ColwiseParallel(output_layouts=Shard(-1), "
             "use_local_output=False): logits sharded on the vocabulary",
     "loss": "cross_entropy on the DTensor logits (shifted labels, mean, as Hugging Face's) "
@@ -387,7 +387,7 @@ def torchtitan_style(model, mesh) -> None:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from cutlass_ops.tensor_parallel import llama_plan
+    from cutlass_ops.parallel.tensor_parallel import llama_plan
 
     plan = llama_plan(model)
     plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
@@ -429,7 +429,7 @@ def tp_models(layers: int, mesh, dp: int) -> tuple[dict, int]:
     and, on a 1-D TP mesh (``dp`` 1), another through ``torchtitan_style``; ``dp`` > 1: FSDP2
     over them on the data-parallel dimension. With the number of layers ``convert`` fused."""
     import cutlass_ops
-    from cutlass_ops import tensor_parallel
+    from cutlass_ops.parallel import tensor_parallel
 
     plain = llama(layers)
     ours = copy.deepcopy(plain)

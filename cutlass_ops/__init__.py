@@ -79,8 +79,8 @@ def linear_cross_entropy(hidden, weight, labels, **options):
 
 def vocab_parallel_linear_cross_entropy(hidden, weight_shard, labels, **options):
     """``linear_cross_entropy`` with the head's rows sharded across the ranks of a process group
-    (tensor parallelism; see cutlass_ops.vocab_parallel_loss)."""
-    from cutlass_ops.vocab_parallel_loss import vocab_parallel_linear_cross_entropy as _loss
+    (tensor parallelism; see cutlass_ops.parallel.vocab_parallel_loss)."""
+    from cutlass_ops.parallel.vocab_parallel_loss import vocab_parallel_linear_cross_entropy as _loss
 
     return _loss(hidden, weight_shard, labels, **options)
 

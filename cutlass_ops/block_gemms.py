@@ -7,7 +7,7 @@ projections (Q, K and V; gate and up) and the projections whose output meets the
 - ``cutlass_ops.fp8.FusedGemms``: FP8 GEMMs of a recipe, reading the input operand the norm or
   SwiGLU kernel wrote beside its output where the recipe allows (``input_fp8``), or taking the
   amaxes those kernels reduced (``takes_amaxes``, tensorwise);
-- ``cutlass_ops.sharded_gemms.TensorParallelGemms``: the same GEMMs on each rank's shards, the
+- ``cutlass_ops.parallel.sharded_gemms.TensorParallelGemms``: the same GEMMs on each rank's shards, the
   row-parallel partial sums reduced over the ranks (``collectives``).
 """
 

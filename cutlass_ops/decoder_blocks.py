@@ -60,13 +60,18 @@ beside the routed ones: Qwen2-MoE's ``shared_expert``, DeepSeek-V3's ``shared_ex
 from __future__ import annotations
 
 import sys
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from cutlass_ops import fused_linear, mixins, module_state, sharded_gemms, step_graphs
+from cutlass_ops import fused_linear, mixins, module_state, step_graphs
 from cutlass_ops.block_gemms import BF16, BlockGemms, BlockState
+
+# What ``fuse`` asks of a tensor-parallel plan's layer: (attention, mlp or None) -> the GEMMs that
+# run it on the local shards, or why not (``cutlass_ops.parallel.sharded_gemms.adopt``).
+Adopter = Callable[[nn.Module, Optional[nn.Module]], Union[BlockGemms, str, None]]
 from custom_kernels.core.tolerances import relative_error
 from custom_kernels.norms import norm_ops
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
@@ -485,9 +490,12 @@ def _shape_refusal(linears, head_dim) -> str | None:
     return None
 
 
-def fuse(layer: nn.Module, *, require_gpu: bool = True) -> str | None:
+def fuse(layer: nn.Module, *, require_gpu: bool = True, adopt: Adopter | None = None) -> str | None:
     """Makes ``layer`` a fused block in place, after the probe; returns None when done, else
-    why not (the layer is then unchanged). ``require_gpu``: see ``structure_refusal``."""
+    why not (the layer is then unchanged). ``require_gpu``: see ``structure_refusal``.
+    ``adopt``: for weights a tensor-parallel plan sharded (DTensors), the GEMMs that run the
+    block on the local shards, or why not (``cutlass_ops.parallel.sharded_gemms.adopt``,
+    which ``convert`` passes); without it such a layer is refused."""
     why = structure_refusal(layer, require_gpu)
     if why is not None:
         return why
@@ -500,14 +508,12 @@ def fuse(layer: nn.Module, *, require_gpu: bool = True) -> str | None:
     for module in (attention,) if moe else (attention, mlp):  # made here, not inside a trace
         _merged_view(module)
     # Weights a tensor-parallel plan sharded (DTensors): the block runs on the local shards.
-    gemms = sharded_gemms.adopt(attention, None if moe else mlp)
+    gemms = _adopted(attention, None if moe else mlp, adopt)
     if isinstance(gemms, str):
         return gemms
     layer.__class__ = _fused_class(FusedDecoderLayer, originals[0])
     attention.__class__ = _fused_class(FusedAttention, originals[1])
     mlp.__class__ = _fused_class(FusedMoEMLP if moe else FusedMLP, originals[2])
-    for module in (attention, mlp):  # made here, not in a forward torch.compile may trace
-        module_state.ensure(module, BlockState)
     if gemms is not None:
         shard(layer, gemms)
     try:
@@ -524,8 +530,19 @@ def fuse(layer: nn.Module, *, require_gpu: bool = True) -> str | None:
     return why
 
 
+def _adopted(attention, mlp, adopt: Adopter | None):
+    """``adopt``'s GEMMs for a layer whose weights are DTensors (or its refusal), else None."""
+    modules = (attention, mlp) if mlp is not None else (attention,)
+    sharded = any(hasattr(p, "placements") for m in modules for p in m.parameters())
+    if not sharded:
+        return None
+    if adopt is None:
+        return "tensor-parallel (DTensor) weights: fused through cutlass_ops.convert only"
+    return adopt(attention, mlp)
+
+
 def shard(layer: nn.Module, gemms: BlockGemms | None) -> None:
-    """The fused ``layer``'s GEMMs made ``gemms`` (``sharded_gemms.TensorParallelGemms``: its
+    """The fused ``layer``'s GEMMs made ``gemms`` (``parallel.sharded_gemms``' GEMMs: its
     weights are a tensor-parallel plan's shards), or back to its own with None."""
     for module in (layer.self_attn, layer.mlp):
         if gemms is None or not has_moe_mlp(layer) or module is layer.self_attn:

@@ -19,7 +19,7 @@ Semantics are ``torch.nn.functional.cross_entropy``'s on the full float32 logits
 ``mean`` over the non-ignored rows (or over ``num_items_in_batch``, as Hugging Face's trainer
 normalizes), ``sum``, ``none``, ``label_smoothing``, and Gemma-2's ``logit_softcap`` (logits become
 ``cap * tanh(logits / cap)`` before the loss). A vocabulary sharded across GPUs is out of scope.
-(``cutlass_ops.vocab_parallel_loss`` takes a head whose vocabulary is sharded across ranks.)
+(``cutlass_ops.parallel.vocab_parallel_loss`` takes a head whose vocabulary is sharded across ranks.)
 
 Tensors off a CUDA device keep torch's step (``_chunk_step``: float32 logits, the CPU rule of
 ``custom_kernels.core.fallback``), except under ``torch.compile``, where the custom op runs on

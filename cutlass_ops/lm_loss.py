@@ -55,7 +55,7 @@ def loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
     head = model.lm_head
     num_items = int(num_items_in_batch) if num_items_in_batch is not None else None
     if hasattr(head.weight, "to_local"):  # a vocabulary sharded over ranks (tensor parallel)
-        from cutlass_ops.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
+        from cutlass_ops.parallel.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
 
         if head.bias is not None:
             raise UnsupportedInputError("the sharded head's loss takes no bias")

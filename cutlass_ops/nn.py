@@ -13,6 +13,7 @@ one warning per reason (the CPU rule, ``custom_kernels.core.fallback``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from cutlass_ops import (causal_mask, decoder_blocks, lm_loss, norm_probe, ops, 
                          step_graphs)
 from cutlass_ops.gemms.config import Activation
 from cutlass_ops.moe import experts as moe_experts, moe_router
+from cutlass_ops.parallel import sharded_gemms
 from custom_kernels.norms.modules import LayerNorm, RMSNorm
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -382,7 +384,8 @@ def _fuse_decoder_layers(model, include, exclude) -> list[Decision]:
     """Decoder layers (found by structure, after their Linears and norms were converted) made
     fused blocks where the probe agrees."""
     return _swaps(model, include, exclude, decoder_blocks.looks_like_decoder_layer,
-                  decoder_blocks.fuse, lambda module: _MOE_BLOCK
+                  functools.partial(decoder_blocks.fuse, adopt=sharded_gemms.adopt),
+                  lambda module: _MOE_BLOCK
                   if decoder_blocks.has_moe_mlp(module) else _DENSE_BLOCK)
 
 

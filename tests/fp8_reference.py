@@ -1,4 +1,4 @@
-"""The FP8 linear's reference for the tests (tests/cpu/test_fp8_linear.py and its GPU twin):
+"""The FP8 linear's reference for the tests (tests/cpu/fp8/test_fp8_linear.py and its GPU twin):
 each GEMM's operands quantized and dequantized along their reduction with the block the recipe
 names, written here apart from cutlass_ops.fp8 (its own table, no transposed layouts, no
 padding: partial blocks are blocks of their own), and the random operands it is checked on.

@@ -1,6 +1,6 @@
 """One training step of a tiny Llama converted with ``fp8=recipe``, in one process or per rank
 under FSDP2 (``fully_shard`` on each decoder layer and the root, after ``convert``), for the FP8
-conversion's distributed tests (tests/cpu/test_fp8_convert.py over gloo, tests/gpu over NCCL):
+conversion's distributed tests (tests/cpu/fp8/test_fp8_convert.py over gloo, tests/gpu over NCCL):
 what a rank saves (the loss, the full gradients, the full state_dict, the FP8 layers) is compared
 with the same step in one process."""
 

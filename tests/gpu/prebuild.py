@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 root = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(root), str(Path(__file__).parent)]
+sys.path[:0] = [str(root), str(Path(__file__).parent), str(Path(__file__).parent / "fp8")]
 
 from benchmarks.gemm import FIXED_CONFIGS  # noqa: E402
 from cutlass_ops import GemmConfig, GemmOperands  # noqa: E402

@@ -16,7 +16,11 @@ from custom_kernels.fp8 import fp8_quant
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.fp8.grad_amax import GradAmax
 
-from test_swiglu import calls, hf_swiglu  # noqa: F401  (the kernels' torch stand-in)
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/cpu: test_swiglu
+from test_swiglu import calls, hf_swiglu  # noqa: E402, F401  (the kernels' torch stand-in)
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""cutlass_ops.vocab_parallel_loss on gloo ranks (CPU): the loss, hidden's gradient and each rank's
+"""cutlass_ops.parallel.vocab_parallel_loss on gloo ranks (CPU): the loss, hidden's gradient and each rank's
 weight-shard gradient against ``F.cross_entropy`` on the unsharded head (float64 math; for bf16
 on the same bf16 values), at world size 2 (equal shards) and 3 (uneven shards in a permuted
 order, and a Shard(0) DTensor head); world size 1 against ``linear_cross_entropy``; the
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gloo_ranks import on_ranks  # noqa: E402
 
 from custom_kernels.core.errors import UnsupportedInputError  # noqa: E402
@@ -53,7 +53,7 @@ def backward(loss, row_grad):
 def _sharded(rank, world, cases):
     """Each case on this rank: its shard of the head (a DTensor with ``dtensor``), the loss and
     the gradients of hidden and of the shard."""
-    from cutlass_ops.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
+    from cutlass_ops.parallel.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
 
     out = []
     for case in cases:
@@ -81,7 +81,7 @@ def _sharded(rank, world, cases):
 def _single(rank, world, cases):
     """World size 1: ours and linear_cross_entropy on the same inputs."""
     from cutlass_ops.fused_cross_entropy import linear_cross_entropy
-    from cutlass_ops.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
+    from cutlass_ops.parallel.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
 
     out = []
     for case in cases:
@@ -110,7 +110,7 @@ def _counted(rank, world, cases):
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from cutlass_ops.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
+    from cutlass_ops.parallel.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
 
     calls = []
 
@@ -153,7 +153,7 @@ def _refusals(rank, world):
     """Each bad call's error message on this rank (None: it did not raise)."""
     import torch.distributed as dist
 
-    from cutlass_ops.vocab_parallel_loss import vocab_parallel_linear_cross_entropy as loss_fn
+    from cutlass_ops.parallel.vocab_parallel_loss import vocab_parallel_linear_cross_entropy as loss_fn
 
     hidden, weight, labels, _ = problem(20, [(0, 10), (10, 10)], torch.float32)
     shard = weight[10 * rank:10 * rank + 10]
@@ -329,7 +329,7 @@ def test_refusals_are_raised_on_every_rank(tmp_path):
 def test_refuses_without_an_initialized_group(monkeypatch):
     import torch.distributed as dist
 
-    from cutlass_ops.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
+    from cutlass_ops.parallel.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
 
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     hidden, weight, labels, _ = problem(8, [(0, 8)], torch.float32)

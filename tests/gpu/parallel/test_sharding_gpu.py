@@ -1,5 +1,5 @@
 """custom_kernels.parallel.sharding_rules on two GPUs (marker gpu; NCCL ranks): the cases of
-tests/cpu/test_sharding.py with the ops' own CUDA kernels instead of the CPU stand-ins. Norms,
+tests/cpu/parallel/test_sharding.py with the ops' own CUDA kernels instead of the CPU stand-ins. Norms,
 rotary and SwiGLU on DTensors sharded on the sequence, the batch or the heads stay local (no
 collective forward or backward, results sharded, weight gradients Partial) and equal the torch
 references on the whole tensors; a last-dimension shard is gathered by DTensor and still right."""
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cpu" / "parallel"))
 from gloo_ranks import on_ranks  # noqa: E402
 from test_sharding import _cases  # noqa: E402
 

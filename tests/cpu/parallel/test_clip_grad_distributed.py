@@ -13,7 +13,7 @@ from custom_kernels import clip_grad
 from custom_kernels.parallel import clip_grad_distributed
 from custom_kernels.core.errors import UnsupportedInputError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gloo_ranks import on_ranks  # noqa: E402
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gloo_ranks import on_ranks  # noqa: E402
 
 B, S, HIDDEN, HQ, HK, D = 2, 4, 16, 4, 2, 8
@@ -168,7 +168,7 @@ def _run_case(mesh, case, dim, expect_local):
     from torch.distributed.tensor.debug import CommDebugMode
 
     ours, ref, full, params = CASES[case]()
-    device = mesh.device_type  # "cuda": the GPU variant (tests/gpu/test_sharding_gpu.py)
+    device = mesh.device_type  # "cuda": the GPU variant (tests/gpu/parallel/test_sharding_gpu.py)
     full = {n: t.to(device).requires_grad_() if t is not None and n not in ("cos", "sin")
             else (t.to(device) if t is not None else None) for n, t in full.items()}
     dist = {n: None if t is None else

@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from benchmarks import fp8_convergence  # noqa: E402
 

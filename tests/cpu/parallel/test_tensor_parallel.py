@@ -1,4 +1,4 @@
-"""cutlass_ops.tensor_parallel on the CPU: two gloo ranks shard a fused Llama-style model
+"""cutlass_ops.parallel.tensor_parallel on the CPU: two gloo ranks shard a fused Llama-style model
 (fused on the CPU: the kernels' torch fallbacks) and train it, sharded by ``parallelize`` after
 fusing, or by torch's Llama plan or Hugging Face's ``tp_plan="auto"`` (with accelerate) before
 (the fused blocks adopt the plan's shards). The loss, every gradient (the
@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gloo_ranks import on_ranks  # noqa: E402
 
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -65,7 +65,7 @@ def _model(device="cpu", config=CONFIG, mesh=None, checkpoint=None):
 def _torch_plan(model, mesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from cutlass_ops.tensor_parallel import llama_plan
+    from cutlass_ops.parallel.tensor_parallel import llama_plan
 
     parallelize_module(model, mesh, llama_plan(model))
 
@@ -78,14 +78,15 @@ def _grads(model) -> dict:
 def _train_and_infer(rank, world, device="cpu", config=CONFIG, how="parallelize",
                      checkpoint=None):
     """(what the sharded model gave, what the unsharded one gave) on this rank; ``device``
-    "cuda": NCCL ranks, the ops' own kernels (tests/gpu/test_tensor_parallel_gpu.py); ``how``:
+    "cuda": NCCL ranks, the ops' own kernels (tests/gpu/parallel/test_tensor_parallel_gpu.py); ``how``:
     "parallelize" (convert, then ``tensor_parallel.parallelize``), "torch_plan" (torch's
     plan, then the fused blocks adopt its shards) or "hf_tp_plan" (Hugging Face's
     ``tp_plan="auto"`` of ``checkpoint``, then the same)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from cutlass_ops import fused_linear, tensor_parallel
+    from cutlass_ops import fused_linear
+    from cutlass_ops.parallel import tensor_parallel
 
     ids = torch.randint(0, config["vocab_size"], (2, 12),
                         generator=torch.Generator().manual_seed(1)).to(device)
@@ -175,7 +176,7 @@ def _state_round_trip(model, device, config) -> dict:
 
 
 def test_refusals():
-    from cutlass_ops import tensor_parallel
+    from cutlass_ops.parallel import tensor_parallel
 
     plain = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG))
     assert "not a fused block" in tensor_parallel.refusal(plain, 2)
@@ -193,7 +194,8 @@ def _plan_refusals(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-    from cutlass_ops import decoder_blocks, tensor_parallel
+    from cutlass_ops import decoder_blocks
+    from cutlass_ops.parallel import tensor_parallel
     from custom_kernels.core.errors import UnsupportedInputError
 
     mesh = init_device_mesh("cpu", (world,))

@@ -3,9 +3,9 @@ parallelism): ``TensorParallelGemms`` stands in for ``cutlass_ops.fused_linear``
 merged and residual GEMMs (``decoder_blocks`` calls them as its blocks' ``BlockGemms``) and reads
 each DTensor weight's local shard; ``adopt(attention, mlp)`` checks that a layer's weights are
 sharded the Megatron way (q, k, v, gate, up ``Shard(0)``; o_proj, down_proj ``Shard(1)``; one
-1-D mesh, as torch's Llama plan or ``cutlass_ops.tensor_parallel.parallelize`` leaves them)
+1-D mesh, as torch's Llama plan or ``cutlass_ops.parallel.tensor_parallel.parallelize`` leaves them)
 and lays each rank's q, k, v (and gate, up) end to end in one buffer, so that the merged GEMMs
-stay one GEMM a rank. ``cutlass_ops.tensor_parallel`` says what runs where.
+stay one GEMM a rank. ``cutlass_ops.parallel.tensor_parallel`` says what runs where.
 """
 
 from __future__ import annotations

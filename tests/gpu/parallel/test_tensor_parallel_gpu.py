@@ -1,5 +1,5 @@
-"""cutlass_ops.tensor_parallel on 2 and 4 GPUs (marker gpu; NCCL ranks): the CPU test's model
-(tests/cpu/test_tensor_parallel.py) in bf16 with the ops' own kernels, sharded by
+"""cutlass_ops.parallel.tensor_parallel on 2 and 4 GPUs (marker gpu; NCCL ranks): the CPU test's model
+(tests/cpu/parallel/test_tensor_parallel.py) in bf16 with the ops' own kernels, sharded by
 ``parallelize`` after fusing or by torch's Llama plan before, 8 query and 4 key/value
 heads so that 4 ranks divide them. The sharded model's loss, every gradient and its logits
 against the same fused model on one GPU (bf16 tolerances: the ranks' partial sums round
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cpu" / "parallel"))
 from gloo_ranks import on_ranks  # noqa: E402
 from test_tensor_parallel import CONFIG, _train_and_infer  # noqa: E402
 

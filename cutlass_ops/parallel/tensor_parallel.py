@@ -13,7 +13,7 @@ mesh, Megatron-style, keeping every fusion on each rank's own shard:
   sharded GEMM's input is summed over the ranks (one all-reduce) before it reaches the norm.
 - lm_head: rows (the vocabulary) sharded with torch's ``ColwiseParallel`` (its logits gathered
   for calls without labels, as torch's plan gathers them); with labels, the loss runs on each
-  rank's slice of the vocabulary (``cutlass_ops.vocab_parallel_loss``): no logits gathered.
+  rank's slice of the vocabulary (``cutlass_ops.parallel.vocab_parallel_loss``): no logits gathered.
 
 Collectives a layer: two all-reduces forward (o_proj, down_proj), two backward (the QKV and
 gate+up inputs) — torch's own Llama plan (``ColwiseParallel`` on q, k, v, gate and up) issues one
@@ -26,7 +26,7 @@ made); refused with the reason: layers that are not fused, FP8 or mixture-of-exp
 head counts or widths the mesh does not divide, a mesh that is not 1-D. Or the other way round:
 shard the unconverted model with torch's Llama plan (``parallelize_module(model, mesh,
 llama_plan(model))``) or load it with Hugging Face's ``from_pretrained(..., tp_plan="auto")``
-(it needs ``accelerate``), then ``convert``: the fused blocks adopt the plan's shards (``cutlass_ops.sharded_gemms.adopt``;
+(it needs ``accelerate``), then ``convert``: the fused blocks adopt the plan's shards (``cutlass_ops.parallel.sharded_gemms.adopt``;
 Linear layers with DTensor weights keep torch's). Decode steps run eagerly (no step graphs).
 Under torch.compile the collectives are torch.distributed's eager ones: not traced.
 """
@@ -38,7 +38,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from cutlass_ops import decoder_blocks, sharded_gemms
+from cutlass_ops import decoder_blocks
+from cutlass_ops.parallel import sharded_gemms
 from cutlass_ops.block_gemms import Bf16Gemms
 from custom_kernels.core.errors import UnsupportedInputError
 
