@@ -13,33 +13,42 @@ from __future__ import annotations
 from typing import Callable, Optional, TypeVar
 
 T = TypeVar("T")
-_KEY = "_cutlass_ops_state"  # the one attribute: {state class: instance}
+_KEY = "_cutlass_ops_state"  # the one attribute: {state class's dotted name: instance}
+
+
+def _key(kind: type) -> str:
+    # A string key: torch.compile traces dict reads by constant strings (fused forwards read
+    # their state inside compiled graphs), and writes only through item assignment.
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def get(module, kind: type[T]) -> Optional[T]:
     """``module``'s state of ``kind``, or None."""
     states = module.__dict__.get(_KEY)
-    return None if states is None else states.get(kind)
+    return None if states is None else states.get(_key(kind))
 
 
 def ensure(module, kind: type[T], make: Optional[Callable[[], T]] = None) -> T:
     """``module``'s state of ``kind``, made by ``make`` (else ``kind()``) when it has none."""
-    states = module.__dict__.setdefault(_KEY, {})
-    state = states.get(kind)
+    state = get(module, kind)
     if state is None:
-        state = states[kind] = (make or kind)()
+        state = (make or kind)()
+        put(module, state)
     return state
 
 
 def put(module, state) -> None:
     """``state`` as ``module``'s state of its class."""
-    module.__dict__.setdefault(_KEY, {})[type(state)] = state
+    states = module.__dict__.get(_KEY)
+    if states is None:
+        states = module.__dict__[_KEY] = {}
+    states[_key(type(state))] = state
 
 
 def take(module, kind: type[T]) -> Optional[T]:
     """``module``'s state of ``kind``, removed (None when it had none)."""
     states = module.__dict__.get(_KEY)
-    return None if states is None else states.pop(kind, None)
+    return None if states is None else states.pop(_key(kind), None)
 
 
 def drop(module, kind: type) -> None:

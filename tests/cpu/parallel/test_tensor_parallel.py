@@ -45,6 +45,7 @@ def _model(device="cpu", config=CONFIG, mesh=None, checkpoint=None):
     import torch.distributed as dist
 
     from cutlass_ops import decoder_blocks, lm_loss
+    from cutlass_ops.parallel import sharded_gemms
 
     if checkpoint is not None:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -57,7 +58,8 @@ def _model(device="cpu", config=CONFIG, mesh=None, checkpoint=None):
     if mesh is not None:
         _torch_plan(model, mesh)
     for layer in model.model.layers:
-        assert decoder_blocks.fuse(layer, require_gpu=device != "cpu") is None
+        assert decoder_blocks.fuse(layer, require_gpu=device != "cpu",
+                                   adopt=sharded_gemms.adopt) is None
     assert lm_loss.route(model) is None
     return model
 
@@ -195,7 +197,7 @@ def _plan_refusals(rank, world):
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
     from cutlass_ops import decoder_blocks
-    from cutlass_ops.parallel import tensor_parallel
+    from cutlass_ops.parallel import sharded_gemms, tensor_parallel
     from custom_kernels.core.errors import UnsupportedInputError
 
     mesh = init_device_mesh("cpu", (world,))
@@ -204,7 +206,7 @@ def _plan_refusals(rank, world):
     plan["model.layers.0.self_attn.q_proj"] = RowwiseParallel()
     parallelize_module(model, mesh, plan)
     layer = model.model.layers[0]
-    why = decoder_blocks.fuse(layer, require_gpu=False)
+    why = decoder_blocks.fuse(layer, require_gpu=False, adopt=sharded_gemms.adopt)
     fused = decoder_blocks.is_fused(layer), decoder_blocks.is_fused(model.model.layers[1])
     try:
         tensor_parallel.parallelize(_model(), init_device_mesh("cpu", (1, world)))
