@@ -93,13 +93,13 @@ def grouped_mm(a, b, offs=None, *, out_dtype=None):
     return _grouped_mm(a, b, offs, out_dtype=out_dtype)
 
 
-def convert(model, **options):
-    """Swaps a model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place where our
-    kernels apply, fusing activations that follow them in an nn.Sequential; returns a report of
-    every layer and why (see cutlass_ops.nn.convert for the options)."""
+def convert(model, config=None, **options):
+    """Swaps a model's Linear layers, norms, decoder blocks, experts and loss for ours in place
+    where our kernels apply; returns a report of every layer and why. Options: a
+    ``cutlass_ops.nn.ConvertConfig``, or its fields as keywords."""
     from cutlass_ops.nn import convert as _convert
 
-    return _convert(model, **options)
+    return _convert(model, config, **options)
 
 
 def __getattr__(name):

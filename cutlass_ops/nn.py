@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Collection, Optional
 
 import torch
 from torch import nn
@@ -120,47 +121,58 @@ def _why_not(layer: nn.Linear) -> str | None:
     return None
 
 
-def convert(model: nn.Module, *, include=None, exclude=(), fuse_activations: bool = True,
-            norms: bool = True, fused_loss: bool = True, fuse_blocks: bool = True,
-            experts: bool = True, fp8: str | None = None,
-            fp8_lm_head: bool = False) -> ConversionReport:
-    """Swaps the model's torch.nn.Linear layers for cutlass_ops.nn.Linear in place (sharing
-    parameters), leaving unsupported ones alone. ``include``: names to consider (default all);
-    ``exclude``: names to leave alone. With ``fuse_activations``, a ReLU / GELU / SiLU module
-    that directly follows a converted Linear in an nn.Sequential moves into the Linear's
-    epilogue and becomes nn.Identity. With ``norms``, torch.nn.RMSNorm and LayerNorm layers
-    become the fused norm modules (same parameters; they fall back to torch for input the
-    kernels do not take), and so do modules built like an RMSNorm that are not torch's (Hugging
-    Face's LlamaRMSNorm, Mistral's, Qwen2's, Qwen3's) once a numeric probe agrees
-    (``cutlass_ops.norm_probe``). With ``fused_loss``, a Hugging Face causal LM called with
-    labels computes its head and loss a chunk at a time, without materializing the logits (then
-    not returned; ``cutlass_ops.lm_loss``), after a probe of its loss. With ``fuse_blocks``, a
-    decoder layer built like Llama's (Mistral, Qwen2, Qwen3...) runs as a fused block (merged
-    QKV and gate+up GEMMs, rotary and SwiGLU kernels, residual adds in GEMM epilogues;
-    ``cutlass_ops.decoder_blocks``), after a probe of the layer; a model on SDPA attention then
-    also skips the materialized causal mask of unpadded batches under torch.compile
-    (``cutlass_ops.causal_mask``). With ``experts``, a mixture-of-experts experts module built
-    like Hugging Face's (Mixtral, Qwen3-MoE: 3-D ``gate_up_proj`` / ``down_proj``, SiLU) runs as
-    two grouped GEMMs and a SwiGLU kernel without its per-expert loop, after a probe
-    (``cutlass_ops.moe``), and its block's top-k router as one routing pass that also sorts the
-    tokens by expert, after a probe of its own (``cutlass_ops.moe.moe_router``). With ``fp8``
-    ("tensorwise", "rowwise" or "blockwise"), then, the Linear layers and the fused blocks' GEMMs that take the recipe run FP8 forward and backward
-    with bf16 master weights and the same state_dict, the LM head only with ``fp8_lm_head``
-    (``cutlass_ops.fp8``; the report names each layer's recipe or why not). Returns what was
-    done and why, per layer."""
-    if fp8 is not None:
+@dataclasses.dataclass(frozen=True)
+class ConvertConfig:
+    """What ``convert`` swaps, one option a field (torchao's ``Float8LinearConfig`` is the
+    model). Each swap happens after a numeric probe where the module is recognised by structure,
+    and the report names every layer's choice or why not."""
+
+    include: Optional[Collection[str]] = None  # names to consider (default all)
+    exclude: Collection[str] = ()  # names to leave alone
+    # A ReLU / GELU / SiLU module directly after a converted Linear in an nn.Sequential moves into
+    # the Linear's epilogue (and becomes nn.Identity).
+    fuse_activations: bool = True
+    # torch's RMSNorm / LayerNorm, and modules built like an RMSNorm (Hugging Face's Llama,
+    # Mistral, Qwen2, Qwen3 norms) once a probe agrees, become the fused norm modules.
+    norms: bool = True
+    # A Hugging Face causal LM called with labels computes its head and loss a chunk at a time,
+    # without materializing the logits (then not returned; ``cutlass_ops.lm_loss``).
+    fused_loss: bool = True
+    # Decoder layers built like Llama's run as fused blocks (``cutlass_ops.decoder_blocks``); on
+    # SDPA an unpadded batch's causal mask is then left to ``is_causal`` (``causal_mask``).
+    fuse_blocks: bool = True
+    # Experts built like Hugging Face's (3-D gate_up_proj / down_proj, SiLU) run as grouped
+    # GEMMs (``cutlass_ops.moe``), their block's top-k router as one routing pass.
+    experts: bool = True
+    # "tensorwise", "rowwise" or "blockwise": Linears and fused blocks' GEMMs that take the recipe
+    # run FP8 forward and backward, bf16 master weights (``cutlass_ops.fp8``).
+    fp8: Optional[str] = None
+    fp8_lm_head: bool = False  # the LM head in FP8 too (bf16 by default)
+
+
+def convert(model: nn.Module, config: ConvertConfig | None = None,
+            **options) -> ConversionReport:
+    """Swaps the model's Linear layers, norms, decoder blocks, experts and loss for ours in place
+    (sharing parameters; ``state_dict`` unchanged) where our kernels apply, per ``config`` (a
+    ``ConvertConfig``) or its fields as keywords, not both; returns what was done and why, per
+    layer."""
+    if config is not None and options:
+        raise TypeError("convert takes a ConvertConfig or its fields as keywords, not both")
+    config = ConvertConfig(**options) if config is None else config
+    if config.fp8 is not None:
         from cutlass_ops.fp8 import recipes
 
-        recipes.get(fp8)  # an unknown recipe raises before anything changes
+        recipes.get(config.fp8)  # an unknown recipe raises before anything changes
     with step_graphs.paused():  # the probes' calls leave no CUDA graphs behind
-        report = _convert(model, include, exclude, fuse_activations, norms, fused_loss,
-                          fuse_blocks, experts)
-    if fp8 is None:
+        report = _convert(model, config.include, config.exclude, config.fuse_activations,
+                          config.norms, config.fused_loss, config.fuse_blocks, config.experts)
+    if config.fp8 is None:
         return report
     from cutlass_ops.fp8.convert import convert_fp8
 
-    return _with_fp8(report, convert_fp8(model, fp8, lm_head=fp8_lm_head, include=include,
-                                         exclude=exclude, linear_types=(nn.Linear, Linear)))
+    return _with_fp8(report, convert_fp8(model, config.fp8, lm_head=config.fp8_lm_head,
+                                         include=config.include, exclude=config.exclude,
+                                         linear_types=(nn.Linear, Linear)))
 
 
 def _with_fp8(report: ConversionReport, choices) -> ConversionReport:
@@ -399,4 +411,4 @@ def _child_name(parent: nn.Module, module: nn.Module) -> str:
     return next(name for name, m in parent._modules.items() if m is module)
 
 
-__all__ = ["Linear", "RMSNorm", "LayerNorm", "convert", "ConversionReport"]
+__all__ = ["Linear", "RMSNorm", "LayerNorm", "convert", "ConvertConfig", "ConversionReport"]

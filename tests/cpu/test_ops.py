@@ -3,6 +3,7 @@ torch.compile tracing (the kernels themselves fall back to torch off the GPU; te
 them for real)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -151,6 +152,23 @@ def test_convert_fuses_activations_that_follow_in_sequential(monkeypatch):
     plain = copy.deepcopy(before)
     cutlass_ops.convert(plain, fuse_activations=False)
     assert isinstance(plain[1], nn.GELU) and plain[0].activation == "identity"
+    configured = copy.deepcopy(before)  # the same option as a ConvertConfig
+    cutlass_ops.convert(configured, cutlass_ops.nn.ConvertConfig(fuse_activations=False))
+    assert isinstance(configured[1], nn.GELU) and configured[0].activation == "identity"
+
+
+def test_convert_takes_a_config_or_keywords_and_refuses_unknown_options():
+    model = nn.Sequential(nn.Linear(16, 8))
+    config = cutlass_ops.nn.ConvertConfig(norms=False, exclude=("0",))
+    assert cutlass_ops.convert(model, config).skipped["0"] == "excluded by the caller"
+    with pytest.raises(TypeError, match="not both"):
+        cutlass_ops.convert(model, config, norms=True)
+    with pytest.raises(TypeError, match="fused_norms"):
+        cutlass_ops.convert(model, fused_norms=False)
+    with pytest.raises(ValueError, match="float16"):  # an unknown recipe, before any swap
+        cutlass_ops.convert(model, fp8="float16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.norms = True
 
 
 def test_convert_swaps_norms_where_the_kernels_apply(monkeypatch):
