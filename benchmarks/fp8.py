@@ -114,13 +114,13 @@ def whole_call_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
     """``cutlass_ops.scaled_mm`` and ``torch._scaled_mm`` called eagerly, inputs rotated."""
     from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
     from cutlass_ops.gemms import scaled_dispatch, scaled_inputs
-    from cutlass_ops.gemms.scaled_inputs import Recipe
+    from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
     from tuning.scaled_session import quantized_inputs
 
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     count = rotation_sets(m * k + n * k + 2 * m * n, l2)
     dtypes = (torch.float8_e4m3fn, torch.float8_e4m3fn)
-    sets = [quantized_inputs(Recipe(recipe), m, n, k, dtypes, "cuda", seed=i)
+    sets = [quantized_inputs(ScaleRecipe(recipe), m, n, k, dtypes, "cuda", seed=i)
             for i in range(count)]
     ours_fn = lambda a, b, sa, sb: cutlass_ops.scaled_mm(a, b, sa, sb, use_fast_accum=fast)  # noqa: E731
     torch_fn = lambda a, b, sa, sb: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16,  # noqa: E731

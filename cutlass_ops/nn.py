@@ -69,7 +69,7 @@ def fusable_activation(module: nn.Module) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
+class LayerDecision:
     name: str
     kind: str
     converted: bool
@@ -79,7 +79,7 @@ class Decision:
 
 @dataclasses.dataclass
 class ConversionReport:
-    decisions: list[Decision]
+    decisions: list[LayerDecision]
 
     @property
     def converted(self) -> list[str]:
@@ -176,7 +176,7 @@ def convert(model: nn.Module, config: ConvertConfig | None = None,
 
 
 def _with_fp8(report: ConversionReport, choices) -> ConversionReport:
-    """The report with each layer's FP8 choice (``cutlass_ops.fp8.Choice``) folded in."""
+    """The report with each layer's FP8 choice (``cutlass_ops.fp8.RecipeChoice``) folded in."""
     by_name = {c.name: c for c in choices}
     decisions = []
     for d in report.decisions:
@@ -188,7 +188,7 @@ def _with_fp8(report: ConversionReport, choices) -> ConversionReport:
         else:
             decisions.append(dataclasses.replace(d, converted=True, reason=c.reason,
                                                  fp8=c.recipe))
-    decisions += [Decision(c.name, c.kind, c.recipe is not None, c.reason, c.recipe)
+    decisions += [LayerDecision(c.name, c.kind, c.recipe is not None, c.reason, c.recipe)
                   for c in by_name.values()]
     return ConversionReport(decisions)
 
@@ -211,14 +211,14 @@ def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_
             continue
         kind = type(module).__name__
         if _excluded(name, include, exclude):
-            decisions.append(Decision(name, kind, False, "excluded by the caller"))
+            decisions.append(LayerDecision(name, kind, False, "excluded by the caller"))
             continue
         reason = _why_not(module)
         if reason is not None:
-            decisions.append(Decision(name, kind, False, reason))
+            decisions.append(LayerDecision(name, kind, False, reason))
             continue
         if not name:
-            decisions.append(Decision(name, kind, False, "the model itself is a Linear: wrap "
+            decisions.append(LayerDecision(name, kind, False, "the model itself is a Linear: wrap "
                                       "it or use cutlass_ops.nn.Linear.from_linear"))
             continue
         parent_name, _, child = name.rpartition(".")
@@ -234,7 +234,7 @@ def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_
             follower_name = f"{parent_name}.{_child_name(parent, follower)}".lstrip(".")
             setattr(parent, _child_name(parent, follower), nn.Identity())
             reason += f"; {follower_name} ({type(follower).__name__}) fused as {activation}"
-        decisions.append(Decision(name, kind, True, reason))
+        decisions.append(LayerDecision(name, kind, True, reason))
     if experts:
         decisions += _fuse_routers(model, include, exclude)
     if fuse_blocks:
@@ -243,13 +243,13 @@ def _convert(model, include, exclude, fuse_activations, norms, fused_loss, fuse_
         if any(d.converted and decoder_blocks.is_fused(model.get_submodule(d.name))
                for d in decisions) and causal_mask.structure_refusal(model) is None:
             causal_mask.route(model)
-            decisions.append(Decision("attention mask", type(model).__name__, True,
+            decisions.append(LayerDecision("attention mask", type(model).__name__, True,
                                       "SDPA: an unpadded batch's causal mask is left to "
                                       "is_causal under torch.compile too "
                                       "(cutlass_ops.causal_mask)"))
     if fused_loss and lm_loss.structure_refusal(model) is None:
         why = lm_loss.route(model)
-        decisions.append(Decision("lm_head+loss", type(model).__name__, why is None,
+        decisions.append(LayerDecision("lm_head+loss", type(model).__name__, why is None,
                                   why or "labels: the head and the loss a chunk of rows at a "
                                   "time, no logits (cutlass_ops.linear_cross_entropy)"))
     return ConversionReport(decisions)
@@ -267,14 +267,14 @@ def _fuse_routers(model, include, exclude) -> list:
         gate = block.gate
         kind = type(gate).__name__
         if _excluded(name, include, exclude):
-            decisions.append(Decision(name, kind, False, "excluded by the caller"))
+            decisions.append(LayerDecision(name, kind, False, "excluded by the caller"))
             continue
         why = moe_router.fuse_router(block)
-        decisions.append(Decision(name, kind, why is None, why or moe_router.describe(gate)))
+        decisions.append(LayerDecision(name, kind, why is None, why or moe_router.describe(gate)))
     return decisions
 
 
-def _fuse_rotary_embeddings(model, include, exclude) -> list[Decision]:
+def _fuse_rotary_embeddings(model, include, exclude) -> list[LayerDecision]:
     """Hugging Face rotary embedding modules (found by structure) computing their cos / sin
     tables on one launch where the probe agrees (cutlass_ops.rotary_embedding)."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
@@ -289,7 +289,7 @@ def _excluded(name: str, include, exclude) -> bool:
     return include is not None and name not in include or name in exclude
 
 
-def _swaps(model, include, exclude, recognised, swap, done) -> list[Decision]:
+def _swaps(model, include, exclude, recognised, swap, done) -> list[LayerDecision]:
     """A decision for each module ``recognised`` by structure: excluded by the caller, or
     ``swap(module)``'s refusal, or ``done(module)`` when it swapped."""
     decisions = []
@@ -298,46 +298,46 @@ def _swaps(model, include, exclude, recognised, swap, done) -> list[Decision]:
             continue
         kind = type(module).__name__
         if _excluded(name, include, exclude):
-            decisions.append(Decision(name, kind, False, "excluded by the caller"))
+            decisions.append(LayerDecision(name, kind, False, "excluded by the caller"))
             continue
         why = swap(module)
-        decisions.append(Decision(name, kind, why is None, why or done(module)))
+        decisions.append(LayerDecision(name, kind, why is None, why or done(module)))
     return decisions
 
 
-def _convert_norm(model, name, module, include, exclude) -> Decision:
+def _convert_norm(model, name, module, include, exclude) -> LayerDecision:
     kind = type(module).__name__
     if _excluded(name, include, exclude):
-        return Decision(name, kind, False, "excluded by the caller")
+        return LayerDecision(name, kind, False, "excluded by the caller")
     weight = module.weight
     if weight is None or len(module.normalized_shape) != 1:
-        return Decision(name, kind, False, "no weight or a multi-dimensional normalized_shape: "
+        return LayerDecision(name, kind, False, "no weight or a multi-dimensional normalized_shape: "
                         "the fused kernels normalize the last dimension with a weight")
     if isinstance(module, nn.LayerNorm) and module.bias is None:
-        return Decision(name, kind, False, "LayerNorm without bias: left to torch")
+        return LayerDecision(name, kind, False, "LayerNorm without bias: left to torch")
     if weight.device.type != "cuda":
-        return Decision(name, kind, False, f"weights on {weight.device}: move the model to a "
+        return LayerDecision(name, kind, False, f"weights on {weight.device}: move the model to a "
                         "CUDA device first")
     if not name:
-        return Decision(name, kind, False, "the model itself is a norm: use "
+        return LayerDecision(name, kind, False, "the model itself is a norm: use "
                         f"cutlass_ops.nn.{kind}.from_module")
     ours = (RMSNorm if isinstance(module, nn.RMSNorm) else LayerNorm).from_module(module)
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, ours)
-    return Decision(name, kind, True, "fused norm kernel (torch where the input does not fit)")
+    return LayerDecision(name, kind, True, "fused norm kernel (torch where the input does not fit)")
 
 
-def _excluded_or_off_cuda(name, kind, weight, include, exclude) -> Decision | None:
+def _excluded_or_off_cuda(name, kind, weight, include, exclude) -> LayerDecision | None:
     """The refusals every probed conversion starts with: the caller's choice, CPU weights."""
     if _excluded(name, include, exclude):
-        return Decision(name, kind, False, "excluded by the caller")
+        return LayerDecision(name, kind, False, "excluded by the caller")
     if weight.device.type != "cuda":
-        return Decision(name, kind, False, f"weights on {weight.device}: move the model to a "
+        return LayerDecision(name, kind, False, f"weights on {weight.device}: move the model to a "
                         "CUDA device first")
     return None
 
 
-def _convert_probed_norm(model, name, module, include, exclude) -> Decision:
+def _convert_probed_norm(model, name, module, include, exclude) -> LayerDecision:
     """A module built like an RMSNorm that is not torch's (Hugging Face's LlamaRMSNorm and its
     copies): swapped only when the numeric probe agrees (cutlass_ops.norm_probe)."""
     kind = type(module).__name__
@@ -345,18 +345,18 @@ def _convert_probed_norm(model, name, module, include, exclude) -> Decision:
     if refused is not None:
         return refused
     if not name:
-        return Decision(name, kind, False, "the model itself is a norm: wrap it")
+        return LayerDecision(name, kind, False, "the model itself is a norm: wrap it")
     offset, why = norm_probe.match(module)
     if why is not None:
-        return Decision(name, kind, False, why)
+        return LayerDecision(name, kind, False, why)
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, norm_probe.drop_in(module, offset))
     what = "Gemma's RMSNorm (1 + weight)" if offset else "RMSNorm"
-    return Decision(name, kind, True, f"{what} by structure and by a numeric probe: fused norm "
+    return LayerDecision(name, kind, True, f"{what} by structure and by a numeric probe: fused norm "
                     "kernel (torch where the input does not fit)")
 
 
-def _convert_experts(model, name, module, include, exclude) -> Decision:
+def _convert_experts(model, name, module, include, exclude) -> LayerDecision:
     """A mixture-of-experts experts module made two grouped GEMMs (cutlass_ops.moe), when its
     weights suit the kernels and the probe agrees."""
     kind = type(module).__name__
@@ -365,21 +365,21 @@ def _convert_experts(model, name, module, include, exclude) -> Decision:
     if refused is not None:
         return refused
     if weight.dtype not in _SUPPORTED_DTYPES:
-        return Decision(name, kind, False, f"{weight.dtype} weights: the grouped GEMMs are "
+        return LayerDecision(name, kind, False, f"{weight.dtype} weights: the grouped GEMMs are "
                         "bf16/fp16")
     hidden, inter = weight.shape[-1], weight.shape[1] // 2
     if hidden % 8 or inter % 8:
-        return Decision(name, kind, False, f"hidden {hidden} and intermediate {inter}: both "
+        return LayerDecision(name, kind, False, f"hidden {hidden} and intermediate {inter}: both "
                         "must be multiples of 8 for 16-byte aligned rows")
     if not name:
-        return Decision(name, kind, False, "the model itself is an experts module: use "
+        return LayerDecision(name, kind, False, "the model itself is an experts module: use "
                         "cutlass_ops.moe.GroupedExperts")
     why = moe_experts.probe(module)
     if why is not None:
-        return Decision(name, kind, False, why)
+        return LayerDecision(name, kind, False, why)
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, moe_experts.GroupedExperts(module))
-    return Decision(name, kind, True, f"{weight.shape[0]} experts as two grouped GEMMs and a "
+    return LayerDecision(name, kind, True, f"{weight.shape[0]} experts as two grouped GEMMs and a "
                     "SwiGLU kernel, no per-expert loop (cutlass_ops.moe)")
 
 
@@ -392,7 +392,7 @@ _MOE_BLOCK = ("fused attention half: QKV as one GEMM, the rotary kernel, the fir
               "added after")
 
 
-def _fuse_decoder_layers(model, include, exclude) -> list[Decision]:
+def _fuse_decoder_layers(model, include, exclude) -> list[LayerDecision]:
     """Decoder layers (found by structure, after their Linears and norms were converted) made
     fused blocks where the probe agrees."""
     return _swaps(model, include, exclude, decoder_blocks.looks_like_decoder_layer,

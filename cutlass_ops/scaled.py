@@ -19,13 +19,13 @@ import torch
 from torch import Tensor
 
 from cutlass_ops.gemms import scaled_dispatch, scaled_inputs
-from cutlass_ops.gemms.scaled_inputs import Recipe
+from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
 from custom_kernels.core import fallback
 
 ENTRY = "cutlass_ops.scaled_mm"
 
 
-def _recipe(a, b, scale_a, scale_b) -> Recipe:
+def _recipe(a, b, scale_a, scale_b) -> ScaleRecipe:
     return scaled_inputs.recipe_of(scale_a, scale_b, a.shape[0], b.shape[-1], a.shape[-1])
 
 
@@ -77,9 +77,9 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *,
     return _run(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
 
 
-def recipe(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Recipe:
+def recipe(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> ScaleRecipe:
     """Which recipe ``scaled_mm`` reads from these scales (UnsupportedInputError if none)."""
     return _recipe(a, b, scale_a, scale_b)
 
 
-__all__ = ["Recipe", "recipe", "scaled_mm", "scaled_mm_op"]
+__all__ = ["ScaleRecipe", "recipe", "scaled_mm", "scaled_mm_op"]

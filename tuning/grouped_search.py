@@ -63,7 +63,7 @@ def parse(spec: str) -> tuple[int, int, int]:
 
 
 def tune(problems: Iterable[GroupedProblem], *, strategy: str = "default",
-         force: bool = False, backend: "Backend | None" = None, cache=None,
+         force: bool = False, backend: "GroupedBackend | None" = None, cache=None,
          progress: Callable[[str], None] = print,
          dynamic_twins: bool = True) -> list[protocol.Result]:
     """Tunes each problem not yet in the cache (all with ``force``), storing each entry as soon
@@ -184,7 +184,7 @@ def _path(config) -> str:
     return "dsl" if dsl_grouped.is_dsl(config) else "cutlass"
 
 
-class Backend:
+class GroupedBackend:
     """Where grouped candidates are built and measured (a fake one in the CPU tests)."""
 
     dsl = False  # whether DSL candidates can run here
@@ -195,7 +195,7 @@ class Backend:
     def session(self, problem: GroupedProblem): ...
 
 
-class GpuGroupedBackend(Backend):
+class GpuGroupedBackend(GroupedBackend):
     def __init__(self, jobs: int | None = None):
         import torch
 

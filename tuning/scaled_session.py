@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Callable
 
 from cutlass_ops.gemms.config import BiasMode, GemmProblem
-from cutlass_ops.gemms.scaled_inputs import BLOCK, Recipe
+from cutlass_ops.gemms.scaled_inputs import BLOCK, ScaleRecipe
 from custom_kernels.core.tolerances import GEMM, relative_tolerance
 from tuning.graph_session import GraphTimedSession
 from tuning.protocol import check
 
 
-def quantized_inputs(recipe: Recipe, m: int, n: int, k: int, dtypes, device, seed: int = 0):
+def quantized_inputs(recipe: ScaleRecipe, m: int, n: int, k: int, dtypes, device, seed: int = 0):
     """(a, b, scale_a, scale_b) as ``scaled_mm`` takes them: a (M, K) row-major, b = w.t() of a
     row-major (N, K) w, float32 dequantization scales of the recipe's shapes and layouts. Rows of
     x and w are drawn at magnitudes spread over 2^-4..2^4 so the scales differ."""
@@ -31,7 +31,7 @@ def quantized_inputs(recipe: Recipe, m: int, n: int, k: int, dtypes, device, see
     w = torch.randn(n, k, device=device, generator=g) / k ** 0.5
     x = x * torch.exp2(torch.randint(-4, 5, (m, 1), device=device, generator=g).float())
     w = w * torch.exp2(torch.randint(-4, 5, (n, 1), device=device, generator=g).float())
-    if recipe is Recipe.BLOCKWISE:  # 1x128 groups of x; 128x128 blocks of w
+    if recipe is ScaleRecipe.BLOCKWISE:  # 1x128 groups of x; 128x128 blocks of w
         x_groups = x.view(m, k // BLOCK, BLOCK)
         sa = _scale(x_groups.abs().amax(-1), fp8_a)  # (M, K/128)
         a = _cast(x_groups / sa[..., None], fp8_a).view(m, k)
@@ -39,7 +39,7 @@ def quantized_inputs(recipe: Recipe, m: int, n: int, k: int, dtypes, device, see
         sw = _scale(w_blocks.abs().amax(dim=(1, 3)), fp8_b)  # (N/128, K/128)
         b = _cast(w_blocks / sw[:, None, :, None], fp8_b).view(n, k)
         return a, b.t(), sa.t().contiguous().t(), sw.t()
-    if recipe is Recipe.ROWWISE:
+    if recipe is ScaleRecipe.ROWWISE:
         sa = _scale(x.abs().amax(1, keepdim=True), fp8_a)  # (M, 1)
         sw = _scale(w.abs().amax(1, keepdim=True), fp8_b)  # (N, 1)
         return _cast(x / sa, fp8_a), _cast(w / sw, fp8_b).t(), sa, sw.t()
@@ -72,7 +72,7 @@ class ScaledSession(GraphTimedSession):
 
         self.problem = problem
         ops = problem.operands
-        self.recipe = Recipe(ops.scaling.value)
+        self.recipe = ScaleRecipe(ops.scaling.value)
         self.fast_accum = ops.fast_accum
         self.device = torch.device("cuda", device_index)
         out_dtype = torch_dtype(ops.element_d)

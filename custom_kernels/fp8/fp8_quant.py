@@ -187,7 +187,7 @@ def _kernel(kernel: str, device: int, *key):
     return loaded
 
 
-class _Plan:
+class _QuantPlan:
     """What the kernels of one call signature need besides the tensors (``_plan``): derived once
     from x's shape, strides, dtype, device and alignment, the granularity, the FP8 type and the
     outputs asked for, then reused by every call of that signature (``_KNOWN``)."""
@@ -231,7 +231,7 @@ class _Plan:
 
 
 def _plan(x, g: Granularity, fp8_dtype, want_q: bool, want_qt: bool,
-          given_amax: bool = False) -> _Plan:
+          given_amax: bool = False) -> _QuantPlan:
     """The plan of a call on x (CUDA, 2-D, unit last stride, not empty): the once kernel for
     the granularities with one scale a tile (``ONCE_GRANULARITIES``, 16-byte loads), else the
     rows kernel for q alone (tensor, row, block_1x128) and the tile kernel otherwise; after the
@@ -241,7 +241,7 @@ def _plan(x, g: Granularity, fp8_dtype, want_q: bool, want_qt: bool,
     vec = vector_ok(x.element_size(), cols, x.stride(0) if rows > 1 else 0, x.data_ptr())
     dtype_code, device = DTYPE_CODES[x.dtype], x.device.index
     fp8_code = elements.element(fp8_dtype).code
-    plan = _Plan()
+    plan = _QuantPlan()
     plan.g, plan.fp8_dtype, plan.device = g, fp8_dtype, device
     plan.want_q, plan.want_qt = want_q, want_qt
     flags = AMAX_ALL if g is Granularity.TENSOR and not given_amax else 0

@@ -74,7 +74,7 @@ def fp8_defines(problem: nc.NormProblem, cfg: nc.NormConfig, g: Granularity,
 
 @functools.lru_cache(maxsize=None)
 def _plan(hidden: int, dtype: str, out_dtype: str, weight_dtype: str, residual: bool,
-          g: Granularity, fp8: str, config: Optional[str], device: int) -> ops._Plan:
+          g: Granularity, fp8: str, config: Optional[str], device: int) -> ops._NormPlan:
     """The norm's plan for the aligned problem (its tuned config or heuristic, or ``config``),
     compiled with the FP8 output. A tuned config of scalar accesses gives way to the
     heuristic."""

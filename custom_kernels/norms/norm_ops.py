@@ -108,7 +108,7 @@ def _vector_ok(dtype, hidden, tensors, strides) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _NormPlan:
     """A compiled kernel and how to launch it for any number of rows. ``persistent``: the grid
     is at most one wave of ``max_units`` row units (blocks of warps, blocks or clusters), each
     walking the rows with a stride; otherwise one unit per row (group of rows)."""
@@ -129,7 +129,7 @@ class _Plan:
 
 @functools.lru_cache(maxsize=None)
 def _fwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, residual, config,
-              device) -> _Plan:
+              device) -> _NormPlan:
     problem = nc.NormProblem(kind, "fwd", hidden, dtype, out_dtype, weight_dtype, aligned,
                              residual)
     cfg = _choose(problem, config, device)
@@ -140,7 +140,7 @@ def _fwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, residual, c
 
 @functools.lru_cache(maxsize=None)
 def _bwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, residual, config,
-              device) -> _Plan:
+              device) -> _NormPlan:
     problem = nc.NormProblem(kind, "bwd", hidden, dtype, out_dtype, weight_dtype, aligned,
                              residual)
     reduce_kernel = jit.get_kernel(nc.REDUCE_SOURCE, "norm_dw_reduce",
@@ -152,7 +152,7 @@ def _bwd_plan(kind, hidden, dtype, out_dtype, weight_dtype, aligned, residual, c
 
 
 def _plan(problem: nc.NormProblem, cfg: nc.NormConfig, device: int, persistent: bool,
-          defines: Optional[dict] = None) -> _Plan:
+          defines: Optional[dict] = None) -> _NormPlan:
     """``defines``: in place of ``cfg.defines(problem)`` (the FP8 output's, ``norms.fp8``)."""
     kernel = jit.get_kernel(cfg.source, cfg.kernel_name(problem.direction),
                             defines=defines or cfg.defines(problem), device=device)
@@ -160,7 +160,7 @@ def _plan(problem: nc.NormProblem, cfg: nc.NormConfig, device: int, persistent: 
     set_max_dynamic_shared(kernel, shared_mem, device)
     if cfg.cluster > 8:
         allow_large_clusters(kernel, device)
-    return _Plan(cfg, kernel, persistent, _max_units(kernel, cfg, shared_mem, device),
+    return _NormPlan(cfg, kernel, persistent, _max_units(kernel, cfg, shared_mem, device),
                  shared_mem)
 
 

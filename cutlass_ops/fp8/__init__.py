@@ -8,9 +8,9 @@ the conversion that ``cutlass_ops.convert(model, fp8=...)`` delegates to. See RE
 - ``convert``: the module swap and its per-layer choices.
 """
 
-from cutlass_ops.fp8.convert import Choice, convert_fp8
-from cutlass_ops.fp8.linear import FusedGemms, Linear, WeightCache, fp8_linear
+from cutlass_ops.fp8.convert import RecipeChoice, convert_fp8
+from cutlass_ops.fp8.linear import FusedGemms, Fp8Linear, WeightCache, fp8_linear
 from cutlass_ops.fp8.recipes import RECIPES, Recipe
 
-__all__ = ["Choice", "convert_fp8", "fp8_linear", "Linear", "FusedGemms", "WeightCache",
+__all__ = ["RecipeChoice", "convert_fp8", "fp8_linear", "Fp8Linear", "FusedGemms", "WeightCache",
            "RECIPES", "Recipe"]

@@ -5,7 +5,7 @@ chose and why (``Choice``; ``cutlass_ops.nn`` folds them into its report).
 
 - A Linear (``nn.Linear``, or one of the ``linear_types`` the caller names: convert's own
   ``cutlass_ops.nn.Linear``, whose fused activation carries over) becomes
-  ``cutlass_ops.fp8.Linear`` sharing its parameters: same names, values, dtypes, state_dict.
+  ``cutlass_ops.fp8.Fp8Linear`` sharing its parameters: same names, values, dtypes, state_dict.
 - A fused decoder block (``cutlass_ops.decoder_blocks``) gets ``FusedGemms`` for its merged
   QKV, o_proj, merged gate+up and down_proj GEMMs (the residual adds then run in torch after
   the GEMM), and its seven projections become FP8 Linears too (a call of the module itself, as
@@ -30,12 +30,12 @@ from torch import nn
 
 from cutlass_ops import decoder_blocks, lm_loss
 from cutlass_ops.fp8 import recipes
-from cutlass_ops.fp8.linear import FusedGemms, Linear
+from cutlass_ops.fp8.linear import FusedGemms, Fp8Linear
 from cutlass_ops.fp8.recipes import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
-class Choice:
+class RecipeChoice:
     """One layer's FP8 outcome: ``recipe`` its name, or None when the layer stays 16-bit."""
 
     name: str
@@ -45,14 +45,14 @@ class Choice:
 
 
 def convert_fp8(model: nn.Module, recipe: Recipe | str, *, lm_head: bool = False,
-                include=None, exclude=(), linear_types: tuple = (nn.Linear,)) -> list[Choice]:
+                include=None, exclude=(), linear_types: tuple = (nn.Linear,)) -> list[RecipeChoice]:
     """Makes ``model``'s Linear layers and fused decoder blocks FP8 per ``recipe`` in place,
-    where they take it (module docstring); returns a Choice per layer considered. Layers the
+    where they take it (module docstring); returns a RecipeChoice per layer considered. Layers the
     caller excluded, and Linears of other types than ``linear_types`` (subclasses with forwards
-    of their own), are left alone without a Choice."""
+    of their own), are left alone without a RecipeChoice."""
     recipe = recipes.get(recipe)
     head = _lm_head(model)
-    choices: list[Choice] = []
+    choices: list[RecipeChoice] = []
     in_blocks: set = set()
     for name, module in list(model.named_modules()):
         if decoder_blocks.is_fused(module) and not _excluded(name, include, exclude):
@@ -64,18 +64,18 @@ def convert_fp8(model: nn.Module, recipe: Recipe | str, *, lm_head: bool = False
             continue
         kind = type(module).__name__
         if module is head and not lm_head:
-            choices.append(Choice(name, kind, None, "the LM head stays bf16 (fp8_lm_head=True "
+            choices.append(RecipeChoice(name, kind, None, "the LM head stays bf16 (fp8_lm_head=True "
                                   "makes it FP8)"))
             continue
         why = refusal(module, recipe)
         if why is not None:
-            choices.append(Choice(name, kind, None, why))
+            choices.append(RecipeChoice(name, kind, None, why))
             continue
-        _swap(model, name, Linear.from_linear(module, recipe))
+        _swap(model, name, Fp8Linear.from_linear(module, recipe))
         reason = _converted_reason(module.weight, recipe)
         if module is head:
             reason += _head_note(model)
-        choices.append(Choice(name, kind, recipe.name, reason))
+        choices.append(RecipeChoice(name, kind, recipe.name, reason))
     return choices
 
 
@@ -119,16 +119,16 @@ def _fused_shared_experts(layer) -> dict:
             if isinstance(module, decoder_blocks.FusedMLP)}
 
 
-def _convert_block(model, name: str, layer, recipe: Recipe) -> list[Choice]:
-    """A fused decoder block's GEMMs made FP8, all or none; a Choice for it and each
+def _convert_block(model, name: str, layer, recipe: Recipe) -> list[RecipeChoice]:
+    """A fused decoder block's GEMMs made FP8, all or none; a RecipeChoice for it and each
     projection."""
     linears = _block_linears(layer)
     why = next((f"{child}: {r}" for child, lin in linears.items()
                 for r in (refusal(lin, recipe),) if r is not None), None)
     kind = type(layer).__name__
     if why is not None:
-        return [Choice(name, kind, None, why)] + [
-            Choice(f"{name}.{child}", type(lin).__name__, None,
+        return [RecipeChoice(name, kind, None, why)] + [
+            RecipeChoice(f"{name}.{child}", type(lin).__name__, None,
                    f"its decoder block's GEMMs stay 16-bit ({why})")
             for child, lin in linears.items()]
     moe = decoder_blocks.has_moe_mlp(layer)
@@ -138,12 +138,12 @@ def _convert_block(model, name: str, layer, recipe: Recipe) -> list[Choice]:
     gemms = "merged QKV, o_proj" if moe else "merged QKV, o_proj, merged gate+up, down_proj"
     if shared:
         gemms += ", the shared experts' merged gate+up and down_proj"
-    choices = [Choice(name, kind, recipe.name, (
+    choices = [RecipeChoice(name, kind, recipe.name, (
         f"fused block with FP8 {recipe.name} GEMMs ({gemms}; forward and backward), the "
         "residual adds after the GEMMs in torch" + ("; its experts stay 16-bit" if moe else "")))]
     for child, lin in linears.items():
-        _swap(model, f"{name}.{child}", Linear.from_linear(lin, recipe))
-        choices.append(Choice(f"{name}.{child}", type(lin).__name__, recipe.name,
+        _swap(model, f"{name}.{child}", Fp8Linear.from_linear(lin, recipe))
+        choices.append(RecipeChoice(f"{name}.{child}", type(lin).__name__, recipe.name,
                               _converted_reason(lin.weight, recipe) + " in its fused block"))
     return choices
 
@@ -166,4 +166,4 @@ def _swap(model, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), child, new)
 
 
-__all__ = ["Choice", "convert_fp8", "refusal"]
+__all__ = ["RecipeChoice", "convert_fp8", "refusal"]

@@ -43,7 +43,7 @@ dy are then read once by their quantization (q and q^T from one pass) instead of
 
 Three paths as ``cutlass_ops.ops.linear_fast``: custom ops with fakes while torch.compile traces
 (``cutlass_ops::fp8_linear`` and its backward, ``register_autograd``), an autograd.Function
-eagerly when gradients are needed, a direct call otherwise. ``Linear`` is the module,
+eagerly when gradients are needed, a direct call otherwise. ``Fp8Linear`` is the module,
 ``FusedGemms`` the merged and residual GEMMs of a fused decoder block.
 """
 
@@ -491,7 +491,7 @@ def fp8_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = No
     return _forward(x, merged, bias, recipe, False, fp8, x_fp8, x_amax)[0]
 
 
-class Linear(nn.Linear):
+class Fp8Linear(nn.Linear):
     """torch.nn.Linear whose three GEMMs run FP8 per ``recipe`` ("tensorwise", "rowwise" or
     "blockwise"; ``cutlass_ops.fp8.recipes``), with an optional activation after the GEMM
     (identity, relu, gelu, gelu_tanh, silu; applied in torch). Same parameters and state_dict
@@ -516,7 +516,7 @@ class Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, layer: nn.Linear, recipe: Recipe | str,
-                    activation: Optional[str] = None) -> Linear:
+                    activation: Optional[str] = None) -> Fp8Linear:
         """An FP8 Linear sharing ``layer``'s parameters (no copy: optimizers keep working);
         the activation is ``layer``'s (a cutlass_ops.nn.Linear's fused one) unless given."""
         recipe = recipes.get(recipe)
@@ -580,5 +580,5 @@ class FusedGemms:
 fast_autograd("cutlass_ops::fp8_linear", eager=_op_forward, backward=_op_backward,
               setup_context=_op_setup, eager_grads=False)
 
-__all__ = ["fp8_linear", "fp8_linear_op", "fp8_linear_backward_op", "Linear", "FusedGemms",
+__all__ = ["fp8_linear", "fp8_linear_op", "fp8_linear_backward_op", "Fp8Linear", "FusedGemms",
            "WeightCache", "optimizer_steps"]

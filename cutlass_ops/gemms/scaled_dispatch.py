@@ -22,16 +22,16 @@ from typing import Any, Callable
 import torch
 
 from cutlass_ops.gemms import dispatch, scaled_plan, scaled_skinny
-from cutlass_ops.gemms.scaled_inputs import CheckedScaled, Recipe
+from cutlass_ops.gemms.scaled_inputs import CheckedScaled, ScaleRecipe
 from custom_kernels.core import fallback
 
 ENTRY = "cutlass_ops.scaled_mm"
-_routes: dict[tuple, Route] = {}
+_routes: dict[tuple, ScaledRoute] = {}
 _lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
-class Route:
+class ScaledRoute:
     decision: dispatch.Decision
     run: Callable[..., Any]  # run(a, b, scale_a, scale_b, bias) -> out
 
@@ -70,14 +70,14 @@ TORCH_BLOCKWISE_K = 512
 
 
 def torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum: bool,
-                    recipe: Recipe):
+                    recipe: ScaleRecipe):
     """``torch._scaled_mm``. torch fuses a bias only into a tensorwise or rowwise bf16 output;
     elsewhere it refuses one, so the bias is added after (float32 outputs round once either
     way). A blockwise call whose K cuBLAS gets wrong runs on copies padded along K with zeros
     (``padded_k``)."""
-    if recipe is Recipe.BLOCKWISE and a.shape[1] % TORCH_BLOCKWISE_K:
+    if recipe is ScaleRecipe.BLOCKWISE and a.shape[1] % TORCH_BLOCKWISE_K:
         a, b, scale_a, scale_b = padded_k(a, b, scale_a, scale_b, TORCH_BLOCKWISE_K)
-    fused = bias is not None and out_dtype == torch.bfloat16 and recipe is not Recipe.BLOCKWISE
+    fused = bias is not None and out_dtype == torch.bfloat16 and recipe is not ScaleRecipe.BLOCKWISE
     out = torch._scaled_mm(a, b, scale_a, scale_b, bias=bias if fused else None,
                            out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     return out if bias is None or fused else out.add_(bias)
@@ -104,21 +104,21 @@ def padded_k(a, b, scale_a, scale_b, multiple: int):
     return a2, b2_rows.t(), sa2.t(), sb2.t()
 
 
-def _torch_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum: bool) -> Route:
+def _torch_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum: bool) -> ScaledRoute:
     fallback.log_once(f"{ENTRY} uses torch._scaled_mm", decision.reason)
     out_dtype, recipe = checked.out_dtype, checked.recipe
 
     def run(a, b, scale_a, scale_b, bias):
         return torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum, recipe)
 
-    return Route(decision, run)
+    return ScaledRoute(decision, run)
 
 
 def _blockwise_copy_reason(checked: CheckedScaled, scale_a, scale_b) -> str | None:
     """Why a blockwise call is run on copies of its inputs (else None): M not a multiple of 4,
     which neither our kernels (scale_a's TMA load) nor torch._scaled_mm (cuBLAS: not supported)
     take, or scales with padded leading strides, which our kernels do not read."""
-    if checked.recipe is not Recipe.BLOCKWISE or scale_a.device.type != "cuda":
+    if checked.recipe is not ScaleRecipe.BLOCKWISE or scale_a.device.type != "cuda":
         return None
     if checked.m % 4:
         return (f"M={checked.m} is not a multiple of 4: a and scale_a are copied with "
@@ -126,7 +126,7 @@ def _blockwise_copy_reason(checked: CheckedScaled, scale_a, scale_b) -> str | No
     return scaled_plan.layout_refusal(checked, scale_a, scale_b)
 
 
-def _copying_route(checked: CheckedScaled, fast_accum: bool, reason: str) -> Route:
+def _copying_route(checked: CheckedScaled, fast_accum: bool, reason: str) -> ScaledRoute:
     """A blockwise call on copies (``_blockwise_copy_reason``): rows padded to a multiple of 4
     (zeros in a, ones in scale_a), both scales compact; the copy is dispatched as any other call
     and its first M rows returned."""
@@ -150,11 +150,11 @@ def _copying_route(checked: CheckedScaled, fast_accum: bool, reason: str) -> Rou
         out = copied.run(a, b, scale_a, scale_b, bias)
         return out[:checked.m] if pad else out
 
-    return Route(dispatch.Decision("copy", None, reason), run)
+    return ScaledRoute(dispatch.Decision("copy", None, reason), run)
 
 
 def _skinny_without_copies(checked: CheckedScaled, fast_accum: bool, scale_a,
-                           scale_b) -> Route | None:
+                           scale_b) -> ScaledRoute | None:
     """The skinny kernel on a blockwise call's own tensors where its copies (rows padded to a
     multiple of 4: a decode step's M) would be routed to it: it takes any M and reads the scales
     through their strides, so the copies would buy nothing. None otherwise."""
@@ -168,14 +168,14 @@ def _skinny_without_copies(checked: CheckedScaled, fast_accum: bool, scale_a,
 
 
 def _cutlass_route(decision: dispatch.Decision, checked: CheckedScaled, fast_accum: bool,
-                   key) -> Route:
+                   key) -> ScaledRoute:
     """The chosen kernel; its first call plans it on that call's tensors (load, can_implement,
     workspace size), every call then launches a copy of those arguments with its own pointers."""
     from custom_kernels.core.errors import CutlassOpsError
 
     config = decision.choice.config
     template: list = []
-    blockwise = checked.recipe is Recipe.BLOCKWISE
+    blockwise = checked.recipe is ScaleRecipe.BLOCKWISE
 
     def run(a, b, scale_a, scale_b, bias):
         if not template:
@@ -204,10 +204,10 @@ def _cutlass_route(decision: dispatch.Decision, checked: CheckedScaled, fast_acc
                                  dispatch._current_stream(a.device.index))
         return out.add_(bias) if bias is not None and blockwise else out
 
-    return Route(decision, run)
+    return ScaledRoute(decision, run)
 
 
-def _skinny_route(decision: dispatch.Decision, checked: CheckedScaled) -> Route:
+def _skinny_route(decision: dispatch.Decision, checked: CheckedScaled) -> ScaledRoute:
     """The few-rows FP8 kernel (``scaled_skinny``): one launch into a new output, the bias
     fused for every recipe."""
     config, recipe, out_dtype = decision.choice, checked.recipe.value, checked.out_dtype
@@ -215,7 +215,7 @@ def _skinny_route(decision: dispatch.Decision, checked: CheckedScaled) -> Route:
     def run(a, b, scale_a, scale_b, bias):
         return scaled_skinny.run(config, recipe, a, b, scale_a, scale_b, bias, out_dtype)
 
-    return Route(decision, run)
+    return ScaledRoute(decision, run)
 
 
 def _signature(a, b, scale_a, scale_b, bias, out_dtype, fast_accum: bool) -> tuple:
@@ -230,7 +230,7 @@ def _signature(a, b, scale_a, scale_b, bias, out_dtype, fast_accum: bool) -> tup
             out_dtype, bias_meta, fast_accum, aligned)
 
 
-def known_route(a, b, scale_a, scale_b, bias, out_dtype, fast_accum: bool) -> Route | None:
+def known_route(a, b, scale_a, scale_b, bias, out_dtype, fast_accum: bool) -> ScaledRoute | None:
     """The memoized route of a call whose signature was checked before, else None: the eager
     fast path (a dictionary lookup instead of the checks)."""
     if not all(isinstance(t, torch.Tensor) for t in (a, b, scale_a, scale_b)) or \
@@ -276,7 +276,7 @@ def decide(checked: CheckedScaled, fast_accum: bool, scale_a, scale_b, *,
     return decision
 
 
-def route(a, b, scale_a, scale_b, bias, checked: CheckedScaled, fast_accum: bool) -> Route:
+def route(a, b, scale_a, scale_b, bias, checked: CheckedScaled, fast_accum: bool) -> ScaledRoute:
     key = _signature(a, b, scale_a, scale_b, bias, checked.out_dtype, fast_accum)
     found = _routes.get(key)
     if found is not None:
@@ -312,4 +312,4 @@ def explain(a, b, scale_a, scale_b, *, bias=None, out_dtype=None,
     return decide(checked, use_fast_accum, scale_a, scale_b)
 
 
-__all__ = ["Route", "decide", "explain", "reset", "route", "torch_scaled_mm"]
+__all__ = ["ScaledRoute", "decide", "explain", "reset", "route", "torch_scaled_mm"]

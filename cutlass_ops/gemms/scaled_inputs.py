@@ -32,7 +32,7 @@ ALIGN = 16  # bytes: TMA's address and stride alignment; torch._scaled_mm asks K
 OUT_DTYPES = ("bfloat16", "float32")
 
 
-class Recipe(str, enum.Enum):
+class ScaleRecipe(str, enum.Enum):
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
     BLOCKWISE = "blockwise"
@@ -42,7 +42,7 @@ class Recipe(str, enum.Enum):
 class CheckedScaled:
     """A scaled GEMM that passed every check: what a kernel is chosen by, and what it reads."""
 
-    recipe: Recipe
+    recipe: ScaleRecipe
     m: int
     n: int
     k: int
@@ -56,14 +56,14 @@ class CheckedScaled:
         return 2 * self.m * self.n * self.k
 
 
-def recipe_of(scale_a, scale_b, m: int, n: int, k: int) -> Recipe:
+def recipe_of(scale_a, scale_b, m: int, n: int, k: int) -> ScaleRecipe:
     """The recipe the scales' shapes and strides name (module docstring), as torch._scaled_mm
     infers it; UnsupportedInputError naming both shapes otherwise."""
     sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
     if scale_a.numel() == 1 and scale_b.numel() == 1:
-        return Recipe.TENSORWISE
+        return ScaleRecipe.TENSORWISE
     if sa == (m, 1) and sb == (1, n):
-        return Recipe.ROWWISE
+        return ScaleRecipe.ROWWISE
     blocks_k = -(-k // BLOCK)
     if sa == (m, blocks_k) and sb == (blocks_k, -(-n // BLOCK)):
         if m > 1 and scale_a.stride(0) != 1:
@@ -74,7 +74,7 @@ def recipe_of(scale_a, scale_b, m: int, n: int, k: int) -> Recipe:
             raise UnsupportedInputError(
                 f"blockwise scale_b {sb} must be the transpose of a row-major (N/128, K/128) "
                 f"tensor (stride (1, {blocks_k})), got stride {tuple(scale_b.stride())}")
-        return Recipe.BLOCKWISE
+        return ScaleRecipe.BLOCKWISE
     raise UnsupportedInputError(
         f"scale_a {sa} and scale_b {sb} name no scaling recipe for M={m}, N={n}, K={k}: "
         f"tensorwise takes one float each, rowwise ({m}, 1) and (1, {n}), blockwise "
@@ -109,7 +109,7 @@ def check_scaled(a, b, scale_a, scale_b, *, bias=None, out_dtype=None,
                                     "float32")
     recipe = recipe_of(scale_a, scale_b, m, n, k)
     _check_scales(scale_a, scale_b, a)
-    if recipe is Recipe.BLOCKWISE and (k % BLOCK or n % BLOCK):
+    if recipe is ScaleRecipe.BLOCKWISE and (k % BLOCK or n % BLOCK):
         raise UnsupportedInputError(f"blockwise scaling needs K and N multiples of {BLOCK}, got "
                                     f"K={k}, N={n}")
     if bias is not None:
@@ -178,7 +178,7 @@ def _check_bias(bias, n: int, out_dtype, device) -> None:
 
 
 def reference(a, b, scale_a, scale_b, bias=None, out_dtype=None,
-              recipe: Optional[Recipe] = None):
+              recipe: Optional[ScaleRecipe] = None):
     """The float32 product of the dequantized operands, in ``out_dtype``: what every scaled
     kernel is checked against (and what scaled_mm computes off a GPU)."""
     import torch
@@ -186,17 +186,17 @@ def reference(a, b, scale_a, scale_b, bias=None, out_dtype=None,
     (m, k), n = a.shape, b.shape[1]
     recipe = recipe or recipe_of(scale_a, scale_b, m, n, k)
     a32, b32 = a.float(), b.float()
-    if recipe is Recipe.BLOCKWISE:
+    if recipe is ScaleRecipe.BLOCKWISE:
         a32 = a32 * scale_a.repeat_interleave(BLOCK, dim=1)[:, :k]
         b32 = b32 * scale_b.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:k, :n]
     else:  # tensorwise scales broadcast as one number, rowwise as (M, 1) and (1, N)
-        a32 = a32 * scale_a.reshape(-1, 1) if recipe is Recipe.ROWWISE else a32 * scale_a.reshape(())
-        b32 = b32 * scale_b.reshape(1, -1) if recipe is Recipe.ROWWISE else b32 * scale_b.reshape(())
+        a32 = a32 * scale_a.reshape(-1, 1) if recipe is ScaleRecipe.ROWWISE else a32 * scale_a.reshape(())
+        b32 = b32 * scale_b.reshape(1, -1) if recipe is ScaleRecipe.ROWWISE else b32 * scale_b.reshape(())
     out = a32 @ b32
     if bias is not None:
         out = out + bias.float()
     return out.to(torch.bfloat16 if out_dtype is None else out_dtype)
 
 
-__all__ = ["BLOCK", "CheckedScaled", "Recipe", "check_pointers", "check_scaled", "recipe_of",
+__all__ = ["BLOCK", "CheckedScaled", "ScaleRecipe", "check_pointers", "check_scaled", "recipe_of",
            "reference"]

@@ -22,28 +22,28 @@ from typing import Any, Callable
 from cutlass_ops.gemms import loader, runtime
 from cutlass_ops.gemms.config import (BiasMode, DType, Epilogue, GemmConfig, GemmOperands,
                                       GemmProblem, Layout, Scaling)
-from cutlass_ops.gemms.scaled_inputs import BLOCK, CheckedScaled, Recipe
+from cutlass_ops.gemms.scaled_inputs import BLOCK, CheckedScaled, ScaleRecipe
 from custom_kernels.core.device import device_facts
 from custom_kernels.core.elements import element
 
 
-def scaled_operands(recipe: Recipe | str, *, element_a: str = "e4m3", element_b: str = "e4m3",
+def scaled_operands(recipe: ScaleRecipe | str, *, element_a: str = "e4m3", element_b: str = "e4m3",
                     out_dtype: Any = "bf16", bias: bool = False,
                     fast_accum: bool = False) -> GemmOperands:
     """The kernel operands of a scaled GEMM: FP8 A row-major and B column-major, D row-major of
     ``out_dtype`` (bf16 or f32), float32 accumulation. A bias is fused into tensorwise and
     rowwise kernels; blockwise ones promote every K block (no fast accumulation) and take the
     bias after."""
-    recipe = Recipe(recipe)
+    recipe = ScaleRecipe(recipe)
     out = DType(element(out_dtype).name)
-    blockwise = recipe is Recipe.BLOCKWISE
+    blockwise = recipe is ScaleRecipe.BLOCKWISE
     epilogue = Epilogue(bias=BiasMode.N if bias and not blockwise else BiasMode.NONE)
     return GemmOperands(DType(element_a), DType(element_b), out, out, DType.F32, Layout.ROW,
                         Layout.COL, Layout.ROW, 16, 16, 16 // out.bytes, epilogue,
                         fast_accum=fast_accum and not blockwise, scaling=Scaling(recipe.value))
 
 
-def scaled_problem(recipe: Recipe | str, m: int, n: int, k: int, **operands: Any) -> GemmProblem:
+def scaled_problem(recipe: ScaleRecipe | str, m: int, n: int, k: int, **operands: Any) -> GemmProblem:
     """The tuned problem of ``scaled_mm`` at M x N x K (keywords: ``scaled_operands``'s)."""
     return GemmProblem(scaled_operands(recipe, **operands), m, n, k)
 
@@ -58,10 +58,10 @@ def problem_of(checked: CheckedScaled, fast_accum: bool) -> GemmProblem:
 def layout_refusal(checked: CheckedScaled, scale_a, scale_b) -> str | None:
     """Why our kernels cannot read these scales (torch._scaled_mm may still), else None."""
     m, n, k = checked.m, checked.n, checked.k
-    if checked.recipe is Recipe.ROWWISE:
+    if checked.recipe is ScaleRecipe.ROWWISE:
         if m > 1 and scale_a.stride(0) != 1 or n > 1 and scale_b.stride(1) != 1:
             return "rowwise scales must be contiguous vectors"
-    elif checked.recipe is Recipe.BLOCKWISE:
+    elif checked.recipe is ScaleRecipe.BLOCKWISE:
         blocks_k = k // BLOCK
         if blocks_k > 1 and (scale_a.stride(1) != m or scale_b.stride(1) != blocks_k):
             return (f"blockwise scales must be compact: scale_a strides (1, {m}), scale_b "
@@ -89,7 +89,7 @@ def launch_args(checked: CheckedScaled, config: GemmConfig, a, b, out, scale_a, 
         alpha=1.0, beta=0.0, device_id=out.device.index, sm_count=sm_count,
         raster_order=config.raster_order.abi_value, swizzle=config.swizzle,
         splits=config.splits)
-    fused_bias = bias is not None and checked.recipe is not Recipe.BLOCKWISE
+    fused_bias = bias is not None and checked.recipe is not ScaleRecipe.BLOCKWISE
     args.bias = bias.data_ptr() if fused_bias else None
     args.scale_a, args.scale_b = scale_a.data_ptr(), scale_b.data_ptr()
     return args
@@ -113,7 +113,7 @@ def plan(checked: CheckedScaled, config: GemmConfig, a, b, scale_a, scale_b, bia
     workspace = (torch.empty(workspace_bytes, dtype=torch.uint8, device=a.device)
                  if workspace_bytes else None)
     workspace_ptr = workspace.data_ptr() if workspace is not None else 0
-    late_bias = bias if bias is not None and checked.recipe is Recipe.BLOCKWISE else None
+    late_bias = bias if bias is not None and checked.recipe is ScaleRecipe.BLOCKWISE else None
 
     def launch():
         kernel.run(args, workspace_ptr, workspace_bytes,

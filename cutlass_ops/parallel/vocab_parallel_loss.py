@@ -111,7 +111,7 @@ def vocab_parallel_linear_cross_entropy(
 # ---------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _VocabPlan:
     """What every rank agreed on in the setup gather, and the loss's options."""
     group: object
     world: int
@@ -178,7 +178,7 @@ def _label_summary(flat, ignore_index, device) -> torch.Tensor:
 
 
 def _agree(hidden, weight, flat, start, chunk, refusal, group, rank, world, ignore_index,
-           smoothing, softcap) -> _Plan:
+           smoothing, softcap) -> _VocabPlan:
     """The setup gather (one all-gather of ``FIELDS`` per rank, one host read) and the checks
     on what it brings, which every rank runs on the same table and so refuses alike."""
     ok = refusal is None
@@ -206,7 +206,7 @@ def _agree(hidden, weight, flat, start, chunk, refusal, group, rank, world, igno
         bad = low if low < 0 else high
         raise UnsupportedInputError(f"{NAME}: label {bad} is outside [0, {vocab}) and is not "
                                     f"ignore_index ({ignore_index})")
-    return _Plan(group, world, start, vocab, min(row["chunk"] for row in table), ignore_index,
+    return _VocabPlan(group, world, start, vocab, min(row["chunk"] for row in table), ignore_index,
                  smoothing, softcap)
 
 

@@ -103,7 +103,7 @@ def test_several_rows_per_thread():
     cfg = nc.NormConfig.from_name("t64_r2_c1_v8_p4")
     assert cfg == nc.NormConfig(64, 2, 1, 8, 0, 4) and cfg.name == "t64_r2_c1_v8_p4"
     assert cfg.rows_per_launch_unit == 8 and cfg.warp_per_row
-    plan = norms._Plan(cfg, kernel=None, persistent=False, max_units=0, shared_mem=0)
+    plan = norms._NormPlan(cfg, kernel=None, persistent=False, max_units=0, shared_mem=0)
     assert plan.blocks(8) == 1 and plan.blocks(9) == 2
     assert cfg.defines(problem(256))["NORM_RPT"] == 4
     assert "NORM_RPT" not in nc.NormConfig(64, 2, 1, 8).defines(problem(256))

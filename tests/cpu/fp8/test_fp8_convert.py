@@ -17,7 +17,7 @@ import cutlass_ops
 from cutlass_ops import decoder_blocks, norm_probe
 from cutlass_ops.block_gemms import BF16
 from cutlass_ops.fp8 import linear as fp8_linear_module
-from cutlass_ops.fp8 import FusedGemms, Linear, convert_fp8
+from cutlass_ops.fp8 import Fp8Linear, FusedGemms, convert_fp8
 from custom_kernels import swiglu as swiglu_module
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.core.tolerances import relative_error
@@ -66,7 +66,7 @@ def test_every_projection_runs_the_recipe_and_the_state_dict_is_kept(recipe):
     report = cutlass_ops.convert(model, fp8=recipe)
     assert report.fp8 == {name: recipe for name in layer_names()}
     for name in layer_names():
-        assert type(model.get_submodule(name)) is Linear
+        assert type(model.get_submodule(name)) is Fp8Linear
         assert f"FP8 {recipe}" in next(d.reason for d in report.decisions if d.name == name)
     head = next(d for d in report.decisions if d.name == "lm_head")
     assert head.fp8 is None and "the LM head stays bf16" in head.reason
@@ -80,7 +80,7 @@ def test_every_projection_runs_the_recipe_and_the_state_dict_is_kept(recipe):
 def test_the_lm_head_runs_fp8_when_asked():
     model = tiny_llama()
     report = cutlass_ops.convert(model, fp8="rowwise", fp8_lm_head=True)
-    assert report.fp8["lm_head"] == "rowwise" and type(model.lm_head) is Linear
+    assert report.fp8["lm_head"] == "rowwise" and type(model.lm_head) is Fp8Linear
     reason = next(d.reason for d in report.decisions if d.name == "lm_head")
     assert "with labels the fused head and loss" in reason  # convert routed the loss
 
@@ -127,7 +127,7 @@ def test_without_fp8_the_conversion_is_unchanged():
     one = cutlass_ops.convert(plain)
     two = cutlass_ops.convert(explicit, fp8=None, fp8_lm_head=True)
     assert one.decisions == two.decisions and not two.fp8
-    assert not any(isinstance(m, Linear) for m in explicit.modules())
+    assert not any(isinstance(m, Fp8Linear) for m in explicit.modules())
 
 
 # ---- fused decoder blocks ------------------------------------------------------------------

@@ -303,7 +303,7 @@ def norm_launches(monkeypatch):
         problem = nc.NormProblem("rms", "fwd", hidden, dtype, out_dtype, weight_dtype, True,
                                  residual)
         cfg = nc.NormConfig.from_name(config) if config else nc.heuristic(problem)
-        return ops._Plan(cfg, norm_fp8.fp8_defines(problem, cfg, g, fp8), cfg.stages > 1, 132,
+        return ops._NormPlan(cfg, norm_fp8.fp8_defines(problem, cfg, g, fp8), cfg.stages > 1, 132,
                          cfg.shared_mem(problem))
 
     monkeypatch.setattr(norm_fp8, "_plan", plan)

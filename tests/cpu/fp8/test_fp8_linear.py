@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from cutlass_ops.fp8 import linear as fp8_linear_module
 from cutlass_ops.fp8 import recipes
-from cutlass_ops.fp8.linear import Linear, fp8_linear
+from cutlass_ops.fp8.linear import Fp8Linear, fp8_linear
 from custom_kernels.fp8 import fp8_quant
 from custom_kernels.core.errors import UnsupportedInputError
 
@@ -60,7 +60,7 @@ def test_layer_rules_refuse_with_the_reason(name, shape, dtype, words):
     r = recipes.get(name)
     assert words in r.refusal(*shape, dtype)
     with pytest.raises(UnsupportedInputError, match=words):
-        Linear(*shape, dtype=dtype, recipe=name)
+        Fp8Linear(*shape, dtype=dtype, recipe=name)
     assert r.refusal(256, 384 if name != "blockwise" else 512, torch.bfloat16) is None
 
 
@@ -138,7 +138,7 @@ def test_merged_weights_are_one_gemm_of_their_concatenation(recipe):
 
 def test_frozen_weights_get_only_the_input_gradient():
     generator = torch.Generator().manual_seed(4)
-    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="blockwise")
+    lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="blockwise")
     lin.weight.requires_grad_(False)
     x = operand(64, 256, generator).requires_grad_()
     dy = operand(64, 128, generator)
@@ -152,7 +152,7 @@ def test_frozen_weights_get_only_the_input_gradient():
 
 def test_the_module_keeps_nn_linear_state_and_shares_parameters():
     plain = torch.nn.Linear(256, 128, dtype=torch.bfloat16)
-    ours = Linear.from_linear(plain, "rowwise", activation="silu")
+    ours = Fp8Linear.from_linear(plain, "rowwise", activation="silu")
     assert ours.weight is plain.weight and ours.bias is plain.bias
     assert ours.state_dict().keys() == plain.state_dict().keys()
     assert "recipe=rowwise, activation=silu" in repr(ours)
@@ -176,7 +176,7 @@ def counting(monkeypatch):
 
 
 def test_inference_reuses_the_weight_copy_and_refreshes_it_in_place(monkeypatch):
-    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
+    lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
     x = torch.randn(16, 256, dtype=torch.bfloat16)
     calls = counting(monkeypatch)
     with torch.no_grad():
@@ -192,7 +192,7 @@ def test_inference_reuses_the_weight_copy_and_refreshes_it_in_place(monkeypatch)
 
 
 def test_a_write_the_version_misses_is_caught_by_the_next_optimizer_step():
-    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="tensorwise")
+    lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="tensorwise")
     x = torch.randn(16, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         first = lin(x)
@@ -207,7 +207,7 @@ def test_a_write_the_version_misses_is_caught_by_the_next_optimizer_step():
 
 
 def test_training_calls_quantize_afresh_and_free_the_copies(monkeypatch):
-    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
+    lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
     x = torch.randn(16, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         lin(x)
@@ -229,7 +229,7 @@ def test_a_tensorwise_backward_reuses_the_forwards_weight_amax(monkeypatch):
         return original(t, *args, **kwargs)
 
     monkeypatch.setattr(fp8_linear_module, "quantize", spy)
-    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="tensorwise")
+    lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="tensorwise")
     x = torch.randn(16, 256, dtype=torch.bfloat16, requires_grad=True)
     lin(x).sum().backward()
     weight_calls = [(t, a) for shape, t, a in seen if shape == (128, 256)]
@@ -246,20 +246,20 @@ def test_a_rowwise_backward_quantizes_the_weight_afresh(monkeypatch):
     original = fp8_linear_module.quantize
     monkeypatch.setattr(fp8_linear_module, "quantize", lambda t, *a, **k: (
         seen.append(k.get("amax")), original(t, *a, **k))[1])
-    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
+    lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
     lin(torch.randn(16, 256, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
     assert seen and all(a is None for a in seen)
 
 
 def test_inference_tensors_are_quantized_at_every_call():
     with torch.inference_mode():
-        lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
+        lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
         y = lin(torch.randn(16, 256, dtype=torch.bfloat16))
     assert y.shape == (16, 128) and not lin.fp8_weights._copies
 
 
 def test_a_copied_module_starts_without_copies():
-    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
+    lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
     with torch.no_grad():
         lin(torch.randn(16, 256, dtype=torch.bfloat16))
     twin = copy.deepcopy(lin)
@@ -323,7 +323,7 @@ def test_a_given_fp8_input_must_be_the_recipes_operand():
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_compiled_fullgraph_matches_eager_forward_and_backward(recipe):
-    lin = Linear(256, 384, dtype=torch.bfloat16, recipe=recipe)
+    lin = Fp8Linear(256, 384, dtype=torch.bfloat16, recipe=recipe)
     x = torch.randn(2, 100, 256, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(2, 100, 384, dtype=torch.bfloat16)
     y = lin(x)
@@ -386,6 +386,6 @@ def test_calls_that_do_not_fit_are_refused():
                    torch.zeros(3, dtype=torch.bfloat16), "rowwise")
     with pytest.raises(UnsupportedInputError, match="multiples of 128"):
         fp8_linear(torch.randn(4, 256, dtype=torch.bfloat16), [w[:64]], None, "blockwise")
-    lin = Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise").float()
+    lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise").float()
     with pytest.raises(UnsupportedInputError, match="float32 weights"):
         lin(torch.randn(4, 256))

@@ -8,7 +8,7 @@ import torch
 import cutlass_ops
 from cutlass_ops import scaled
 from cutlass_ops.gemms import scaled_inputs
-from cutlass_ops.gemms.scaled_inputs import Recipe
+from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
 from custom_kernels.core.errors import UnsupportedInputError
 
 E4M3 = torch.float8_e4m3fn
@@ -21,16 +21,16 @@ def operands(m=64, n=256, k=256, dtype_a=E4M3, dtype_b=E4M3):
 
 
 def scales(recipe, m=64, n=256, k=256):
-    if recipe is Recipe.TENSORWISE:
+    if recipe is ScaleRecipe.TENSORWISE:
         return torch.rand(()) + 0.5, torch.rand(()) + 0.5
-    if recipe is Recipe.ROWWISE:
+    if recipe is ScaleRecipe.ROWWISE:
         return torch.rand(m, 1) + 0.5, torch.rand(1, n) + 0.5
     sa = (torch.rand(m, k // 128) + 0.5).t().contiguous().t()  # column-major (M, K/128)
     sb = (torch.rand(n // 128, k // 128) + 0.5).t()  # a weight's row-major scales, transposed
     return sa, sb
 
 
-@pytest.mark.parametrize("recipe", list(Recipe))
+@pytest.mark.parametrize("recipe", list(ScaleRecipe))
 def test_the_recipe_is_read_from_the_scales_shapes(recipe):
     a, b = operands()
     sa, sb = scales(recipe)
@@ -40,7 +40,7 @@ def test_the_recipe_is_read_from_the_scales_shapes(recipe):
     assert checked.out_dtype == torch.bfloat16 and not checked.has_bias
 
 
-@pytest.mark.parametrize("recipe", [Recipe.TENSORWISE, Recipe.ROWWISE])
+@pytest.mark.parametrize("recipe", [ScaleRecipe.TENSORWISE, ScaleRecipe.ROWWISE])
 def test_the_reference_is_torch_scaled_mm_and_the_cpu_route_computes_it(recipe):
     a, b = operands()
     sa, sb = scales(recipe)
@@ -54,7 +54,7 @@ def test_the_reference_is_torch_scaled_mm_and_the_cpu_route_computes_it(recipe):
 
 def test_the_blockwise_reference_scales_each_block():
     a, b = operands()
-    sa, sb = scales(Recipe.BLOCKWISE)
+    sa, sb = scales(ScaleRecipe.BLOCKWISE)
     got = scaled_inputs.reference(a, b, sa, sb, out_dtype=torch.float32)
     expected = torch.empty(64, 256)
     for i in range(64):
@@ -72,7 +72,7 @@ def refused(match, *args, **kwargs):
 
 def test_bad_operands_are_refused_by_name():
     a, b = operands()
-    sa, sb = scales(Recipe.TENSORWISE)
+    sa, sb = scales(ScaleRecipe.TENSORWISE)
     refused("a has dtype torch.bfloat16", a.to(torch.bfloat16), b, sa, sb)
     refused("both float8_e5m2", *operands(dtype_a=torch.float8_e5m2,
                                           dtype_b=torch.float8_e5m2), sa, sb)
@@ -89,21 +89,21 @@ def test_bad_operands_are_refused_by_name():
 
 def test_bad_scales_and_bias_are_refused_by_name():
     a, b = operands()
-    sa, sb = scales(Recipe.ROWWISE)
+    sa, sb = scales(ScaleRecipe.ROWWISE)
     refused("name no scaling recipe", a, b, sa[:32], sb)
     refused("scale_a has dtype torch.bfloat16", a, b, sa.bfloat16(), sb)
-    bsa, bsb = scales(Recipe.BLOCKWISE)
+    bsa, bsb = scales(ScaleRecipe.BLOCKWISE)
     refused("must be column-major \\(stride \\(1, 64\\)\\)", a, b, bsa.contiguous(), bsb)
     refused("transpose of a row-major", a, b, bsa, bsb.contiguous())
     a300, b300 = operands(n=320, k=256)
-    refused("K and N multiples of 128", a300, b300, bsa, scales(Recipe.BLOCKWISE, n=384)[1][:, :3])
+    refused("K and N multiples of 128", a300, b300, bsa, scales(ScaleRecipe.BLOCKWISE, n=384)[1][:, :3])
     refused("bias must be \\(256,\\)", a, b, sa, sb, bias=torch.randn(256))
     refused("bias must be \\(256,\\)", a, b, sa, sb, bias=torch.randn(128).bfloat16())
 
 
 def test_operands_on_two_devices_are_refused():
     a, b = operands()
-    sa, sb = scales(Recipe.TENSORWISE)
+    sa, sb = scales(ScaleRecipe.TENSORWISE)
     with pytest.raises(UnsupportedInputError, match="different devices"):
         cutlass_ops.scaled_mm(a, b, sa.to("meta"), sb)
 
@@ -112,7 +112,7 @@ def test_the_custom_op_has_a_fake_that_torch_compile_traces():
     from cutlass_ops.scaled import scaled_mm_op
 
     a, b = operands()
-    sa, sb = scales(Recipe.TENSORWISE)
+    sa, sb = scales(ScaleRecipe.TENSORWISE)
     with torch._subclasses.FakeTensorMode() as mode:
         fake = scaled_mm_op(mode.from_tensor(a), mode.from_tensor(b), mode.from_tensor(sa),
                             mode.from_tensor(sb), None, torch.float32, False)
@@ -123,6 +123,6 @@ def test_the_custom_op_has_a_fake_that_torch_compile_traces():
 
 def test_scaled_mm_compiles_without_a_graph_break():
     a, b = operands()
-    sa, sb = scales(Recipe.ROWWISE)
+    sa, sb = scales(ScaleRecipe.ROWWISE)
     compiled = torch.compile(cutlass_ops.scaled_mm, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(a, b, sa, sb), cutlass_ops.scaled_mm(a, b, sa, sb))

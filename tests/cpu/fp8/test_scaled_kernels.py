@@ -9,7 +9,7 @@ import torch
 from cutlass_ops.gemms import blockwise_emit, cutlass_bridge, loader, scaled_dispatch, space
 from cutlass_ops.gemms.config import (GemmConfig, GemmOperands, GemmProblem, KernelSchedule,
                                       Scaling)
-from cutlass_ops.gemms.scaled_inputs import Recipe, check_scaled
+from cutlass_ops.gemms.scaled_inputs import ScaleRecipe, check_scaled
 from cutlass_ops.gemms.scaled_plan import layout_refusal, scaled_operands, scaled_problem
 from custom_kernels.core.device import DeviceSpec
 from custom_kernels.core.errors import InvalidConfigError
@@ -105,10 +105,10 @@ def test_stream_k_fast_accumulation_gets_its_schedule_after_emission():
                                                    stream_k) == body
 
 
-@pytest.mark.parametrize("recipe", list(Recipe))
+@pytest.mark.parametrize("recipe", list(ScaleRecipe))
 @pytest.mark.parametrize("m", [16, 128, 4096])
 def test_fp8_candidates_are_unswapped_and_obey_the_rules(recipe, m):
-    problem = scaled_problem(recipe, m, 4096, 4096, fast_accum=recipe is not Recipe.BLOCKWISE)
+    problem = scaled_problem(recipe, m, 4096, 4096, fast_accum=recipe is not ScaleRecipe.BLOCKWISE)
     picked = candidates.select(problem, H100, "quick", use_heuristics=False)
     seeds = [c for c in candidates.fp8_seeds(problem) if candidates.fits_shape(problem, c)]
     assert picked and not any(c.swap_ab for c in picked)
@@ -203,8 +203,8 @@ def test_blockwise_operands_padded_along_k_keep_the_product_and_layouts(k):
     assert a2.shape == (m, kp) and b2.shape == (kp, n) and b2.stride() == (1, kp)
     assert sa2.shape == (m, kp // 128) and sa2.stride() == (1, m)
     assert sb2.shape == (kp // 128, n // 128) and sb2.stride() == (1, kp // 128)
-    want = reference(a, b, sa, sb, None, torch.float32, Recipe.BLOCKWISE)
-    got = reference(a2, b2, sa2, sb2, None, torch.float32, Recipe.BLOCKWISE)
+    want = reference(a, b, sa, sb, None, torch.float32, ScaleRecipe.BLOCKWISE)
+    got = reference(a2, b2, sa2, sb2, None, torch.float32, ScaleRecipe.BLOCKWISE)
     assert ((got - want).norm() / want.norm()).item() < 1e-6  # float32 summation order only
 
 

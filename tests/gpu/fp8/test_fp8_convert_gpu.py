@@ -16,7 +16,7 @@ import torch
 
 import cutlass_ops
 from cutlass_ops import decoder_blocks, module_state, step_graphs
-from cutlass_ops.fp8.linear import Linear, fp8_linear
+from cutlass_ops.fp8.linear import Fp8Linear, fp8_linear
 from custom_kernels import swiglu as swiglu_module
 from custom_kernels.core.tolerances import relative_error
 from custom_kernels.norms.modules import RMSNorm
@@ -75,7 +75,7 @@ def test_each_recipe_is_within_fp8_error_of_bf16(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_a_compiled_layer_matches_eager(recipe):
-    lin = Linear(1024, 768, device="cuda", dtype=torch.bfloat16, recipe=recipe)
+    lin = Fp8Linear(1024, 768, device="cuda", dtype=torch.bfloat16, recipe=recipe)
     x = torch.randn(4, 128, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(4, 128, 768, device="cuda", dtype=torch.bfloat16)
     y = lin(x)
@@ -94,7 +94,7 @@ def test_a_compiled_layer_matches_eager(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_a_captured_graph_reads_the_weight_copies_refreshed_in_place(recipe):
-    lin = Linear(1024, 768, device="cuda", dtype=torch.bfloat16, recipe=recipe).eval()
+    lin = Fp8Linear(1024, 768, device="cuda", dtype=torch.bfloat16, recipe=recipe).eval()
     static = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         lin(static)  # the copies, made eagerly
@@ -112,7 +112,7 @@ def test_a_captured_graph_reads_the_weight_copies_refreshed_in_place(recipe):
 
 
 def test_a_graph_captured_before_any_copy_quantizes_the_weight_itself():
-    lin = Linear(1024, 768, device="cuda", dtype=torch.bfloat16, recipe="rowwise").eval()
+    lin = Fp8Linear(1024, 768, device="cuda", dtype=torch.bfloat16, recipe="rowwise").eval()
     static = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         copy.deepcopy(lin)(static)  # warm-up (lazy initialisations) without lin's own copies

@@ -11,7 +11,7 @@ import torch
 
 import cutlass_ops
 from cutlass_ops.gemms import scaled_dispatch, scaled_inputs
-from cutlass_ops.gemms.scaled_inputs import Recipe
+from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
 from custom_kernels.fp8 import fp8_skinny
 from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
 from custom_kernels.fp8.fp8_skinny import SkinnyConfig
@@ -19,7 +19,7 @@ from tuning.scaled_session import quantized_inputs
 
 pytestmark = pytest.mark.gpu
 E4M3 = (torch.float8_e4m3fn, torch.float8_e4m3fn)
-RECIPES = list(Recipe)
+RECIPES = list(ScaleRecipe)
 TOLERANCE = relative_tolerance(torch.bfloat16, GEMM)
 
 
@@ -43,7 +43,7 @@ def test_each_recipe_matches_the_dequantized_product(recipe, m, bm):
         got = skinny(SkinnyConfig(bm, splits, 4), recipe, a, b, sa, sb)
         assert relative_error(got, expected) < TOLERANCE, (splits, relative_error(got, expected))
     # Each row reads its own scales: with row 0's made 4 times larger, row 0 alone changes.
-    if recipe is not Recipe.TENSORWISE and m > 1:
+    if recipe is not ScaleRecipe.TENSORWISE and m > 1:
         sa[0] *= 4
         again = skinny(SkinnyConfig(bm, 2, 4), recipe, a, b, sa, sb)
         assert relative_error(again[0], expected[0]) > 0.1
@@ -65,11 +65,11 @@ def test_bias_float32_output_and_e5m2(recipe):
 
 
 def test_the_same_bits_every_run_and_in_a_graph():
-    a, b, sa, sb = inputs(Recipe.BLOCKWISE, 16, 1024, 4096, seed=5)
+    a, b, sa, sb = inputs(ScaleRecipe.BLOCKWISE, 16, 1024, 4096, seed=5)
     config = SkinnyConfig(16, 8, 4)
-    first = skinny(config, Recipe.BLOCKWISE, a, b, sa, sb)
+    first = skinny(config, ScaleRecipe.BLOCKWISE, a, b, sa, sb)
     for _ in range(3):
-        assert torch.equal(skinny(config, Recipe.BLOCKWISE, a, b, sa, sb), first)
+        assert torch.equal(skinny(config, ScaleRecipe.BLOCKWISE, a, b, sa, sb), first)
     out = torch.empty_like(first)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -104,7 +104,7 @@ def tuned_skinny_winner(tmp_path, monkeypatch, recipe, m, n, k, fast, build=True
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_dispatch_runs_a_tuned_skinny_winner_eagerly_in_graphs_and_under_compile(
         tmp_path, monkeypatch, recipe):
-    fast = recipe is not Recipe.BLOCKWISE
+    fast = recipe is not ScaleRecipe.BLOCKWISE
     winner = tuned_skinny_winner(tmp_path, monkeypatch, recipe, 16, 1024, 2048, fast)
     a, b, sa, sb = inputs(recipe, 16, 1024, 2048, seed=6)
     decision = scaled_dispatch.explain(a, b, sa, sb, use_fast_accum=fast)
@@ -135,8 +135,8 @@ def test_a_blockwise_call_of_m_not_a_multiple_of_4_runs_the_skinny_winner_withou
         tmp_path, monkeypatch, m):
     """Blockwise calls of M % 4 != 0 (decode) are padded for the CUTLASS kernels and cuBLAS;
     where the padded call's winner is the skinny kernel, it runs on the call's own tensors."""
-    winner = tuned_skinny_winner(tmp_path, monkeypatch, Recipe.BLOCKWISE, 4, 1024, 2048, False)
-    a, b, sa, sb = inputs(Recipe.BLOCKWISE, m, 1024, 2048, seed=9)
+    winner = tuned_skinny_winner(tmp_path, monkeypatch, ScaleRecipe.BLOCKWISE, 4, 1024, 2048, False)
+    a, b, sa, sb = inputs(ScaleRecipe.BLOCKWISE, m, 1024, 2048, seed=9)
     decision = scaled_dispatch.explain(a, b, sa, sb)
     assert decision.choice == winner, decision
     copies = []
@@ -145,17 +145,17 @@ def test_a_blockwise_call_of_m_not_a_multiple_of_4_runs_the_skinny_winner_withou
                                                                                         **kw))
     out = cutlass_ops.scaled_mm(a, b, sa, sb)
     assert not copies and out.shape == (m, 1024)
-    expected = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, Recipe.BLOCKWISE)
+    expected = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, ScaleRecipe.BLOCKWISE)
     assert relative_error(out, expected) < TOLERANCE
 
 
 def test_a_skinny_winner_without_its_cubin_runs_torch_rather_than_compile(tmp_path,
                                                                           monkeypatch):
-    tuned_skinny_winner(tmp_path, monkeypatch, Recipe.ROWWISE, 16, 1024, 2048, True,
+    tuned_skinny_winner(tmp_path, monkeypatch, ScaleRecipe.ROWWISE, 16, 1024, 2048, True,
                         build=False)
-    a, b, sa, sb = inputs(Recipe.ROWWISE, 16, 1024, 2048, seed=8)
+    a, b, sa, sb = inputs(ScaleRecipe.ROWWISE, 16, 1024, 2048, seed=8)
     decision = scaled_dispatch.explain(a, b, sa, sb, use_fast_accum=True)
     assert decision.choice is None, decision
     out = cutlass_ops.scaled_mm(a, b, sa, sb, use_fast_accum=True)
-    expected = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, Recipe.ROWWISE)
+    expected = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, ScaleRecipe.ROWWISE)
     assert relative_error(out, expected) < TOLERANCE

@@ -6,7 +6,7 @@ import torch
 
 import cutlass_ops
 from cutlass_ops.gemms import scaled_inputs
-from cutlass_ops.gemms.scaled_inputs import Recipe
+from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
 from custom_kernels.core.tolerances import relative_error
 
 pytestmark = pytest.mark.gpu
@@ -16,10 +16,10 @@ E4M3 = torch.float8_e4m3fn
 def quantized(recipe, m=1000, n=1536, k=2048):
     """Random a (M, K) and w (N, K) quantized per the recipe: (aq, w^T as b, scale_a, scale_b)."""
     a, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
-    if recipe is Recipe.TENSORWISE:
+    if recipe is ScaleRecipe.TENSORWISE:
         sa, sw = a.abs().amax() / 448, w.abs().amax() / 448
         return (a / sa).to(E4M3), (w / sw).to(E4M3).t(), sa, sw
-    if recipe is Recipe.ROWWISE:
+    if recipe is ScaleRecipe.ROWWISE:
         sa, sw = a.abs().amax(1, keepdim=True) / 448, w.abs().amax(1, keepdim=True) / 448
         return (a / sa).to(E4M3), (w / sw).to(E4M3).t(), sa, sw.t().contiguous()
     sa = a.view(m, k // 128, 128).abs().amax(-1) / 448
@@ -29,7 +29,7 @@ def quantized(recipe, m=1000, n=1536, k=2048):
     return aq, wq.t(), sa.t().contiguous().t(), sw.t()
 
 
-@pytest.mark.parametrize("recipe", list(Recipe))
+@pytest.mark.parametrize("recipe", list(ScaleRecipe))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_each_recipe_matches_the_dequantized_product(recipe, out_dtype):
     aq, b, sa, sb = quantized(recipe)
@@ -40,7 +40,7 @@ def test_each_recipe_matches_the_dequantized_product(recipe, out_dtype):
 
 
 def test_compiled_and_graph_replayed():
-    aq, b, sa, sb = quantized(Recipe.ROWWISE, 256, 512, 256)
+    aq, b, sa, sb = quantized(ScaleRecipe.ROWWISE, 256, 512, 256)
     compiled = torch.compile(lambda *t: cutlass_ops.scaled_mm(*t), fullgraph=True)
     expected = scaled_inputs.reference(aq, b, sa, sb, out_dtype=torch.float32)
     assert relative_error(compiled(aq, b, sa, sb), expected) < 1e-2
@@ -59,8 +59,8 @@ def test_the_torch_route_is_right_for_blockwise_k_cublas_gets_wrong(k):
     the torch route pads K, so its answer is the dequantized product's at every K."""
     from cutlass_ops.gemms.scaled_dispatch import torch_scaled_mm
 
-    aq, b, sa, sb = quantized(Recipe.BLOCKWISE, m=200, n=384, k=k)
+    aq, b, sa, sb = quantized(ScaleRecipe.BLOCKWISE, m=200, n=384, k=k)
     bias = torch.randn(384, device="cuda").bfloat16()
-    got = torch_scaled_mm(aq, b, sa, sb, bias, torch.bfloat16, False, Recipe.BLOCKWISE)
+    got = torch_scaled_mm(aq, b, sa, sb, bias, torch.bfloat16, False, ScaleRecipe.BLOCKWISE)
     expected = scaled_inputs.reference(aq, b, sa, sb, bias, torch.float32)
     assert relative_error(got, expected) < 1e-2

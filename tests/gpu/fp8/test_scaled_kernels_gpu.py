@@ -9,7 +9,7 @@ import torch
 import cutlass_ops
 from cutlass_ops.gemms import dispatch, scaled_dispatch, scaled_inputs, scaled_plan
 from cutlass_ops.gemms.config import GemmConfig
-from cutlass_ops.gemms.scaled_inputs import Recipe
+from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
 from custom_kernels.core.tolerances import relative_error
 from tuning.scaled_session import quantized_inputs
 
@@ -17,10 +17,10 @@ pytestmark = pytest.mark.gpu
 E4M3 = (torch.float8_e4m3fn, torch.float8_e4m3fn)
 COOPERATIVE = GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 128))
 # (recipe, bias, out dtype, fast accumulation): one built kernel each (tests/gpu/prebuild.py).
-KERNELS = [(Recipe.TENSORWISE, True, torch.bfloat16, True),
-           (Recipe.ROWWISE, False, torch.bfloat16, True),
-           (Recipe.ROWWISE, True, torch.float32, False),
-           (Recipe.BLOCKWISE, False, torch.bfloat16, False)]
+KERNELS = [(ScaleRecipe.TENSORWISE, True, torch.bfloat16, True),
+           (ScaleRecipe.ROWWISE, False, torch.bfloat16, True),
+           (ScaleRecipe.ROWWISE, True, torch.float32, False),
+           (ScaleRecipe.BLOCKWISE, False, torch.bfloat16, False)]
 
 
 def work():
@@ -43,7 +43,7 @@ def test_each_recipe_kernel_matches_the_dequantized_product(recipe, bias, out_dt
     expected = scaled_inputs.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
     assert got.dtype == out_dtype and relative_error(got, expected) < 1e-2
     # Each row reads its own scales: with row 0's made 4 times larger, row 0 alone changes.
-    if recipe is not Recipe.TENSORWISE:
+    if recipe is not ScaleRecipe.TENSORWISE:
         sa[0] *= 4
         again = launch()
         changed = scaled_inputs.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
@@ -55,14 +55,14 @@ def test_each_recipe_kernel_matches_the_dequantized_product(recipe, bias, out_dt
     assert relative_error(got, torch_out.float()) < 1e-2
 
 
-@pytest.mark.parametrize("recipe", [Recipe.TENSORWISE, Recipe.BLOCKWISE])
+@pytest.mark.parametrize("recipe", [ScaleRecipe.TENSORWISE, ScaleRecipe.BLOCKWISE])
 def test_dispatch_runs_a_built_kernel_in_graphs_and_under_compile(recipe, monkeypatch):
     # untuned shapes run torch._scaled_mm by default; the built-kernel route is what this tests,
     # so no tuned entry either (a tuned neighbour that preferred torch would decide it)
     monkeypatch.setattr(scaled_dispatch, "UNTUNED_BUILT_KERNELS", True)
     monkeypatch.setattr(dispatch, "_entries", lambda scope: {})
-    fast = recipe is Recipe.TENSORWISE
-    bias = recipe is Recipe.TENSORWISE
+    fast = recipe is ScaleRecipe.TENSORWISE
+    bias = recipe is ScaleRecipe.TENSORWISE
     a, b, sa, sb = inputs(recipe, 512, 1024, 1024, seed=1)
     bias_t = torch.randn(1024, device="cuda", dtype=torch.bfloat16) if bias else None
     scaled_dispatch.reset()
@@ -86,13 +86,13 @@ def test_dispatch_runs_a_built_kernel_in_graphs_and_under_compile(recipe, monkey
 
 def test_blockwise_inputs_our_kernels_do_not_read_run_on_copies():
     # M % 4 != 0: neither our kernels nor cuBLAS take it; the rows are padded to 512.
-    a, b, sa, sb = inputs(Recipe.BLOCKWISE, 510, 1024, 1024, seed=2)
+    a, b, sa, sb = inputs(ScaleRecipe.BLOCKWISE, 510, 1024, 1024, seed=2)
     decision = scaled_dispatch.explain(a, b, sa, sb)
     assert decision.source == "copy" and "not a multiple of 4" in decision.reason
     expected = scaled_inputs.reference(a, b, sa, sb, out_dtype=torch.float32)
     got = cutlass_ops.scaled_mm(a, b, sa, sb)
     assert got.shape == (510, 1024) and relative_error(got, expected) < 1e-2
-    a, b, sa, sb = inputs(Recipe.BLOCKWISE, 512, 1024, 1024, seed=3)
+    a, b, sa, sb = inputs(ScaleRecipe.BLOCKWISE, 512, 1024, 1024, seed=3)
     padded = torch.empty(sa.shape[1], 520, device="cuda")[:, :512].t()  # stride (1, 520)
     padded.copy_(sa)
     decision = scaled_dispatch.explain(a, b, padded, sb)  # our kernels read copies of them
