@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from cutlass_ops import decoder_blocks, fused_linear  # noqa: E402
+from cutlass_ops.block_gemms import BF16  # noqa: E402
 from cutlass_ops.nn import convert  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -166,6 +167,24 @@ def test_unfuse_restores_the_classes():
     assert type(layer) is not classes[0]
     decoder_blocks.unfuse(layer)
     assert (type(layer), type(layer.self_attn), type(layer.mlp)) == classes
+
+
+def test_sharded_weights_are_fused_only_through_an_adopter():
+    """A layer a tensor-parallel plan sharded (DTensor weights, marked by their placements here)
+    is refused without an adopter, and the adopter's refusal is the layer's (unchanged both
+    times); its GEMMs stay the 16-bit ones."""
+    model = _model("llama")
+    layer = model.model.layers[0]
+    layer.self_attn.q_proj.weight.placements = ()  # what fuse looks for on a DTensor weight
+    classes = (type(layer), type(layer.self_attn), type(layer.mlp))
+    why = decoder_blocks.fuse(layer, require_gpu=False)
+    assert why is not None and "tensor-parallel" in why
+    adopted = []
+    why = decoder_blocks.fuse(layer, require_gpu=False,
+                              adopt=lambda attention, mlp: adopted.append(mlp) or "not this plan")
+    assert why == "not this plan" and adopted == [layer.mlp]
+    assert (type(layer), type(layer.self_attn), type(layer.mlp)) == classes
+    assert decoder_blocks.gemms_of(layer.self_attn) is BF16
 
 
 def test_the_probe_refuses_a_look_alike_with_another_activation():
