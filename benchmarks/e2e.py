@@ -111,6 +111,40 @@ def train_step(model, ids):
     return step
 
 
+# Variants that run a converted model through cutlass_ops.graphed_steps: the train step and the
+# prefill forward replayed as CUDA graphs (issue 52), measured beside the same model ungraphed.
+GRAPHED = "ours graphed"
+# torch.compile with CUDA graphs (cudagraph trees): the peer that also takes the host out.
+COMPILE_GRAPHS = "compile reduce-overhead"
+
+
+def graphed_train_step(model, ids):
+    """``train_step``'s work as a ``cutlass_ops.graphed_train_step``, called twice (eager, then
+    captured and replayed) so that the checked step is a replay; the wrapper in ``.graphed``."""
+    import cutlass_ops
+
+    graphed = cutlass_ops.graphed_train_step(model)
+
+    def step():
+        return graphed(input_ids=ids, labels=ids)
+    for _ in range(2):
+        step()
+    model.zero_grad(set_to_none=True)
+    step.graphed = graphed
+    return step
+
+
+def graph_memory(model, step) -> dict:
+    """``peak_memory``'s figures for a graphed step: the parameters and the graph's memory
+    pool (its activations, gradients and temporaries, reserved at capture and held), the pool
+    counted whole as the step's peak."""
+    pool = sum(step.graphed.memory_bytes().values())
+    parameters = parameter_bytes(model)
+    return {"peak_gb": (parameters + pool) / 1e9, "parameters_gb": parameters / 1e9,
+            "graph_pool_gb": pool / 1e9, "gradients_gb": gradient_bytes(model) / 1e9,
+            "above_parameters_and_gradients_gb": None, "forward_peak_gb": None}
+
+
 def parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -208,20 +242,20 @@ def measure_train(variants, ids, reps, tolerances=None, fragile=()):
     bounds = {name: b(*reference) if callable(b) else b for name, b in bounds.items()}
     for name, model in list(variants.items())[1:]:
         model.train()
-        steps[name] = train_step(model, ids)
         try:
+            steps[name] = (graphed_train_step if name == GRAPHED else train_step)(model, ids)
             loss, grads = first_step(model, steps[name])
         except Exception as error:  # noqa: BLE001
             if name not in fragile:
                 raise
             model.zero_grad(set_to_none=True)
-            del steps[name]
+            steps.pop(name, None)
             out[name] = {"error": f"its first train step raised {type(error).__name__}: "
                                   f"{error}"[:500]}
             continue
         check = model_checks.check_train_step(loss, grads, *reference, bounds[name])
         del grads
-        memory = peak_memory(model, steps[name])
+        memory = (graph_memory if name == GRAPHED else peak_memory)(model, steps[name])
         out[name] = {"loss": loss, "peak_gb": memory["peak_gb"], "memory": memory,
                      "check": check}
     del reference
@@ -238,6 +272,9 @@ def train_rows(train: dict, tokens: int) -> list:
     check."""
     rows = []
     for a, b in pairs(train):
+        if "ms" not in train[a] or "ms" not in train[b]:
+            rows.append(unmeasured_row(f"train {a} vs {b}", tokens, train[a], train[b], b))
+            continue
         check = train[a]["check"]
         rows.append(rate_row(f"train {a} vs {b}", tokens, train[a], train[b], b, check.ok,
                              loss_ours=train[a]["loss"], loss_reference=train[b]["loss"],
@@ -246,7 +283,44 @@ def train_rows(train: dict, tokens: int) -> list:
         if reference in train:
             rows.append(memory_row(train["ours"], train[reference], reference,
                                    train["ours"]["check"].ok))
+    if "ms" in train.get(GRAPHED, {}):  # the graph's pool held beside the step ungraphed
+        rows.append(memory_row(train[GRAPHED], train["ours"], "ours",
+                               train[GRAPHED]["check"].ok,
+                               case=f"peak memory train {GRAPHED} vs ours"))
     return rows
+
+
+def unmeasured_row(case: str, tokens: int, ours: dict, reference: dict, reference_name: str):
+    """A pair one of whose variants failed to run (a fragile variant's {"error": why})."""
+    from benchmarks.e2e_fp8 import missing_row
+
+    rate = [round(tokens / v["ms"] * 1e3, 1) if v.get("ms") else None for v in (ours, reference)]
+    why = "; ".join(v["error"] for v in (ours, reference) if "error" in v) or "not measured"
+    return missing_row(case, "tokens/s", *rate, reference_name, why)
+
+
+class GraphedPrefill:
+    """A converted model's prefill through ``cutlass_ops.graphed_forward`` as the prefill code
+    calls a model: ``eval()``, then ``model(input_ids=...)`` (the graph's own output buffers);
+    captured before it is checked."""
+
+    def __init__(self, model, ids):
+        import cutlass_ops
+
+        self.model = model.eval()
+        self.forward = cutlass_ops.graphed_forward(model)
+        for _ in range(2):
+            self.forward(input_ids=ids)
+
+    def eval(self):
+        return self
+
+    def __call__(self, **kwargs):
+        return self.forward(**kwargs)
+
+
+def graphed_prefill(model, ids) -> GraphedPrefill:
+    return GraphedPrefill(model, ids)
 
 
 def prefill_logits(model, ids):
@@ -263,6 +337,8 @@ def measure_prefill(variants, ids, reps, fragile=()):
     out, calls = {}, {}
     for name, model in variants.items():
         try:
+            if name == GRAPHED:
+                model = graphed_prefill(model, ids)
             logits = prefill_logits(model, ids)
         except Exception as error:  # noqa: BLE001
             if name not in fragile:
@@ -482,7 +558,8 @@ def memory_row(ours, ref, ref_name, correct: bool, case: str | None = None):
 def pairs(have):
     """(ours variant, reference variant) pairs the issue names, among the variants measured."""
     wanted = [("ours", "eager"), ("ours", "compile"), ("ours+compile", "compile"),
-              ("ours", "ours without fused loss")]
+              ("ours", "ours without fused loss"), (GRAPHED, "compile"),
+              (GRAPHED, COMPILE_GRAPHS), (GRAPHED, "ours")]
     return [(a, b) for a, b in wanted if a in have and b in have]
 
 
@@ -491,6 +568,9 @@ def prefill_rows(prefill: dict, tokens: int) -> list:
               prefill.items() if "logits" in v}
     rows = []
     for a, b in pairs(prefill):
+        if a not in errors or b not in errors or prefill[a]["ms"] is None:
+            rows.append(unmeasured_row(f"prefill {a} vs {b}", tokens, prefill[a], prefill[b], b))
+            continue
         # bf16 rounding over the layers moves the logits: a variant passes within 2e-2 of
         # eager's, or no further from them than its reference (torch.compile's own reordering).
         ok = errors[a] < 2e-2 or errors[a] <= 1.5 * errors[b]
@@ -539,6 +619,8 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, default=20,
                         help="timed repetitions per train / prefill figure (decode: a third, each\n                        a whole generate() of --new-tokens steps)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
+    parser.add_argument("--no-graphs", action="store_true",
+                        help=f"skip {GRAPHED!r} and {COMPILE_GRAPHS!r}")
     parser.add_argument("--no-loss-baseline", action="store_true",
                         help="skip the converted model without the fused loss (train rows)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
@@ -606,9 +688,13 @@ def build_variants(args):
         variants["ours without fused loss"] = unfused_loss
     models, missing, conversions = e2e_fp8.fp8_variants(eager, args.recipes)
     variants.update(models)
+    if not args.fp8_only and not args.no_graphs:
+        variants[GRAPHED] = ours  # the same model, its steps through cutlass_ops.graphed_steps
     if not args.fp8_only and not args.no_compile:
         variants["compile"] = torch.compile(eager)
         variants["ours+compile"] = torch.compile(ours)
+        if not args.no_graphs:
+            variants[COMPILE_GRAPHS] = torch.compile(eager, mode="reduce-overhead")
     return variants, report, missing, conversions
 
 
@@ -625,7 +711,7 @@ def main() -> None:
     if args.peers_only:
         return
     variants, report, missing, conversions = build_variants(args)
-    fragile = set(conversions)
+    fragile = set(conversions) | {GRAPHED, COMPILE_GRAPHS}
     ids = token_ids(args.tokens)
     name = "e2e_quick" if args.quick else "e2e"
     meta = {"layers": args.layers, "tokens": args.tokens, "new_tokens": args.new_tokens,

@@ -1,0 +1,393 @@
+"""Whole train steps and inference forwards replayed as CUDA graphs, without torch.compile.
+
+A converted model's kernels keep the GPU busy, but between them the GPU waits for Python: the
+modules' forward code, autograd's bookkeeping, each launch (about 10 ms of a 94 ms train step of
+the e2e model). ``graphed_train_step(model, optimizer)`` captures the forward, the loss, the
+backward and, where the optimizer is capturable, the optimizer step into one CUDA graph per input
+signature and then replays it: a copy of the inputs into the graph's buffers and one launch.
+``graphed_forward(model)`` does the same for an inference forward (prefill).
+
+What a user sees:
+- **The first call of a signature runs eagerly** (it loads kernels, resolves GEMM routes, makes
+  the optimizer's state); the second captures and replays; later calls replay. A signature is
+  the tensors' shapes, strides, dtypes and devices and the other arguments' values.
+- **Gradients**: after a graphed train step each parameter's ``.grad`` is this step's gradient,
+  as after ``zero_grad(set_to_none=True)`` and ``backward()`` (replaced, not accumulated); the
+  tensors are the graph's own, overwritten by its next replay.
+- **The optimizer step** is captured when every parameter group says ``capturable=True`` (Adam,
+  AdamW and the other torch optimizers that take the flag); otherwise it runs eagerly after the
+  replay. Its hyperparameters that are Python numbers are frozen in a capture: when one changes
+  (a scheduler's float ``lr``), the step is captured again, with a warning once; a tensor ``lr``
+  (``torch.tensor(lr, device="cuda")``, which torch's schedulers fill in place) avoids that.
+- **Outputs**: the train step returns the loss (a copy); ``graphed_forward`` returns the graph's
+  own output tensors, overwritten by the next call of the same signature (clone what you keep),
+  as ``torch.cuda.make_graphed_callables`` and ``torch.compile(mode="reduce-overhead")`` do.
+- **Memory**: each captured signature keeps its activations and gradients in a memory pool
+  shared by the holder's graphs, at most ``max_graphs`` of them (the oldest dropped);
+  ``memory_bytes()`` says what each holds; ``reset()`` frees them.
+- **Refusals** (``CaptureRefused``, naming the reason): CPU tensors, inputs that require grad,
+  arguments that cannot be part of a signature, and a step that synchronizes with the host
+  while captured (``.item()``, ``nonzero``, a shape read from data: torch's sync debug mode is
+  on during the capture, so the message names the operation). ``on_refusal="eager"`` runs such
+  a signature eagerly instead, logged once.
+- A new parameter tensor (``load_state_dict(assign=True)``, ``model.to``) or an optimizer's
+  ``load_state_dict`` drops the graphs: they read the old memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+DEFAULT_MAX_GRAPHS = 4
+
+
+class CaptureRefused(RuntimeError):
+    """A step that cannot be replayed as a CUDA graph, and why."""
+
+
+@dataclasses.dataclass
+class Captured:
+    """One signature's graph: its input buffers (the flattened call's tensors, in order), its
+    outputs, the gradients its backward writes (train steps), the pool memory it took."""
+
+    graph: Any
+    inputs: list
+    outputs: Any
+    grads: Optional[list] = None
+    pool_bytes: int = 0
+
+
+def signature(args: tuple, kwargs: dict) -> tuple:
+    """What a graph's validity depends on, of a call's arguments: each tensor's shape, stride,
+    dtype and device, and every other leaf's value; refused where a graph cannot hold it."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    key = []
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            key.append(_tensor_key(leaf))
+            continue
+        try:
+            hash(leaf)
+        except TypeError:
+            raise CaptureRefused(f"an argument of type {type(leaf).__name__} is neither a tensor "
+                                 "nor hashable: a graph cannot tell one call from another") from None
+        key.append(leaf)
+    return (spec, tuple(key))
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    if t.device.type != "cuda":
+        raise CaptureRefused(f"a {t.device} tensor argument: CUDA graphs hold CUDA tensors only")
+    if t.requires_grad:
+        raise CaptureRefused("an argument requires grad: its gradient would stay in the graph's "
+                             "buffer; pass inputs that do not require grad")
+    return ("tensor", tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+class Graphs:
+    """A holder's graphs by signature, the oldest dropped past ``max_graphs``; ``sightings``
+    counts the calls of signatures not captured yet (captured on the second)."""
+
+    def __init__(self, max_graphs: int):
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be at least 1, not {max_graphs}")
+        self.max_graphs = max_graphs
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+        self.sightings: collections.Counter = collections.Counter()
+        self.refused: dict = {}
+        self.pool = None
+
+    def get(self, key) -> Optional[Captured]:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def seen_before(self, key) -> bool:
+        """Whether ``key`` was called before (counting this call)."""
+        if len(self.sightings) >= 16 * self.max_graphs:  # signatures seen once, long ago
+            self.sightings.clear()
+        self.sightings[key] += 1
+        return self.sightings[key] > 1
+
+    def store(self, key, entry: Captured) -> None:
+        self.entries[key] = entry
+        self.sightings.pop(key, None)
+        while len(self.entries) > self.max_graphs:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.sightings.clear()
+        self.refused.clear()
+        self.pool = None
+
+
+def capture(fn: Callable, inputs: list, spec, graphs: Graphs) -> Captured:
+    """``fn`` called on the call rebuilt from the buffers ``inputs`` (``spec`` is its pytree),
+    captured into a CUDA graph in ``graphs``' pool; not run (the caller replays). A host
+    synchronization inside raises ``CaptureRefused`` naming it."""
+    if graphs.pool is None:
+        graphs.pool = torch.cuda.graph_pool_handle()
+    args, kwargs = pytree.tree_unflatten(inputs, spec)
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    graph = torch.cuda.CUDAGraph()
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        # "thread_local": NCCL's watchdog thread may query its events meanwhile.
+        with torch.cuda.graph(graph, pool=graphs.pool, capture_error_mode="thread_local"):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                outputs = fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+    except Exception as error:
+        why = _capture_failure(error)
+        if why is None:
+            raise
+        raise CaptureRefused(why) from error
+    torch.cuda.synchronize()
+    return Captured(graph, inputs, outputs,
+                    pool_bytes=max(0, torch.cuda.memory_reserved() - reserved))
+
+
+def _capture_failure(error: Exception) -> Optional[str]:
+    """Why a capture failed, where the failure means "cannot be captured" rather than a bug of
+    the step (which is raised as it is)."""
+    text = str(error)
+    if "synchroniz" in text or "capturing" in text or "capture" in text.lower():
+        return ("the step synchronizes with the host while captured (a .item(), a nonzero, a "
+                f"shape read from data, a copy to the CPU): {type(error).__name__}: "
+                f"{text.splitlines()[0] if text else ''}"[:600])
+    return None
+
+
+def fill(entry: Captured, leaves: list) -> None:
+    """Copies a call's tensors into the graph's input buffers."""
+    for buffer, leaf in zip(entry.inputs, leaves):
+        if isinstance(leaf, Tensor) and leaf is not buffer:
+            buffer.copy_(leaf)
+
+
+def static_inputs(leaves: list) -> list:
+    """The graph's own copies of a call's tensors (its input buffers); other leaves as they
+    are."""
+    return [leaf.detach().clone() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+
+
+class _Graphed:
+    """What both wrappers share: the graphs, the refusal policy, the memory report."""
+
+    def __init__(self, model: nn.Module, max_graphs: int, on_refusal: str):
+        if on_refusal not in ("raise", "eager"):
+            raise ValueError(f"on_refusal is 'raise' or 'eager', not {on_refusal!r}")
+        self.model = model
+        self.graphs = Graphs(max_graphs)
+        self.on_refusal = on_refusal
+        self._parameters = tuple(model.parameters())
+        self._pointers = self._parameter_pointers()
+
+    def _parameter_pointers(self) -> tuple:
+        return tuple(p.data_ptr() for p in self._parameters)
+
+    def _check_parameters(self) -> None:
+        """Graphs read the parameters' memory: new tensors (``assign=True`` loads, ``to``) drop
+        them."""
+        pointers = self._parameter_pointers()
+        if pointers != self._pointers or len(self._parameters) != len(
+                list(self.model.parameters())):
+            self._parameters = tuple(self.model.parameters())
+            self._pointers = self._parameter_pointers()
+            self.reset()
+
+    def _refused(self, key, refusal: CaptureRefused):
+        """Raises ``refusal`` (remembered under ``key``) or, with ``on_refusal="eager"``,
+        logs it once: the caller then runs the call eagerly."""
+        if key is not None:
+            self.graphs.refused[key] = str(refusal)
+        if self.on_refusal == "raise":
+            raise refusal
+        from custom_kernels.core.fallback import log_once
+
+        log_once("a graphed step runs eagerly", str(refusal))
+
+    def memory_bytes(self) -> dict:
+        """The pool memory each captured signature took at its capture (activations,
+        gradients, the graph's temporaries), by signature."""
+        return {key: entry.pool_bytes for key, entry in self.graphs.entries.items()}
+
+    def reset(self) -> None:
+        """Drops every graph (their memory returns to torch's allocator once unreferenced)."""
+        self.graphs.clear()
+
+
+class GraphedTrainStep(_Graphed):
+    """See the module docstring and ``graphed_train_step``."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 loss_fn: Optional[Callable], max_graphs: int, on_refusal: str):
+        super().__init__(model, max_graphs, on_refusal)
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn or default_loss
+        self.optimizer_captured = optimizer is not None and capturable(optimizer)
+        self._hyperparameters = self._snapshot()
+        self._warned = False
+        if optimizer is not None:
+            optimizer.register_load_state_dict_post_hook(lambda *_: self.reset())
+
+    def __call__(self, *args, **kwargs) -> Tensor:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        try:
+            key = signature(args, kwargs)
+        except CaptureRefused as refusal:
+            self._refused(None, refusal)
+            return self._eager(args, kwargs)
+        self._check_parameters()
+        self._check_hyperparameters()
+        entry = self.graphs.get(key)
+        if entry is None:
+            if key in self.graphs.refused:
+                self._refused(key, CaptureRefused(self.graphs.refused[key]))
+                return self._eager(args, kwargs)
+            if not self.graphs.seen_before(key):
+                return self._eager(args, kwargs)
+            entry = self._capture(key, leaves, spec)
+            if entry is None:
+                return self._eager(args, kwargs)
+        else:
+            fill(entry, leaves)
+        entry.graph.replay()
+        for parameter, grad in zip(self._parameters, entry.grads):
+            parameter.grad = grad
+        if self.optimizer is not None and not self.optimizer_captured:
+            self.optimizer.step()
+        return entry.outputs.clone()
+
+    def _step(self, *args, **kwargs) -> Tensor:
+        loss = self.loss_fn(self.model(*args, **kwargs))
+        loss.backward()
+        if self.optimizer_captured:
+            self.optimizer.step()
+        return loss.detach()
+
+    def _eager(self, args, kwargs) -> Tensor:
+        for parameter in self._parameters:
+            parameter.grad = None
+        loss = self._step(*args, **kwargs)
+        if self.optimizer is not None and not self.optimizer_captured:
+            self.optimizer.step()
+        return loss
+
+    def _capture(self, key, leaves, spec) -> Optional[Captured]:
+        for parameter in self._parameters:
+            parameter.grad = None  # the backward allocates this signature's own, in the pool
+        try:
+            entry = capture(self._step, static_inputs(leaves), spec, self.graphs)
+        except CaptureRefused as refusal:
+            for parameter in self._parameters:
+                parameter.grad = None
+            self._refused(key, refusal)
+            return None
+        entry.grads = [p.grad for p in self._parameters]
+        self.graphs.store(key, entry)
+        return entry
+
+    def _snapshot(self) -> tuple:
+        """The optimizer's hyperparameters that a capture freezes: its Python numbers."""
+        if not self.optimizer_captured:
+            return ()
+        return tuple(tuple((name, value) for name, value in sorted(group.items())
+                           if name != "params" and isinstance(value, (int, float, bool, tuple)))
+                     for group in self.optimizer.param_groups)
+
+    def _check_hyperparameters(self) -> None:
+        now = self._snapshot()
+        if now == self._hyperparameters:
+            return
+        if not self._warned:
+            warnings.warn("an optimizer hyperparameter held as a Python number changed: the "
+                          "graphed step is captured again (give lr as a CUDA tensor to avoid "
+                          "recapturing)", stacklevel=3)
+            self._warned = True
+        self._hyperparameters = now
+        self.reset()
+
+
+class GraphedForward(_Graphed):
+    """See the module docstring and ``graphed_forward``."""
+
+    def __call__(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        try:
+            key = signature(args, kwargs)
+        except CaptureRefused as refusal:
+            self._refused(None, refusal)
+            return self._forward(*args, **kwargs)
+        self._check_parameters()
+        entry = self.graphs.get(key)
+        if entry is None:
+            if key in self.graphs.refused:
+                self._refused(key, CaptureRefused(self.graphs.refused[key]))
+                return self._forward(*args, **kwargs)
+            if not self.graphs.seen_before(key):
+                return self._forward(*args, **kwargs)
+            try:
+                entry = capture(self._forward, static_inputs(leaves), spec, self.graphs)
+            except CaptureRefused as refusal:
+                self._refused(key, refusal)
+                return self._forward(*args, **kwargs)
+            self.graphs.store(key, entry)
+        else:
+            fill(entry, leaves)
+        entry.graph.replay()
+        return entry.outputs
+
+    def _forward(self, *args, **kwargs):
+        with torch.no_grad():
+            return self.model(*args, **kwargs)
+
+
+def default_loss(output) -> Tensor:
+    """The loss of a model's output: a Hugging Face output's ``loss``, or a 0-d tensor itself."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Tensor) and output.dim() == 0:
+        loss = output
+    if not isinstance(loss, Tensor):
+        raise CaptureRefused("the model's output has no loss (call it with labels, or pass "
+                             "loss_fn=lambda output: ...)")
+    return loss
+
+
+def capturable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter group of ``optimizer`` is built for capture
+    (``capturable=True``)."""
+    return all(group.get("capturable", False) for group in optimizer.param_groups)
+
+
+def graphed_train_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                       loss_fn: Optional[Callable] = None, max_graphs: int = DEFAULT_MAX_GRAPHS,
+                       on_refusal: str = "raise") -> GraphedTrainStep:
+    """``step(*args, **kwargs)``: ``loss_fn(model(*args, **kwargs))`` (default: the output's
+    ``loss``), its backward and ``optimizer.step()`` as one CUDA graph per signature; returns
+    the loss. See the module docstring for what is captured, when, and what is refused."""
+    return GraphedTrainStep(model, optimizer, loss_fn, max_graphs, on_refusal)
+
+
+def graphed_forward(model: nn.Module, *, max_graphs: int = DEFAULT_MAX_GRAPHS,
+                    on_refusal: str = "raise") -> GraphedForward:
+    """``forward(*args, **kwargs)``: ``model(*args, **kwargs)`` under no_grad as one CUDA graph
+    per signature; returns the graph's own outputs (overwritten by the next call of the same
+    signature)."""
+    return GraphedForward(model, max_graphs, on_refusal)
+
+
+__all__ = ["CaptureRefused", "GraphedTrainStep", "GraphedForward", "graphed_train_step",
+           "graphed_forward", "signature", "capturable", "default_loss"]
