@@ -135,10 +135,10 @@ def graphed_train_step(model, ids):
 
 
 def graph_memory(model, step) -> dict:
-    """``peak_memory``'s figures for a graphed step: the parameters and the graph's memory
-    pool (its activations, gradients and temporaries, reserved at capture and held), the pool
-    counted whole as the step's peak."""
-    pool = sum(step.graphed.memory_bytes().values())
+    """``peak_memory``'s figures for a graphed step: the parameters and the graphs' memory
+    pool (its activations, gradients and temporaries, held between replays), the pool counted
+    whole as the step's peak."""
+    pool = step.graphed.memory_bytes()
     parameters = parameter_bytes(model)
     return {"peak_gb": (parameters + pool) / 1e9, "parameters_gb": parameters / 1e9,
             "graph_pool_gb": pool / 1e9, "gradients_gb": gradient_bytes(model) / 1e9,

@@ -23,8 +23,8 @@ What a user sees:
   own output tensors, overwritten by the next call of the same signature (clone what you keep),
   as ``torch.cuda.make_graphed_callables`` and ``torch.compile(mode="reduce-overhead")`` do.
 - **Memory**: each captured signature keeps its activations and gradients in a memory pool
-  shared by the holder's graphs, at most ``max_graphs`` of them (the oldest dropped);
-  ``memory_bytes()`` says what each holds; ``reset()`` frees them.
+  (a ``torch.cuda.MemPool``) shared by the holder's graphs, at most ``max_graphs`` of them (the
+  oldest dropped); ``memory_bytes()`` says what the pool holds; ``reset()`` frees it.
 - **Refusals** (``CaptureRefused``, naming the reason): CPU tensors, inputs that require grad,
   arguments that cannot be part of a signature, and a step that synchronizes with the host
   while captured (``.item()``, ``nonzero``, a shape read from data: torch's sync debug mode is
@@ -55,13 +55,12 @@ class CaptureRefused(RuntimeError):
 @dataclasses.dataclass
 class Captured:
     """One signature's graph: its input buffers (the flattened call's tensors, in order), its
-    outputs, the gradients its backward writes (train steps), the pool memory it took."""
+    outputs, the gradients its backward writes (train steps)."""
 
     graph: Any
     inputs: list
     outputs: Any
     grads: Optional[list] = None
-    pool_bytes: int = 0
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
@@ -102,7 +101,7 @@ class Graphs:
         self.entries: collections.OrderedDict = collections.OrderedDict()
         self.sightings: collections.Counter = collections.Counter()
         self.refused: dict = {}
-        self.pool = None
+        self.pool = None  # the graphs' memory pool (torch.cuda.MemPool), made at first capture
 
     def get(self, key) -> Optional[Captured]:
         entry = self.entries.get(key)
@@ -129,21 +128,29 @@ class Graphs:
         self.refused.clear()
         self.pool = None
 
+    def pool_id(self):
+        if self.pool is None:
+            self.pool = torch.cuda.MemPool()
+        return self.pool.id
+
+    def pool_bytes(self) -> int:
+        """What the graphs' pool holds from the device: its segments, in use or cached."""
+        if self.pool is None:
+            return 0
+        return sum(segment["total_size"] for segment in self.pool.snapshot())
+
 
 def capture(fn: Callable, inputs: list, spec, graphs: Graphs) -> Captured:
     """``fn`` called on the call rebuilt from the buffers ``inputs`` (``spec`` is its pytree),
     captured into a CUDA graph in ``graphs``' pool; not run (the caller replays). A host
     synchronization inside raises ``CaptureRefused`` naming it."""
-    if graphs.pool is None:
-        graphs.pool = torch.cuda.graph_pool_handle()
     args, kwargs = pytree.tree_unflatten(inputs, spec)
     torch.cuda.synchronize()
-    reserved = torch.cuda.memory_reserved()
     graph = torch.cuda.CUDAGraph()
     previous = torch.cuda.get_sync_debug_mode()
     try:
         # "thread_local": NCCL's watchdog thread may query its events meanwhile.
-        with torch.cuda.graph(graph, pool=graphs.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=graphs.pool_id(), capture_error_mode="thread_local"):
             torch.cuda.set_sync_debug_mode("error")
             try:
                 outputs = fn(*args, **kwargs)
@@ -154,9 +161,7 @@ def capture(fn: Callable, inputs: list, spec, graphs: Graphs) -> Captured:
         if why is None:
             raise
         raise CaptureRefused(why) from error
-    torch.cuda.synchronize()
-    return Captured(graph, inputs, outputs,
-                    pool_bytes=max(0, torch.cuda.memory_reserved() - reserved))
+    return Captured(graph, inputs, outputs)
 
 
 def _capture_failure(error: Exception) -> Optional[str]:
@@ -193,19 +198,16 @@ class _Graphed:
         self.graphs = Graphs(max_graphs)
         self.on_refusal = on_refusal
         self._parameters = tuple(model.parameters())
-        self._pointers = self._parameter_pointers()
-
-    def _parameter_pointers(self) -> tuple:
-        return tuple(p.data_ptr() for p in self._parameters)
+        self._pointers = tuple(p.data_ptr() for p in self._parameters)
 
     def _check_parameters(self) -> None:
-        """Graphs read the parameters' memory: new tensors (``assign=True`` loads, ``to``) drop
-        them."""
-        pointers = self._parameter_pointers()
-        if pointers != self._pointers or len(self._parameters) != len(
-                list(self.model.parameters())):
-            self._parameters = tuple(self.model.parameters())
-            self._pointers = self._parameter_pointers()
+        """Graphs read the parameters' memory: new parameters or new tensors in them
+        (``load_state_dict(assign=True)``, ``to``) drop the graphs."""
+        parameters = tuple(self.model.parameters())
+        pointers = tuple(p.data_ptr() for p in parameters)
+        if pointers != self._pointers or any(a is not b for a, b in
+                                              zip(parameters, self._parameters)):
+            self._parameters, self._pointers = parameters, pointers
             self.reset()
 
     def _refused(self, key, refusal: CaptureRefused):
@@ -219,10 +221,10 @@ class _Graphed:
 
         log_once("a graphed step runs eagerly", str(refusal))
 
-    def memory_bytes(self) -> dict:
-        """The pool memory each captured signature took at its capture (activations,
-        gradients, the graph's temporaries), by signature."""
-        return {key: entry.pool_bytes for key, entry in self.graphs.entries.items()}
+    def memory_bytes(self) -> int:
+        """The device memory the graphs' pool holds: every captured signature's activations,
+        gradients and temporaries (they share it)."""
+        return self.graphs.pool_bytes()
 
     def reset(self) -> None:
         """Drops every graph (their memory returns to torch's allocator once unreferenced)."""

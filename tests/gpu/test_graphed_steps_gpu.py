@@ -15,6 +15,16 @@ from cutlass_ops import graphed_steps
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
+
+@pytest.fixture(autouse=True)
+def deterministic_attention():
+    """SDPA's fused backward kernels accumulate with atomics, so two eager steps differ in the
+    last bits; the math backend does not: with it, graphed and eager steps must agree exactly."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
 VOCAB = 1024
 
 
@@ -83,7 +93,8 @@ def test_graphed_train_steps_equal_eager_ones_bit_for_bit(with_optimizer):
                                                                        ids)), i
         assert_same(graphed_model, eager_model)
     assert len(step.graphs.entries) == 1
-    assert all(b > 0 for b in step.memory_bytes().values())
+    gradients = sum(p.numel() * p.element_size() for p in graphed_model.parameters())
+    assert step.memory_bytes() >= gradients  # the pool holds at least the gradients
 
 
 def test_an_optimizer_that_is_not_capturable_steps_eagerly_after_the_replay():
@@ -202,7 +213,7 @@ def test_new_parameter_tensors_drop_the_graphs():
     step(input_ids=ids, labels=ids)
     step(input_ids=ids, labels=ids)
     assert len(step.graphs.entries) == 1
-    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    model.load_state_dict({k: v + 0.01 for k, v in model.state_dict().items()}, assign=True)
     reference = copy.deepcopy(model)
     assert torch.equal(step(input_ids=ids, labels=ids), eager_step(reference, None, ids))
-    assert not step.graphs.entries
+    assert not step.graphs.entries  # dropped: this call ran eagerly on the new weights
