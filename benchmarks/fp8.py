@@ -1,7 +1,7 @@
 """Tuned FP8 GEMMs (``cutlass_ops.scaled_mm``) against ``torch._scaled_mm`` on the LLM shapes of
 ``gemm.py``, per recipe: tensorwise, rowwise, blockwise (DeepSeek's 1x128 / 128x128 scales).
 
-e4m3 operands quantized from random data per recipe (``tuning.scaled_session.quantized_inputs``:
+e4m3 operands quantized from random data per recipe (``tuning.fp8_session.quantized_inputs``:
 scales that differ by row and block), bf16 output, the same operands and scales for both. Fast
 accumulation (torch's ``use_fast_accum``, what a forward pass uses) for tensorwise and rowwise;
 blockwise kernels promote every 128-wide K block on both sides. Two rows per shape:
@@ -10,7 +10,7 @@ blockwise kernels promote every 128-wide K block on both sides. Two rows per sha
   even where dispatch prefers torch: ``detail.dispatch`` says what scaled_mm runs), its planned
   launcher against torch._scaled_mm, both replayed from CUDA graphs with L2 flushed, interleaved
   repetition by repetition; correct when within the GEMM bound of the dequantized float32
-  product (``scaled_inputs.reference``);
+  product (``fp8_operands.reference``);
 - ``whole-call <recipe> MxNxK``: ``cutlass_ops.scaled_mm(...)`` called eagerly (checks, dispatch,
   launch: host included) against ``torch._scaled_mm`` called the same way, inputs rotated out of
   L2, interleaved; checked the same way.
@@ -57,7 +57,7 @@ def fast_accum(recipe: str, args) -> bool:
 
 
 def problem(recipe: str, m: int, n: int, k: int, fast: bool):
-    from cutlass_ops.gemms.scaled_plan import scaled_problem
+    from cutlass_ops.fp8.fp8_plan import scaled_problem
 
     return scaled_problem(recipe, m, n, k, fast_accum=fast)
 
@@ -86,9 +86,9 @@ def row(kind, recipe, m, n, k, ours_ms, torch_ms, correct, **detail) -> dict:
 def kernel_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
     """The tuned kernel beside torch._scaled_mm, both from CUDA graphs, L2 flushed."""
     from custom_kernels.core.device import current_scope
-    from cutlass_ops.gemms import scaled_dispatch
+    from cutlass_ops.fp8 import fp8_routes
     from cutlass_ops.gemms.gemm_entries import gemm_cache
-    from tuning.scaled_session import ScaledSession
+    from tuning.fp8_session import ScaledSession
 
     p = problem(recipe, m, n, k, fast)
     entry = gemm_cache(current_scope()).get(p)
@@ -98,8 +98,8 @@ def kernel_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
     session = ScaledSession(p, torch.cuda.current_device())
     choice = entry.winner
     error = session.verify(choice)
-    decision = scaled_dispatch.explain(session.a, session.b, session.scale_a, session.scale_b,
-                                       use_fast_accum=fast)
+    decision = fp8_routes.explain(session.a, session.b, session.scale_a, session.scale_b,
+                                  use_fast_accum=fast)
     final, torch_ms = session.compare_ms([choice], REPS)
     session.close()
     return row(KERNEL, recipe, m, n, k, final[choice], torch_ms, error is None,
@@ -113,9 +113,10 @@ def kernel_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
 def whole_call_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
     """``cutlass_ops.scaled_mm`` and ``torch._scaled_mm`` called eagerly, inputs rotated."""
     from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
-    from cutlass_ops.gemms import scaled_dispatch, scaled_inputs
-    from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
-    from tuning.scaled_session import quantized_inputs
+    from cutlass_ops.fp8 import fp8_routes
+    from cutlass_ops.gemms.fp8 import fp8_operands
+    from cutlass_ops.gemms.fp8.fp8_operands import ScaleRecipe
+    from tuning.fp8_session import quantized_inputs
 
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     count = rotation_sets(m * k + n * k + 2 * m * n, l2)
@@ -125,9 +126,9 @@ def whole_call_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
     ours_fn = lambda a, b, sa, sb: cutlass_ops.scaled_mm(a, b, sa, sb, use_fast_accum=fast)  # noqa: E731
     torch_fn = lambda a, b, sa, sb: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16,  # noqa: E731
                                                      use_fast_accum=fast)
-    reference = scaled_inputs.reference(*sets[0], out_dtype=torch.float32)
+    reference = fp8_operands.reference(*sets[0], out_dtype=torch.float32)
     error = relative_error(ours_fn(*sets[0]), reference)
-    decision = scaled_dispatch.explain(*sets[0], use_fast_accum=fast)
+    decision = fp8_routes.explain(*sets[0], use_fast_accum=fast)
     times = do_bench_interleaved({"ours": rotating(ours_fn, sets),
                                   "torch": rotating(torch_fn, sets)},
                                  warmup=5, reps=REPS, flush_l2=False)

@@ -60,10 +60,11 @@ def _dispatch():
 
 def scaled_mm(a, b, scale_a, scale_b, *, bias=None, out_dtype=None, use_fast_accum=False):
     """FP8 ``(a * scale_a) @ (b * scale_b) + bias`` with torch._scaled_mm's meaning, the recipe
-    (tensorwise, rowwise, blockwise) read from the scales' shapes (see cutlass_ops.scaled)."""
+    (tensorwise, rowwise, blockwise) read from the scales' shapes (see
+    cutlass_ops.fp8.scaled_mm_op)."""
     import torch
 
-    from cutlass_ops.scaled import scaled_mm as _scaled_mm
+    from cutlass_ops.fp8.scaled_mm_op import scaled_mm as _scaled_mm
 
     return _scaled_mm(a, b, scale_a, scale_b, bias=bias, use_fast_accum=use_fast_accum,
                       out_dtype=torch.bfloat16 if out_dtype is None else out_dtype)

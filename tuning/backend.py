@@ -64,7 +64,7 @@ class GpuBackend:
 
     def session(self, problem: GemmProblem):
         if problem.operands.scaling is not Scaling.NONE:  # cutlass_ops.scaled_mm's problems
-            from tuning.scaled_session import ScaledSession
+            from tuning.fp8_session import ScaledSession
 
             return ScaledSession(problem, self.index)
         return GpuSession(problem, self.index)

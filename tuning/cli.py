@@ -52,7 +52,7 @@ def _scaled_operands(args) -> GemmOperands:
     """``--fp8 RECIPE``: the operands of ``cutlass_ops.scaled_mm`` (e4m3 A and B, K-major; D
     bf16 unless --out-dtype f32; --epilogue bias fuses a bias; --fast-accum torch's flag)."""
     from cutlass_ops.gemms.config import BiasMode, Epilogue
-    from cutlass_ops.gemms.scaled_plan import scaled_operands
+    from cutlass_ops.fp8.fp8_plan import scaled_operands
 
     epilogue = Epilogue.parse(args.epilogue)
     if args.layout.lower() not in ("tn", "tnt") or args.dtype != "bf16" or \
@@ -73,7 +73,7 @@ def _fp8_model_problems(args, model) -> list[GemmProblem]:
     and accumulation, at the shapes of the model's (fused) Linear GEMMs on --tokens rows (the
     wgrad's reduction over tokens padded as the layer pads it)."""
     from cutlass_ops.fp8 import recipes
-    from cutlass_ops.gemms.scaled_plan import scaled_operands
+    from cutlass_ops.fp8.fp8_plan import scaled_operands
     from tuning import shapes
 
     recipe = recipes.get(args.fp8)

@@ -3,7 +3,7 @@ search runs it as it runs a bf16 one, with these inputs, reference and baseline.
 
 Inputs are quantized from random float32 data per the problem's recipe (scales that differ row
 by row and block by block, so that a kernel reading the wrong scale fails verification). The
-reference is the dequantized float32 product (``scaled_inputs.reference``); torch's call is
+reference is the dequantized float32 product (``fp8_operands.reference``); torch's call is
 ``torch._scaled_mm`` on the same operands and scales. Times are CUDA-graph replays, as for
 every GEMM (``graph_session.GraphTimedSession``).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from cutlass_ops.gemms.config import BiasMode, GemmProblem
-from cutlass_ops.gemms.scaled_inputs import BLOCK, ScaleRecipe
+from cutlass_ops.gemms.fp8.fp8_operands import BLOCK, ScaleRecipe
 from custom_kernels.core.tolerances import GEMM, relative_tolerance
 from tuning.graph_session import GraphTimedSession
 from tuning.protocol import check
@@ -67,7 +67,7 @@ class ScaledSession(GraphTimedSession):
     def __init__(self, problem: GemmProblem, device_index: int):
         import torch
 
-        from cutlass_ops.gemms import scaled_inputs
+        from cutlass_ops.gemms.fp8 import fp8_operands
         from cutlass_ops.gemms.inputs import torch_dtype
 
         self.problem = problem
@@ -82,9 +82,9 @@ class ScaledSession(GraphTimedSession):
                 self.recipe, problem.m, problem.n, problem.k, dtypes, self.device)
             self.bias = (torch.randn(problem.n, device=self.device).to(out_dtype)
                          if ops.epilogue.bias is BiasMode.N else None)
-            self.checked = scaled_inputs.check_scaled(self.a, self.b, self.scale_a, self.scale_b,
-                                                      bias=self.bias, out_dtype=out_dtype)
-            self.reference = _exact(lambda: scaled_inputs.reference(
+            self.checked = fp8_operands.check_scaled(self.a, self.b, self.scale_a, self.scale_b,
+                                                     bias=self.bias, out_dtype=out_dtype)
+            self.reference = _exact(lambda: fp8_operands.reference(
                 self.a, self.b, self.scale_a, self.scale_b, self.bias, torch.float32,
                 self.recipe))
             self.out = torch.empty(problem.m, problem.n, dtype=out_dtype, device=self.device)
@@ -95,15 +95,16 @@ class ScaledSession(GraphTimedSession):
         """A CUTLASS ``Choice``'s launch, or the skinny kernel's (``SkinnyConfig``)."""
         launch = self._launchers.get(choice)
         if launch is None:
-            from cutlass_ops.gemms import scaled_plan, scaled_skinny
+            from cutlass_ops.fp8 import fp8_plan
+            from cutlass_ops.gemms.fp8 import fp8_skinny_route
 
-            if isinstance(choice, scaled_skinny.SkinnyConfig):
-                launch = scaled_skinny.launcher(choice, self.recipe.value, self.a, self.b,
-                                                self.scale_a, self.scale_b, self.bias, self.out)
+            if isinstance(choice, fp8_skinny_route.SkinnyConfig):
+                launch = fp8_skinny_route.launcher(choice, self.recipe.value, self.a, self.b,
+                                                   self.scale_a, self.scale_b, self.bias, self.out)
             else:
-                launch = scaled_plan.plan(self.checked, choice.config, self.a, self.b,
-                                          self.scale_a, self.scale_b, self.bias,
-                                          fast_accum=self.fast_accum, out=self.out)
+                launch = fp8_plan.plan(self.checked, choice.config, self.a, self.b,
+                                       self.scale_a, self.scale_b, self.bias,
+                                       fast_accum=self.fast_accum, out=self.out)
             self._launchers[choice] = launch
         return launch
 
@@ -124,7 +125,7 @@ class ScaledSession(GraphTimedSession):
         return check([self.out], [self.reference], self.tolerance)
 
     def _torch_call(self) -> Callable:
-        from cutlass_ops.gemms.scaled_dispatch import torch_scaled_mm
+        from cutlass_ops.fp8.fp8_routes import torch_scaled_mm
 
         a, b, sa, sb, bias = self.a, self.b, self.scale_a, self.scale_b, self.bias
         out_dtype, fast, recipe = self.out.dtype, self.fast_accum, self.recipe

@@ -19,9 +19,10 @@ import datetime
 import math
 import time
 
-from cutlass_ops.gemms import dsl, scaled_skinny
+from cutlass_ops.gemms import dsl
 from cutlass_ops.gemms.choice import Choice
 from cutlass_ops.gemms.config import GemmProblem
+from cutlass_ops.gemms.fp8 import fp8_skinny_route
 from cutlass_ops.gemms.gemm_entries import gemm_cache
 from custom_kernels.core.tuned_store import TuningCache
 from tuning import candidates, protocol
@@ -87,7 +88,7 @@ class GemmFamily:
     def candidates(self, problem: GemmProblem) -> list:
         """The C++ kernels (``candidates.select``), then, with the DSL extra on an sm90 GPU, the
         CuTe DSL kernels that take the problem, and for a scaled FP8 problem of few rows on an
-        sm90 GPU, the skinny kernel's configs (``scaled_skinny``): one pool, ranked by
+        sm90 GPU, the skinny kernel's configs (``fp8_skinny_route``): one pool, ranked by
         measurement."""
         dsl_beside = self.device.arch == "sm90a" and dsl.refusal(problem) is None
         plan: list = candidates.select(problem, self.device, self.strategy,
@@ -97,7 +98,7 @@ class GemmFamily:
             plan += dsl.candidates(problem.m, problem.n, problem.k,
                                    self.device.sm_count)[:self.strategy.dsl_kernels]
         if self.device.arch == "sm90a":
-            plan += scaled_skinny.candidates(problem)
+            plan += fp8_skinny_route.candidates(problem)
         return plan
 
     def build(self, plans: dict[GemmProblem, list[Choice]]) -> dict:
@@ -136,7 +137,7 @@ class GemmFamily:
             # DSL and skinny kernels compile in process on their first launch (in the session's
             # verify step: 2 to 5 s each, once per build); a failure is recorded there.
             out[problem].update((c, None) for c in plan
-                                if isinstance(c, (dsl.DslConfig, scaled_skinny.SkinnyConfig)))
+                                if isinstance(c, (dsl.DslConfig, fp8_skinny_route.SkinnyConfig)))
         return out
 
     def session(self, problem: GemmProblem):

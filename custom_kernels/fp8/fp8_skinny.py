@@ -4,10 +4,10 @@ block cluster whose blocks sum their partial tiles through distributed shared me
 ``SkinnyConfig(bm, splits, stages)`` names one build and launch (``skinny-m16-s8-p4``): the rows
 a block covers, the blocks of a cluster that share one output tile's K, and the cp.async
 pipeline's depth. The tuner times these beside the CUTLASS kernels for each small-M shape
-(``tuning.scaled_session``); ``cutlass_ops.gemms.scaled_dispatch`` runs a winner.
+(``tuning.fp8_session``); ``cutlass_ops.fp8.fp8_routes`` runs a winner.
 
 ``run(config, a, b, scale_a, scale_b, recipe, bias, out)`` launches on tensors that passed
-``cutlass_ops.gemms.scaled_inputs.check_scaled`` and ``refusal`` (which the caller asks once per
+``cutlass_ops.gemms.fp8.fp8_operands.check_scaled`` and ``refusal`` (which the caller asks once per
 signature, not per call). Read top-down: the config, the rules, compile (tensor-free, no GPU),
 the launcher.
 """

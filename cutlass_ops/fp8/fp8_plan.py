@@ -1,10 +1,10 @@
 """An FP8 scaled GEMM as a GEMM problem of this library, and one CUTLASS kernel's launch of it.
 
-``torch._scaled_mm``'s call (``scaled_inputs.CheckedScaled``) becomes a ``GemmProblem`` whose
+``torch._scaled_mm``'s call (``fp8_operands.CheckedScaled``) becomes a ``GemmProblem`` whose
 operands carry the recipe (``GemmOperands.scaling``) and torch's ``use_fast_accum``: the key
 under which the tuner stores its winner and dispatch finds it. ``plan`` binds a kernel to one
 call's tensors and returns ``launch()``; the tuner and the benchmarks time that, dispatch copies
-its arguments and swaps in each call's pointers (``scaled_dispatch``).
+its arguments and swaps in each call's pointers (``fp8_routes``).
 
 What a kernel reads (csrc/gemm_launcher.cu, ABI 3): A (M, K) and B (N, K) K-major, D (M, N)
 row-major; the scales through ``scale_a`` / ``scale_b``: device scalars (tensorwise), M and N
@@ -22,7 +22,7 @@ from typing import Any, Callable
 from cutlass_ops.gemms import loader, runtime
 from cutlass_ops.gemms.config import (BiasMode, DType, Epilogue, GemmConfig, GemmOperands,
                                       GemmProblem, Layout, Scaling)
-from cutlass_ops.gemms.scaled_inputs import BLOCK, CheckedScaled, ScaleRecipe
+from cutlass_ops.gemms.fp8.fp8_operands import BLOCK, CheckedScaled, ScaleRecipe
 from custom_kernels.core.device import device_facts
 from custom_kernels.core.elements import element
 
@@ -67,7 +67,7 @@ def layout_refusal(checked: CheckedScaled, scale_a, scale_b) -> str | None:
             return (f"blockwise scales must be compact: scale_a strides (1, {m}), scale_b "
                     f"(1, {blocks_k}); got {tuple(scale_a.stride())} and "
                     f"{tuple(scale_b.stride())}")
-        if m % 4:  # scaled_dispatch pads such calls
+        if m % 4:  # fp8_routes pads such calls
             return f"blockwise kernels load scale_a by TMA, which needs M % 4 == 0, got M={m}"
         if scale_a.data_ptr() % 16:
             return "blockwise scale_a must start at a 16-byte aligned address (TMA)"

@@ -1,9 +1,9 @@
 """Dispatch of ``cutlass_ops.scaled_mm``: a tuned CUTLASS FP8 kernel, or ``torch._scaled_mm``.
 
-The decision is ``dispatch.decide``'s, on the scaled problem (``scaled_plan.problem_of``: the
+The decision is ``dispatch.decide``'s, on the scaled problem (``fp8_plan.problem_of``: the
 recipe and fast accumulation are part of its operands, so FP8 winners never mix with bf16 ones):
 an exact tuned shape or the nearest tuned shape of the same operands on this GPU, whose winner
-is a CUTLASS kernel or, for few rows, the skinny kernel (``scaled_skinny``); else
+is a CUTLASS kernel or, for few rows, the skinny kernel (``fp8_skinny_route``); else
 ``torch._scaled_mm``, with one log line saying why (nothing tuned, a scale layout our kernels do
 not read, an unsafe cache). Unlike bf16, an untuned FP8 shape does not run the built kernel our
 performance model ranks first (``UNTUNED_BUILT_KERNELS``). Never a compile on a call.
@@ -21,8 +21,10 @@ from typing import Any, Callable
 
 import torch
 
-from cutlass_ops.gemms import dispatch, scaled_plan, scaled_skinny
-from cutlass_ops.gemms.scaled_inputs import CheckedScaled, ScaleRecipe
+from cutlass_ops.fp8 import fp8_plan
+from cutlass_ops.gemms import dispatch
+from cutlass_ops.gemms.fp8 import fp8_skinny_route
+from cutlass_ops.gemms.fp8.fp8_operands import CheckedScaled, ScaleRecipe
 from custom_kernels.core import fallback
 
 ENTRY = "cutlass_ops.scaled_mm"
@@ -37,7 +39,7 @@ class ScaledRoute:
 
     @property
     def kind(self) -> str:
-        """"torch", "cutlass" or "skinny" (``scaled_skinny``)."""
+        """"torch", "cutlass" or "skinny" (``fp8_skinny_route``)."""
         if self.decision.choice is None:
             return "torch"
         return getattr(self.decision.choice, "backend", "cutlass")
@@ -123,14 +125,14 @@ def _blockwise_copy_reason(checked: CheckedScaled, scale_a, scale_b) -> str | No
     if checked.m % 4:
         return (f"M={checked.m} is not a multiple of 4: a and scale_a are copied with "
                 f"{-checked.m % 4} more rows")
-    return scaled_plan.layout_refusal(checked, scale_a, scale_b)
+    return fp8_plan.layout_refusal(checked, scale_a, scale_b)
 
 
 def _copying_route(checked: CheckedScaled, fast_accum: bool, reason: str) -> ScaledRoute:
     """A blockwise call on copies (``_blockwise_copy_reason``): rows padded to a multiple of 4
     (zeros in a, ones in scale_a), both scales compact; the copy is dispatched as any other call
     and its first M rows returned."""
-    from cutlass_ops.gemms import scaled_inputs
+    from cutlass_ops.gemms.fp8 import fp8_operands
 
     pad = -checked.m % 4
     fallback.log_once(f"{ENTRY} copies blockwise inputs", reason)
@@ -144,8 +146,8 @@ def _copying_route(checked: CheckedScaled, fast_accum: bool, reason: str) -> Sca
         scale_b = scale_b.t().contiguous().t()
         copied = known_route(a, b, scale_a, scale_b, bias, checked.out_dtype, fast_accum)
         if copied is None:  # the copies' first call: checked once, as any call
-            again = scaled_inputs.check_scaled(a, b, scale_a, scale_b, bias=bias,
-                                               out_dtype=checked.out_dtype)
+            again = fp8_operands.check_scaled(a, b, scale_a, scale_b, bias=bias,
+                                              out_dtype=checked.out_dtype)
             copied = route(a, b, scale_a, scale_b, bias, again, fast_accum)
         out = copied.run(a, b, scale_a, scale_b, bias)
         return out[:checked.m] if pad else out
@@ -162,7 +164,7 @@ def _skinny_without_copies(checked: CheckedScaled, fast_accum: bool, scale_a,
         return None  # not the column-major views it reads
     padded = dataclasses.replace(checked, m=checked.m + -checked.m % 4)
     decision = decide(padded, fast_accum, scale_a, scale_b, scales_read=False)
-    if not isinstance(decision.choice, scaled_skinny.SkinnyConfig):
+    if not isinstance(decision.choice, fp8_skinny_route.SkinnyConfig):
         return None
     return _skinny_route(decision, checked)
 
@@ -180,8 +182,8 @@ def _cutlass_route(decision: dispatch.Decision, checked: CheckedScaled, fast_acc
     def run(a, b, scale_a, scale_b, bias):
         if not template:
             try:
-                launch = scaled_plan.plan(checked, config, a, b, scale_a, scale_b, bias,
-                                          fast_accum=fast_accum)
+                launch = fp8_plan.plan(checked, config, a, b, scale_a, scale_b, bias,
+                                       fast_accum=fast_accum)
             except CutlassOpsError as exc:  # a rule or cache state the decision did not see
                 route = _torch_route(dispatch.Decision("torch", None, str(exc)), checked,
                                      fast_accum)
@@ -208,18 +210,18 @@ def _cutlass_route(decision: dispatch.Decision, checked: CheckedScaled, fast_acc
 
 
 def _skinny_route(decision: dispatch.Decision, checked: CheckedScaled) -> ScaledRoute:
-    """The few-rows FP8 kernel (``scaled_skinny``): one launch into a new output, the bias
+    """The few-rows FP8 kernel (``fp8_skinny_route``): one launch into a new output, the bias
     fused for every recipe."""
     config, recipe, out_dtype = decision.choice, checked.recipe.value, checked.out_dtype
 
     def run(a, b, scale_a, scale_b, bias):
-        return scaled_skinny.run(config, recipe, a, b, scale_a, scale_b, bias, out_dtype)
+        return fp8_skinny_route.run(config, recipe, a, b, scale_a, scale_b, bias, out_dtype)
 
     return ScaledRoute(decision, run)
 
 
 def _signature(a, b, scale_a, scale_b, bias, out_dtype, fast_accum: bool) -> tuple:
-    """Everything ``scaled_inputs.check_scaled`` and the route depend on: a call with the same
+    """Everything ``fp8_operands.check_scaled`` and the route depend on: a call with the same
     signature passed the same checks (so a known one skips them)."""
     aligned = (a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
                and scale_a.data_ptr() % 16 == 0)
@@ -248,10 +250,10 @@ def decide(checked: CheckedScaled, fast_accum: bool, scale_a, scale_b, *,
 
     if scale_a.device.type != "cuda":  # the op called directly on other tensors
         return dispatch.Decision("torch", None, f"the tensors are on {scale_a.device}")
-    refusal = scaled_plan.layout_refusal(checked, scale_a, scale_b) if scales_read else None
+    refusal = fp8_plan.layout_refusal(checked, scale_a, scale_b) if scales_read else None
     if refusal is not None:
         return dispatch.Decision("torch", None, refusal)
-    problem = scaled_plan.problem_of(checked, fast_accum)
+    problem = fp8_plan.problem_of(checked, fast_accum)
     index = scale_a.device.index
     spec = current_spec(index)
     if spec.arch != "sm90a":
@@ -260,8 +262,8 @@ def decide(checked: CheckedScaled, fast_accum: bool, scale_a, scale_b, *,
     operands = problem.operands
 
     def ready(choice) -> bool:
-        if isinstance(choice, scaled_skinny.SkinnyConfig):
-            return scaled_skinny.is_built(problem, choice, index, bias=checked.has_bias)
+        if isinstance(choice, fp8_skinny_route.SkinnyConfig):
+            return fp8_skinny_route.is_built(problem, choice, index, bias=checked.has_bias)
         return not choice.swap_ab and is_built(operands, choice.config)
 
     decision = dispatch.decide(
@@ -290,7 +292,7 @@ def route(a, b, scale_a, scale_b, bias, checked: CheckedScaled, fast_accum: bool
     decision = decide(checked, fast_accum, scale_a, scale_b)
     if decision.choice is None:
         made = _torch_route(decision, checked, fast_accum)
-    elif isinstance(decision.choice, scaled_skinny.SkinnyConfig):
+    elif isinstance(decision.choice, fp8_skinny_route.SkinnyConfig):
         made = _skinny_route(decision, checked)
     else:
         made = _cutlass_route(decision, checked, fast_accum, key)
@@ -301,7 +303,7 @@ def route(a, b, scale_a, scale_b, bias, checked: CheckedScaled, fast_accum: bool
 def explain(a, b, scale_a, scale_b, *, bias=None, out_dtype=None,
             use_fast_accum: bool = False) -> dispatch.Decision:
     """What ``scaled_mm`` would run for these inputs, and why (runs nothing)."""
-    from cutlass_ops.gemms.scaled_inputs import check_scaled
+    from cutlass_ops.gemms.fp8.fp8_operands import check_scaled
 
     checked = check_scaled(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
     copy_reason = _blockwise_copy_reason(checked, scale_a, scale_b)

@@ -57,9 +57,9 @@ from torch import Tensor, nn
 from cutlass_ops import fused_linear
 from cutlass_ops.fp8 import recipes
 from cutlass_ops.fp8.recipes import Operand, Recipe
+from cutlass_ops.fp8.scaled_mm_op import scaled_mm
 from cutlass_ops.gemms import epilogues
 from cutlass_ops.gemms.config import Activation
-from cutlass_ops.scaled import scaled_mm
 from custom_kernels.core.eager import PLAIN, fast_autograd
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.fp8.fp8_quant import (Granularity, empty_scale, quantize, quantize_pair,

@@ -32,7 +32,7 @@ class DType(str, enum.Enum):
 
 class Scaling(str, enum.Enum):
     """How an FP8 GEMM's float32 scales reach its kernel (``torch._scaled_mm``'s recipes,
-    ``cutlass_ops.gemms.scaled_inputs``). ``TENSORWISE``: two device scalars, multiplied in the
+    ``cutlass_ops.gemms.fp8.fp8_operands``). ``TENSORWISE``: two device scalars, multiplied in the
     epilogue; ``ROWWISE``: M and N vectors (a column and a row broadcast) in the epilogue;
     ``BLOCKWISE``: 1x128 scales of A and 128x128 of B, applied in the mainloop per K block."""
 

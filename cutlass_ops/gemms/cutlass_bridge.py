@@ -291,7 +291,7 @@ def emit(operands: GemmOperands, config: GemmConfig) -> str:
     from cutlass_cppgen.backend.gemm_operation import EmitGemmUniversalInstance3x
 
     if operands.scaling is Scaling.BLOCKWISE:
-        from cutlass_ops.gemms import blockwise_emit
+        from cutlass_ops.gemms.fp8 import blockwise_emit
 
         return with_epilogue_tile(blockwise_emit.emit(operands, config), config)
 

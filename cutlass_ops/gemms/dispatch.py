@@ -119,7 +119,7 @@ def online_mode() -> str:
     return mode if mode in ONLINE_MODES else "off"
 
 
-# Other entry points' memoized routes read the same cache (scaled_dispatch registers its own).
+# Other entry points' memoized routes read the same cache (fp8_routes registers its own).
 RESET_HOOKS: list[Callable[[], None]] = []
 
 
@@ -191,13 +191,13 @@ def decide(problem: GemmProblem, entries: Mapping[str, GemmEntry], device: Devic
 
 def _takes(winner, problem: GemmProblem) -> bool:
     """Whether a tuned shape's winner can compute ``problem`` at all: the skinny FP8 kernel
-    takes few rows only (``scaled_skinny``), so a nearer shape's skinny winner is passed over
+    takes few rows only (``fp8_skinny_route``), so a nearer shape's skinny winner is passed over
     for the next tuned shape rather than ending the search."""
     if getattr(winner, "backend", None) != "skinny":
         return True
-    from cutlass_ops.gemms import scaled_skinny
+    from cutlass_ops.gemms.fp8 import fp8_skinny_route
 
-    return scaled_skinny.operands_refusal(problem) is None
+    return fp8_skinny_route.operands_refusal(problem) is None
 
 
 # ---- what is built, from the artifact cache ------------------------------------------------

@@ -16,13 +16,14 @@ import copy
 import dataclasses
 from typing import Any, Mapping, Optional, Union
 
-from cutlass_ops.gemms import dsl, scaled_skinny, space
+from cutlass_ops.gemms import dsl, space
 from cutlass_ops.gemms.choice import Choice, candidate_from_dict
 from cutlass_ops.gemms.config import GemmProblem
+from cutlass_ops.gemms.fp8 import fp8_skinny_route
 from custom_kernels.core import tuned_fields as f
 from custom_kernels.core.tuned_store import CacheScope
 
-Winner = Union[Choice, "dsl.DslConfig", "scaled_skinny.SkinnyConfig"]
+Winner = Union[Choice, "dsl.DslConfig", "fp8_skinny_route.SkinnyConfig"]
 
 _FIELDS = {"problem", "winner", "winner_name", "backend", "other_backend_best", "winner_ms",
            "winner_tflops", "torch_ms", "torch_tflops", "prefer", "runners_up", "failures",
@@ -73,9 +74,9 @@ def parse_winner(value: Any, problem: GemmProblem, scope: CacheScope) -> Winner:
         why = dsl.operands_refusal(problem)
         f.require(why is None, f"its DSL winner cannot run {problem.operands.name}: {why}")
         return winner
-    if winner.backend == scaled_skinny.BACKEND:
+    if winner.backend == fp8_skinny_route.BACKEND:
         f.require(scope.compute_capability == 90, "a skinny FP8 winner on a GPU that is not sm90")
-        why = scaled_skinny.operands_refusal(problem)
+        why = fp8_skinny_route.operands_refusal(problem)
         f.require(why is None, f"its skinny FP8 winner cannot run {problem.name}: {why}")
         return winner
     f.require(winner.config.arch.cc == scope.compute_capability,

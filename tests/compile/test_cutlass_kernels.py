@@ -124,7 +124,7 @@ FP8_KERNELS = {
 @pytest.fixture(scope="module")
 def fp8_built():
     from cutlass_ops.gemms.loader import prepare_many
-    from cutlass_ops.gemms.scaled_plan import scaled_operands
+    from cutlass_ops.fp8.fp8_plan import scaled_operands
 
     work = {recipe: (scaled_operands(recipe, **options), config)
             for recipe, (options, config) in FP8_KERNELS.items()}

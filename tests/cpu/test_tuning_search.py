@@ -263,7 +263,7 @@ def test_a_scaled_tune_times_the_stream_k_kernels_splits_wherever_it_ranked(tmp_
     """FP8 problems compile the FP8 seeds only, unswapped, and round 2 times the forced split
     counts of the best stream-K kernel even when round 1 ranked it low (its first time is
     CUTLASS's own split count)."""
-    from cutlass_ops.gemms.scaled_plan import scaled_problem
+    from cutlass_ops.fp8.fp8_plan import scaled_problem
 
     from tuning_fakes import FakeSession
 
@@ -292,7 +292,7 @@ def test_a_scaled_tune_varies_every_kernel_and_finds_one_that_ranked_last_unswiz
     """FP8 problems time the tile orders of every kernel of the pool, not of the best few: a
     kernel last in round 1 (its default order) wins once swizzled, as pingpong 128x128 did on
     an H100. A bf16 problem still varies the strategy's best few only."""
-    from cutlass_ops.gemms.scaled_plan import scaled_problem
+    from cutlass_ops.fp8.fp8_plan import scaled_problem
 
     from tuning_fakes import FakeSession
 
@@ -328,7 +328,7 @@ def test_a_small_m_scaled_tune_times_the_skinny_kernel_and_stores_its_winner(tmp
     """A scaled FP8 problem of few rows gets the skinny kernel's configs beside the CUTLASS
     ones; when one wins, the store keeps it as {"backend": "skinny", ...} and reads it back as
     a SkinnyConfig. Large-M and bf16 problems get none."""
-    from cutlass_ops.gemms.scaled_plan import scaled_problem
+    from cutlass_ops.fp8.fp8_plan import scaled_problem
     from custom_kernels.fp8.fp8_skinny import SkinnyConfig
 
     backend = FakeBackend()

@@ -6,11 +6,13 @@ accumulation), the loader's checks, the candidates, the CLI and the dispatch rul
 import pytest
 import torch
 
-from cutlass_ops.gemms import blockwise_emit, cutlass_bridge, loader, scaled_dispatch, space
+from cutlass_ops.fp8 import fp8_routes
+from cutlass_ops.fp8.fp8_plan import layout_refusal, scaled_operands, scaled_problem
+from cutlass_ops.gemms import cutlass_bridge, loader, space
 from cutlass_ops.gemms.config import (GemmConfig, GemmOperands, GemmProblem, KernelSchedule,
                                       Scaling)
-from cutlass_ops.gemms.scaled_inputs import ScaleRecipe, check_scaled
-from cutlass_ops.gemms.scaled_plan import layout_refusal, scaled_operands, scaled_problem
+from cutlass_ops.gemms.fp8 import blockwise_emit
+from cutlass_ops.gemms.fp8.fp8_operands import ScaleRecipe, check_scaled
 from custom_kernels.core.device import DeviceSpec
 from custom_kernels.core.errors import InvalidConfigError
 from tuning import candidates
@@ -137,18 +139,18 @@ def test_layouts_our_kernels_do_not_read_are_named():
 
 def test_dispatch_off_a_gpu_names_the_device_and_memoizes_the_route():
     a, b, sa, sb = _blockwise()
-    scaled_dispatch.reset()
-    decision = scaled_dispatch.explain(a, b, sa, sb)
+    fp8_routes.reset()
+    decision = fp8_routes.explain(a, b, sa, sb)
     assert decision.choice is None and "cpu" in decision.reason
-    assert scaled_dispatch.known_route(a, b, sa, sb, None, torch.bfloat16, False) is None
+    assert fp8_routes.known_route(a, b, sa, sb, None, torch.bfloat16, False) is None
     checked = check_scaled(a, b, sa, sb)
-    made = scaled_dispatch.route(a, b, sa, sb, None, checked, False)
-    key = scaled_dispatch._signature(a, b, sa, sb, None, torch.bfloat16, False)
-    assert scaled_dispatch._routes[key] is made
+    made = fp8_routes.route(a, b, sa, sb, None, checked, False)
+    key = fp8_routes._signature(a, b, sa, sb, None, torch.bfloat16, False)
+    assert fp8_routes._routes[key] is made
     # The eager fast path serves CUDA tensors only: off a GPU, scaled_mm computes the reference.
-    assert scaled_dispatch.known_route(a, b, sa, sb, None, torch.bfloat16, False) is None
-    scaled_dispatch.reset()  # dispatch.reset() forgets scaled routes too
-    assert key not in scaled_dispatch._routes
+    assert fp8_routes.known_route(a, b, sa, sb, None, torch.bfloat16, False) is None
+    fp8_routes.reset()  # dispatch.reset() forgets scaled routes too
+    assert key not in fp8_routes._routes
 
 
 def test_cli_fp8_operands_and_refusals():
@@ -190,7 +192,7 @@ def test_promoted_seeds_keep_a_warp_groups_tile_within_64x128(recipe, fast, m):
 def test_blockwise_operands_padded_along_k_keep_the_product_and_layouts(k):
     """cuBLAS gets blockwise K % 512 != 0 wrong (measured on an H200): the torch route pads
     K with zeros and unit scales, which leaves the dequantized product as it was."""
-    from cutlass_ops.gemms.scaled_inputs import reference
+    from cutlass_ops.gemms.fp8.fp8_operands import reference
 
     g = torch.Generator().manual_seed(k)
     m, n = 64, 256
@@ -198,7 +200,7 @@ def test_blockwise_operands_padded_along_k_keep_the_product_and_layouts(k):
     b = (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn).t()
     sa = torch.rand(k // 128, m, generator=g).t() + 0.5
     sb = (torch.rand(n // 128, k // 128, generator=g) + 0.5).t()
-    a2, b2, sa2, sb2 = scaled_dispatch.padded_k(a, b, sa, sb, 512)
+    a2, b2, sa2, sb2 = fp8_routes.padded_k(a, b, sa, sb, 512)
     kp = -(-k // 512) * 512
     assert a2.shape == (m, kp) and b2.shape == (kp, n) and b2.stride() == (1, kp)
     assert sa2.shape == (m, kp // 128) and sa2.stride() == (1, m)
@@ -215,7 +217,8 @@ def test_an_untuned_fp8_shape_runs_torch_unless_built_kernels_are_allowed(monkey
     import types
 
     from custom_kernels.core import device
-    from cutlass_ops.gemms import dispatch, scaled_plan
+    from cutlass_ops.fp8 import fp8_plan
+    from cutlass_ops.gemms import dispatch
     from cutlass_ops.gemms.choice import Choice
 
     a, b, sa, sb = _blockwise()
@@ -223,13 +226,13 @@ def test_an_untuned_fp8_shape_runs_torch_unless_built_kernels_are_allowed(monkey
     built = Choice(GemmConfig(kernel_schedule="cooperative", tile=(128, 128, 128)))
     monkeypatch.setattr(device, "current_spec", lambda index=None: H100)
     monkeypatch.setattr(device, "current_scope", lambda index=None: "test-scope")
-    monkeypatch.setattr(scaled_plan, "layout_refusal", lambda *args: None)
+    monkeypatch.setattr(fp8_plan, "layout_refusal", lambda *args: None)
     monkeypatch.setattr(dispatch, "_entries", lambda scope: {})
     monkeypatch.setattr(dispatch, "built_choices", lambda operands, arch: [built])
     monkeypatch.setattr(loader, "is_built", lambda operands, config: True)
-    monkeypatch.setattr(scaled_dispatch, "UNTUNED_BUILT_KERNELS", allowed)
+    monkeypatch.setattr(fp8_routes, "UNTUNED_BUILT_KERNELS", allowed)
     on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
-    decision = scaled_dispatch.decide(checked, False, on_gpu, sb)
+    decision = fp8_routes.decide(checked, False, on_gpu, sb)
     if allowed:
         assert decision.source == "heuristic" and decision.choice is not None
     else:

@@ -1,14 +1,15 @@
 """The few-rows FP8 kernel's configs, rules and candidates (``custom_kernels.fp8.fp8_skinny``), and
-its place in the tuning store and dispatch (``cutlass_ops.gemms.scaled_skinny``): a stored
+its place in the tuning store and dispatch (``cutlass_ops.gemms.fp8.fp8_skinny_route``): a stored
 skinny winner is validated like any other (a crafted one naming a problem it cannot compute is
 refused), and a nearest-shape lookup passes over a skinny winner that cannot take the shape."""
 
 import pytest
 from tuning_fakes import SCOPE
 
-from cutlass_ops.gemms import dispatch, gemm_entries, scaled_skinny
+from cutlass_ops.fp8.fp8_plan import scaled_problem
+from cutlass_ops.gemms import dispatch, gemm_entries
 from cutlass_ops.gemms.config import GemmOperands, GemmProblem
-from cutlass_ops.gemms.scaled_plan import scaled_problem
+from cutlass_ops.gemms.fp8 import fp8_skinny_route
 from custom_kernels.fp8 import fp8_skinny
 from custom_kernels.core.device import named_spec
 from custom_kernels.core.tuned_fields import EntryRejected
@@ -85,14 +86,14 @@ def test_defines_name_the_build():
 
 
 def test_only_scaled_fp8_problems_of_few_rows_take_it():
-    assert scaled_skinny.operands_refusal(scaled_problem("tensorwise", 16, 4096, 4096)) is None
-    assert scaled_skinny.operands_refusal(
+    assert fp8_skinny_route.operands_refusal(scaled_problem("tensorwise", 16, 4096, 4096)) is None
+    assert fp8_skinny_route.operands_refusal(
         scaled_problem("blockwise", 128, 4096, 4096, out_dtype="f32")) is None
     bf16 = GemmProblem(GemmOperands.make("bf16"), 16, 4096, 4096)
-    assert "scaled FP8" in scaled_skinny.operands_refusal(bf16)
-    assert "rows" in scaled_skinny.operands_refusal(scaled_problem("rowwise", 256, 4096, 4096))
-    assert scaled_skinny.candidates(bf16) == []
-    assert scaled_skinny.candidates(scaled_problem("rowwise", 16, 4096, 4096))
+    assert "scaled FP8" in fp8_skinny_route.operands_refusal(bf16)
+    assert "rows" in fp8_skinny_route.operands_refusal(scaled_problem("rowwise", 256, 4096, 4096))
+    assert fp8_skinny_route.candidates(bf16) == []
+    assert fp8_skinny_route.candidates(scaled_problem("rowwise", 16, 4096, 4096))
 
 
 # ---- the tuning store: a skinny winner is input like any other -----------------------------

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import cutlass_ops
-from cutlass_ops import scaled
-from cutlass_ops.gemms import scaled_inputs
-from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
+from cutlass_ops.fp8 import scaled_mm_op
+from cutlass_ops.gemms.fp8 import fp8_operands
+from cutlass_ops.gemms.fp8.fp8_operands import ScaleRecipe
 from custom_kernels.core.errors import UnsupportedInputError
 
 E4M3 = torch.float8_e4m3fn
@@ -34,8 +34,8 @@ def scales(recipe, m=64, n=256, k=256):
 def test_the_recipe_is_read_from_the_scales_shapes(recipe):
     a, b = operands()
     sa, sb = scales(recipe)
-    assert scaled.recipe(a, b, sa, sb) is recipe
-    checked = scaled_inputs.check_scaled(a, b, sa, sb)
+    assert scaled_mm_op.recipe(a, b, sa, sb) is recipe
+    checked = fp8_operands.check_scaled(a, b, sa, sb)
     assert (checked.recipe, checked.m, checked.n, checked.k) == (recipe, 64, 256, 256)
     assert checked.out_dtype == torch.bfloat16 and not checked.has_bias
 
@@ -55,7 +55,7 @@ def test_the_reference_is_torch_scaled_mm_and_the_cpu_route_computes_it(recipe):
 def test_the_blockwise_reference_scales_each_block():
     a, b = operands()
     sa, sb = scales(ScaleRecipe.BLOCKWISE)
-    got = scaled_inputs.reference(a, b, sa, sb, out_dtype=torch.float32)
+    got = fp8_operands.reference(a, b, sa, sb, out_dtype=torch.float32)
     expected = torch.empty(64, 256)
     for i in range(64):
         for j in range(256):
@@ -109,7 +109,7 @@ def test_operands_on_two_devices_are_refused():
 
 
 def test_the_custom_op_has_a_fake_that_torch_compile_traces():
-    from cutlass_ops.scaled import scaled_mm_op
+    from cutlass_ops.fp8.scaled_mm_op import scaled_mm_op
 
     a, b = operands()
     sa, sb = scales(ScaleRecipe.TENSORWISE)

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 import cutlass_ops
-from cutlass_ops.gemms import dispatch, scaled_dispatch, scaled_inputs, scaled_plan
+from cutlass_ops.fp8 import fp8_plan, fp8_routes
+from cutlass_ops.gemms import dispatch
 from cutlass_ops.gemms.config import GemmConfig
-from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
+from cutlass_ops.gemms.fp8 import fp8_operands
+from cutlass_ops.gemms.fp8.fp8_operands import ScaleRecipe
 from custom_kernels.core.tolerances import relative_error
-from tuning.scaled_session import quantized_inputs
+from tuning.fp8_session import quantized_inputs
 
 pytestmark = pytest.mark.gpu
 E4M3 = (torch.float8_e4m3fn, torch.float8_e4m3fn)
@@ -25,7 +27,7 @@ KERNELS = [(ScaleRecipe.TENSORWISE, True, torch.bfloat16, True),
 
 def work():
     """(operands, config) of every kernel here, for prebuild."""
-    return [(scaled_plan.scaled_operands(r, out_dtype=out, bias=bias, fast_accum=fast),
+    return [(fp8_plan.scaled_operands(r, out_dtype=out, bias=bias, fast_accum=fast),
              COOPERATIVE) for r, bias, out, fast in KERNELS]
 
 
@@ -37,21 +39,21 @@ def inputs(recipe, m=1000, n=1536, k=2048, seed=0):
 def test_each_recipe_kernel_matches_the_dequantized_product(recipe, bias, out_dtype, fast):
     a, b, sa, sb = inputs(recipe)
     bias_t = torch.randn(b.shape[1], device="cuda").to(out_dtype) if bias else None
-    checked = scaled_inputs.check_scaled(a, b, sa, sb, bias=bias_t, out_dtype=out_dtype)
-    launch = scaled_plan.plan(checked, COOPERATIVE, a, b, sa, sb, bias_t, fast_accum=fast)
+    checked = fp8_operands.check_scaled(a, b, sa, sb, bias=bias_t, out_dtype=out_dtype)
+    launch = fp8_plan.plan(checked, COOPERATIVE, a, b, sa, sb, bias_t, fast_accum=fast)
     got = launch().clone()  # launch() writes one output tensor: keep this result
-    expected = scaled_inputs.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
+    expected = fp8_operands.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
     assert got.dtype == out_dtype and relative_error(got, expected) < 1e-2
     # Each row reads its own scales: with row 0's made 4 times larger, row 0 alone changes.
     if recipe is not ScaleRecipe.TENSORWISE:
         sa[0] *= 4
         again = launch()
-        changed = scaled_inputs.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
+        changed = fp8_operands.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
         assert relative_error(again[0], changed[0]) < 1e-2
         assert relative_error(again[0], expected[0]) > 0.1
         assert relative_error(again[1:], expected[1:]) < 1e-2
         sa[0] /= 4
-    torch_out = scaled_dispatch.torch_scaled_mm(a, b, sa, sb, bias_t, out_dtype, fast, recipe)
+    torch_out = fp8_routes.torch_scaled_mm(a, b, sa, sb, bias_t, out_dtype, fast, recipe)
     assert relative_error(got, torch_out.float()) < 1e-2
 
 
@@ -59,16 +61,16 @@ def test_each_recipe_kernel_matches_the_dequantized_product(recipe, bias, out_dt
 def test_dispatch_runs_a_built_kernel_in_graphs_and_under_compile(recipe, monkeypatch):
     # untuned shapes run torch._scaled_mm by default; the built-kernel route is what this tests,
     # so no tuned entry either (a tuned neighbour that preferred torch would decide it)
-    monkeypatch.setattr(scaled_dispatch, "UNTUNED_BUILT_KERNELS", True)
+    monkeypatch.setattr(fp8_routes, "UNTUNED_BUILT_KERNELS", True)
     monkeypatch.setattr(dispatch, "_entries", lambda scope: {})
     fast = recipe is ScaleRecipe.TENSORWISE
     bias = recipe is ScaleRecipe.TENSORWISE
     a, b, sa, sb = inputs(recipe, 512, 1024, 1024, seed=1)
     bias_t = torch.randn(1024, device="cuda", dtype=torch.bfloat16) if bias else None
-    scaled_dispatch.reset()
-    decision = scaled_dispatch.explain(a, b, sa, sb, bias=bias_t, use_fast_accum=fast)
+    fp8_routes.reset()
+    decision = fp8_routes.explain(a, b, sa, sb, bias=bias_t, use_fast_accum=fast)
     assert decision.choice is not None and decision.source == "heuristic", decision
-    expected = scaled_inputs.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
+    expected = fp8_operands.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
     out = cutlass_ops.scaled_mm(a, b, sa, sb, bias=bias_t, use_fast_accum=fast)
     assert relative_error(out, expected) < 1e-2
     compiled = torch.compile(lambda *t: cutlass_ops.scaled_mm(*t, bias=bias_t,
@@ -80,22 +82,22 @@ def test_dispatch_runs_a_built_kernel_in_graphs_and_under_compile(recipe, monkey
         captured = cutlass_ops.scaled_mm(a, b, sa, sb, bias=bias_t, use_fast_accum=fast)
     sa.mul_(2)  # the kernel reads the scales on the device at each replay
     graph.replay()
-    doubled = scaled_inputs.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
+    doubled = fp8_operands.reference(a, b, sa, sb, bias_t, torch.float32, recipe)
     assert relative_error(captured, doubled) < 1e-2
 
 
 def test_blockwise_inputs_our_kernels_do_not_read_run_on_copies():
     # M % 4 != 0: neither our kernels nor cuBLAS take it; the rows are padded to 512.
     a, b, sa, sb = inputs(ScaleRecipe.BLOCKWISE, 510, 1024, 1024, seed=2)
-    decision = scaled_dispatch.explain(a, b, sa, sb)
+    decision = fp8_routes.explain(a, b, sa, sb)
     assert decision.source == "copy" and "not a multiple of 4" in decision.reason
-    expected = scaled_inputs.reference(a, b, sa, sb, out_dtype=torch.float32)
+    expected = fp8_operands.reference(a, b, sa, sb, out_dtype=torch.float32)
     got = cutlass_ops.scaled_mm(a, b, sa, sb)
     assert got.shape == (510, 1024) and relative_error(got, expected) < 1e-2
     a, b, sa, sb = inputs(ScaleRecipe.BLOCKWISE, 512, 1024, 1024, seed=3)
     padded = torch.empty(sa.shape[1], 520, device="cuda")[:, :512].t()  # stride (1, 520)
     padded.copy_(sa)
-    decision = scaled_dispatch.explain(a, b, padded, sb)  # our kernels read copies of them
+    decision = fp8_routes.explain(a, b, padded, sb)  # our kernels read copies of them
     assert decision.source == "copy" and "compact" in decision.reason
-    expected = scaled_inputs.reference(a, b, padded, sb, out_dtype=torch.float32)
+    expected = fp8_operands.reference(a, b, padded, sb, out_dtype=torch.float32)
     assert relative_error(cutlass_ops.scaled_mm(a, b, padded, sb), expected) < 1e-2

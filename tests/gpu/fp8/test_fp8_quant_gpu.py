@@ -241,8 +241,8 @@ def test_scaled_mm_forward_and_dgrad(recipe):
     dx = cutlass_ops.scaled_mm(qdy, qwt.t(), sdy, swt.t(), out_dtype=torch.bfloat16)
     assert product_error(dx, dy.float() @ w.float()) < 0.06
     # and the GEMM's own error against the dequantized operands is small
-    from cutlass_ops.gemms import scaled_inputs
-    ref = scaled_inputs.reference(qdy, qwt.t(), sdy, swt.t(), out_dtype=torch.float32)
+    from cutlass_ops.gemms.fp8 import fp8_operands
+    ref = fp8_operands.reference(qdy, qwt.t(), sdy, swt.t(), out_dtype=torch.float32)
     assert product_error(dx, ref) < 1e-2
 
 

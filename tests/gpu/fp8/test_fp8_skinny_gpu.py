@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import cutlass_ops
-from cutlass_ops.gemms import scaled_dispatch, scaled_inputs
-from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
+from cutlass_ops.fp8 import fp8_routes
+from cutlass_ops.gemms.fp8 import fp8_operands
+from cutlass_ops.gemms.fp8.fp8_operands import ScaleRecipe
 from custom_kernels.fp8 import fp8_skinny
 from custom_kernels.core.tolerances import GEMM, relative_error, relative_tolerance
 from custom_kernels.fp8.fp8_skinny import SkinnyConfig
-from tuning.scaled_session import quantized_inputs
+from tuning.fp8_session import quantized_inputs
 
 pytestmark = pytest.mark.gpu
 E4M3 = (torch.float8_e4m3fn, torch.float8_e4m3fn)
@@ -38,7 +39,7 @@ def skinny(config, recipe, a, b, sa, sb, bias=None, out_dtype=torch.bfloat16):
                                    (100, 128), (128, 128)])
 def test_each_recipe_matches_the_dequantized_product(recipe, m, bm):
     a, b, sa, sb = inputs(recipe, m, seed=m)
-    expected = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, recipe)
+    expected = fp8_operands.reference(a, b, sa, sb, None, torch.float32, recipe)
     for splits in (1, 3, 8):
         got = skinny(SkinnyConfig(bm, splits, 4), recipe, a, b, sa, sb)
         assert relative_error(got, expected) < TOLERANCE, (splits, relative_error(got, expected))
@@ -56,11 +57,11 @@ def test_bias_float32_output_and_e5m2(recipe):
     for out_dtype in (torch.bfloat16, torch.float32):
         bias = torch.randn(512, device="cuda").to(out_dtype)
         got = skinny(SkinnyConfig(32, 4, 6), recipe, a, b, sa, sb, bias, out_dtype)
-        expected = scaled_inputs.reference(a, b, sa, sb, bias, torch.float32, recipe)
+        expected = fp8_operands.reference(a, b, sa, sb, bias, torch.float32, recipe)
         assert got.dtype == out_dtype and relative_error(got, expected) < TOLERANCE
     a, b, sa, sb = inputs(recipe, 16, 256, 512, (torch.float8_e5m2, torch.float8_e4m3fn), seed=4)
     got = skinny(SkinnyConfig(16, 2, 4), recipe, a, b, sa, sb)
-    expected = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, recipe)
+    expected = fp8_operands.reference(a, b, sa, sb, None, torch.float32, recipe)
     assert relative_error(got, expected) < TOLERANCE
 
 
@@ -83,14 +84,14 @@ def test_the_same_bits_every_run_and_in_a_graph():
 def tuned_skinny_winner(tmp_path, monkeypatch, recipe, m, n, k, fast, build=True):
     """A private tuning cache naming a skinny config the winner of (recipe, m, n, k), its cubin
     compiled unless ``build`` is False; dispatch's caches emptied."""
+    from cutlass_ops.fp8.fp8_plan import scaled_problem
     from cutlass_ops.gemms import dispatch
     from cutlass_ops.gemms.gemm_entries import gemm_cache
-    from cutlass_ops.gemms.scaled_plan import scaled_problem
     from custom_kernels.core.device import current_scope
 
     monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(dispatch, "_entries_by_scope", {})
-    scaled_dispatch.reset()
+    fp8_routes.reset()
     problem = scaled_problem(recipe, m, n, k, fast_accum=fast)
     winner = SkinnyConfig(16, 2, 4)
     gemm_cache(current_scope()).put(problem, {
@@ -107,16 +108,16 @@ def test_dispatch_runs_a_tuned_skinny_winner_eagerly_in_graphs_and_under_compile
     fast = recipe is not ScaleRecipe.BLOCKWISE
     winner = tuned_skinny_winner(tmp_path, monkeypatch, recipe, 16, 1024, 2048, fast)
     a, b, sa, sb = inputs(recipe, 16, 1024, 2048, seed=6)
-    decision = scaled_dispatch.explain(a, b, sa, sb, use_fast_accum=fast)
+    decision = fp8_routes.explain(a, b, sa, sb, use_fast_accum=fast)
     assert decision.choice == winner and decision.source == "exact", decision
-    expected = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, recipe)
+    expected = fp8_operands.reference(a, b, sa, sb, None, torch.float32, recipe)
     assert relative_error(cutlass_ops.scaled_mm(a, b, sa, sb, use_fast_accum=fast),
                           expected) < TOLERANCE
     a8, _, sa8, _ = inputs(recipe, 8, 1024, 2048, seed=7)  # fewer rows: the nearest tuned shape
-    assert scaled_dispatch.explain(a8, b, sa8, sb, use_fast_accum=fast).choice == winner
+    assert fp8_routes.explain(a8, b, sa8, sb, use_fast_accum=fast).choice == winner
     assert relative_error(cutlass_ops.scaled_mm(a8, b, sa8, sb, use_fast_accum=fast),
-                          scaled_inputs.reference(a8, b, sa8, sb, None, torch.float32,
-                                                  recipe)) < TOLERANCE
+                          fp8_operands.reference(a8, b, sa8, sb, None, torch.float32,
+                                                 recipe)) < TOLERANCE
     compiled = torch.compile(lambda *t: cutlass_ops.scaled_mm(*t, use_fast_accum=fast),
                              fullgraph=True)
     assert relative_error(compiled(a, b, sa, sb), expected) < TOLERANCE
@@ -126,7 +127,7 @@ def test_dispatch_runs_a_tuned_skinny_winner_eagerly_in_graphs_and_under_compile
     sa.mul_(2)  # the kernel reads the scales on the device at each replay
     graph.replay()
     torch.cuda.synchronize()
-    doubled = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, recipe)
+    doubled = fp8_operands.reference(a, b, sa, sb, None, torch.float32, recipe)
     assert relative_error(captured, doubled) < TOLERANCE
 
 
@@ -137,7 +138,7 @@ def test_a_blockwise_call_of_m_not_a_multiple_of_4_runs_the_skinny_winner_withou
     where the padded call's winner is the skinny kernel, it runs on the call's own tensors."""
     winner = tuned_skinny_winner(tmp_path, monkeypatch, ScaleRecipe.BLOCKWISE, 4, 1024, 2048, False)
     a, b, sa, sb = inputs(ScaleRecipe.BLOCKWISE, m, 1024, 2048, seed=9)
-    decision = scaled_dispatch.explain(a, b, sa, sb)
+    decision = fp8_routes.explain(a, b, sa, sb)
     assert decision.choice == winner, decision
     copies = []
     real_cat = torch.cat
@@ -145,7 +146,7 @@ def test_a_blockwise_call_of_m_not_a_multiple_of_4_runs_the_skinny_winner_withou
                                                                                         **kw))
     out = cutlass_ops.scaled_mm(a, b, sa, sb)
     assert not copies and out.shape == (m, 1024)
-    expected = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, ScaleRecipe.BLOCKWISE)
+    expected = fp8_operands.reference(a, b, sa, sb, None, torch.float32, ScaleRecipe.BLOCKWISE)
     assert relative_error(out, expected) < TOLERANCE
 
 
@@ -154,8 +155,8 @@ def test_a_skinny_winner_without_its_cubin_runs_torch_rather_than_compile(tmp_pa
     tuned_skinny_winner(tmp_path, monkeypatch, ScaleRecipe.ROWWISE, 16, 1024, 2048, True,
                         build=False)
     a, b, sa, sb = inputs(ScaleRecipe.ROWWISE, 16, 1024, 2048, seed=8)
-    decision = scaled_dispatch.explain(a, b, sa, sb, use_fast_accum=True)
+    decision = fp8_routes.explain(a, b, sa, sb, use_fast_accum=True)
     assert decision.choice is None, decision
     out = cutlass_ops.scaled_mm(a, b, sa, sb, use_fast_accum=True)
-    expected = scaled_inputs.reference(a, b, sa, sb, None, torch.float32, ScaleRecipe.ROWWISE)
+    expected = fp8_operands.reference(a, b, sa, sb, None, torch.float32, ScaleRecipe.ROWWISE)
     assert relative_error(out, expected) < TOLERANCE

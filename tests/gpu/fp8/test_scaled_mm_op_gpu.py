@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import cutlass_ops
-from cutlass_ops.gemms import scaled_inputs
-from cutlass_ops.gemms.scaled_inputs import ScaleRecipe
+from cutlass_ops.gemms.fp8 import fp8_operands
+from cutlass_ops.gemms.fp8.fp8_operands import ScaleRecipe
 from custom_kernels.core.tolerances import relative_error
 
 pytestmark = pytest.mark.gpu
@@ -35,14 +35,14 @@ def test_each_recipe_matches_the_dequantized_product(recipe, out_dtype):
     aq, b, sa, sb = quantized(recipe)
     bias = torch.randn(b.shape[1], device="cuda").to(out_dtype)
     got = cutlass_ops.scaled_mm(aq, b, sa, sb, bias=bias, out_dtype=out_dtype)
-    expected = scaled_inputs.reference(aq, b, sa, sb, bias, torch.float32)
+    expected = fp8_operands.reference(aq, b, sa, sb, bias, torch.float32)
     assert got.dtype == out_dtype and relative_error(got, expected) < 1e-2
 
 
 def test_compiled_and_graph_replayed():
     aq, b, sa, sb = quantized(ScaleRecipe.ROWWISE, 256, 512, 256)
     compiled = torch.compile(lambda *t: cutlass_ops.scaled_mm(*t), fullgraph=True)
-    expected = scaled_inputs.reference(aq, b, sa, sb, out_dtype=torch.float32)
+    expected = fp8_operands.reference(aq, b, sa, sb, out_dtype=torch.float32)
     assert relative_error(compiled(aq, b, sa, sb), expected) < 1e-2
     cutlass_ops.scaled_mm(aq, b, sa, sb)  # resolved before capture
     graph = torch.cuda.CUDAGraph()
@@ -57,10 +57,10 @@ def test_compiled_and_graph_replayed():
 def test_the_torch_route_is_right_for_blockwise_k_cublas_gets_wrong(k):
     """torch._scaled_mm's blockwise GEMM is wrong (silently) unless K % 512 == 0 on torch 2.11;
     the torch route pads K, so its answer is the dequantized product's at every K."""
-    from cutlass_ops.gemms.scaled_dispatch import torch_scaled_mm
+    from cutlass_ops.fp8.fp8_routes import torch_scaled_mm
 
     aq, b, sa, sb = quantized(ScaleRecipe.BLOCKWISE, m=200, n=384, k=k)
     bias = torch.randn(384, device="cuda").bfloat16()
     got = torch_scaled_mm(aq, b, sa, sb, bias, torch.bfloat16, False, ScaleRecipe.BLOCKWISE)
-    expected = scaled_inputs.reference(aq, b, sa, sb, bias, torch.float32)
+    expected = fp8_operands.reference(aq, b, sa, sb, bias, torch.float32)
     assert relative_error(got, expected) < 1e-2
