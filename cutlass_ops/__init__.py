@@ -103,6 +103,23 @@ def convert(model, config=None, **options):
     return _convert(model, config, **options)
 
 
+def graphed_train_step(model, optimizer=None, **options):
+    """The model's train step (forward, loss, backward, and the optimizer step where it is
+    capturable) replayed as one CUDA graph per input signature, without torch.compile; call it
+    with the model's arguments, it returns the loss (see cutlass_ops.graphed_steps)."""
+    from cutlass_ops.graphed_steps import graphed_train_step as _graphed
+
+    return _graphed(model, optimizer, **options)
+
+
+def graphed_forward(model, **options):
+    """The model's inference forward replayed as one CUDA graph per input signature (see
+    cutlass_ops.graphed_steps)."""
+    from cutlass_ops.graphed_steps import graphed_forward as _graphed
+
+    return _graphed(model, **options)
+
+
 def __getattr__(name):
     # cutlass_ops.nn and cutlass_ops.ops import torch and register the custom ops: only on use.
     if name in ("nn", "ops"):
@@ -115,7 +132,7 @@ def __getattr__(name):
 __all__ = [
     "__version__", "gemm", "plan", "matmul", "explain", "convert", "linear_cross_entropy",
     "vocab_parallel_linear_cross_entropy",
-    "grouped_mm",
+    "grouped_mm", "graphed_train_step", "graphed_forward",
     "Activation", "Arch",
     "BiasMode", "DType", "Epilogue",
     "EpilogueSchedule", "GemmConfig",
