@@ -19,7 +19,7 @@ from cutlass_ops import GemmConfig, GemmOperands  # noqa: E402
 from cutlass_ops.gemms.loader import prepare  # noqa: E402
 from test_epilogue_gpu import work as epilogue_work  # noqa: E402
 from test_gemm_gpu import CONFIGS, STREAM_K  # noqa: E402
-from test_scaled_kernels_gpu import work as scaled_work  # noqa: E402
+from test_fp8_cutlass_kernels_gpu import work as scaled_work  # noqa: E402
 
 PINGPONG = CONFIGS["pingpong"]
 WORK = [
