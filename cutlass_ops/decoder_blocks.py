@@ -66,7 +66,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from cutlass_ops import fused_linear, mixins, module_state, step_graphs
+from cutlass_ops import conversion_refusals, fused_linear, mixins, module_state, step_graphs
 from cutlass_ops.block_gemms import BF16, BlockGemms, BlockState
 
 # What ``fuse`` asks of a tensor-parallel plan's layer: (attention, mlp or None) -> the GEMMs that
@@ -86,7 +86,6 @@ MLP_CHILDREN = frozenset({*MLP_LINEARS, "act_fn"})
 # the model's own inside a fused layer.
 MOE_CHILDREN = frozenset({"experts", "gate"})
 ATTENTION_ATTRIBUTES = ("head_dim", "layer_idx", "scaling", "config", "attention_dropout")
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 PROBE_TOKENS = 16
 PROBE_TOLERANCE = 2e-2  # relative, on the layer's output: GEMMs of other shapes round otherwise
 RESIDUAL_NORMS = (RMSNorm, LayerNorm)  # ours: forward(x, residual) -> (norm(x + residual), sum)
@@ -468,13 +467,7 @@ def _linear_refusal(attention, mlp, require_gpu: bool) -> str | None:
 
 
 def _device_refusal(weight) -> str | None:
-    if weight.device.type != "cuda":
-        return f"weights on {weight.device}: move the model to a CUDA device first"
-    if weight.dtype not in SUPPORTED_DTYPES:
-        return f"{weight.dtype} weights: the fused blocks are bf16/fp16"
-    if torch.cuda.get_device_capability(weight.device) != (9, 0):
-        return f"{torch.cuda.get_device_name(weight.device)} is not an sm90 GPU"
-    return None
+    return conversion_refusals.weight_refusal(weight, kernels="the fused blocks", sm90=True)
 
 
 def _shape_refusal(linears, head_dim) -> str | None:

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from cutlass_ops import mixins
+from cutlass_ops import conversion_refusals, mixins
 from custom_kernels.core.tolerances import relative_error
 from custom_kernels.rotary_tables import DTYPE_CODES, POSITION_DTYPES, rotary_tables
 
@@ -104,8 +104,8 @@ def fuse(module: nn.Module, dtype: torch.dtype) -> Optional[str]:
     """Makes ``module`` compute its tables on one launch; None when done, else why not (the
     module is then unchanged). ``dtype``: the model's (the tables' in the probe)."""
     why = structure_refusal(module)
-    if why is None and module.inv_freq.device.type != "cuda":
-        why = f"buffers on {module.inv_freq.device}: move the model to a CUDA device first"
+    if why is None:
+        why = conversion_refusals.off_cuda(module.inv_freq, "buffers")
     if why is None and dtype not in DTYPE_CODES:
         why = f"{dtype} tables: the kernel writes bf16, fp16 or float32"
     if why is None:

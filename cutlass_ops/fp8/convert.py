@@ -25,10 +25,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import torch
 from torch import nn
 
-from cutlass_ops import decoder_blocks, lm_loss
+from cutlass_ops import conversion_refusals, decoder_blocks, lm_loss
 from cutlass_ops.fp8 import recipes
 from cutlass_ops.fp8.linear import FusedGemms, Fp8Linear
 from cutlass_ops.fp8.recipes import Recipe
@@ -82,10 +81,10 @@ def convert_fp8(model: nn.Module, recipe: Recipe | str, *, lm_head: bool = False
 def refusal(layer: nn.Linear, recipe: Recipe) -> str | None:
     """Why ``layer`` cannot run FP8 per ``recipe``, or None."""
     weight = layer.weight
-    if weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) != (9, 0):
-        return (f"{torch.cuda.get_device_name(weight.device)} is not an sm90 GPU: FP8 layers "
-                "need one")
-    return recipe.refusal(layer.in_features, layer.out_features, weight.dtype)
+    # Off a GPU the FP8 layers compute in float32 (the CPU rule): no GPU to refuse there.
+    why = conversion_refusals.not_sm90(weight.device, ": FP8 layers need one") \
+        if weight.device.type == "cuda" else None
+    return why or recipe.refusal(layer.in_features, layer.out_features, weight.dtype)
 
 
 def _converted_reason(weight, recipe: Recipe) -> str:

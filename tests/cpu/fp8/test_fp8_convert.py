@@ -430,3 +430,17 @@ def test_an_moe_block_runs_its_attention_and_shared_expert_fp8_and_its_experts_1
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()
     assert calls.count("merged_linear") == 2  # QKV, the shared expert's gate+up
+
+
+def test_an_fp8_layer_needs_an_sm90_gpu_and_off_one_asks_none(monkeypatch):
+    """The GPU refusal (cutlass_ops.conversion_refusals' words) applies on a CUDA device only:
+    off a GPU the FP8 layers compute in float32 and no GPU is asked."""
+    from cutlass_ops.fp8 import recipes
+    from cutlass_ops.fp8.convert import refusal
+
+    layer, recipe = nn.Linear(256, 256).to(torch.bfloat16), recipes.get("tensorwise")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA L4")
+    assert refusal(layer, recipe) is None
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    assert refusal(layer, recipe) == "NVIDIA L4 is not an sm90 GPU: FP8 layers need one"
