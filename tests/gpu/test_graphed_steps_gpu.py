@@ -69,9 +69,11 @@ def assert_same(a: nn.Module, b: nn.Module):
 
 
 def test_eager_steps_are_deterministic():
-    """The premise of the bit-for-bit tests below: two eager runs agree exactly."""
+    """The premise of the bit-for-bit tests below: two eager runs agree exactly. Each model is
+    built and converted on its own (a deep copy of a converted model gave other gradient bits
+    than the original on an H100: the same loss, 16 of 21 gradients differing)."""
     a = tiny_llama()
-    b = copy.deepcopy(a)
+    b = tiny_llama()
     oa, ob = adamw(a), adamw(b)
     for step in range(3):
         assert torch.equal(eager_step(a, oa, tokens(seed=step)),
@@ -82,7 +84,7 @@ def test_eager_steps_are_deterministic():
 @pytest.mark.parametrize("with_optimizer", [True, False])
 def test_graphed_train_steps_equal_eager_ones_bit_for_bit(with_optimizer):
     graphed_model = tiny_llama()
-    eager_model = copy.deepcopy(graphed_model)
+    eager_model = tiny_llama()
     graphed_opt = adamw(graphed_model) if with_optimizer else None
     eager_opt = adamw(eager_model) if with_optimizer else None
     step = cutlass_ops.graphed_train_step(graphed_model, graphed_opt)
@@ -99,7 +101,7 @@ def test_graphed_train_steps_equal_eager_ones_bit_for_bit(with_optimizer):
 
 def test_an_optimizer_that_is_not_capturable_steps_eagerly_after_the_replay():
     graphed_model = tiny_llama()
-    eager_model = copy.deepcopy(graphed_model)
+    eager_model = tiny_llama()
     graphed_opt = torch.optim.SGD(graphed_model.parameters(), lr=0.1, momentum=0.9)
     eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
     step = cutlass_ops.graphed_train_step(graphed_model, graphed_opt)
@@ -113,7 +115,7 @@ def test_an_optimizer_that_is_not_capturable_steps_eagerly_after_the_replay():
 
 def test_new_shapes_are_captured_and_the_oldest_dropped_past_max_graphs():
     graphed_model = tiny_llama()
-    eager_model = copy.deepcopy(graphed_model)
+    eager_model = tiny_llama()
     step = cutlass_ops.graphed_train_step(graphed_model, max_graphs=2)
     for columns in (32, 64, 32, 64, 96, 96, 32, 32):
         ids = tokens(columns=columns, seed=columns)
@@ -125,7 +127,7 @@ def test_new_shapes_are_captured_and_the_oldest_dropped_past_max_graphs():
 
 def test_a_float_lr_that_changes_is_captured_again_with_a_warning():
     graphed_model = tiny_llama()
-    eager_model = copy.deepcopy(graphed_model)
+    eager_model = tiny_llama()
     graphed_opt, eager_opt = adamw(graphed_model), adamw(eager_model)
     step = cutlass_ops.graphed_train_step(graphed_model, graphed_opt)
     schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
@@ -142,7 +144,7 @@ def test_a_float_lr_that_changes_is_captured_again_with_a_warning():
 
 def test_a_tensor_lr_stays_in_one_graph():
     graphed_model = tiny_llama()
-    eager_model = copy.deepcopy(graphed_model)
+    eager_model = tiny_llama()
     lr = torch.tensor(1e-3, device="cuda")
     graphed_opt = torch.optim.AdamW(graphed_model.parameters(), lr=lr.clone(), capturable=True)
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=lr.clone(), capturable=True)
@@ -214,6 +216,8 @@ def test_new_parameter_tensors_drop_the_graphs():
     step(input_ids=ids, labels=ids)
     assert len(step.graphs.entries) == 1
     model.load_state_dict({k: v + 0.01 for k, v in model.state_dict().items()}, assign=True)
-    reference = copy.deepcopy(model)
+    reference = tiny_llama()
+    reference.load_state_dict({k: v + 0.01 for k, v in reference.state_dict().items()},
+                              assign=True)
     assert torch.equal(step(input_ids=ids, labels=ids), eager_step(reference, None, ids))
     assert not step.graphs.entries  # dropped: this call ran eagerly on the new weights
