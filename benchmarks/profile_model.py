@@ -1,7 +1,8 @@
 """Where the e2e model's time goes (Llama-3-8B-shaped, random bf16 weights), eager against
 converted: ``--decode``, the host time of ``generate()`` under cProfile and the per-call host cost
 of each piece of a converted decoder layer at a decode step; ``--kernels``, the GPU time of a
-prefill forward and of a train step by kernel (torch.profiler).
+prefill forward and of a train step by kernel (torch.profiler), with the busy share of each
+call's kernel span, ungraphed and as ``cutlass_ops.graphed_train_step`` replays it.
 
 Decoding a model of this size is host-bound (a step's weights take about 1.5 ms to stream at
 batch 1, a step costs several times that on the host), so the figure that matters is Python and
@@ -135,7 +136,12 @@ def kernel_table(name, fn, top: int, trace: Path | None = None) -> None:
         prof.export_chrome_trace(str(trace / f"{name.replace(' ', '_')}.json"))
     events = prof.key_averages()
     total = sum(e.device_time_total for e in events) / 1e3
-    print(f"--- {name}: {total:.2f} ms of kernels")
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    span = (max(e.time_range.end for e in device) - min(e.time_range.start for e in device)) / 1e3
+    # Busy over span: the share of the call's first-to-last kernel stretch with a kernel
+    # running (what launch gaps inside the call leave; host time before it is outside).
+    print(f"--- {name}: {total:.2f} ms of kernels ({len(device)}), span {span:.2f} ms, "
+          f"busy {total / span:.3f}")
     rows = sorted(events, key=lambda e: -e.device_time_total)[:top]
     for e in rows:
         print(f"{e.device_time_total / 1e3:9.3f} ms {e.count:6d}x  {e.key[:110]}")
@@ -154,6 +160,15 @@ def kernels(eager, ours, top: int, trace: Path | None = None) -> None:
         kernel_table(f"{name} train step", train_step(model, ids), top, trace)
         model.zero_grad(set_to_none=True)
         model.eval()
+    # Ours replayed as one CUDA graph (cutlass_ops.graphed_train_step): what graphing changes.
+    import cutlass_ops
+
+    ours.train()
+    step = cutlass_ops.graphed_train_step(ours)
+    step(input_ids=ids, labels=ids)  # eager; kernel_table's warm call captures
+    kernel_table("ours graphed train step", lambda: step(input_ids=ids, labels=ids), top, trace)
+    ours.zero_grad(set_to_none=True)
+    ours.eval()
 
 
 def main() -> None:
