@@ -32,6 +32,10 @@ What a user sees:
   a signature eagerly instead, logged once.
 - A new parameter tensor (``load_state_dict(assign=True)``, ``model.to``) or an optimizer's
   ``load_state_dict`` drops the graphs: they read the old memory.
+- **Distributed models are refused** (``distributed_refusal``: DDP, FSDP, tensor-parallel DTensor
+  parameters) until a GPU test shows their replays equal to their eager steps: DDP's reducer and
+  FSDP's unshard / reshard keep Python state per step that a replay would skip (gradients left
+  unreduced would be a wrong answer, not an error).
 """
 
 from __future__ import annotations
@@ -188,6 +192,22 @@ def static_inputs(leaves: list) -> list:
     return [leaf.detach().clone() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
 
 
+def distributed_refusal(model: nn.Module) -> Optional[str]:
+    """Why ``model`` is not graphed: it is wrapped for data parallelism, or sharded; None if
+    neither."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return ("a DistributedDataParallel model: its reducer's per-step state is not verified "
+                "under replay; run the step ungraphed")
+    for module in model.modules():
+        if type(module).__name__.startswith(("FSDP", "FullyShardedDataParallel")):
+            return ("an FSDP-sharded model (fully_shard): its unshard / reshard state machine "
+                    "runs on the host every step; run the step ungraphed")
+    if any(hasattr(p, "placements") for p in model.parameters()):
+        return ("tensor-parallel (DTensor) parameters: not verified under replay; run the step "
+                "ungraphed")
+    return None
+
+
 class _Graphed:
     """What both wrappers share: the graphs, the refusal policy, the memory report."""
 
@@ -197,6 +217,9 @@ class _Graphed:
         self.model = model
         self.graphs = Graphs(max_graphs)
         self.on_refusal = on_refusal
+        self.refusal = distributed_refusal(model)  # every call eager (or refused) when set
+        if self.refusal is not None:
+            self._refused(None, CaptureRefused(self.refusal))
         self._parameters = tuple(model.parameters())
         self._pointers = tuple(p.data_ptr() for p in self._parameters)
 
@@ -246,6 +269,8 @@ class GraphedTrainStep(_Graphed):
             optimizer.register_load_state_dict_post_hook(lambda *_: self.reset())
 
     def __call__(self, *args, **kwargs) -> Tensor:
+        if self.refusal is not None:
+            return self._eager(args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         try:
             key = signature(args, kwargs)
@@ -327,6 +352,8 @@ class GraphedForward(_Graphed):
     """See the module docstring and ``graphed_forward``."""
 
     def __call__(self, *args, **kwargs):
+        if self.refusal is not None:
+            return self._forward(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         try:
             key = signature(args, kwargs)
@@ -392,4 +419,4 @@ def graphed_forward(model: nn.Module, *, max_graphs: int = DEFAULT_MAX_GRAPHS,
 
 
 __all__ = ["CaptureRefused", "GraphedTrainStep", "GraphedForward", "graphed_train_step",
-           "graphed_forward", "signature", "capturable", "default_loss"]
+           "graphed_forward", "signature", "capturable", "default_loss", "distributed_refusal"]

@@ -145,3 +145,55 @@ def test_a_refused_forward_runs_eagerly_without_grad():
     out = forward(x)
     assert not out.requires_grad
     assert torch.equal(out, model(x).detach())
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of one rank in this process (DDP, FSDP2 and DTensor need one)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_distributed_models_are_refused_until_verified(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    ddp = nn.parallel.DistributedDataParallel(Mse())
+    assert "DistributedDataParallel" in graphed_steps.distributed_refusal(ddp)
+    mesh = init_device_mesh("cpu", (1,))
+    sharded = Mse()
+    fully_shard(sharded, mesh=mesh)
+    assert "FSDP" in graphed_steps.distributed_refusal(sharded)
+    tensor_parallel = Mse()
+    tensor_parallel.linear.weight = nn.Parameter(distribute_tensor(
+        tensor_parallel.linear.weight.detach(), mesh, [Replicate()]))
+    assert "DTensor" in graphed_steps.distributed_refusal(tensor_parallel)
+    assert graphed_steps.distributed_refusal(Mse()) is None
+    with pytest.raises(CaptureRefused, match="DistributedDataParallel"):
+        cutlass_ops.graphed_train_step(ddp)
+
+
+def test_a_refused_distributed_model_runs_eagerly_on_request(world_of_one):
+    torch.manual_seed(0)
+    model = Mse()
+    reference = copy.deepcopy(model)
+    step = cutlass_ops.graphed_train_step(nn.parallel.DistributedDataParallel(model),
+                                          on_refusal="eager")
+    x = torch.randn(4, 8)
+    loss = step(x)
+    expected = reference(x)
+    expected.backward()
+    assert torch.equal(loss, expected.detach())
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
