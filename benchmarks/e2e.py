@@ -15,6 +15,12 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
   1 ours vs eager`` / ``... 16 ...``: the same against eager's dynamic cache. Each repetition
   is a whole generate() of many steps, so half of ``--reps`` of them, the variants interleaved
   (the host's speed drifts); ``--no-compile`` leaves the static-cache peer out;
+- ``train ours graphed vs compile`` / ``vs compile reduce-overhead`` / ``vs ours`` (and prefill
+  alike): the converted model's step through ``cutlass_ops.graphed_train_step`` (prefill:
+  ``graphed_forward``), captured before its check, against torch.compile, torch.compile with
+  CUDA graphs (``mode="reduce-overhead"``, the peer that also removes the host) and itself
+  ungraphed; ``peak memory train ours graphed vs ours`` counts the graphs' whole memory pool
+  (``--no-graphs`` leaves these out);
 - ``train ours vs ours without fused loss``: the converted model against itself converted with
   ``fused_loss=False`` (the head and loss as Hugging Face computes them);
 - ``peak memory train ours vs eager`` (and vs compile, vs ours without fused loss): unit 1/GB, so
