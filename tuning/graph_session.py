@@ -20,6 +20,33 @@ class GraphTimedSession:
     def _torch_call(self) -> Callable:
         raise NotImplementedError
 
+    def _launch_failure(self, choice, error: Exception) -> str | None:
+        """What a launch error other than ours (``CutlassOpsError``) means: a failed candidate,
+        as text, or None to raise it (a bug, not a result)."""
+        return None
+
+    def verify(self, choice) -> str | None:
+        """Launches ``choice`` into ``self.out`` (NaN first, so that a kernel writing nothing
+        fails) and checks it against ``self.reference`` within ``self.tolerance``."""
+        import torch
+
+        from custom_kernels.core.errors import CutlassOpsError
+        from tuning.protocol import check
+
+        try:
+            launch = self._launcher(choice)
+            self.out.fill_(float("nan"))
+            launch()  # a DSL kernel compiles here on its first launch
+            torch.cuda.synchronize(self.device)
+        except CutlassOpsError as exc:  # a build's failure (NVRTC's for the skinny kernels too)
+            return f"launch: {exc}"
+        except Exception as exc:  # noqa: BLE001 - the session says which failures are results
+            why = self._launch_failure(choice, exc)
+            if why is None:
+                raise
+            return why
+        return check([self.out], [self.reference], self.tolerance)
+
     def time_ms(self, choice: Choice, reps: int) -> float:
         from tuning.timing import do_bench
 
