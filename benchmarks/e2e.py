@@ -7,12 +7,15 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
 - ``train``: forward and backward of the causal-LM loss on ``--tokens`` tokens (2 sequences);
 - ``prefill``: the inference forward on the same tokens, under no_grad;
 - ``decode batch 1 ours vs hf static compile`` / ``decode batch 16 ...``: ``generate()`` of
-  ``--new-tokens`` greedy tokens after a 128-token prompt, ours (the converted model, its own
-  KV cache and decode-step graphs) against Hugging Face's ``generate(cache_implementation=
+  ``--new-tokens`` greedy tokens after a 128-token prompt, ours (the converted model through
+  ``cutlass_ops.generate``: a static KV cache, each decode step one CUDA graph, the token loop
+  on the device) against Hugging Face's ``generate(cache_implementation=
   "static")`` of the unconverted model, which compiles the decoding forward itself (inductor,
   "reduce-overhead": CUDA graphs; ``detail.reference_settings`` records the version, the compile
   settings and that it compiled): the strongest decode a Hugging Face user gets. ``decode batch
-  1 ours vs eager`` / ``... 16 ...``: the same against eager's dynamic cache. Each repetition
+  1 ours vs eager`` / ``... 16 ...``: the same against eager's dynamic cache; ``decode batch 1
+  ours vs ours hf generate``: against the converted model in Hugging Face's own ``generate()``
+  (dynamic cache, graphs between the attention calls only). Each repetition
   is a whole generate() of many steps, so half of ``--reps`` of them, the variants interleaved
   (the host's speed drifts); ``--no-compile`` leaves the static-cache peer out;
 - ``train ours graphed vs compile`` / ``vs compile reduce-overhead`` / ``vs ours`` (and prefill
@@ -435,12 +438,27 @@ HF_STATIC = "hf static compile"
 GENERATE_OPTIONS = {HF_STATIC: {"cache_implementation": "static"}}
 
 
-def measure_decode(variants, batch, new_tokens, reps, vocab: int = VOCAB, options=None):
+OURS_HF_GENERATE = "ours hf generate"
+
+
+def graphed_generate(model, prompt, new_tokens):
+    """Ours' decode: ``cutlass_ops.generate`` (static KV cache, each decode step one CUDA graph,
+    the token loop on the device), with the same stopping rule as the generate() calls here."""
+    import cutlass_ops
+
+    return cutlass_ops.generate(model, prompt, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, pad_token_id=0)
+
+
+def measure_decode(variants, batch, new_tokens, reps, vocab: int = VOCAB, options=None,
+                   calls=None):
     """generate() of each variant, interleaved repetition by repetition (tuning.timing's
     do_bench_interleaved): decoding is host-bound, and the host's speed drifts over a run by more
     than the differences measured, so sequential timing would credit whoever ran on a quiet
     stretch. ``options``: extra generate() keywords by variant name (``GENERATE_OPTIONS`` by
-    default); the warm-up call also compiles a variant whose keywords make generate() compile."""
+    default); the warm-up call also compiles a variant whose keywords make generate() compile.
+    ``calls``: variants decoded by a function of (model, prompt, new tokens) instead of
+    ``model.generate`` (``graphed_generate`` for ours in e2e)."""
     options = GENERATE_OPTIONS if options is None else options
     prompt = torch.randint(0, vocab, (batch, PROMPT), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(batch))
@@ -450,7 +468,9 @@ def measure_decode(variants, batch, new_tokens, reps, vocab: int = VOCAB, option
         for name, model in variants.items():
             model.eval()
 
-            def generate(model=model, extra=options.get(name, {})):
+            def generate(model=model, extra=options.get(name, {}), call=(calls or {}).get(name)):
+                if call is not None:
+                    return call(model, prompt, new_tokens)
                 return model.generate(prompt, attention_mask=torch.ones_like(prompt),
                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                       do_sample=False, pad_token_id=0, **extra)
@@ -587,16 +607,18 @@ def prefill_rows(prefill: dict, tokens: int) -> list:
 
 
 def decode_row(decode: dict, models: dict, batch: int, new_tokens: int, judge=None,
-               reference: str = "eager") -> dict:
+               reference: str = "eager", graphed: bool = False) -> dict:
     """The decode row of one batch against ``reference`` (a variant of ``decode``): correct when
     teacher-forced decoding of eager's generated tokens keeps ours' logits within bound at every
     step (always against eager's model: the peers' caches and graphs change no arithmetic).
     Random weights leave near-ties among the logits, so free-running greedy paths may part after
     one rounding difference: their agreement (generated tokens only) is reported, not checked.
     ``judge``: another rule, called with the teacher-forced check, returning a dict with
-    "correct" and its own detail."""
+    "correct" and its own detail. ``graphed``: ours decoded through ``graphed_generate``, so
+    the teacher-forced steps go through its static cache and step graph too."""
     check = model_checks.teacher_forced_decode(models["ours"], models["eager"],
-                                               decode["eager"]["tokens"], PROMPT)
+                                               decode["eager"]["tokens"], PROMPT,
+                                               graphed=graphed)
     same = model_checks.generated_agreement(decode["ours"]["tokens"],
                                             decode["eager"]["tokens"], PROMPT)
     judged = {"correct": check.ok} if judge is None else judge(check)
@@ -754,13 +776,16 @@ def main() -> None:
             rows += e2e_fp8.prefill_rows(prefill, args.tokens, args.recipes, emulations, peers)
         save()
     decode_variants = {k: v for k, v in variants.items() if k in ("eager", "ours")}
+    if "ours" in decode_variants:
+        decode_variants[OURS_HF_GENERATE] = variants["ours"]  # the same model, HF's generate()
     if not args.no_compile:
         decode_variants[HF_STATIC] = variants["eager"]  # generate() compiles it (static cache)
     for batch in (1, 16) if "decode" in args.sections else ():
-        decode = measure_decode(decode_variants, batch, args.new_tokens, max(5, args.reps // 2))
-        for reference in [r for r in ("eager", HF_STATIC) if r in decode]:
+        decode = measure_decode(decode_variants, batch, args.new_tokens, max(5, args.reps // 2),
+                                calls={"ours": graphed_generate})
+        for reference in [r for r in ("eager", HF_STATIC, OURS_HF_GENERATE) if r in decode]:
             rows.append(decode_row(decode, decode_variants, batch, args.new_tokens,
-                                   reference=reference))
+                                   reference=reference, graphed=True))
         save()
     print_table(["case", "ours", "reference", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])

@@ -360,18 +360,36 @@ class DecodeCheck:
 
 
 @torch.no_grad()
+class _GraphedStepper:
+    """``model`` through ``cutlass_ops.graphed_decode``: the prompt into its static cache, then
+    one token at a time through the decode step's CUDA graph (the path its ``generate`` takes)."""
+
+    def __init__(self, model: torch.nn.Module, length: int):
+        from cutlass_ops.graphed_decode import graphed_decoder
+
+        self.decoder, self.length, self.started = graphed_decoder(model), length, False
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.started:
+            self.started = True
+            return self.decoder.start(ids, max_len=self.length)
+        return self.decoder.feed(ids[:, 0])
+
+
 def teacher_forced_decode(model: torch.nn.Module, reference: torch.nn.Module,
                           tokens: torch.Tensor, prompt: int,
-                          tolerance: float | None = None) -> DecodeCheck:
+                          tolerance: float | None = None, graphed: bool = False) -> DecodeCheck:
     """``tokens`` [batch, prompt + n] fed to both models, in lockstep: the prompt at once, then
     tokens ``prompt .. prompt + n - 2`` one at a time through each model's KV cache, so both
     predict every step from the same history (``generate()`` alone would let one rounding
     difference send the two down different paths). Each step's logits are compared as they
-    come, so nothing of size steps x vocabulary is kept."""
+    come, so nothing of size steps x vocabulary is kept. ``graphed``: ``model`` steps through
+    ``cutlass_ops.graphed_decode`` (static cache, each step one CUDA graph) instead."""
     if not 0 < prompt < tokens.shape[1]:
         raise ValueError(f"prompt {prompt} must leave tokens to feed ({tokens.shape[1]} given)")
     tolerance = logits_tolerance(reference) if tolerance is None else tolerance
-    ours, theirs = _Stepper(model), _Stepper(reference)
+    ours = _GraphedStepper(model, tokens.shape[1]) if graphed else _Stepper(model)
+    theirs = _Stepper(reference)
     errors, agree = [], 0
     for step in range(tokens.shape[1] - prompt):
         ids = tokens[:, :prompt] if step == 0 else tokens[:, prompt + step - 1:prompt + step]

@@ -120,6 +120,14 @@ def graphed_forward(model, **options):
     return _graphed(model, **options)
 
 
+def generate(model, input_ids, **options):
+    """Greedy ``generate()`` of a Hugging Face causal LM with a static KV cache, each decode step
+    one CUDA graph and the token loop on the device (see cutlass_ops.graphed_decode)."""
+    from cutlass_ops.graphed_decode import generate as _generate
+
+    return _generate(model, input_ids, **options)
+
+
 def __getattr__(name):
     # cutlass_ops.nn and cutlass_ops.ops import torch and register the custom ops: only on use.
     if name in ("nn", "ops"):
@@ -132,7 +140,7 @@ def __getattr__(name):
 __all__ = [
     "__version__", "gemm", "plan", "matmul", "explain", "convert", "linear_cross_entropy",
     "vocab_parallel_linear_cross_entropy",
-    "grouped_mm", "graphed_train_step", "graphed_forward",
+    "grouped_mm", "graphed_train_step", "graphed_forward", "generate",
     "Activation", "Arch",
     "BiasMode", "DType", "Epilogue",
     "EpilogueSchedule", "GemmConfig",

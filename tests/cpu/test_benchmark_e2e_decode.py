@@ -69,3 +69,25 @@ def test_the_eager_row_is_unchanged():
     assert result["case"] == "decode batch 1 ours vs eager"
     assert "reference_settings" not in result["detail"] and "eager" not in result["detail"]
     assert result["ratio"] == 2.0
+
+
+def test_ours_decodes_through_the_graphed_decoder_with_generates_tokens():
+    """graphed_generate (ours' decode) gives the greedy tokens of generate() with the same
+    stopping rule (min_new_tokens = max_new_tokens: the end-of-sequence token held back)."""
+    model = tiny_llama()
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=9,
+                              min_new_tokens=9, do_sample=False, pad_token_id=0)
+    assert torch.equal(e2e.graphed_generate(model, prompt, 9), expected)
+
+
+@pytest.mark.parametrize("ours, correct", [(copy.deepcopy, True),
+                                           (lambda eager: skip_layer(copy.deepcopy(eager), 1),
+                                            False)], ids=["copy", "layer skipped"])
+def test_the_row_against_hf_generate_checks_ours_through_its_graphed_steps(ours, correct):
+    eager = tiny_llama()
+    decode = decoded({"eager": 40.0, "ours": 20.0, e2e.OURS_HF_GENERATE: 30.0})
+    result = e2e.decode_row(decode, {"ours": ours(eager), "eager": eager}, 1, NEW,
+                            reference=e2e.OURS_HF_GENERATE, graphed=True)
+    assert result["case"] == "decode batch 1 ours vs ours hf generate"
+    assert result["ratio"] == pytest.approx(1.5, abs=1e-3) and result["correct"] is correct

@@ -225,12 +225,24 @@ def test_teacher_forced_steps_match_a_full_forward_of_the_same_tokens():
     torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["dynamic cache", "graphed decode"])
+def test_teacher_forced_decode_through_the_graphed_decoder_passes_an_identical_copy(graphed):
+    """The graphed decoder's static cache and step (eager on a CPU) give the same logits."""
+    eager = tiny_llama(torch.float32).eval()
+    result = model_checks.teacher_forced_decode(copy.deepcopy(eager), eager,
+                                                tokens(length=PROMPT + FED), PROMPT,
+                                                graphed=graphed)
+    assert result.ok and len(result.step_errors) == FED and result.top1_agreement == 1.0
+    assert max(result.step_errors) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_teacher_forced_decode_fails_a_copy_whose_last_layer_is_skipped(dtype):
+@pytest.mark.parametrize("graphed", [False, True], ids=["dynamic cache", "graphed decode"])
+def test_teacher_forced_decode_fails_a_copy_whose_last_layer_is_skipped(dtype, graphed):
     eager = tiny_llama(dtype).eval()
     model = skip_layer(copy.deepcopy(eager), len(eager.model.layers) - 1)
     result = model_checks.teacher_forced_decode(model, eager, tokens(length=PROMPT + FED),
-                                                PROMPT)
+                                                PROMPT, graphed=graphed)
     assert not result.ok
     assert min(result.step_errors) > 5 * result.tolerance  # every step, not one unlucky one
     assert result.detail()["teacher_forced_worst_logits_error"] == \
