@@ -24,6 +24,9 @@ The model is Llama-3-8B-shaped (hidden 4096, MLP 14336, 32 / 8 heads, vocabulary
   CUDA graphs (``mode="reduce-overhead"``, the peer that also removes the host) and itself
   ungraphed; ``peak memory train ours graphed vs ours`` counts the graphs' whole memory pool
   (``--no-graphs`` leaves these out);
+- ``gpu busy train ours`` (and ``ours graphed``): the share of the converted train step's wall
+  time the GPU runs kernels, five steps back to back under torch.profiler (``ratio`` = busy /
+  wall, ``ours`` / ``reference`` the busy and wall milliseconds a step; ``benchmarks/gpu_busy.py``);
 - ``train ours vs ours without fused loss``: the converted model against itself converted with
   ``fused_loss=False`` (the head and loss as Hugging Face computes them);
 - ``peak memory train ours vs eager`` (and vs compile, vs ours without fused loss): unit 1/GB, so
@@ -92,6 +95,7 @@ from benchmarks import model_checks  # noqa: E402
 from benchmarks.common import (print_table, require_gpu, rows_of_same_run,  # noqa: E402
                                write_result)
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
+from benchmarks.gpu_busy import busy_row, busy_share  # noqa: E402
 from tuning.timing import do_bench_interleaved  # noqa: E402
 
 PROMPT = 128
@@ -223,7 +227,7 @@ def peak_memory(model, step) -> dict:
             "forward_peak_gb": None if forward is None else (forward - others) / 1e9}
 
 
-def measure_train(variants, ids, reps, tolerances=None, fragile=()):
+def measure_train(variants, ids, reps, tolerances=None, fragile=(), busy=False):
     """Check, time and peak memory of each variant's train step. The first step of each
     variant is its check (``model_checks.check_train_step``) against eager's, which runs
     first: eager's gradients are kept (the tensors themselves, no copy) until every variant is
@@ -231,7 +235,8 @@ def measure_train(variants, ids, reps, tolerances=None, fragile=()):
     figure, per-parameter bounds, or a function of eager's (loss, gradients) returning either
     (called once, after eager's step, before any other variant's: the FP8 variants' emulations).
     ``fragile``: variants whose failure to run a step is a result ({"error": why}, left out of
-    the timing), not a crash. The times are interleaved repetition
+    the timing), not a crash. ``busy``: also ours' (and ours graphed's) busy share
+    (``gpu_busy.busy_share``). The times are interleaved repetition
     by repetition (tuning.timing's do_bench_interleaved), as decoding's: at small sizes a step
     is partly host-bound and the host's speed drifts, and sequential timing credits whoever ran
     on a quiet stretch or a cool GPU. The variants share the GPU, so a variant's peak (one step
@@ -271,6 +276,9 @@ def measure_train(variants, ids, reps, tolerances=None, fragile=()):
     times = do_bench_interleaved(steps, warmup=1, reps=reps, flush_l2=False)
     for name in steps:
         out[name]["ms"] = times[name].median_ms
+    for name in [n for n in ("ours", GRAPHED) if busy and n in steps]:  # the GPU's busy share
+        out[name]["busy"] = busy_share(steps[name])
+    for name in steps:
         variants[name].zero_grad(set_to_none=True)
     return out
 
@@ -296,6 +304,8 @@ def train_rows(train: dict, tokens: int) -> list:
         rows.append(memory_row(train[GRAPHED], train["ours"], "ours",
                                train[GRAPHED]["check"].ok,
                                case=f"peak memory train {GRAPHED} vs ours"))
+    for name in [n for n in ("ours", GRAPHED) if "busy" in train.get(n, {})]:
+        rows.append(busy_row(f"train {name}", train[name]["busy"], train[name]["check"].ok))
     return rows
 
 
@@ -761,7 +771,7 @@ def main() -> None:
     emulations = e2e_fp8.Emulations(variants["eager"], ids)
     if "train" in args.sections:
         tolerances = {n: emulations.tolerances(n.rsplit(" ", 1)[1]) for n in conversions}
-        train = measure_train(variants, ids, args.reps, tolerances, fragile)
+        train = measure_train(variants, ids, args.reps, tolerances, fragile, busy=True)
         train.update({n: {"error": why} for n, why in missing.items()})
         rows += train_rows(train, args.tokens)
         if args.recipes:
