@@ -58,8 +58,8 @@ def _model(device="cpu", config=CONFIG, mesh=None, checkpoint=None):
     if mesh is not None:
         _torch_plan(model, mesh)
     for layer in model.model.layers:
-        assert decoder_blocks.fuse(layer, require_gpu=device != "cpu",
-                                   adopt=sharded_gemms.adopt) is None
+        why = decoder_blocks.fuse(layer, require_gpu=device != "cpu", adopt=sharded_gemms.adopt)
+        assert why is None, why
     assert lm_loss.route(model) is None
     return model
 
