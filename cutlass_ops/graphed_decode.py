@@ -71,14 +71,31 @@ class _Stopping:
     min_new: Tensor  # [] long: before this many new tokens, end-of-sequence is held back
 
 
+class _ModelCall:
+    """The model on (ids, positions, mask, cache), the last position's logits [batch, vocab],
+    in this transformers version's keywords."""
+
+    def __init__(self, model: nn.Module):
+        forward = inspect.signature(type(model).forward).parameters
+        self.model = model
+        self.cache_keyword = "cache" if "cache" in forward else "past_key_values"
+        self.extra = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+
+    def __call__(self, ids: Tensor, positions: Tensor, mask: Tensor, cache) -> Tensor:
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                         use_cache=True, **{self.cache_keyword: cache}, **self.extra)
+        return out.logits[:, -1]
+
+
 class _Session:
     """One (batch, cache length): the static cache, the buffers a step reads and writes, and the
-    step's graph once captured."""
+    step's graph once captured (in a memory pool of its own, freed after the graph: see
+    ``graphed_steps.Graphs``). Holds no reference to its decoder: nothing here is in a cycle."""
 
-    def __init__(self, decoder: "GraphedDecoder", batch: int, cache_len: int, device):
-        self.decoder, self.batch, self.cache_len = decoder, batch, cache_len
-        model = decoder.model
-        self.cache = _transformers().StaticCache(config=model.config, max_cache_len=cache_len)
+    def __init__(self, call: _ModelCall, batch: int, cache_len: int, device):
+        self.call, self.batch, self.cache_len = call, batch, cache_len
+        config = call.model.config
+        self.cache = _transformers().StaticCache(config=config, max_cache_len=cache_len)
         long = dict(dtype=torch.long, device=device)
         self.token = torch.zeros(batch, 1, **long)
         self.position = torch.zeros(batch, 1, **long)
@@ -87,12 +104,16 @@ class _Session:
         self.out = torch.zeros(batch, cache_len, **long)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
         self.ended_at = torch.zeros((), **long)  # the step after which every sequence had ended
-        vocab = model.config.get_text_config(decoder=True).vocab_size
+        vocab = config.get_text_config(decoder=True).vocab_size
         self.stopping = _Stopping(torch.zeros(vocab, dtype=torch.bool, device=device),
                                   torch.zeros((), **long), torch.zeros((), **long))
-        self.graph = None  # graphed_steps.Captured, once captured
+        self.graphs = graphed_steps.Graphs(1)  # the step's graph and its pool
         self.refusal: Optional[str] = None  # why this session's step runs eagerly
         self.used = 0  # cache positions written (host count: the prompt plus the steps fed)
+
+    @property
+    def graph(self) -> Optional[graphed_steps.Captured]:
+        return self.graphs.get("step")
 
     def begin(self, input_ids: Tensor, attention_mask: Optional[Tensor],
               stopping: tuple) -> Tensor:
@@ -115,7 +136,7 @@ class _Session:
             self.stopping.eos[list(eos)] = True
         self.stopping.pad.fill_(pad)
         self.stopping.min_new.fill_(min_new)
-        logits = self.decoder.forward(input_ids, positions, mask, self.cache)
+        logits = self.call(input_ids, positions, mask, self.cache)
         self.used = prompt
         self._choose(logits)
         return logits
@@ -134,41 +155,31 @@ class _Session:
         self.token.copy_(chosen.view(-1, 1))
         self.step.add_(1)
 
-    def _step(self) -> Tensor:
-        """One decode step on the token buffer: the model, the choice; returns the logits."""
-        logits = self.decoder.forward(self.token, self.position, self.mask, self.cache)
+    def run_step(self) -> Tensor:
+        """One decode step on the token buffer, eagerly: the model, the choice; returns the
+        logits."""
+        logits = self.call(self.token, self.position, self.mask, self.cache)
         self._choose(logits)
         self.position.add_(1)
         return logits
 
-    def advance(self) -> Tensor:
-        """One decode step (replayed once captured); returns the step's logits (the graph's
-        own buffer once captured: overwritten by the next step)."""
-        if self.used >= self.cache_len:
-            raise ValueError(f"the static cache holds {self.cache_len} positions, all used; "
-                             "start again with a longer max_len")
-        self.used += 1
-        if self.graph is not None:
-            self.graph.graph.replay()
-            return self.graph.outputs
-        logits = self._step()
-        if self.refusal is None and self.decoder.graphs_wanted(self.token):
-            self._capture()  # this eager step was the warm-up
-        return logits
-
-    def _capture(self) -> None:
+    def capture(self) -> Optional[graphed_steps.CaptureRefused]:
+        """Captures ``run_step`` (not run); returns the refusal when it cannot be captured."""
         spec = pytree.tree_flatten(((), {}))[1]
         try:
-            self.graph = graphed_steps.capture(self._step, [], spec, self.decoder.graphs)
+            self.graphs.store("step", graphed_steps.capture(self.run_step, [], spec,
+                                                            self.graphs))
         except graphed_steps.CaptureRefused as refusal:
             self.refusal = str(refusal)
-            self.decoder.refused(refusal)
+            return refusal
+        return None
 
     def memory_bytes(self) -> int:
         layers = getattr(self.cache, "layers", ())
-        return sum(t.numel() * t.element_size() for layer in layers
-                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                   if isinstance(t, Tensor))
+        return self.graphs.pool_bytes() + sum(
+            t.numel() * t.element_size() for layer in layers
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if isinstance(t, Tensor))
 
 
 class GraphedDecoder:
@@ -184,22 +195,31 @@ class GraphedDecoder:
         if refusal is not None:
             raise graphed_steps.CaptureRefused(refusal)
         self.model, self.on_refusal, self.max_sessions = model, on_refusal, max_sessions
+        self.call = _ModelCall(model)
         self.sessions: collections.OrderedDict = collections.OrderedDict()
-        self.graphs = graphed_steps.Graphs(max_sessions)  # the steps' memory pool
-        forward = inspect.signature(type(model).forward).parameters
-        self._cache_keyword = "cache" if "cache" in forward else "past_key_values"
-        self._keep_last = "logits_to_keep" in forward
         self._session: Optional[_Session] = None  # the one start() / feed() continue
 
-    def forward(self, ids: Tensor, positions: Tensor, mask: Tensor, cache) -> Tensor:
-        """The model on ``ids`` [batch, n] at ``positions`` through ``cache``: the last
-        position's logits [batch, vocab]."""
-        extra = {"logits_to_keep": 1} if self._keep_last else {}
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                         use_cache=True, **{self._cache_keyword: cache}, **extra)
-        return out.logits[:, -1]
+    def advance(self, session: _Session) -> Tensor:
+        """One decode step of ``session`` (replayed once captured; the first eager step is the
+        capture's warm-up); returns the step's logits (the graph's own buffer once captured:
+        overwritten by the next step)."""
+        if session.used >= session.cache_len:
+            raise ValueError(f"the static cache holds {session.cache_len} positions, all used; "
+                             "start again with a longer max_len")
+        session.used += 1
+        graph = session.graph
+        if graph is not None:
+            graph.graph.replay()
+            return graph.outputs
+        logits = session.run_step()
+        if session.refusal is None and self.graphs_wanted(session.token):
+            refusal = session.capture()
+            if refusal is not None:
+                self.refused(refusal)
+        return logits
 
-    def graphs_wanted(self, like: Tensor) -> bool:
+    @staticmethod
+    def graphs_wanted(like: Tensor) -> bool:
         return like.is_cuda and step_graphs.enabled() and \
             not torch.cuda.is_current_stream_capturing()
 
@@ -215,7 +235,7 @@ class GraphedDecoder:
         key = (batch, cache_len, device)
         found = self.sessions.get(key)
         if found is None:
-            found = self.sessions[key] = _Session(self, batch, cache_len, device)
+            found = self.sessions[key] = _Session(self.call, batch, cache_len, device)
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         self.sessions.move_to_end(key)
@@ -241,7 +261,7 @@ class GraphedDecoder:
         session.begin(input_ids, attention_mask, (eos, pad, min_new_tokens))
         watch = _EndWatch(session) if eos else None
         for done in range(1, max_new_tokens):
-            session.advance()
+            self.advance(session)
             if watch is not None and done % CHECK_EVERY == 0 and watch.ended(done):
                 break
         made = max_new_tokens
@@ -269,7 +289,7 @@ class GraphedDecoder:
             raise ValueError(f"feed() takes one token per sequence ({session.batch}), "
                              f"not {tuple(tokens.shape)}")
         session.token.copy_(tokens.reshape(-1, 1))
-        return session.advance().float()
+        return self.advance(session).float()
 
     def _open(self, input_ids: Tensor, new_tokens: int) -> _Session:
         if _transformers() is None:
@@ -292,13 +312,12 @@ class GraphedDecoder:
         return eos
 
     def memory_bytes(self) -> int:
-        """What the sessions' static caches and the graphs' pool hold on the device."""
-        return sum(s.memory_bytes() for s in self.sessions.values()) + self.graphs.pool_bytes()
+        """What the sessions' static caches and graphs hold on the device."""
+        return sum(s.memory_bytes() for s in self.sessions.values())
 
     def reset(self) -> None:
         """Drops every session (its cache and graph)."""
         self.sessions.clear()
-        self.graphs.clear()
         self._session = None
 
 

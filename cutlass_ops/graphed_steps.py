@@ -107,6 +107,14 @@ class Graphs:
         self.refused: dict = {}
         self.pool = None  # the graphs' memory pool (torch.cuda.MemPool), made at first capture
 
+    def __del__(self):
+        # The graphs before their pool, whatever order a garbage collection of a reference
+        # cycle takes: a pool freed while a graph still holds its memory corrupts the
+        # allocator (an illegal address in a later, unrelated kernel).
+        entries = self.__dict__.get("entries")
+        if entries:
+            entries.clear()
+
     def get(self, key) -> Optional[Captured]:
         entry = self.entries.get(key)
         if entry is not None:
