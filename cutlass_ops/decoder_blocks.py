@@ -148,6 +148,13 @@ class FusedAttention:
         fused_linear.pack([self.q_proj, self.k_proj, self.v_proj])
         return result
 
+    def __setstate__(self, state):
+        # copy.deepcopy and unpickling: each Parameter arrives in a storage of its own
+        # (Parameter.__deepcopy__ clones one by one); packed again, a copy runs the one-GEMM
+        # path as the original does (same bits, same speed), not the per-weight one.
+        super().__setstate__(state)
+        fused_linear.pack([self.q_proj, self.k_proj, self.v_proj])
+
 
 class FusedMLP:
     """``down(silu(gate(x)) * up(x))`` with gate and up as one GEMM and SwiGLU as one kernel."""
@@ -192,6 +199,10 @@ class FusedMLP:
         result = super()._apply(fn, *args, **kwargs)
         fused_linear.pack([self.gate_proj, self.up_proj])
         return result
+
+    def __setstate__(self, state):  # as FusedAttention's
+        super().__setstate__(state)
+        fused_linear.pack([self.gate_proj, self.up_proj])
 
 
 class FusedDecoderLayer:

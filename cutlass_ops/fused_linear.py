@@ -95,6 +95,10 @@ class MergedView:
         self._key: tuple = ()
         self._view: Optional[Tensor] = None
 
+    def __deepcopy__(self, memo):
+        return MergedView()  # a copied module's weights are elsewhere (and deepcopy of the kept
+        # view would copy the whole packed storage once more)
+
     def __call__(self, tensors: Sequence[Tensor]) -> Optional[Tensor]:
         key = tuple((t.data_ptr(), t.shape, t.dtype) for t in tensors)
         if key != self._key:

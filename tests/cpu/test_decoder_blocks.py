@@ -121,6 +121,26 @@ def test_state_dict_and_parameters_are_unchanged():
                                    layer.self_attn.v_proj])
 
 
+def test_a_copied_fused_model_is_packed_again_and_trains_with_the_same_bits():
+    """Parameter.__deepcopy__ clones each weight into a storage of its own; the copy's fused
+    blocks pack them again, so it takes the one-GEMM path as the original does."""
+    model = _model("qwen2")  # with q/k/v biases
+    _fuse_all(model)
+    twin = copy.deepcopy(model)
+    for layer in twin.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        assert fused_linear.is_packed([attention.q_proj, attention.k_proj, attention.v_proj])
+        assert fused_linear.is_packed([mlp.gate_proj, mlp.up_proj])
+        assert attention.q_proj.bias.untyped_storage().data_ptr() == \
+            attention.v_proj.bias.untyped_storage().data_ptr()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(5))
+    for m in (model, twin):
+        m.train()
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def test_loading_a_checkpoint_keeps_the_weights_packed_or_still_correct():
     model = _model("llama")
     _fuse_all(model)
