@@ -359,7 +359,6 @@ class DecodeCheck:
                 "logits_tolerance": self.tolerance}
 
 
-@torch.no_grad()
 class _GraphedStepper:
     """``model`` through ``cutlass_ops.graphed_decode``: the prompt into its static cache, then
     one token at a time through the decode step's CUDA graph (the path its ``generate`` takes)."""
@@ -376,6 +375,7 @@ class _GraphedStepper:
         return self.decoder.feed(ids[:, 0])
 
 
+@torch.no_grad()
 def teacher_forced_decode(model: torch.nn.Module, reference: torch.nn.Module,
                           tokens: torch.Tensor, prompt: int,
                           tolerance: float | None = None, graphed: bool = False) -> DecodeCheck:

@@ -29,7 +29,8 @@ What a user sees (``generate(model, input_ids, max_new_tokens=...)``):
   other lengths reuse the graph. At most ``max_sessions`` (batch, length) pairs are kept, the
   oldest dropped with its cache; ``memory_bytes()`` says what the caches and graphs hold.
 - **Refusals** (``CaptureRefused`` naming the reason): a step that synchronizes with the host or
-  otherwise cannot be captured. ``on_refusal="eager"`` decodes such a model step by step instead
+  otherwise cannot be captured, and sliding-window caches (``cache_refusal``: Hugging Face keeps
+  their length in a Python int, which a replay would not advance). ``on_refusal="eager"`` decodes such a model step by step instead
   (the same tokens, the host's speed), logged once.
 - **Off CUDA** (or under ``CUTLASS_OPS_STEP_GRAPHS=0``) the same loop runs eagerly.
 - ``start(input_ids)`` / ``feed(tokens)``: the prefill's and one graphed step's logits, for a loop
@@ -69,6 +70,18 @@ class _Stopping:
     eos: Tensor  # [vocab] bool: the end-of-sequence tokens
     pad: Tensor  # [] long
     min_new: Tensor  # [] long: before this many new tokens, end-of-sequence is held back
+
+
+def cache_refusal(cache) -> Optional[str]:
+    """Why a step through ``cache`` cannot be replayed, or None. Hugging Face's sliding-window
+    static layers keep their length in a Python int beside the device one (their mask sizes and
+    their roll-over read it): a replay would not advance it, so every replayed step would attend
+    as the captured one did."""
+    for layer in getattr(cache, "layers", ()):
+        if hasattr(layer, "cumulative_length_int"):
+            return (f"the static cache's {type(layer).__name__} counts its length on the host "
+                    "(a sliding window): a replayed step would not advance it")
+    return None
 
 
 class _ModelCall:
@@ -165,6 +178,10 @@ class _Session:
 
     def capture(self) -> Optional[graphed_steps.CaptureRefused]:
         """Captures ``run_step`` (not run); returns the refusal when it cannot be captured."""
+        why = cache_refusal(self.cache)
+        if why is not None:
+            self.refusal = why
+            return graphed_steps.CaptureRefused(why)
         spec = pytree.tree_flatten(((), {}))[1]
         try:
             self.graphs.store("step", graphed_steps.capture(self.run_step, [], spec,

@@ -176,3 +176,16 @@ def test_a_model_without_a_config_is_refused():
         graphed_decode.graphed_decoder(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="on_refusal"):
         graphed_decode.graphed_decoder(model(), on_refusal="ignore")
+
+
+def test_a_sliding_window_cache_is_refused_for_graphs_and_a_full_one_is_not():
+    """Mistral's static sliding layers count their length in a Python int: a replayed step
+    would attend as the captured one did. (On a CPU the loop is eager, so the tokens above
+    are right; on a GPU the capture is refused.)"""
+    for family, refused in (("mistral", True), ("llama", False)):
+        m = model(family)
+        cache = transformers.StaticCache(config=m.config, max_cache_len=16)
+        why = graphed_decode.cache_refusal(cache)
+        assert (why is not None) is refused, family
+        if refused:
+            assert "sliding window" in why
