@@ -49,6 +49,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from cutlass_ops import step_graphs
+
 DEFAULT_MAX_GRAPHS = 4
 
 
@@ -162,7 +164,8 @@ def capture(fn: Callable, inputs: list, spec, graphs: Graphs) -> Captured:
     previous = torch.cuda.get_sync_debug_mode()
     try:
         # "thread_local": NCCL's watchdog thread may query its events meanwhile.
-        with torch.cuda.graph(graph, pool=graphs.pool_id(), capture_error_mode="thread_local"):
+        with step_graphs.own_cublas_workspaces(), torch.cuda.graph(
+                graph, pool=graphs.pool_id(), capture_error_mode="thread_local"):
             torch.cuda.set_sync_debug_mode("error")
             try:
                 outputs = fn(*args, **kwargs)

@@ -86,6 +86,25 @@ def signature(*tensors: Tensor) -> tuple:
             device, stream, torch.is_inference_mode_enabled())
 
 
+@contextlib.contextmanager
+def own_cublas_workspaces():
+    """Around a capture: cuBLAS's workspaces dropped before it and after it, as Inductor's CUDA
+    graph trees do around theirs. torch keeps one workspace per (handle, stream), the first
+    matmul on a stream allocating it, and a graph bakes its address in. Dropped before, the
+    captured matmuls allocate theirs inside the capture, so in the graph's own pool, which lives
+    as long as the graph (one made earlier could be anyone's memory, and Inductor drops them all
+    around its own recordings). Dropped after, no later capture on the same stream bakes this
+    graph's workspace in, which would outlive it when this graph goes."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # absent from CPU builds
+    if clear is not None:
+        clear()
+    try:
+        yield
+    finally:
+        if clear is not None:
+            clear()
+
+
 class Segment:
     """``fn()`` captured into a CUDA graph: ``fn`` reads ``inputs`` (buffers owned here, filled
     by ``__call__``) and returns a tensor or a tuple of tensors, the graph's outputs."""
@@ -100,7 +119,7 @@ class Segment:
             fn()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with own_cublas_workspaces(), torch.cuda.graph(self.graph):
             self.outputs = fn()
 
     def __call__(self, *values: Tensor):

@@ -142,3 +142,19 @@ def test_inference_tensors_are_copied_every_time():
         buffers = shared.get("rotary", (cos,))
         buffers[0].zero_()
         assert torch.equal(shared.get("rotary", (cos,))[0], cos)
+
+
+def test_cublas_workspaces_are_dropped_before_and_after_a_capture(monkeypatch):
+    """So that a graph's matmuls bake in a workspace from its own pool, and no later capture
+    bakes in that one (it goes with the graph); even when the captured code raises."""
+    from cutlass_ops.step_graphs import own_cublas_workspaces
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear"),
+                        raising=False)
+    with own_cublas_workspaces():
+        calls.append("capture")
+    assert calls == ["clear", "capture", "clear"]
+    with pytest.raises(RuntimeError), own_cublas_workspaces():
+        raise RuntimeError("a capture that fails")
+    assert calls[-1] == "clear" and len(calls) == 5
