@@ -166,6 +166,23 @@ class GpuSession(GraphTimedSession):
 
         return unfused
 
+    def whole_call_ms(self, choice, reps: int) -> tuple[float, float] | None:
+        """``choice``'s and torch.matmul's routes called eagerly on the session's operands, as
+        dispatch runs them (argument handling, output allocation, launch: host included), timed
+        interleaved with no L2 flush (a flush would hide the host behind it): (ms, torch's ms).
+        None for a fused epilogue or a winner dispatch does not run through a route."""
+        from cutlass_ops.gemms import dispatch
+        from tuning.timing import do_bench_interleaved
+
+        if not self.problem.operands.epilogue.is_default or \
+                getattr(choice, "backend", None) not in ("cutlass", "dsl"):
+            return None
+        a, b = self.a, self.b
+        ours, theirs = dispatch.pinned_route(a, b, choice).run, dispatch.torch_route().run
+        times = do_bench_interleaved({"ours": lambda: ours(a, b), "torch": lambda: theirs(a, b)},
+                                     warmup=5, reps=reps, flush_l2=False, device=self.device)
+        return times["ours"].median_ms, times["torch"].median_ms
+
     def close(self) -> None:
         self._launchers.clear()
         self.a = self.b = self.out = self.reference = self.bias = self.c = None

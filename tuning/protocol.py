@@ -11,7 +11,9 @@ candidates, its builds and a session per problem; this module runs the steps ali
    variants of a compiled kernel), verified and timed alike;
 4. the finalists (and the family's baseline, the heuristic's choice, whatever its rank) timed
    again beside torch's same call, interleaved repetition by repetition, so that clock and power
-   drift reach both alike; the best ratio to torch wins;
+   drift reach both alike; the best ratio to torch wins; where its kernel is short enough for
+   the host to count, the winner's and torch's whole eager calls are timed too (``whole_call``):
+   the record says which is faster called eagerly;
 5. the winner, runners-up and failures stored in the tuned-results store
    (``custom_kernels.core.tuned_store``, the family's directory) as soon as each problem is done,
    so an interrupted tune keeps every problem it finished.
@@ -132,6 +134,9 @@ class Measured:
     failures: list[Failure]
     complete: bool  # False when a budget left candidates unbuilt or untimed
     seconds: float
+    # (the winner's, torch's) whole eager calls in ms, host included: step 4b, where the
+    # family asks for it (``whole_call_below_ms``) and its session can time it; else None.
+    whole_call: tuple[float, float] | None = None
 
     @property
     def times(self) -> dict:
@@ -240,10 +245,27 @@ def measure(problem, family: Family, plan: list, built: dict,
             torch_beside = dict.fromkeys(finalists, torch_ms)
         if not finalists:  # nothing ran: torch's time still tells the user what to expect
             torch_alone = session.torch_ms(rounds.final_reps)
+        measured = Measured(len(runnable), first, final, torch_beside, torch_alone, failures,
+                            complete, 0.0)
+        measured.whole_call = whole_call(family, session, measured, rounds.final_reps)
     finally:
         session.close()
-    return Measured(len(runnable), first, final, torch_beside, torch_alone, failures, complete,
-                    time.perf_counter() - start)
+    measured.seconds = time.perf_counter() - start
+    return measured
+
+
+def whole_call(family, session, measured: Measured, reps: int) -> tuple[float, float] | None:
+    """Step 4b: where the winner beat torch on GPU time in a kernel short enough for the host's
+    work to count (under the family's ``whole_call_below_ms``), both called eagerly as a model
+    calls them (``session.whole_call_ms``): (the winner's ms, torch's ms), else None."""
+    limit = getattr(family, "whole_call_below_ms", None)
+    winner = measured.winner
+    if limit is None or winner is None or not hasattr(session, "whole_call_ms"):
+        return None
+    kernel_ms = measured.times[winner]
+    if kernel_ms > limit or kernel_ms > measured.torch_ms:
+        return None
+    return session.whole_call_ms(winner, reps)
 
 
 @dataclasses.dataclass

@@ -35,6 +35,9 @@ from tuning.protocol import Progress
 ROUNDS = protocol.Rounds(interleaved=True)
 BUILD_SHARE = 0.75  # of a time budget, for builds: measuring is quick but must not be starved
 MIN_MEASURE_S = 2.0  # every problem's measuring time, budget or not
+# Kernels at most this long (ms of GPU time) are also timed as whole eager calls beside
+# torch.matmul's (``protocol.whole_call``): a call's host work, 10 to 45 us, is of their order.
+WHOLE_CALL_BELOW_MS = 0.05
 
 
 @dataclasses.dataclass
@@ -71,6 +74,7 @@ class GemmFamily:
     """Candidates, builds within a budget, sessions and entries of GEMM problems."""
 
     rounds = ROUNDS
+    whole_call_below_ms = WHOLE_CALL_BELOW_MS
 
     def __init__(self, backend: Backend, strategy: Strategy, *, budget_s: float | None,
                  use_heuristics: bool, progress: Progress | None, build_chunk: int | None):
@@ -200,6 +204,10 @@ class GemmFamily:
             "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"),
             "build_seconds_total": round(self.build_seconds, 2),
+            # Called eagerly, host included (protocol.whole_call): where torch's is faster,
+            # dispatch runs the winner inside CUDA graphs only.
+            "whole_call_ms": measured.whole_call[0] if measured.whole_call else None,
+            "torch_whole_call_ms": measured.whole_call[1] if measured.whole_call else None,
         }
 
 

@@ -50,16 +50,19 @@ _lock = threading.Lock()
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    source: str  # "exact", "nearest", "heuristic", "online", "torch", or "unfused"
+    source: str  # "exact", "nearest", "heuristic", "online", "torch", "unfused" or "pinned"
     choice: Choice | None  # None: torch.matmul
     reason: str
+    # The kernel inside CUDA graphs only; eager calls run torch.matmul, whose whole call (host
+    # included) the tuner measured faster than the kernel's for this shape.
+    graphs_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
     decision: Decision
     run: Callable[..., Any]
-    kind: str = ""  # "cutlass", "dsl" or "torch", set from the decision
+    kind: str = ""  # "cutlass", "dsl", "torch" or "graphs only", set from the decision
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -155,7 +158,7 @@ def decide(problem: GemmProblem, entries: Mapping[str, GemmEntry], device: Devic
         if not entry.uses_kernel:
             return Decision("exact", None, "tuned for this shape: torch.matmul was faster")
         if is_built(entry.winner) or online != "off":
-            return Decision("exact", entry.winner, "tuned for this shape")
+            return _tuned("exact", entry, "tuned for this shape")
         # The winner's artifact is not here (a cache imported from another machine): fall
         # through to a built kernel rather than compile on a call.
     elif entry is not None:
@@ -172,8 +175,7 @@ def decide(problem: GemmProblem, entries: Mapping[str, GemmEntry], device: Devic
             return Decision("nearest", None, f"nearest tuned shape {tuned.m}x{tuned.n}x{tuned.k}"
                             " found torch.matmul faster")
         if is_built(other.winner):
-            return Decision("nearest", other.winner, f"nearest tuned shape {tuned.m}x{tuned.n}x"
-                            f"{tuned.k}")
+            return _tuned("nearest", other, f"nearest tuned shape {tuned.m}x{tuned.n}x{tuned.k}")
         break
 
     built = [c for c in built_choices() if ranking.fits_shape(problem, c)]
@@ -187,6 +189,16 @@ def decide(problem: GemmProblem, entries: Mapping[str, GemmEntry], device: Devic
     return Decision("torch", None, f"no tuned or built kernel for {problem.name} on this GPU; run "
                     f"`cutlass-tune tune {problem.m}x{problem.n}x{problem.k}` (or set "
                     "CUTLASS_OPS_ONLINE=compile)")
+
+
+def _tuned(source: str, entry: GemmEntry, reason: str) -> Decision:
+    """The decision of a tuned entry whose kernel won on GPU time."""
+    if entry.eager_prefers_torch:
+        return Decision(source, entry.winner, f"{reason}; the kernel inside CUDA graphs only: "
+                        f"called eagerly, torch.matmul's whole call is faster "
+                        f"({entry.torch_whole_call_ms * 1e3:.1f} us against "
+                        f"{entry.whole_call_ms * 1e3:.1f})", graphs_only=True)
+    return Decision(source, entry.winner, reason)
 
 
 def _takes(winner, problem: GemmProblem) -> bool:
@@ -491,9 +503,38 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
             decision = _unsafe_cache_reason(decision, device.arch)
             _log_once(decision.reason)
         return _torch_route(decision, out_dtype, activation)
-    if decision.choice.backend == "dsl":
-        return _dsl_route(decision, checked, key, activation)
-    return _cutlass_route(decision, checked, key, activation)
+    kernel = (_dsl_route if decision.choice.backend == "dsl" else _cutlass_route)(
+        decision, checked, key, activation)
+    if decision.graphs_only:
+        return _graphs_only_route(decision, kernel, _torch_route(decision, out_dtype, activation))
+    return kernel
+
+
+def _graphs_only_route(decision: Decision, kernel: Route, eager: Route) -> Route:
+    """``kernel`` while a CUDA graph is being captured (a replay has no host cost), ``eager``
+    (torch.matmul) otherwise: what the tuner found faster for each."""
+    kernel_run, eager_run = kernel.run, eager.run
+
+    def run(*args):
+        return (kernel_run if torch.cuda.is_current_stream_capturing() else eager_run)(*args)
+
+    return Route(decision, run, kind="graphs only")
+
+
+def pinned_route(a, b, choice: Choice) -> Route:
+    """The route of ``choice`` for (a, b)'s signature, without the tuning cache: what the
+    tuner times as the winner's whole call (the dispatch lookup before it is the same for
+    every route). Plain products only; raises UnsupportedInputError otherwise."""
+    checked, reason, _ = _check(a, b, None, None, "identity", None)
+    if reason is not None:
+        raise UnsupportedInputError(reason)
+    decision = Decision("pinned", choice, "timed by the tuner")
+    return (_dsl_route if choice.backend == "dsl" else _cutlass_route)(decision, checked, None)
+
+
+def torch_route() -> Route:
+    """torch.matmul's route, as dispatch runs it (the tuner's whole-call reference)."""
+    return _torch_route(Decision("torch", None, "timed by the tuner"), None)
 
 
 def _unsafe_cache_reason(decision: Decision, arch: str) -> Decision:
@@ -551,8 +592,8 @@ def _tensors(a, b) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
 
 
-# Calls per route kind ("cutlass" or "torch") in this process: what really ran, for benchmarks
-# and for users checking that a model runs our kernels.
+# Calls per route kind ("cutlass", "dsl", "torch", "graphs only") in this process: what really
+# ran, for benchmarks and for users checking that a model runs our kernels.
 calls: collections.Counter = collections.Counter()
 
 

@@ -28,7 +28,7 @@ Winner = Union[Choice, "dsl.DslConfig", "fp8_skinny_route.SkinnyConfig"]
 _FIELDS = {"problem", "winner", "winner_name", "backend", "other_backend_best", "winner_ms",
            "winner_tflops", "torch_ms", "torch_tflops", "prefer", "runners_up", "failures",
            "compiled_candidates", "timed_variants", "strategy", "complete", "tune_seconds",
-           "tuned_at", "build_seconds_total"}
+           "tuned_at", "build_seconds_total", "whole_call_ms", "torch_whole_call_ms"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +43,22 @@ class GemmEntry(f.StoredRecord):
     failures: tuple[tuple[str, str, str], ...]  # (candidate, stage, error)
     complete: bool  # False: a time budget cut the tune short
     stored: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
+    # The winner's and torch.matmul's whole eager calls (host included), timed where the kernel
+    # is short enough for the host to matter (``tuning.search.WHOLE_CALL_BELOW_MS``); else None.
+    whole_call_ms: Optional[float] = None
+    torch_whole_call_ms: Optional[float] = None
 
     @property
     def uses_kernel(self) -> bool:
         """Whether dispatch runs the winner (else torch.matmul)."""
         return self.prefer == "cutlass" and self.winner is not None
+
+    @property
+    def eager_prefers_torch(self) -> bool:
+        """The winner's kernel is faster, but called eagerly torch.matmul's whole call is: the
+        kernel then runs inside CUDA graphs only (``dispatch``)."""
+        return self.uses_kernel and self.whole_call_ms is not None and \
+            self.torch_whole_call_ms is not None and self.whole_call_ms > self.torch_whole_call_ms
 
     @property
     def backend(self) -> Optional[str]:
@@ -108,11 +119,16 @@ class GemmSchema:
         f.require(f.text(data, "backend", optional=True) in (None, _backend(winner)),
                   "backend is not its winner's path")
         _check_display_fields(data)
+        whole = [f.milliseconds(data, name, optional=True)
+                 for name in ("whole_call_ms", "torch_whole_call_ms")]
+        f.require((whole[0] is None) == (whole[1] is None),
+                  "one whole-call time without the other")
+        f.require(whole[0] is None or winner is not None, "a whole-call time without a winner")
         return GemmEntry(
             key, problem, winner, prefer, winner_ms, f.milliseconds(data, "torch_ms"),
             f.items(data, "runners_up", f.measured_alternative("choice")),
             f.items(data, "failures", f.failure("choice")),
-            f.boolean(data, "complete", default=True), copy.deepcopy(dict(data)))
+            f.boolean(data, "complete", default=True), copy.deepcopy(dict(data)), *whole)
 
 
 def _check_display_fields(data: Mapping[str, Any]) -> None:

@@ -247,3 +247,54 @@ def test_a_dsl_winner_is_decided_and_needs_the_extra_to_be_ready(monkeypatch):
     assert not dispatch._ready(config, p, is_built=lambda *a: True)
     monkeypatch.setattr(dsl, "unavailable", lambda: None)
     assert dispatch._ready(config, p, is_built=lambda *a: False)
+
+
+# --- the whole call (issue 52): the kernel inside CUDA graphs only, where torch's eager call wins
+
+def whole_call_entries(problem, ours_ms, torch_ms):
+    from cutlass_ops.gemms.gemm_entries import SCHEMA
+    from tuning_fakes import SCOPE
+
+    raw = {**entry(problem), "whole_call_ms": ours_ms, "torch_whole_call_ms": torch_ms}
+    return {problem.name: SCHEMA.parse(problem.name, raw, SCOPE)}
+
+
+def test_a_kernel_whose_eager_call_loses_runs_inside_graphs_only():
+    p = GemmProblem(OPS, 16, 4096, 4096)
+    d = decide(p, whole_call_entries(p, 0.045, 0.027))
+    assert (d.source, d.choice, d.graphs_only) == ("exact", WINNER, True)
+    assert "inside CUDA graphs only" in d.reason and "27.0 us against 45.0" in d.reason
+    # A nearer shape's record says the same for an untuned M.
+    d = decide(GemmProblem(OPS, 32, 4096, 4096), whole_call_entries(p, 0.045, 0.027))
+    assert (d.source, d.graphs_only) == ("nearest", True)
+    # Where the eager call wins too, or was not timed, the kernel runs everywhere.
+    assert not decide(p, whole_call_entries(p, 0.020, 0.027)).graphs_only
+    assert not decide(p, entries_for((p,))).graphs_only
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"whole_call_ms": 0.02}, "one whole-call time without the other"),
+    ({"whole_call_ms": -1.0, "torch_whole_call_ms": 0.02}, "whole_call_ms"),
+    ({"whole_call_ms": 0.02, "torch_whole_call_ms": 0.03, "winner": None, "winner_ms": None,
+      "prefer": "torch"}, "a whole-call time without a winner"),
+])
+def test_whole_call_times_are_validated_as_input(bad, why):
+    from cutlass_ops.gemms.gemm_entries import SCHEMA
+    from custom_kernels.core.tuned_fields import EntryRejected
+    from tuning_fakes import SCOPE
+
+    p = GemmProblem(OPS, 16, 4096, 4096)
+    with pytest.raises(EntryRejected, match=why):
+        SCHEMA.parse(p.name, {**entry(p), **bad}, SCOPE)
+
+
+def test_the_graphs_only_route_runs_the_kernel_while_capturing_and_torch_otherwise(monkeypatch):
+    ran = []
+    kernel = dispatch.Route(dispatch.Decision("exact", WINNER, ""), lambda *a: ran.append("k"))
+    eager = dispatch.Route(dispatch.Decision("torch", None, ""), lambda *a: ran.append("t"))
+    decision = dispatch.Decision("exact", WINNER, "", graphs_only=True)
+    route = dispatch._graphs_only_route(decision, kernel, eager)
+    for capturing in (False, True, False):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
+        route.run(1, 2)
+    assert ran == ["t", "k", "t"] and route.kind == "graphs only"

@@ -345,3 +345,69 @@ def test_a_small_m_scaled_tune_times_the_skinny_kernel_and_stores_its_winner(tmp
     assert stored(cache, small)["winner"] == {"backend": "skinny", "name": entry.winner.name}
     assert cache.get(large).backend == "cutlass"
     assert cache.get(problems()[0]).backend == "cutlass"
+
+
+class WholeCallBackend(FakeBackend):
+    """Sessions that also time whole eager calls: ours 45 us, torch's 27 us (a host-bound
+    M = 16 call on an H100), counting what they were asked to time."""
+
+    def __init__(self):
+        super().__init__()
+        self.whole_calls = []
+
+    def session(self, problem):
+        session = super().session(problem)
+        backend = self
+
+        def whole_call_ms(choice, reps):
+            backend.whole_calls.append((problem, choice))
+            return 0.045, 0.027
+        session.whole_call_ms = whole_call_ms
+        return session
+
+
+def test_a_short_kernel_is_also_timed_as_a_whole_eager_call_and_dispatch_reads_it(tmp_path):
+    """Issue 52: where the kernel is short enough for the host to count, the winner's and
+    torch's whole eager calls are timed; a winner whose eager call loses runs inside CUDA graphs
+    only. Long kernels are not timed so (the host hides behind them)."""
+    from cutlass_ops.gemms import dispatch
+    from cutlass_ops.gemms.gemm_entries import SCHEMA
+    from custom_kernels.core.device import named_spec
+    from tuning.search import WHOLE_CALL_BELOW_MS
+
+    backend = WholeCallBackend()
+    cache = gemm_cache(SCOPE, tmp_path)
+    small, large = problems()
+    tune([small, large], backend=backend, strategy="quick", cache=cache, use_heuristics=False)
+    timed = {p for p, _ in backend.whole_calls}
+    assert timed == {small}
+    entry = stored(cache, small)
+    assert entry["winner_ms"] <= WHOLE_CALL_BELOW_MS and entry["prefer"] == "cutlass"
+    assert (entry["whole_call_ms"], entry["torch_whole_call_ms"]) == (0.045, 0.027)
+    assert backend.whole_calls == [(small, Choice.from_dict(entry["winner"]))]
+    assert stored(cache, large)["whole_call_ms"] is None
+    record = SCHEMA.parse(small.name, entry, SCOPE)
+    decision = dispatch.decide(small, {small.name: record}, named_spec("H100"),
+                               is_built=lambda c: True, built_choices=lambda: [])
+    assert decision.graphs_only and decision.choice == record.winner
+
+
+def test_no_whole_call_where_torch_won_on_gpu_time():
+    from types import SimpleNamespace
+
+    from tuning import protocol
+
+    asked = []
+    session = SimpleNamespace(whole_call_ms=lambda c, reps: asked.append(c) or (1.0, 2.0))
+    family = SimpleNamespace(whole_call_below_ms=0.05)
+
+    def measured(winner_ms, torch_ms):
+        return protocol.Measured(1, {"k": winner_ms}, {"k": winner_ms}, {"k": torch_ms}, None,
+                                 [], True, 0.0)
+    assert protocol.whole_call(family, session, measured(0.03, 0.02), 10) is None  # torch won
+    assert protocol.whole_call(family, session, measured(0.08, 0.09), 10) is None  # too long
+    assert protocol.whole_call(SimpleNamespace(), session, measured(0.01, 0.02), 10) is None
+    assert protocol.whole_call(family, SimpleNamespace(), measured(0.01, 0.02), 10) is None
+    assert not asked
+    assert protocol.whole_call(family, session, measured(0.01, 0.02), 10) == (1.0, 2.0)
+    assert asked == ["k"]
