@@ -117,6 +117,11 @@ def cmd_show(args) -> int:
               f"({row['backend'] or '-'} path) {fmt_ms(e.winner_ms)} ms, reference "
               f"{fmt_ms(e.torch_ms)} ms, uses {row['prefer']} ({e.field('strategy')}, "
               f"{e.field('tuned_at')})")
+        whole = getattr(e, "whole_call_ms", None)
+        if whole is not None:
+            where = "inside CUDA graphs only" if e.eager_prefers_torch else "eagerly too"
+            print(f"  whole eager call: {whole * 1e3:.1f} us, torch.matmul's "
+                  f"{e.torch_whole_call_ms * 1e3:.1f} us: the winner runs {where}")
         other = e.field("other_backend_best")
         if other:
             print(f"  best of the {other['backend']} path: "

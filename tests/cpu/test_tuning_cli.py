@@ -378,3 +378,18 @@ def test_doctor_names_an_old_transformers(monkeypatch):
     monkeypatch.setattr(doctor, "_version", lambda name: "4.56.0")
     check = doctor._check("transformers", doctor._transformers, False)
     assert not check["ok"] and "4.56.0" in check["detail"] and "5.17" in check["detail"]
+
+
+def test_show_says_where_a_short_winner_runs(capsys, monkeypatch):
+    """A winner timed as a whole eager call (issue 52): show names both calls and where the
+    winner runs."""
+    from tuning_fakes import FakeSession
+
+    monkeypatch.setattr(FakeSession, "whole_call_ms", lambda self, c, reps: (0.045, 0.027),
+                        raising=False)
+    run_json(capsys, "tune", "16x4096x4096", "--strategy", "quick", "--no-heuristics")
+    shown = run_json(capsys, "show", "16x4096x4096")
+    assert (shown[0]["whole_call_ms"], shown[0]["torch_whole_call_ms"]) == (0.045, 0.027)
+    code, out, _ = run(capsys, "show", "16x4096x4096")
+    assert code == 0 and "whole eager call: 45.0 us, torch.matmul's 27.0 us" in out
+    assert "inside CUDA graphs only" in out

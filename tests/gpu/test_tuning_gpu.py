@@ -116,3 +116,53 @@ def test_graph_timing_replays_the_kernels_and_refuses_an_uncapturable_call():
         do_bench(synchronizes, reps=20, graph=True)
     # The failed capture leaves the device usable.
     assert do_bench(launch, reps=20, graph=True).median_ms > 0
+
+
+WHOLE_CALL = r"""
+import json, torch
+import cutlass_ops
+from cutlass_ops.gemms import dispatch
+x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+ref = x.float() @ w.float().t()
+d = cutlass_ops.explain(x, w.t())
+eager = cutlass_ops.matmul(x, w.t())
+before = dict(dispatch.calls)
+graph = torch.cuda.CUDAGraph()
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    cutlass_ops.matmul(x, w.t())
+torch.cuda.current_stream().wait_stream(side)
+with torch.cuda.graph(graph):
+    captured = cutlass_ops.matmul(x, w.t())
+graph.replay()
+torch.cuda.synchronize()
+err = lambda y: ((y.float() - ref).norm() / ref.norm()).item()
+print(json.dumps({"graphs_only": d.graphs_only, "choice": d.choice is not None,
+                  "reason": d.reason, "eager_err": err(eager), "captured_err": err(captured)}))
+"""
+
+
+def test_a_short_gemm_is_timed_as_a_whole_call_and_dispatch_follows_it():
+    """Issue 52: a winner under WHOLE_CALL_BELOW_MS that beat torch on GPU time is also timed
+    as a whole eager call; dispatch then runs it everywhere, or inside CUDA graphs only where
+    torch's eager call was faster. Either way eager and captured calls are right."""
+    tuned = _cli("tune", "16x4096x4096", "--strategy", "quick", "--force", "--json")
+    assert tuned.returncode == 0, tuned.stderr
+    entry = json.loads(_cli("show", "16x4096x4096", "--json").stdout)[0]
+    if entry["prefer"] == "cutlass":
+        assert entry["winner_ms"] <= 0.05
+        assert entry["whole_call_ms"] > 0 and entry["torch_whole_call_ms"] > 0
+    else:
+        assert entry.get("whole_call_ms") is None
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
+        "PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", WHOLE_CALL], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    eager_loses = entry["prefer"] == "cutlass" and \
+        entry["whole_call_ms"] > entry["torch_whole_call_ms"]
+    assert got["graphs_only"] == eager_loses, got["reason"]
+    assert got["eager_err"] < 1e-2 and got["captured_err"] < 1e-2
