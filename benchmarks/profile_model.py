@@ -1,6 +1,7 @@
 """Where the e2e model's time goes (Llama-3-8B-shaped, random bf16 weights), eager against
-converted: ``--decode``, the host time of ``generate()`` under cProfile and the per-call host cost
-of each piece of a converted decoder layer at a decode step; ``--kernels``, the GPU time of a
+converted: ``--decode``, the host time of ``generate()`` under cProfile (Hugging Face's, and ours
+through ``cutlass_ops.generate``: each step one CUDA graph) and the per-call host cost of each
+piece of a converted decoder layer at a decode step; ``--kernels``, the GPU time of a
 prefill forward and of a train step by kernel (torch.profiler), with the busy share of each
 call's kernel span, ungraphed and as ``cutlass_ops.graphed_train_step`` replays it.
 
@@ -34,11 +35,17 @@ from benchmarks.e2e import PROMPT, llama  # noqa: E402
 from benchmarks.host_cost import us_per_call  # noqa: E402
 
 
-def generate_fn(model, batch: int, new_tokens: int):
+def generate_fn(model, batch: int, new_tokens: int, graphed: bool = False):
+    """One ``generate()`` of ``new_tokens`` greedy tokens after e2e's prompt: Hugging Face's, or
+    with ``graphed`` ``cutlass_ops.generate`` (each step one CUDA graph, e2e's "ours")."""
     prompt = torch.randint(0, 128256, (batch, PROMPT), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(batch))
 
     def run():
+        if graphed:
+            from benchmarks.e2e import graphed_generate
+
+            return graphed_generate(model, prompt, new_tokens)
         return model.generate(prompt, attention_mask=torch.ones_like(prompt),
                               max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                               do_sample=False, pad_token_id=0)
@@ -198,8 +205,9 @@ def main() -> None:
         return
     with torch.no_grad():
         for batch in args.batch:
-            for name, model in (("eager", eager), ("ours", ours)):
-                fn = generate_fn(model, batch, args.new_tokens)
+            for name, model, graphed in (("eager", eager, False), ("ours", ours, False),
+                                         ("ours graphed", ours, True)):
+                fn = generate_fn(model, batch, args.new_tokens, graphed)
                 fn()
                 ms = wall_ms(fn)
                 print(f"{name} batch {batch}: {ms / args.new_tokens:.2f} ms per step")
