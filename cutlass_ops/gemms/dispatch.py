@@ -512,11 +512,18 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
 
 def _graphs_only_route(decision: Decision, kernel: Route, eager: Route) -> Route:
     """``kernel`` while a CUDA graph is being captured (a replay has no host cost), ``eager``
-    (torch.matmul) otherwise: what the tuner found faster for each."""
+    (torch.matmul) otherwise: what the tuner found faster for each. The first eager call runs
+    the kernel too: it loads it and plans its launch there, not inside a later capture."""
     kernel_run, eager_run = kernel.run, eager.run
+    prepared: list = []
 
     def run(*args):
-        return (kernel_run if torch.cuda.is_current_stream_capturing() else eager_run)(*args)
+        if torch.cuda.is_current_stream_capturing():
+            return kernel_run(*args)
+        if not prepared:
+            prepared.append(True)
+            return kernel_run(*args)
+        return eager_run(*args)
 
     return Route(decision, run, kind="graphs only")
 
