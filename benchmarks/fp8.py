@@ -10,7 +10,9 @@ blockwise kernels promote every 128-wide K block on both sides. Two rows per sha
   even where dispatch prefers torch: ``detail.dispatch`` says what scaled_mm runs), its planned
   launcher against torch._scaled_mm, both replayed from CUDA graphs with L2 flushed, interleaved
   repetition by repetition; correct when within the GEMM bound of the dequantized float32
-  product (``fp8_operands.reference``);
+  product (``fp8_operands.reference``). ``detail.tune_ratio`` is the tune's own ratio (its stored
+  times), ``detail.reproduces`` whether this process's is within 3% of it (the tune ran in
+  another process); the summary counts them (``reproduced_<recipe>``) and names the furthest;
 - ``whole-call <recipe> MxNxK``: ``cutlass_ops.scaled_mm(...)`` called eagerly (checks, dispatch,
   launch: host included) against ``torch._scaled_mm`` called the same way, inputs rotated out of
   L2, interleaved; checked the same way.
@@ -105,9 +107,23 @@ def kernel_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
     return row(KERNEL, recipe, m, n, k, final[choice], torch_ms, error is None,
                config=choice.name, fast_accum=fast, verify_error=error,
                tuner_ms=entry.winner_ms, tuner_torch_ms=entry.torch_ms,
+               **reproduction(final[choice], torch_ms, entry.winner_ms, entry.torch_ms),
                dispatch={"source": decision.source, "runs": decision.choice.name
                          if decision.choice else "torch._scaled_mm",
                          "reason": decision.reason})
+
+
+REPRODUCED_WITHIN = 0.03  # issue 53: a winner re-timed in another process, within 3% of its tune
+
+
+def reproduction(ours_ms, torch_ms, tuner_ms, tuner_torch_ms) -> dict:
+    """The tune's ratio to torch (its stored times) beside this process's, and whether this one
+    is within ``REPRODUCED_WITHIN`` of it: a winner that only won inside its tune is no winner."""
+    if not (ours_ms and torch_ms and tuner_ms and tuner_torch_ms):
+        return {}
+    tuned, now = tuner_torch_ms / tuner_ms, torch_ms / ours_ms
+    return {"tune_ratio": round(tuned, 4), "ratio_vs_tune": round(now / tuned, 4),
+            "reproduces": abs(now / tuned - 1) <= REPRODUCED_WITHIN}
 
 
 def whole_call_row(recipe: str, m: int, n: int, k: int, fast: bool) -> dict:
@@ -161,6 +177,11 @@ def summary(rows: list) -> dict:
         out[f"geomean_ratio_{recipe}_dispatched"] = (
             round(statistics.geometric_mean(dispatched), 4) if dispatched else 0.0)
         out[f"min_ratio_{recipe}_dispatched"] = min(dispatched, default=0.0)
+        # The tuned winners re-timed here, in a process other than their tune's.
+        retimed = [r["detail"] for r in kernel_rows if "reproduces" in r["detail"]]
+        out[f"reproduced_{recipe}"] = f"{sum(d['reproduces'] for d in retimed)}/{len(retimed)}"
+        out[f"worst_ratio_vs_tune_{recipe}"] = min(
+            (d["ratio_vs_tune"] for d in retimed), key=lambda v: -abs(v - 1), default=None)
     return out
 
 

@@ -43,3 +43,23 @@ def test_the_summary_geomean_minimum_and_dispatched_figures():
     # Dispatch runs torch where the tune found it faster: that shape counts as 1.
     assert out["geomean_ratio_blockwise_dispatched"] == pytest.approx(math.sqrt(1.2), abs=1e-3)
     assert out["all_correct_blockwise_whole_call"] and out["min_ratio_tensorwise_scaled_mm"] == 0
+
+
+def test_a_retimed_winner_reproduces_within_three_percent_of_its_tune():
+    """Issue 53: the tune's ratio (its stored times) beside this process's; 0.861x where the
+    tune measured 1.086x is no reproduction."""
+    close = fp8.reproduction(ours_ms=1.0, torch_ms=1.07, tuner_ms=1.0, tuner_torch_ms=1.086)
+    assert close["tune_ratio"] == 1.086 and close["reproduces"]
+    far = fp8.reproduction(ours_ms=1.0, torch_ms=0.861, tuner_ms=1.0, tuner_torch_ms=1.086)
+    assert not far["reproduces"] and far["ratio_vs_tune"] == pytest.approx(0.861 / 1.086,
+                                                                           abs=1e-4)
+    assert fp8.reproduction(0.0, 1.0, 1.0, 1.0) == {}  # a row without a time says nothing
+
+    def kernel(m, detail):
+        r = fp8.row(fp8.KERNEL, "rowwise", m, 4096, 4096, 1.0, 1.07, True, **detail)
+        r["detail"]["dispatch"] = {"runs": "sm90a-cooperative"}
+        return r
+    out = fp8.summary([kernel(16, close), kernel(32, far), kernel(64, {})])
+    assert out["reproduced_rowwise"] == "1/2"
+    assert out["worst_ratio_vs_tune_rowwise"] == far["ratio_vs_tune"]
+    assert out["worst_ratio_vs_tune_tensorwise"] is None
