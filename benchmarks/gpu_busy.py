@@ -62,8 +62,10 @@ def busy_share(fn, steps: int = 5, warmup: int = 2) -> BusyShare:
 
 
 def busy_row(name: str, measured: BusyShare, correct: bool) -> dict:
-    """The row ``gpu busy NAME`` (BENCHMARKS.md schema): ``ours`` the busy milliseconds a step,
-    ``reference`` its wall milliseconds, ``ratio`` busy / wall (the share, not a speed-up)."""
-    return {"case": f"gpu busy {name}", "unit": "ms", "ours": round(measured.busy_ms, 3),
-            "reference": round(measured.wall_ms, 3), "reference_name": "wall time",
-            "ratio": round(measured.share, 4), "correct": correct, "detail": measured.detail()}
+    """The row ``gpu busy NAME``, a fraction of a limit (BENCHMARKS.md): ``ours`` the share of
+    the wall time the GPU is busy, ``reference`` 1.0 (the wall time), ``ratio`` the share; the
+    milliseconds a step in ``detail``."""
+    share = round(measured.share, 4)
+    return {"case": f"gpu busy {name}", "unit": "fraction of wall time", "ours": share,
+            "reference": 1.0, "reference_name": "wall time", "ratio": share,
+            "correct": correct, "detail": measured.detail()}
