@@ -617,7 +617,7 @@ def prefill_rows(prefill: dict, tokens: int) -> list:
 
 
 def decode_row(decode: dict, models: dict, batch: int, new_tokens: int, judge=None,
-               reference: str = "eager", graphed: bool = False) -> dict:
+               reference: str = "eager", graphed: bool = False, check=None) -> dict:
     """The decode row of one batch against ``reference`` (a variant of ``decode``): correct when
     teacher-forced decoding of eager's generated tokens keeps ours' logits within bound at every
     step (always against eager's model: the peers' caches and graphs change no arithmetic).
@@ -625,10 +625,9 @@ def decode_row(decode: dict, models: dict, batch: int, new_tokens: int, judge=No
     one rounding difference: their agreement (generated tokens only) is reported, not checked.
     ``judge``: another rule, called with the teacher-forced check, returning a dict with
     "correct" and its own detail. ``graphed``: ours decoded through ``graphed_generate``, so
-    the teacher-forced steps go through its static cache and step graph too."""
-    check = model_checks.teacher_forced_decode(models["ours"], models["eager"],
-                                               decode["eager"]["tokens"], PROMPT,
-                                               graphed=graphed)
+    the teacher-forced steps go through its static cache and step graph too. ``check``: that
+    check already made (``decode_check``), for the batch's other rows."""
+    check = check or decode_check(decode, models, graphed)
     same = model_checks.generated_agreement(decode["ours"]["tokens"],
                                             decode["eager"]["tokens"], PROMPT)
     judged = {"correct": check.ok} if judge is None else judge(check)
@@ -644,6 +643,13 @@ def decode_row(decode: dict, models: dict, batch: int, new_tokens: int, judge=No
             detail["reference_settings"] = static_peer_settings(models["eager"])
     return rate_row(f"decode batch {batch} ours vs {reference}", batch * new_tokens,
                     decode["ours"], decode[reference], reference, correct, **detail)
+
+
+def decode_check(decode: dict, models: dict, graphed: bool = False):
+    """Teacher-forced decoding of eager's generated tokens through ours and eager's model: the
+    one check every decode row of a batch is judged by."""
+    return model_checks.teacher_forced_decode(models["ours"], models["eager"],
+                                              decode["eager"]["tokens"], PROMPT, graphed=graphed)
 
 
 def parse_args(argv=None):
@@ -793,9 +799,10 @@ def main() -> None:
     for batch in (1, 16) if "decode" in args.sections else ():
         decode = measure_decode(decode_variants, batch, args.new_tokens, max(5, args.reps // 2),
                                 calls={"ours": graphed_generate})
+        check = decode_check(decode, decode_variants, graphed=True)  # once for the batch
         for reference in [r for r in ("eager", HF_STATIC, OURS_HF_GENERATE) if r in decode]:
             rows.append(decode_row(decode, decode_variants, batch, args.new_tokens,
-                                   reference=reference, graphed=True))
+                                   reference=reference, graphed=True, check=check))
         save()
     print_table(["case", "ours", "reference", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])

@@ -91,3 +91,19 @@ def test_the_row_against_hf_generate_checks_ours_through_its_graphed_steps(ours,
                             reference=e2e.OURS_HF_GENERATE, graphed=True)
     assert result["case"] == "decode batch 1 ours vs ours hf generate"
     assert result["ratio"] == pytest.approx(1.5, abs=1e-3) and result["correct"] is correct
+
+
+def test_a_batch_s_rows_share_one_teacher_forced_check(monkeypatch):
+    """The check is made once and handed to each of the batch's rows, not made again per
+    reference (each costs a whole teacher-forced decode of both models)."""
+    eager = tiny_llama()
+    models = {"ours": copy.deepcopy(eager), "eager": eager}
+    decode = decoded({"eager": 40.0, "ours": 20.0, e2e.HF_STATIC: 25.0})
+    check = e2e.decode_check(decode, models, graphed=True)
+    monkeypatch.setattr(e2e.model_checks, "teacher_forced_decode",
+                        lambda *a, **k: pytest.fail("checked again"))
+    rows = [e2e.decode_row(decode, models, 1, NEW, reference=r, graphed=True, check=check)
+            for r in ("eager", e2e.HF_STATIC)]
+    assert all(r["correct"] for r in rows)
+    assert rows[0]["detail"]["teacher_forced_worst_logits_error"] == \
+        rows[1]["detail"]["teacher_forced_worst_logits_error"]
