@@ -274,12 +274,16 @@ class GraphedDecoder:
         _check_ids(input_ids, attention_mask, max_new_tokens, min_new_tokens)
         eos = self._eos(eos_token_id)
         pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+        if not isinstance(pad, int) or not 0 <= pad < self._vocab():
+            # A pad token is fed back as the next input: outside the vocabulary, the embedding
+            # would read out of bounds on the device.
+            raise ValueError(f"pad_token_id {pad!r}: a token id in [0, {self._vocab()})")
         session = self._open(input_ids, max_new_tokens)
         session.begin(input_ids, attention_mask, (eos, pad, min_new_tokens))
         watch = _EndWatch(session) if eos else None
         for done in range(1, max_new_tokens):
             self.advance(session)
-            if watch is not None and done % CHECK_EVERY == 0 and watch.ended(done):
+            if watch is not None and done % CHECK_EVERY == 0 and watch.ended():
                 break
         made = max_new_tokens
         if eos:
@@ -291,7 +295,10 @@ class GraphedDecoder:
               attention_mask: Optional[Tensor] = None) -> Tensor:
         """Runs the prompt into a static cache of at least ``max_len`` positions and returns its
         last logits, float32 [batch, vocab]; ``feed`` then continues it."""
-        _check_ids(input_ids, attention_mask, max(1, max_len - input_ids.shape[1]), 0)
+        if not isinstance(max_len, int) or max_len <= input_ids.shape[-1]:
+            raise ValueError(f"max_len {max_len!r} must exceed the prompt's "
+                             f"{input_ids.shape[-1]} tokens (the cache holds both)")
+        _check_ids(input_ids, attention_mask, max_len - input_ids.shape[1], 0)
         self._session = self._open(input_ids, max_len - input_ids.shape[1])
         return self._session.begin(input_ids, attention_mask, ((), 0, 0)).float()
 
@@ -323,10 +330,13 @@ class GraphedDecoder:
         if eos_token_id is None:
             return ()
         eos = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        vocab = self._vocab()
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in eos):
             raise ValueError(f"eos_token_id {eos_token_id!r}: token ids in [0, {vocab})")
         return eos
+
+    def _vocab(self) -> int:
+        return self.model.config.get_text_config(decoder=True).vocab_size
 
     def memory_bytes(self) -> int:
         """What the sessions' static caches and graphs hold on the device."""
@@ -347,7 +357,7 @@ class _EndWatch:
         self.session = session
         self.pending: collections.deque = collections.deque()
 
-    def ended(self, done: int) -> bool:
+    def ended(self) -> bool:
         finished = self.session.finished.all()
         if not finished.is_cuda:
             return bool(finished)

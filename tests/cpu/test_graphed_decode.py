@@ -156,6 +156,11 @@ def test_new_parameter_tensors_drop_the_sessions():
                                     attention_mask=torch.ones(3, 2)), "attention_mask"),
     (lambda m: graphed_decode.graphed_decoder(m).feed(torch.zeros(3, dtype=torch.long)),
      "start"),
+    (lambda m: cutlass_ops.generate(m, prompt(), max_new_tokens=2, eos_token_id=[],
+                                    pad_token_id=97), "pad_token_id"),
+    (lambda m: cutlass_ops.generate(m, prompt(), max_new_tokens=2, eos_token_id=[],
+                                    pad_token_id=-1), "pad_token_id"),
+    (lambda m: graphed_decode.graphed_decoder(m).start(prompt(), max_len=7), "max_len"),
 ])
 def test_bad_input_is_refused_with_a_message(call, message):
     with pytest.raises((ValueError, RuntimeError), match=message):
