@@ -111,8 +111,9 @@ class Graphs:
 
     def __del__(self):
         # The graphs before their pool, whatever order a garbage collection of a reference
-        # cycle takes: a pool freed while a graph still holds its memory corrupts the
-        # allocator (an illegal address in a later, unrelated kernel).
+        # cycle takes (torch asks that a MemPool outlive the graphs captured into it; with the
+        # order left to the collector, the GPU tests of graphed_decode met an illegal address
+        # in a later kernel: docs/measurements.md).
         entries = self.__dict__.get("entries")
         if entries:
             entries.clear()
