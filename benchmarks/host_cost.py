@@ -19,6 +19,7 @@ torch on the same inputs. Writes benchmarks/results/host_cost.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -33,7 +34,8 @@ import cutlass_ops  # noqa: E402
 import cutlass_ops.nn  # noqa: E402
 from benchmarks.common import (print_table, private_cache_with_online_compile,  # noqa: E402
                                require_gpu, write_result)
-from custom_kernels import norms  # noqa: E402
+from custom_kernels import host_ops, norms  # noqa: E402
+from custom_kernels.norms import norm_ops  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 
 
@@ -107,20 +109,47 @@ def dsl_matmul_rows(batches: int, calls: int) -> list[dict]:
                     if decision.choice else "torch.matmul")]
 
 
+@contextlib.contextmanager
+def python_path():
+    """The norms' Python path alone: the compiled host path switched off for the block (the
+    flag ``norm_ops.host_norm`` reads first)."""
+    saved = norm_ops._host_op[1]
+    norm_ops._host_op[1] = True
+    try:
+        yield
+    finally:
+        norm_ops._host_op[1] = saved
+
+
+def with_python_path(r: dict, ours, batches: int, calls: int, grad: bool = False) -> dict:
+    """Adds the Python path's time of the same call to a norm row's detail (the figure before the
+    compiled host path), and which path the row's own figure took."""
+    with torch.set_grad_enabled(grad), python_path():
+        us_per_call(ours, 100)
+        r["detail"]["python_path_us"] = round(statistics.median(
+            us_per_call(ours, calls) for _ in range(batches)), 2)
+    r["detail"]["host_path"] = "compiled" if host_ops.ops() is not None else \
+        f"python ({host_ops.why_not() or 'not built'})"
+    return r
+
+
 def norm_rows(batches: int, calls: int) -> list[dict]:
+    host_ops.ops(wait=True)  # built (about half a minute) or found in the cache before timing
     hidden, kw = 4096, {"device": "cuda", "dtype": torch.bfloat16}
     x, r = torch.randn(16, hidden, **kw), torch.randn(16, hidden, **kw)
     w, b = 1 + 0.1 * torch.randn(hidden, **kw), torch.randn(hidden, **kw)
     shape = (hidden,)
-    rows = [
-        row("rms_norm function bf16 16x4096", lambda: norms.rms_norm(x, w, 1e-6),
-            lambda: F.rms_norm(x, shape, w, 1e-6), "F.rms_norm", batches, calls),
-        row("rms_norm function with residual bf16 16x4096",
-            lambda: norms.rms_norm(x, w, 1e-6, residual=r),
-            lambda: F.rms_norm(x + r, shape, w, 1e-6), "x + r, F.rms_norm", batches, calls),
-        row("layer_norm function bf16 16x4096", lambda: norms.layer_norm(x, w, b, 1e-5),
-            lambda: F.layer_norm(x, shape, w, b, 1e-5), "F.layer_norm", batches, calls),
+    calls_of = [
+        ("rms_norm function bf16 16x4096", lambda: norms.rms_norm(x, w, 1e-6),
+         lambda: F.rms_norm(x, shape, w, 1e-6), "F.rms_norm"),
+        ("rms_norm function with residual bf16 16x4096",
+         lambda: norms.rms_norm(x, w, 1e-6, residual=r),
+         lambda: F.rms_norm(x + r, shape, w, 1e-6), "x + r, F.rms_norm"),
+        ("layer_norm function bf16 16x4096", lambda: norms.layer_norm(x, w, b, 1e-5),
+         lambda: F.layer_norm(x, shape, w, b, 1e-5), "F.layer_norm"),
     ]
+    rows = [with_python_path(row(case, ours, theirs, name, batches, calls), ours, batches, calls)
+            for case, ours, theirs, name in calls_of]
     for name, ours_cls, torch_cls in (("RMSNorm", cutlass_ops.nn.RMSNorm, torch.nn.RMSNorm),
                                       ("LayerNorm", cutlass_ops.nn.LayerNorm,
                                        torch.nn.LayerNorm)):
@@ -129,9 +158,10 @@ def norm_rows(batches: int, calls: int) -> list[dict]:
             for module in (ours, theirs):
                 module.weight.copy_(w)
         for grad in (False, True):
-            rows.append(row(f"{name} module bf16 16x4096{' grad enabled' if grad else ''}",
-                            lambda: ours(x), lambda: theirs(x), f"torch.nn.{name}", batches,
-                            calls, grad=grad))
+            timed = row(f"{name} module bf16 16x4096{' grad enabled' if grad else ''}",
+                       lambda: ours(x), lambda: theirs(x), f"torch.nn.{name}", batches, calls,
+                     grad=grad)
+            rows.append(with_python_path(timed, lambda: ours(x), batches, calls, grad))
     return rows
 
 

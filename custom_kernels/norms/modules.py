@@ -43,6 +43,11 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         weight = self._kernel_weight()
+        if weight is not None and (self.out_dtype is None or self.out_dtype == x.dtype):
+            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+            done = norms.host_norm("rms", x, weight, None, residual, float(eps))
+            if done is not None:  # the compiled host path took it
+                return done
         why = _refusal(self, "rms", x, weight, None, residual)
         if why is None:
             eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
@@ -108,6 +113,11 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         weight, bias = self.weight, self.bias
+        if (weight is not None and bias is not None
+                and (self.out_dtype is None or self.out_dtype == x.dtype)):
+            done = norms.host_norm("ln", x, weight, bias, residual, float(self.eps))
+            if done is not None:  # the compiled host path took it
+                return done
         why = _refusal(self, "ln", x, weight, bias, residual)
         if why is None:
             return norms._norm("ln", x, weight, bias, residual, float(self.eps),

@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from custom_kernels import jit
+from custom_kernels import host_ops, jit
 from custom_kernels.parallel import sharding_rules
 from custom_kernels.norms import norm_config as nc
 from custom_kernels.norms.tuned import tuned_config
@@ -61,6 +61,9 @@ def _launch_fwd(kind, x2, weight, bias, res2, y, res_out, mean, rstd, eps, confi
                          (x2.stride(0), res2.stride(0) if res2 is not None else 0))
     plan = _fwd_plan(kind, hidden, _DTYPES[x2.dtype], _DTYPES[y.dtype], _DTYPES[weight.dtype],
                      aligned, res2 is not None, config, device)
+    if config is None:  # the compiled host path takes this signature from the next call on
+        host_ops.record_norm(kind, hidden, x2.dtype, y.dtype, weight.dtype, aligned,
+                             res2 is not None, device, plan)
     cfg = plan.config
     blocks = plan.blocks(rows)
     launch(plan.kernel, x2.data_ptr(), _ptr(res2), weight.data_ptr(), _ptr(bias), y.data_ptr(),
@@ -435,6 +438,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     Returns ``y``, or ``(y, new_residual)`` with a residual. ``config``: a ``NormConfig`` or its
     name, overriding the forward heuristic (the tuner's hook). Tensors off a CUDA device run
     ``rms_norm_reference`` (the CPU rule, ``custom_kernels.core.fallback``)."""
+    if config is None and out_dtype is None:
+        done = host_norm("rms", x, weight, None, residual, eps)
+        if done is not None:
+            return done
     if _kernel_runs("rms", x, weight, None, residual, out_dtype, config):
         return _norm("rms", x, weight, None, residual, float(eps), out_dtype or x.dtype,
                      _config_name(config))
@@ -447,6 +454,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     """LayerNorm over the last dimension of ``x`` (after adding ``residual`` when given).
     Returns ``y``, or ``(y, new_residual)`` with a residual. Tensors off a CUDA device run
     ``layer_norm_reference``."""
+    if config is None and out_dtype is None and bias is not None:
+        done = host_norm("ln", x, weight, bias, residual, eps)
+        if done is not None:
+            return done
     if _kernel_runs("ln", x, weight, bias, residual, out_dtype, config):
         return _norm("ln", x, weight, bias, residual, float(eps), out_dtype or x.dtype,
                      _config_name(config))
@@ -466,11 +477,42 @@ def _kernel_runs(kind, x, weight, bias, residual, out_dtype, config) -> bool:
     return False
 
 
+def host_norm(kind, x, weight, bias, residual, eps):
+    """The compiled host path's call (``custom_kernels.host_ops``): ``y`` (``(y, new residual)``
+    with a residual) in x's dtype, or None when that path does not take the call: not loaded
+    (yet), traced or non-plain tensors, or inputs it has no record for. Then the Python path
+    runs, and records its plan for the next call. ``kind``: "rms" (bias None) or "ln"."""
+    if (_host_op[1] or weight is None or torch.compiler.is_compiling()
+            or not plain_eager(x, weight, bias, residual)):
+        return None
+    op = _host_op[0]
+    if op is None:
+        ops = host_ops.ops()
+        if ops is None:
+            _host_op[1] = host_ops.why_not() is not None  # off for good: no more lookups
+            return None
+        op = _host_op[0] = ops.norm.default
+    y, res_out = op(0 if kind == "rms" else 1, x, weight, bias, residual, float(eps))
+    if y is None:
+        return None
+    return (y, res_out) if residual is not None else y
+
+
+# [the op once loaded, whether the path is off for good (CUTLASS_OPS_HOST_PATH=0 or a failed
+# build): then each call costs one list read]
+_host_op: list = [None, False]
+
+
 def _norm(kind, x, weight, bias, residual, eps, out_dtype, config):
     """Under torch.compile (and export), the custom ops: the graph sees them with their fake
-    impls. Eagerly, the same kernels without torch's Python custom-op dispatch (it costs more
-    host time a call than the launch): directly when no gradient is needed, else through an
-    autograd.Function whose backward is the custom ops' backward."""
+    impls. Eagerly, the compiled host path when it takes the call (``host_norm``), else the same
+    kernels without torch's Python custom-op dispatch (it costs more host time a call than the
+    launch): directly when no gradient is needed, else through an autograd.Function whose
+    backward is the custom ops' backward."""
+    if config is None and out_dtype == x.dtype:
+        done = host_norm(kind, x, weight, bias, residual, eps)
+        if done is not None:
+            return done
     if torch.compiler.is_compiling() or not plain_eager(x, weight, bias, residual):
         if kind == "rms":
             y, res_out, _ = torch.ops.custom_kernels.rms_norm_fwd(

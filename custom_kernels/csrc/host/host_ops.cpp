@@ -1,0 +1,414 @@
+// The compiled host path: eager entry points registered with torch's dispatcher in C++, so that a
+// warm call costs torch's own op dispatch, a record lookup, the output's allocation and one
+// cuLaunchKernel, and no Python (docs/measurements.md, "Host cost": the Python launch path costs
+// 30 to 45 us a norm call on the GPU machine's host, torch's own norm 15 to 17).
+//
+// Python decides once per input signature: it builds the plan (compiles the kernel, reads the
+// tuned config, sizes the grid) and hands its launch record here (set_norm_record). A call whose
+// signature has no record, or whose inputs this path does not take (strides, devices, dtypes,
+// empty tensors), returns an undefined tensor: Python sees None and takes its own path, which
+// judges the inputs, refuses bad ones by name, and records the plan for the next call. So this
+// file never decides anything Python has not decided first.
+//
+// The driver is reached through dlopen (libcuda.so.1), not linked: the library builds and loads
+// on a machine without a GPU (CI), where no record is ever set and every call misses.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+
+namespace cutlass_ops_host {
+namespace {
+
+using at::Tensor;
+
+// ---- the driver, through dlopen --------------------------------------------------------------
+
+struct Driver {
+  decltype(&cuLaunchKernel) launch = nullptr;
+  decltype(&cuLaunchKernelEx) launch_ex = nullptr;
+  decltype(&cuCtxGetCurrent) ctx_get_current = nullptr;
+  decltype(&cuCtxSetCurrent) ctx_set_current = nullptr;
+  decltype(&cuDeviceGet) device_get = nullptr;
+  decltype(&cuDevicePrimaryCtxRetain) primary_ctx_retain = nullptr;
+  decltype(&cuGetErrorString) error_string = nullptr;
+  std::string why_not;  // empty when every entry point was found
+};
+
+template <typename F>
+void find_symbol(void* lib, const char* name, F& out, std::string& why_not) {
+  out = reinterpret_cast<F>(dlsym(lib, name));
+  if (!out && why_not.empty()) why_not = std::string("libcuda.so.1 lacks ") + name;
+}
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+      d.why_not = "libcuda.so.1 cannot be loaded";
+      return d;
+    }
+    // The *_v2 names are the current ABI of these entry points (cuda.h maps the plain names to
+    // them); cuLaunchKernel and cuLaunchKernelEx take an explicit stream, so the legacy-stream
+    // variants are the right ones.
+    find_symbol(lib, "cuLaunchKernel", d.launch, d.why_not);
+    find_symbol(lib, "cuLaunchKernelEx", d.launch_ex, d.why_not);
+    find_symbol(lib, "cuCtxGetCurrent", d.ctx_get_current, d.why_not);
+    find_symbol(lib, "cuCtxSetCurrent", d.ctx_set_current, d.why_not);
+    find_symbol(lib, "cuDeviceGet", d.device_get, d.why_not);
+    find_symbol(lib, "cuDevicePrimaryCtxRetain", d.primary_ctx_retain, d.why_not);
+    find_symbol(lib, "cuGetErrorString", d.error_string, d.why_not);
+    return d;
+  }();
+  return d;
+}
+
+void check(CUresult status, const char* what) {
+  if (status == CUDA_SUCCESS) return;
+  const char* text = nullptr;
+  driver().error_string(status, &text);
+  TORCH_CHECK(false, "cutlass_ops host path: ", what, " failed: ", text ? text : "unknown error",
+              " (", static_cast<int>(status), ")");
+}
+
+// The driver API needs a current context in the calling thread. torch binds the device's primary
+// context lazily per thread, so the autograd engine's worker thread may have none when its first
+// CUDA work is ours: bind the primary context then (as custom_kernels.launch does).
+void bind_context(int device) {
+  thread_local bool bound = false;
+  if (bound) return;
+  const Driver& d = driver();
+  CUcontext current = nullptr;
+  check(d.ctx_get_current(&current), "cuCtxGetCurrent");
+  if (!current) {
+    CUdevice dev;
+    check(d.device_get(&dev, device), "cuDeviceGet");
+    CUcontext primary;
+    check(d.primary_ctx_retain(&primary, dev), "cuDevicePrimaryCtxRetain");
+    check(d.ctx_set_current(primary), "cuCtxSetCurrent");
+  }
+  bound = true;
+}
+
+CUstream current_stream(const c10::Device& device) {
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return static_cast<CUstream>(impl->getStream(device).native_handle());
+}
+
+struct Launch {
+  CUfunction kernel;
+  unsigned grid;
+  unsigned block;
+  unsigned shared_mem;
+  unsigned cluster;
+};
+
+void launch(const Launch& l, void** args, CUstream stream) {
+  const Driver& d = driver();
+  if (l.cluster <= 1) {
+    check(d.launch(l.kernel, l.grid, 1, 1, l.block, 1, 1, l.shared_mem, stream, args, nullptr),
+          "cuLaunchKernel");
+    return;
+  }
+  CUlaunchAttribute attr{};
+  attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+  attr.value.clusterDim.x = l.cluster;
+  attr.value.clusterDim.y = 1;
+  attr.value.clusterDim.z = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = l.grid;  // blocks, a multiple of the cluster (the driver's convention)
+  config.gridDimY = config.gridDimZ = 1;
+  config.blockDimX = l.block;
+  config.blockDimY = config.blockDimZ = 1;
+  config.sharedMemBytes = l.shared_mem;
+  config.hStream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  check(d.launch_ex(&config, l.kernel, args, nullptr), "cuLaunchKernelEx");
+}
+
+// ---- norm launch records ---------------------------------------------------------------------
+
+// What the Python path keys a forward plan by (custom_kernels.norms.norm_ops._fwd_plan, with no
+// config override): the norm, the hidden size, the dtypes, the 16-byte vector path, a residual,
+// the device.
+struct NormKey {
+  int64_t kind;  // 0 RMSNorm, 1 LayerNorm
+  int64_t hidden;
+  int64_t x_dtype, out_dtype, w_dtype;  // c10::ScalarType values
+  bool aligned, residual;
+  int64_t device;
+  bool operator==(const NormKey& o) const {
+    return kind == o.kind && hidden == o.hidden && x_dtype == o.x_dtype &&
+           out_dtype == o.out_dtype && w_dtype == o.w_dtype && aligned == o.aligned &&
+           residual == o.residual && device == o.device;
+  }
+};
+
+struct NormKeyHash {
+  size_t operator()(const NormKey& k) const {
+    uint64_t h = static_cast<uint64_t>(k.hidden);
+    for (int64_t part : {k.kind, k.x_dtype, k.out_dtype, k.w_dtype, int64_t(k.aligned),
+                         int64_t(k.residual), k.device})
+      h = h * 1000003u ^ static_cast<uint64_t>(part);
+    return static_cast<size_t>(h);
+  }
+};
+
+// A forward plan (custom_kernels.norms.norm_ops._NormPlan) in launch terms.
+struct NormRecord {
+  CUfunction kernel;
+  unsigned threads, cluster, shared_mem;
+  int64_t rows_per_unit;
+  bool persistent;
+  int64_t max_units;
+};
+
+std::shared_mutex records_mutex;
+std::unordered_map<NormKey, NormRecord, NormKeyHash> norm_records;
+
+void set_norm_record(int64_t kind, int64_t hidden, c10::ScalarType x_dtype,
+                     c10::ScalarType out_dtype, c10::ScalarType w_dtype, bool aligned,
+                     bool residual, int64_t device, int64_t kernel, int64_t threads,
+                     int64_t cluster, int64_t shared_mem, int64_t rows_per_unit, bool persistent,
+                     int64_t max_units) {
+  TORCH_CHECK(kind == 0 || kind == 1, "norm kind must be 0 (RMSNorm) or 1 (LayerNorm)");
+  TORCH_CHECK(kernel != 0, "a norm record needs a kernel handle");
+  TORCH_CHECK(threads > 0 && threads <= 1024 && cluster >= 1 && cluster <= 16 &&
+                  shared_mem >= 0 && rows_per_unit > 0 && max_units > 0 && hidden > 0,
+              "norm record out of range: threads ", threads, ", cluster ", cluster,
+              ", shared memory ", shared_mem, ", rows per unit ", rows_per_unit, ", units ",
+              max_units);
+  NormKey key{kind, hidden, int64_t(x_dtype), int64_t(out_dtype), int64_t(w_dtype), aligned,
+              residual, device};
+  NormRecord record{reinterpret_cast<CUfunction>(static_cast<uintptr_t>(kernel)),
+                    static_cast<unsigned>(threads), static_cast<unsigned>(cluster),
+                    static_cast<unsigned>(shared_mem), rows_per_unit, persistent, max_units};
+  std::unique_lock lock(records_mutex);
+  norm_records[key] = record;
+}
+
+void clear_records() {
+  std::unique_lock lock(records_mutex);
+  norm_records.clear();
+}
+
+int64_t record_count() {
+  std::shared_lock lock(records_mutex);
+  return static_cast<int64_t>(norm_records.size());
+}
+
+bool find_norm_record(const NormKey& key, NormRecord& out) {
+  std::shared_lock lock(records_mutex);
+  auto it = norm_records.find(key);
+  if (it == norm_records.end()) return false;
+  out = it->second;
+  return true;
+}
+
+// ---- the norm call ---------------------------------------------------------------------------
+
+bool is_half_float(c10::ScalarType t) {
+  return t == c10::ScalarType::Float || t == c10::ScalarType::Half ||
+         t == c10::ScalarType::BFloat16;
+}
+
+bool aligned16(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// A parameter vector the kernels read: [hidden], contiguous, on x's device.
+bool takes_vector(const Tensor& t, const Tensor& x, int64_t hidden) {
+  return t.defined() && t.dim() == 1 && t.size(0) == hidden && t.stride(0) == 1 &&
+         t.device() == x.device() && is_half_float(t.scalar_type()) && !t.is_sparse();
+}
+
+// The inputs this path takes, and the record for them; false sends the call to Python. Taken:
+// contiguous x (and residual of x's shape, dtype), [hidden] weight (and bias) on one CUDA device,
+// the output in x's dtype. The dtype rules are Python's (a record exists only for a signature
+// Python judged).
+bool usual_call(int64_t kind, const Tensor& x, const Tensor& weight,
+                const std::optional<Tensor>& bias, const std::optional<Tensor>& residual,
+                NormKey& key) {
+  if (!x.is_cuda() || x.dim() == 0 || !x.is_contiguous() || x.numel() == 0 ||
+      !is_half_float(x.scalar_type()))
+    return false;
+  const int64_t hidden = x.size(-1);
+  if (!takes_vector(weight, x, hidden)) return false;
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias != (kind == 1) || (has_bias && !takes_vector(*bias, x, hidden))) return false;
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res && (residual->sizes() != x.sizes() || !residual->is_contiguous() ||
+                  residual->scalar_type() != x.scalar_type() || residual->device() != x.device()))
+    return false;
+  const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
+  bool aligned = hidden % vec == 0 && aligned16(x) && aligned16(weight) &&
+                 (!has_bias || aligned16(*bias)) && (!has_res || aligned16(*residual));
+  key = NormKey{kind, hidden, int64_t(x.scalar_type()), int64_t(x.scalar_type()),
+                int64_t(weight.scalar_type()), aligned, has_res, x.device().index()};
+  return true;
+}
+
+void* ptr(const std::optional<Tensor>& t) {
+  return t.has_value() && t->defined() ? t->data_ptr() : nullptr;
+}
+
+struct NormOutputs {
+  Tensor y, res_out, mean, rstd;
+};
+
+// The forward kernel's launch (custom_kernels.norms.norm_ops._launch_fwd): outputs allocated
+// here, every argument in the kernel's own C type.
+NormOutputs norm_forward(const NormRecord& r, const Tensor& x, const Tensor& weight,
+                         const std::optional<Tensor>& bias, const std::optional<Tensor>& residual,
+                         double eps, bool stats) {
+  const bool has_res = residual.has_value() && residual->defined();
+  const bool layer = bias.has_value() && bias->defined();
+  NormOutputs out;
+  out.y = at::empty(x.sizes(), x.options());
+  if (has_res) out.res_out = at::empty(x.sizes(), x.options());
+  if (stats) {
+    auto stat_sizes = x.sizes().slice(0, x.dim() - 1);
+    auto opts = x.options().dtype(at::kFloat);
+    out.rstd = at::empty(stat_sizes, opts);
+    if (layer) out.mean = at::empty(stat_sizes, opts);
+  }
+  long long hidden = x.size(-1);
+  long long rows = x.numel() / hidden;
+  long long x_stride = hidden;
+  long long res_stride = has_res ? hidden : 0;
+  int hidden32 = static_cast<int>(hidden);
+  float eps32 = static_cast<float>(eps);
+  const void* x_ptr = x.data_ptr();
+  const void* res_ptr = ptr(residual);
+  const void* w_ptr = weight.data_ptr();
+  const void* b_ptr = ptr(bias);
+  void* y_ptr = out.y.data_ptr();
+  void* res_out_ptr = has_res ? out.res_out.data_ptr() : nullptr;
+  void* mean_ptr = out.mean.defined() ? out.mean.data_ptr() : nullptr;
+  void* rstd_ptr = out.rstd.defined() ? out.rstd.data_ptr() : nullptr;
+  void* args[] = {&x_ptr, &res_ptr,   &w_ptr,      &b_ptr,     &y_ptr,      &res_out_ptr, &mean_ptr,
+                  &rstd_ptr, &rows, &hidden32, &x_stride, &res_stride, &eps32};
+  int64_t units = (rows + r.rows_per_unit - 1) / r.rows_per_unit;
+  if (r.persistent && units > r.max_units) units = r.max_units;
+  Launch l{r.kernel, static_cast<unsigned>(units * r.cluster), r.threads, r.shared_mem,
+           r.cluster};
+  const c10::Device device = x.device();
+  c10::OptionalDeviceGuard guard;
+  if (c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice() != device)
+    guard.reset_device(device);
+  bind_context(device.index());
+  launch(l, args, current_stream(device));
+  return out;
+}
+
+// Backward through the Python custom ops (custom_kernels::rms_norm_bwd / layer_norm_bwd): the
+// same kernels and formulas as the Python path's autograd; a backward costs a whole train step's
+// share of host time, not an eager call's.
+struct NormFunction : public torch::autograd::Function<NormFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const Tensor& x, const Tensor& weight,
+                                                const std::optional<Tensor>& bias,
+                                                const std::optional<Tensor>& residual, double eps,
+                                                const NormRecord& record) {
+    NormOutputs out = norm_forward(record, x, weight, bias, residual, eps, /*stats=*/true);
+    const bool has_res = residual.has_value() && residual->defined();
+    const bool layer = bias.has_value() && bias->defined();
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["has_residual"] = has_res;
+    ctx->save_for_backward({has_res ? out.res_out : x, weight, out.mean, out.rstd});
+    ctx->set_materialize_grads(false);
+    return {out.y, has_res ? out.res_out : Tensor()};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor& h = saved[0];
+    const bool layer = ctx->saved_data["layer"].toBool();
+    const bool has_res = ctx->saved_data["has_residual"].toBool();
+    Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(h);
+    c10::IValue d_res = has_res && grads[1].defined() ? c10::IValue(grads[1]) : c10::IValue();
+    static const c10::OperatorHandle rms_bwd =
+        c10::Dispatcher::singleton().findSchemaOrThrow("custom_kernels::rms_norm_bwd", "");
+    static const c10::OperatorHandle ln_bwd =
+        c10::Dispatcher::singleton().findSchemaOrThrow("custom_kernels::layer_norm_bwd", "");
+    torch::jit::Stack stack;
+    if (layer)
+      stack = {dy, h, saved[1], saved[2], saved[3], d_res, c10::IValue()};
+    else
+      stack = {dy, h, saved[1], saved[3], d_res, c10::IValue()};
+    (layer ? ln_bwd : rms_bwd).callBoxed(&stack);
+    Tensor dx = stack[0].toTensor();
+    Tensor dw = stack[1].toTensor();
+    Tensor db = layer ? stack[2].toTensor() : Tensor();
+    return {dx, dw, db, has_res ? dx : Tensor(), Tensor(), Tensor()};  // eps and the record: none
+  }
+};
+
+// (y, new residual): y undefined when this path does not take the call (Python's None).
+// kind: 0 RMSNorm (bias None), 1 LayerNorm (bias given); any other pairing misses.
+std::tuple<Tensor, Tensor> norm(int64_t kind, const Tensor& x, const Tensor& weight,
+                                const std::optional<Tensor>& bias,
+                                const std::optional<Tensor>& residual, double eps) {
+  NormKey key;
+  NormRecord record;
+  if (!usual_call(kind, x, weight, bias, residual, key) || !find_norm_record(key, record) ||
+      !driver().why_not.empty())
+    return {Tensor(), Tensor()};
+  const bool grad = c10::GradMode::is_enabled() &&
+                    (x.requires_grad() || weight.requires_grad() ||
+                     (bias.has_value() && bias->defined() && bias->requires_grad()) ||
+                     (residual.has_value() && residual->defined() && residual->requires_grad()));
+  if (!grad) {
+    NormOutputs out = norm_forward(record, x, weight, bias, residual, eps, /*stats=*/false);
+    return {out.y, out.res_out};
+  }
+  auto outs = NormFunction::apply(x, weight, bias, residual, eps, record);
+  return {outs[0], outs[1]};
+}
+
+std::string driver_status() {
+  return driver().why_not.empty() ? std::string("ok") : driver().why_not;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cutlass_ops_host, m) {
+  m.def("norm(int kind, Tensor x, Tensor weight, Tensor? bias, Tensor? residual, float eps)"
+        " -> (Tensor, Tensor)");
+  m.def("set_norm_record(int kind, int hidden, ScalarType x_dtype, ScalarType out_dtype, "
+        "ScalarType w_dtype, bool aligned, bool residual, int device, int kernel, int threads, "
+        "int cluster, int shared_mem, int rows_per_unit, bool persistent, int max_units) -> ()",
+        &set_norm_record);
+  m.def("clear_records() -> ()", &clear_records);
+  m.def("record_count() -> int", &record_count);
+  m.def("driver_status() -> str", &driver_status);
+}
+
+// The Autograd key decides whether a node is recorded; the backends' key is reached below
+// autograd (inference mode), where no gradient is wanted. Off CUDA every call misses.
+TORCH_LIBRARY_IMPL(cutlass_ops_host, Autograd, m) {
+  m.impl("norm", &norm);
+}
+
+TORCH_LIBRARY_IMPL(cutlass_ops_host, CompositeExplicitAutograd, m) {
+  m.impl("norm", &norm);
+}
+
+}  // namespace cutlass_ops_host

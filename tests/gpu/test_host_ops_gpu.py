@@ -1,0 +1,158 @@
+"""The compiled host path's launches (custom_kernels.host_ops, marker gpu): the first call of a
+signature runs the Python path and records its plan; the next runs in C++ (proved by making the
+Python launcher fail) and equals it bit for bit, forward and backward, for both norms, with and
+without a residual, on the direct, persistent and cluster kernels; inside a CUDA graph; and the
+calls it must not take (strided inputs, another output dtype, a config override) still run on
+the Python path, correctly."""
+
+import threading
+
+import pytest
+import torch
+
+from custom_kernels import host_ops
+from custom_kernels.norms import modules
+from custom_kernels.norms import norm_ops as norms
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def host():
+    loaded = host_ops.ops(wait=True)
+    assert loaded is not None, host_ops.why_not()
+    assert loaded.driver_status() == "ok"
+    return loaded
+
+
+@pytest.fixture
+def python_launch_forbidden(monkeypatch):
+    """Calling this fixture's result makes the Python launcher raise: a call that still succeeds
+    ran in C++."""
+    def forbid():
+        def refuse(*args, **kwargs):
+            raise AssertionError("the Python launcher ran")
+        monkeypatch.setattr(norms, "_launch_fwd", refuse)
+    return forbid
+
+
+def _inputs(rows, hidden, dtype, residual, layer, grad=False):
+    kw = {"device": "cuda", "dtype": dtype}
+    x = torch.randn(rows, hidden, **kw).requires_grad_(grad)
+    w = (1 + 0.1 * torch.randn(hidden, **kw)).requires_grad_(grad)
+    b = torch.randn(hidden, **kw).requires_grad_(grad) if layer else None
+    r = torch.randn(rows, hidden, **kw).requires_grad_(grad) if residual else None
+    return x, w, b, r
+
+
+def _call(layer, x, w, b, r):
+    if layer:
+        return norms.layer_norm(x, w, b, 1e-5, residual=r)
+    return norms.rms_norm(x, w, 1e-6, residual=r)
+
+
+def _flat(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+# hidden 4096: the direct kernel; 32768: staged (persistent); 262144: a cluster of blocks
+@pytest.mark.parametrize("hidden", [4096, 32768, 262144])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("layer", [False, True])
+def test_the_second_call_runs_in_cpp_and_equals_the_first(host, python_launch_forbidden, hidden,
+                                                          dtype, residual, layer):
+    x, w, b, r = _inputs(64, hidden, dtype, residual, layer)
+    first = _flat(_call(layer, x, w, b, r))
+    python_launch_forbidden()
+    second = _flat(_call(layer, x, w, b, r))
+    for a, c in zip(first, second):
+        assert a.dtype == c.dtype and a.shape == c.shape
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("hidden", [4096, 262144])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("layer", [False, True])
+def test_gradients_through_the_cpp_node_equal_the_python_path(host, python_launch_forbidden,
+                                                              hidden, residual, layer):
+    """The backward of the C++ node runs the same custom ops as the Python autograd.Function, so
+    every gradient is equal bit for bit; run on the autograd engine's own thread."""
+    x, w, b, r = _inputs(32, hidden, torch.bfloat16, residual, layer, grad=True)
+    out = _flat(_call(layer, x, w, b, r))  # Python path: records the plan
+    dys = [torch.randn_like(o) for o in out]
+    torch.autograd.backward(out, dys)
+    leaves = [t for t in (x, w, b, r) if t is not None]
+    expected = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    python_launch_forbidden()
+    out2 = _flat(_call(layer, x, w, b, r))
+    assert out2[0].grad_fn is not None and "NormFunction" in out2[0].grad_fn.name()
+    torch.autograd.backward(out2, dys)
+    for t, e in zip(leaves, expected):
+        assert torch.equal(t.grad, e)
+
+
+def test_the_modules_take_it_too(host, python_launch_forbidden):
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    rms = modules.RMSNorm(4096, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+    ln = modules.LayerNorm(4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        first = rms(x), ln(x)
+    python_launch_forbidden()
+    with torch.no_grad():
+        assert torch.equal(rms(x), first[0]) and torch.equal(ln(x), first[1])
+    with torch.inference_mode():
+        assert torch.equal(rms(x), first[0])
+
+
+def test_inside_a_cuda_graph(host):
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    expected = norms.rms_norm(x, w)  # records
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        norms.rms_norm(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = norms.rms_norm(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(y, norms.rms_norm(x, w))
+    assert not torch.equal(y, expected)
+
+
+def test_a_call_on_another_thread_binds_its_context(host):
+    """A thread whose first CUDA work is ours has no current driver context: the C++ path binds
+    the primary context, as the Python launcher does."""
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    expected = norms.rms_norm(x, w)
+    found = {}
+
+    def work():
+        found["y"] = norms.rms_norm(x, w)
+        torch.cuda.synchronize()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert torch.equal(found["y"], expected)
+
+
+def test_calls_outside_its_rule_run_on_the_python_path(host):
+    x = torch.randn(64, 8192, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    strided = x[:, ::2]
+    norms.rms_norm(strided.contiguous(), w)  # a record for the contiguous signature
+    ref = norms.rms_norm_reference(strided, w)
+    torch.testing.assert_close(norms.rms_norm(strided, w), ref.to(torch.bfloat16),
+                               atol=2e-2, rtol=2e-2)
+    out = norms.rms_norm(strided.contiguous(), w, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(Exception):
+        norms.rms_norm(x, w)  # hidden 8192 against a weight of 4096: refused by Python's rule
