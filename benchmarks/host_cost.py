@@ -36,6 +36,7 @@ from benchmarks.common import (print_table, private_cache_with_online_compile,  
                                require_gpu, write_result)
 from custom_kernels import host_ops, norms  # noqa: E402
 from custom_kernels.norms import norm_ops  # noqa: E402
+from cutlass_ops.gemms import dispatch  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 
 
@@ -48,6 +49,21 @@ def us_per_call(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+@contextlib.contextmanager
+def python_path():
+    """Our Python path alone: the compiled host path switched off for the block (the flags
+    ``norm_ops.host_norm`` and ``dispatch.host_gemm`` read first), to time the path before it."""
+    flags = (norm_ops._host_op, dispatch._host_gemm)
+    saved = [f[1] for f in flags]
+    for f in flags:
+        f[1] = True
+    try:
+        yield
+    finally:
+        for f, value in zip(flags, saved):
+            f[1] = value
+
+
 def row(case: str, ours, theirs, reference_name: str, batches: int, calls: int,
         grad: bool = False, **detail) -> dict:
     with torch.set_grad_enabled(grad):
@@ -57,6 +73,12 @@ def row(case: str, ours, theirs, reference_name: str, batches: int, calls: int,
         for _ in range(batches):
             mine.append(us_per_call(ours, calls))
             ref.append(us_per_call(theirs, calls))
+        with python_path():  # the same call before the compiled host path, for the record
+            us_per_call(ours, 100)
+            python_us = statistics.median(us_per_call(ours, calls) for _ in range(batches))
+    detail["python_path_us"] = round(python_us, 2)
+    detail["host_path"] = "compiled" if host_ops.ops() is not None else \
+        f"python ({host_ops.why_not() or 'not built'})"
     ours_us, ref_us = statistics.median(mine), statistics.median(ref)
     ours_cps, ref_cps = round(1e6 / ours_us), round(1e6 / ref_us)
     return {"case": case, "unit": "calls/s", "ours": ours_cps, "reference": ref_cps,
@@ -109,32 +131,7 @@ def dsl_matmul_rows(batches: int, calls: int) -> list[dict]:
                     if decision.choice else "torch.matmul")]
 
 
-@contextlib.contextmanager
-def python_path():
-    """The norms' Python path alone: the compiled host path switched off for the block (the
-    flag ``norm_ops.host_norm`` reads first)."""
-    saved = norm_ops._host_op[1]
-    norm_ops._host_op[1] = True
-    try:
-        yield
-    finally:
-        norm_ops._host_op[1] = saved
-
-
-def with_python_path(r: dict, ours, batches: int, calls: int, grad: bool = False) -> dict:
-    """Adds the Python path's time of the same call to a norm row's detail (the figure before the
-    compiled host path), and which path the row's own figure took."""
-    with torch.set_grad_enabled(grad), python_path():
-        us_per_call(ours, 100)
-        r["detail"]["python_path_us"] = round(statistics.median(
-            us_per_call(ours, calls) for _ in range(batches)), 2)
-    r["detail"]["host_path"] = "compiled" if host_ops.ops() is not None else \
-        f"python ({host_ops.why_not() or 'not built'})"
-    return r
-
-
 def norm_rows(batches: int, calls: int) -> list[dict]:
-    host_ops.ops(wait=True)  # built (about half a minute) or found in the cache before timing
     hidden, kw = 4096, {"device": "cuda", "dtype": torch.bfloat16}
     x, r = torch.randn(16, hidden, **kw), torch.randn(16, hidden, **kw)
     w, b = 1 + 0.1 * torch.randn(hidden, **kw), torch.randn(hidden, **kw)
@@ -148,8 +145,7 @@ def norm_rows(batches: int, calls: int) -> list[dict]:
         ("layer_norm function bf16 16x4096", lambda: norms.layer_norm(x, w, b, 1e-5),
          lambda: F.layer_norm(x, shape, w, b, 1e-5), "F.layer_norm"),
     ]
-    rows = [with_python_path(row(case, ours, theirs, name, batches, calls), ours, batches, calls)
-            for case, ours, theirs, name in calls_of]
+    rows = [row(case, ours, theirs, name, batches, calls) for case, ours, theirs, name in calls_of]
     for name, ours_cls, torch_cls in (("RMSNorm", cutlass_ops.nn.RMSNorm, torch.nn.RMSNorm),
                                       ("LayerNorm", cutlass_ops.nn.LayerNorm,
                                        torch.nn.LayerNorm)):
@@ -158,10 +154,9 @@ def norm_rows(batches: int, calls: int) -> list[dict]:
             for module in (ours, theirs):
                 module.weight.copy_(w)
         for grad in (False, True):
-            timed = row(f"{name} module bf16 16x4096{' grad enabled' if grad else ''}",
-                       lambda: ours(x), lambda: theirs(x), f"torch.nn.{name}", batches, calls,
-                     grad=grad)
-            rows.append(with_python_path(timed, lambda: ours(x), batches, calls, grad))
+            rows.append(row(f"{name} module bf16 16x4096{' grad enabled' if grad else ''}",
+                            lambda: ours(x), lambda: theirs(x), f"torch.nn.{name}", batches,
+                            calls, grad=grad))
     return rows
 
 
@@ -228,6 +223,7 @@ def main() -> None:
                         help="these rows only, written to host_cost_<names>.json")
     args = parser.parse_args()
     require_gpu()
+    host_ops.ops(wait=True)  # built (about half a minute) or found in the cache before timing
     chosen = args.only or list(SECTIONS)
     rows = [r for name in chosen for r in SECTIONS[name](args.batches, args.calls)]
     print_table(["case", "ours us", "torch us", "ratio (calls/s)", "correct"],

@@ -173,8 +173,26 @@ def record_norm(kind: str, hidden: int, x_dtype, out_dtype, w_dtype, aligned: bo
     _recorded.add(key)
 
 
+def record_gemm(a, b, run: int, last_error: int, args: bytes, offsets: dict, swap_ab: bool,
+                workspace_bytes: int, out_dtype) -> None:
+    """Hands a prepared GEMM route of a plain product to the C++ op (``gemm``): the signature of
+    (a, b) as dispatch keys it, the kernel library's ``run`` and ``last_error`` entry points (their
+    addresses: the library stays loaded for the process), its checked launch arguments and the
+    byte offsets of the a, b, c, d pointers in them."""
+    host = _state["ops"]
+    if host is None:
+        return
+    aligned = a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    host.set_gemm_record(list(a.shape), list(a.stride()), a.dtype, list(b.shape),
+                         list(b.stride()), b.dtype, a.device.index, aligned, run, last_error,
+                         torch.frombuffer(bytearray(args), dtype=torch.uint8), offsets["a"],
+                         offsets["b"], offsets["c"], offsets["d"], swap_ab, workspace_bytes,
+                         out_dtype)
+
+
 def clear_records() -> None:
-    """Forgets every record (when Python forgets its plans: a test switching tuned configs)."""
+    """Forgets every record (when Python forgets its decisions: ``dispatch.reset`` after a tune,
+    a test switching tuned configs)."""
     _recorded.clear()
     if _state["ops"] is not None:
         _state["ops"].clear_records()

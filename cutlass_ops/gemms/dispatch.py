@@ -38,8 +38,10 @@ from cutlass_ops.gemms import epilogues, inputs, ranking
 from cutlass_ops.gemms.config import Arch, GemmConfig, GemmOperands, GemmProblem
 from cutlass_ops.gemms.choice import Choice
 from cutlass_ops.gemms.gemm_entries import GemmEntry, gemm_cache
+from custom_kernels import host_ops
 from custom_kernels.core import fallback
 from custom_kernels.core.device import DeviceSpec
+from custom_kernels.core.eager import plain_eager
 from custom_kernels.core.errors import UnsupportedInputError
 
 ONLINE_MODES = ("off", "compile", "tune")
@@ -130,6 +132,7 @@ def reset() -> None:
     """Forgets memoized decisions (after a tune in this process, or a cache import)."""
     with _lock:
         _routes.clear()
+    host_ops.clear_records()  # the compiled host path's records are routes too
     _entries_by_scope.clear()
     for hook in RESET_HOOKS:
         hook()
@@ -258,6 +261,9 @@ def _entries(scope) -> dict[str, GemmEntry]:
     return entries
 
 
+_PLAIN_KEY_LENGTH = 11  # _signature's: a route key with nothing after it has no epilogue
+
+
 def _signature(a, b, out_dtype) -> tuple:
     aligned = a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
     return (a.device, b.device, a.dtype, b.dtype, out_dtype, a.shape, a.stride(), b.shape,
@@ -313,13 +319,14 @@ def _unfused_route(decision: Decision, plain: Route, activation) -> Route:
 
 
 def _cutlass_route(decision: Decision, checked: inputs.CheckedGemm, key,
-                   activation="identity") -> Route:
+                   activation="identity", host_record: bool = False) -> Route:
     """Runs the chosen kernel on the route's checked problem. The first call loads the kernel
     and builds its launch arguments from the checked problem (``plan.prepare``, then
     can_implement and the workspace query); every call, the first one too, copies them and
     swaps in its own pointers and scalars, which the signature (shapes, strides, dtypes,
     alignment, devices) keeps valid: the per-call host work is an output allocation, a struct
-    copy and the launch."""
+    copy and the launch. ``host_record``: a plain product's route, handed to the compiled host
+    path (``custom_kernels.host_ops``) once prepared, so that its later calls skip Python."""
     from custom_kernels.core.errors import InvalidConfigError, UnsafeCacheError
 
     choice = decision.choice
@@ -343,9 +350,13 @@ def _cutlass_route(decision: Decision, checked: inputs.CheckedGemm, key,
                 with _lock:
                     _routes[key] = torch_route
             return torch_route.run(a, b, bias, residual, alpha, beta)
-        launcher.append(_fast_launch(kernel, args, kernel.workspace_bytes(args), choice.swap_ab,
+        workspace_bytes = kernel.workspace_bytes(args)
+        launcher.append(_fast_launch(kernel, args, workspace_bytes, choice.swap_ab,
                                      "C" in checked.views, out_dtype))
-        return launcher[0](a, b, bias, residual, alpha, beta)
+        out = launcher[0](a, b, bias, residual, alpha, beta)
+        if host_record:
+            _record_for_host(a, b, kernel, args, workspace_bytes, choice.swap_ab, out_dtype)
+        return out
 
     return Route(decision, run)
 
@@ -383,6 +394,19 @@ def _dsl_route(decision: Decision, checked: inputs.CheckedGemm, key,
         return out
 
     return Route(decision, run, kind="dsl")
+
+
+def _record_for_host(a, b, kernel, template, workspace_bytes: int, swap_ab: bool,
+                     out_dtype) -> None:
+    """The plain product's prepared launch (alpha 1, no C: C is D with beta 0) as a record of the
+    compiled host path (``custom_kernels.host_ops.record_gemm``)."""
+    from cutlass_ops.gemms.runtime import GemmArgs, pointer_offsets
+
+    args = GemmArgs.from_buffer_copy(template)
+    args.alpha = 1.0
+    run, last_error = kernel.entry_points()
+    host_ops.record_gemm(a, b, run, last_error, bytes(args), pointer_offsets(), swap_ab,
+                         workspace_bytes, out_dtype)
 
 
 def _fast_launch(kernel, template, workspace_bytes: int, swap_ab: bool, has_c: bool, out_dtype):
@@ -503,8 +527,14 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
             decision = _unsafe_cache_reason(decision, device.arch)
             _log_once(decision.reason)
         return _torch_route(decision, out_dtype, activation)
-    kernel = (_dsl_route if decision.choice.backend == "dsl" else _cutlass_route)(
-        decision, checked, key, activation)
+    if decision.choice.backend == "dsl":
+        kernel = _dsl_route(decision, checked, key, activation)
+    else:
+        # A plain product with no out_dtype and no gradient (the signature says so), not kept
+        # for CUDA graphs alone: its eager calls may skip Python.
+        plain = (key is not None and len(key) == _PLAIN_KEY_LENGTH and key[4] is None
+                 and not key[-1] and not decision.graphs_only)
+        kernel = _cutlass_route(decision, checked, key, activation, host_record=plain)
     if decision.graphs_only:
         return _graphs_only_route(decision, kernel, _torch_route(decision, out_dtype, activation))
     return kernel
@@ -604,6 +634,25 @@ def _tensors(a, b) -> bool:
 calls: collections.Counter = collections.Counter()
 
 
+def host_gemm(a, b):
+    """The compiled host path's plain product (``custom_kernels.host_ops``): ``a @ b`` on a
+    recorded CUTLASS route, or None when it does not take the call (not loaded yet, traced or
+    non-plain tensors, a signature with no record: then the Python route runs, and records)."""
+    if _host_gemm[1] or torch.compiler.is_compiling() or not plain_eager(a, b):
+        return None
+    op = _host_gemm[0]
+    if op is None:
+        ops = host_ops.ops()
+        if ops is None:
+            _host_gemm[1] = host_ops.why_not() is not None  # off for good: no more lookups
+            return None
+        op = _host_gemm[0] = ops.gemm.default
+    return op(a, b)
+
+
+_host_gemm: list = [None, False]  # [the op once loaded, whether the path is off for good]
+
+
 def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=None,
            alpha: float = 1.0, beta: float = 1.0):
     """``activation(alpha * (a @ b) + bias) + beta * residual`` on the tuned kernel for this
@@ -612,6 +661,12 @@ def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=N
     shape and dtype (beta = 0 ignores it, as torch.addmm ignores C)."""
     if residual is not None and beta == 0:
         residual = None
+    if (out_dtype is None and bias is None and residual is None and alpha == 1.0
+            and activation == "identity"):
+        out = host_gemm(a, b)
+        if out is not None:
+            calls["cutlass"] += 1
+            return out
     activation = getattr(activation, "value", activation)
     found = route(a, b, out_dtype, bias, activation, residual)
     calls[found.kind] += 1

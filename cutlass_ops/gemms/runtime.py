@@ -45,6 +45,11 @@ class GemmArgs(ctypes.Structure):
     ]
 
 
+def pointer_offsets() -> dict[str, int]:
+    """Byte offsets of the operand and output pointers in the launch arguments."""
+    return {name: getattr(GemmArgs, name).offset for name in ("a", "b", "c", "d")}
+
+
 class LoadedKernel:
     """One artifact's entry points."""
 
@@ -99,6 +104,13 @@ class LoadedKernel:
                            stream or None)
         if status:
             self._raise(status)
+
+    def entry_points(self) -> tuple[int, int]:
+        """The addresses of ``cutlass_ops_gemm_run_checked`` and ``cutlass_ops_last_error``: what
+        the compiled host path (``custom_kernels.host_ops``) calls. The library is never unloaded
+        (``load`` memoizes it), so they stay valid for the process."""
+        return (ctypes.cast(self.run_checked_raw, ctypes.c_void_p).value,
+                ctypes.cast(self._lib.cutlass_ops_last_error, ctypes.c_void_p).value)
 
     def run_checked(self, args: GemmArgs, workspace_ptr: int, workspace_bytes: int,
                     stream: int) -> None:

@@ -99,3 +99,59 @@ def test_a_build_that_fails_leaves_the_python_path(monkeypatch, tmp_path, caplog
     assert host_ops.ops(wait=True) is None
     x, w = torch.randn(2, 64), torch.ones(64)
     torch.testing.assert_close(norm_ops.rms_norm(x, w), norm_ops.rms_norm_reference(x, w))
+
+
+GEMM = dict(a_sizes=[16, 256], a_strides=[256, 1], a_dtype=torch.bfloat16, b_sizes=[256, 128],
+            b_strides=[1, 256], b_dtype=torch.bfloat16, device=0, aligned=True, run=0x1000,
+            last_error=0x2000, off_a=16, off_b=48, off_c=80, off_d=112, swap_ab=False,
+            workspace_bytes=0, out_dtype=torch.bfloat16)
+
+
+def _args(size=200):
+    return torch.zeros(size, dtype=torch.uint8)
+
+
+def test_a_gemm_call_off_cuda_or_without_a_record_returns_none(host):
+    a, b = torch.randn(16, 256), torch.randn(256, 128)
+    assert host.gemm(a, b) is None
+    host.set_gemm_record(args=_args(), **GEMM)
+    try:
+        assert host.gemm(a.bfloat16(), b.bfloat16().t().contiguous().t()) is None  # CPU
+    finally:
+        host.clear_records()
+
+
+@pytest.mark.parametrize("change", [dict(off_a=196), dict(off_d=-8), dict(off_b=50),
+                                    dict(run=0), dict(last_error=0), dict(workspace_bytes=-1),
+                                    dict(a_sizes=[16]), dict(b_strides=[1])])
+def test_a_gemm_record_out_of_range_is_refused(host, change):
+    with pytest.raises(RuntimeError, match="GEMM record"):
+        host.set_gemm_record(args=_args(), **{**GEMM, **change})
+    assert host.record_count() == 0
+
+
+@pytest.mark.parametrize("args", [torch.zeros(200, dtype=torch.int32),
+                                  torch.zeros(0, dtype=torch.uint8),
+                                  torch.zeros(2, 100, dtype=torch.uint8)])
+def test_gemm_launch_arguments_must_be_bytes(host, args):
+    with pytest.raises(RuntimeError, match="GEMM record"):
+        host.set_gemm_record(args=args, **GEMM)
+
+
+def test_the_offsets_python_gives_are_the_launchers(host):
+    """The pointer offsets come from the ctypes mirror of the launcher's struct: 8-byte aligned,
+    inside it, distinct."""
+    import ctypes
+
+    from cutlass_ops.gemms.runtime import GemmArgs, pointer_offsets
+
+    offsets = pointer_offsets()
+    assert len(set(offsets.values())) == 4
+    assert all(o % 8 == 0 and o + 8 <= ctypes.sizeof(GemmArgs) for o in offsets.values())
+    host.set_gemm_record(args=_args(ctypes.sizeof(GemmArgs)),
+                         **{**GEMM, **{f"off_{k}": v for k, v in offsets.items()}})
+    assert host.record_count() == 1
+    from cutlass_ops.gemms import dispatch
+
+    dispatch.reset()  # forgets the routes, and with them the compiled path's records
+    assert host.record_count() == 0

@@ -156,3 +156,64 @@ def test_calls_outside_its_rule_run_on_the_python_path(host):
     torch.testing.assert_close(out, ref.float(), atol=2e-2, rtol=2e-2)
     with pytest.raises(Exception):
         norms.rms_norm(x, w)  # hidden 8192 against a weight of 4096: refused by Python's rule
+
+
+@pytest.fixture
+def online_compile():
+    """Dispatch builds the heuristic CUTLASS kernel of an untuned shape (about a minute)."""
+    from cutlass_ops.gemms import dispatch
+    from tuning.online import ONLINE
+
+    dispatch.register_online_tuner(ONLINE)
+    dispatch.set_online("compile")
+    yield dispatch
+    dispatch.set_online(None)
+    dispatch.reset()
+
+
+def test_a_plain_product_runs_in_cpp_once_its_route_is_prepared(host, online_compile,
+                                                                  monkeypatch):
+    import cutlass_ops
+    import cutlass_ops.nn
+
+    dispatch = online_compile
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    layer = cutlass_ops.nn.Linear(256, 256, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        assert cutlass_ops.explain(x, weight.t()).source != "torch"
+        before = host.record_count()
+        first = cutlass_ops.matmul(x, weight.t())  # the Python route: prepares and records
+        first_layer = layer(x)
+        assert host.record_count() == before + 1  # one signature: the layer's is the same
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the Python route ran")
+        monkeypatch.setattr(dispatch, "route", refuse)
+        assert torch.equal(cutlass_ops.matmul(x, weight.t()), first)
+        assert torch.equal(layer(x), first_layer)
+        # CUDA graphs capture the C++ launch like any other
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            cutlass_ops.matmul(x, weight.t())
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = cutlass_ops.matmul(x, weight.t())
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(y, cutlass_ops.matmul(x, weight.t()))
+        torch.testing.assert_close(y.float(), x.float() @ weight.t().float(), atol=0.5,
+                                   rtol=2e-2)
+    monkeypatch.undo()
+    # A gradient wanted, another dtype of output, another shape: the Python route, correct.
+    a = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert host.gemm(a, weight.t()) is None
+    with torch.no_grad():
+        out = cutlass_ops.matmul(x, weight.t(), out_dtype=torch.float32)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, x.float() @ weight.t().float(), atol=0.5, rtol=2e-2)
+    dispatch.reset()
+    assert host.record_count() == 0  # reset forgets the routes, the compiled path's too

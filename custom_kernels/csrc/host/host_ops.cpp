@@ -26,10 +26,13 @@
 #include <dlfcn.h>
 
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace cutlass_ops_host {
 namespace {
@@ -203,15 +206,9 @@ void set_norm_record(int64_t kind, int64_t hidden, c10::ScalarType x_dtype,
   norm_records[key] = record;
 }
 
-void clear_records() {
-  std::unique_lock lock(records_mutex);
-  norm_records.clear();
-}
-
-int64_t record_count() {
-  std::shared_lock lock(records_mutex);
-  return static_cast<int64_t>(norm_records.size());
-}
+// Defined with the GEMM records below.
+void clear_records();
+int64_t record_count();
 
 bool find_norm_record(const NormKey& key, NormRecord& out) {
   std::shared_lock lock(records_mutex);
@@ -333,7 +330,9 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     ctx->saved_data["has_residual"] = has_res;
     ctx->save_for_backward({has_res ? out.res_out : x, weight, out.mean, out.rstd});
     ctx->set_materialize_grads(false);
-    return {out.y, has_res ? out.res_out : Tensor()};
+    // Only defined outputs: autograd gives each output a gradient edge.
+    if (!has_res) return {out.y};
+    return {out.y, out.res_out};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -343,7 +342,8 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     const bool layer = ctx->saved_data["layer"].toBool();
     const bool has_res = ctx->saved_data["has_residual"].toBool();
     Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(h);
-    c10::IValue d_res = has_res && grads[1].defined() ? c10::IValue(grads[1]) : c10::IValue();
+    c10::IValue d_res =
+        has_res && grads.size() > 1 && grads[1].defined() ? c10::IValue(grads[1]) : c10::IValue();
     static const c10::OperatorHandle rms_bwd =
         c10::Dispatcher::singleton().findSchemaOrThrow("custom_kernels::rms_norm_bwd", "");
     static const c10::OperatorHandle ln_bwd =
@@ -380,7 +380,139 @@ std::tuple<Tensor, Tensor> norm(int64_t kind, const Tensor& x, const Tensor& wei
     return {out.y, out.res_out};
   }
   auto outs = NormFunction::apply(x, weight, bias, residual, eps, record);
-  return {outs[0], outs[1]};
+  return {outs[0], outs.size() > 1 ? outs[1] : Tensor()};
+}
+
+// ---- GEMM launch records ---------------------------------------------------------------------
+
+// A GEMM route Python prepared (cutlass_ops.gemms.dispatch's CUTLASS route of a plain product): the
+// kernel library's C entry point, the launch arguments it checked (bytes, laid out as the library's
+// own struct), where in them the operand and output pointers go, and the workspace it needs. This
+// file does not know the struct: Python gives the offsets, as ctypes reads them from its mirror.
+struct GemmRecord {
+  using Run = int (*)(const void* args, void* workspace, size_t workspace_bytes, void* stream);
+  using LastError = const char* (*)();
+  Run run;
+  LastError last_error;
+  std::vector<uint8_t> args;
+  int64_t off_a, off_b, off_c, off_d;
+  bool swap_ab;
+  int64_t workspace_bytes;
+  c10::ScalarType out_dtype;
+  std::vector<int64_t> out_sizes;
+};
+
+struct VectorHash {
+  size_t operator()(const std::vector<int64_t>& v) const {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t x : v) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
+};
+
+std::unordered_map<std::vector<int64_t>, std::shared_ptr<const GemmRecord>, VectorHash>
+    gemm_records;
+
+// What dispatch keys a plain product's route by (its _signature): the device, the dtypes, the
+// shapes and strides of both operands, and whether both pointers are 16-byte aligned.
+std::vector<int64_t> gemm_key(int64_t device, c10::ScalarType a_dtype, at::IntArrayRef a_sizes,
+                              at::IntArrayRef a_strides, c10::ScalarType b_dtype,
+                              at::IntArrayRef b_sizes, at::IntArrayRef b_strides, bool aligned) {
+  std::vector<int64_t> key{device, int64_t(a_dtype), int64_t(b_dtype), int64_t(aligned),
+                           static_cast<int64_t>(a_sizes.size())};
+  key.insert(key.end(), a_sizes.begin(), a_sizes.end());
+  key.insert(key.end(), a_strides.begin(), a_strides.end());
+  key.push_back(static_cast<int64_t>(b_sizes.size()));
+  key.insert(key.end(), b_sizes.begin(), b_sizes.end());
+  key.insert(key.end(), b_strides.begin(), b_strides.end());
+  return key;
+}
+
+void set_gemm_record(at::IntArrayRef a_sizes, at::IntArrayRef a_strides, c10::ScalarType a_dtype,
+                     at::IntArrayRef b_sizes, at::IntArrayRef b_strides, c10::ScalarType b_dtype,
+                     int64_t device, bool aligned, int64_t run, int64_t last_error,
+                     const Tensor& args, int64_t off_a, int64_t off_b, int64_t off_c,
+                     int64_t off_d, bool swap_ab, int64_t workspace_bytes,
+                     c10::ScalarType out_dtype) {
+  TORCH_CHECK(run != 0 && last_error != 0, "a GEMM record needs the library's entry points");
+  TORCH_CHECK(a_sizes.size() >= 2 && a_sizes.size() == a_strides.size() &&
+                  b_sizes.size() == b_strides.size() && b_sizes.size() >= 2,
+              "GEMM record: operands of at least two dimensions, a stride per dimension");
+  TORCH_CHECK(args.device().is_cpu() && args.scalar_type() == at::kByte && args.dim() == 1 &&
+                  args.is_contiguous() && args.numel() > 0,
+              "GEMM record: the launch arguments as a contiguous 1-D uint8 CPU tensor");
+  const int64_t size = args.numel();
+  for (int64_t off : {off_a, off_b, off_c, off_d})
+    TORCH_CHECK(off >= 0 && off % 8 == 0 && off + 8 <= size,
+                "GEMM record: a pointer offset outside the launch arguments: ", off);
+  TORCH_CHECK(workspace_bytes >= 0, "GEMM record: a negative workspace");
+  auto record = std::make_shared<GemmRecord>();
+  record->run = reinterpret_cast<GemmRecord::Run>(static_cast<uintptr_t>(run));
+  record->last_error = reinterpret_cast<GemmRecord::LastError>(static_cast<uintptr_t>(last_error));
+  const auto* bytes = args.data_ptr<uint8_t>();
+  record->args.assign(bytes, bytes + size);
+  record->off_a = off_a;
+  record->off_b = off_b;
+  record->off_c = off_c;
+  record->off_d = off_d;
+  record->swap_ab = swap_ab;
+  record->workspace_bytes = workspace_bytes;
+  record->out_dtype = out_dtype;
+  record->out_sizes.assign(a_sizes.begin(), a_sizes.end() - 1);
+  record->out_sizes.push_back(b_sizes.back());
+  auto key = gemm_key(device, a_dtype, a_sizes, a_strides, b_dtype, b_sizes, b_strides, aligned);
+  std::unique_lock lock(records_mutex);
+  gemm_records[std::move(key)] = std::move(record);
+}
+
+void put_pointer(std::vector<uint8_t>& args, int64_t offset, const void* p) {
+  std::memcpy(args.data() + offset, &p, sizeof(p));
+}
+
+// a @ b into a new output, or undefined (Python's None) when this path does not take the call:
+// no record for the signature, or a gradient wanted (dispatch's raw product has no autograd).
+Tensor gemm(const Tensor& a, const Tensor& b) {
+  if (!a.is_cuda() || !b.is_cuda() || a.dim() < 2 || b.dim() < 2) return Tensor();
+  if (c10::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())) return Tensor();
+  const bool aligned = reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0;
+  auto key = gemm_key(a.device().index(), a.scalar_type(), a.sizes(), a.strides(),
+                      b.scalar_type(), b.sizes(), b.strides(), aligned);
+  std::shared_ptr<const GemmRecord> r;
+  {
+    std::shared_lock lock(records_mutex);
+    auto it = gemm_records.find(key);
+    if (it == gemm_records.end()) return Tensor();
+    r = it->second;
+  }
+  if (b.device() != a.device()) return Tensor();
+  Tensor out = at::empty(r->out_sizes, a.options().dtype(r->out_dtype));
+  Tensor workspace;
+  if (r->workspace_bytes) workspace = at::empty({r->workspace_bytes}, a.options().dtype(at::kByte));
+  std::vector<uint8_t> args = r->args;
+  const Tensor& first = r->swap_ab ? b : a;  // swapped, the kernel's A is b^T
+  const Tensor& second = r->swap_ab ? a : b;
+  put_pointer(args, r->off_a, first.data_ptr());
+  put_pointer(args, r->off_b, second.data_ptr());
+  put_pointer(args, r->off_c, out.data_ptr());  // no residual: C is D (beta as checked)
+  put_pointer(args, r->off_d, out.data_ptr());
+  const c10::Device device = a.device();
+  int status = r->run(args.data(), workspace.defined() ? workspace.data_ptr() : nullptr,
+                      static_cast<size_t>(r->workspace_bytes), current_stream(device));
+  TORCH_CHECK(status == 0, "cutlass_ops: the CUTLASS kernel failed (status ", status,
+              "): ", r->last_error());
+  return out;
+}
+
+void clear_records() {
+  std::unique_lock lock(records_mutex);
+  norm_records.clear();
+  gemm_records.clear();
+}
+
+int64_t record_count() {
+  std::shared_lock lock(records_mutex);
+  return static_cast<int64_t>(norm_records.size() + gemm_records.size());
 }
 
 std::string driver_status() {
@@ -396,6 +528,12 @@ TORCH_LIBRARY(cutlass_ops_host, m) {
         "ScalarType w_dtype, bool aligned, bool residual, int device, int kernel, int threads, "
         "int cluster, int shared_mem, int rows_per_unit, bool persistent, int max_units) -> ()",
         &set_norm_record);
+  m.def("gemm(Tensor a, Tensor b) -> Tensor");
+  m.def("set_gemm_record(int[] a_sizes, int[] a_strides, ScalarType a_dtype, int[] b_sizes, "
+        "int[] b_strides, ScalarType b_dtype, int device, bool aligned, int run, int last_error, "
+        "Tensor args, int off_a, int off_b, int off_c, int off_d, bool swap_ab, "
+        "int workspace_bytes, ScalarType out_dtype) -> ()",
+        &set_gemm_record);
   m.def("clear_records() -> ()", &clear_records);
   m.def("record_count() -> int", &record_count);
   m.def("driver_status() -> str", &driver_status);
@@ -405,10 +543,12 @@ TORCH_LIBRARY(cutlass_ops_host, m) {
 // autograd (inference mode), where no gradient is wanted. Off CUDA every call misses.
 TORCH_LIBRARY_IMPL(cutlass_ops_host, Autograd, m) {
   m.impl("norm", &norm);
+  m.impl("gemm", &gemm);
 }
 
 TORCH_LIBRARY_IMPL(cutlass_ops_host, CompositeExplicitAutograd, m) {
   m.impl("norm", &norm);
+  m.impl("gemm", &gemm);
 }
 
 }  // namespace cutlass_ops_host
