@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from custom_kernels import host_ops
+from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.norms import modules
 from custom_kernels.norms import norm_ops as norms
 
@@ -144,18 +145,21 @@ def test_a_call_on_another_thread_binds_its_context(host):
 
 
 def test_calls_outside_its_rule_run_on_the_python_path(host):
-    x = torch.randn(64, 8192, device="cuda", dtype=torch.bfloat16)
+    """Rows that are not contiguous (a column slice), another output dtype: the C++ op declines
+    them and the Python path runs them, correctly; a call the Python rule refuses is refused by
+    name, the recorded signature notwithstanding."""
+    wide = torch.randn(64, 8192, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    strided = x[:, ::2]
-    norms.rms_norm(strided.contiguous(), w)  # a record for the contiguous signature
-    ref = norms.rms_norm_reference(strided, w)
-    torch.testing.assert_close(norms.rms_norm(strided, w), ref.to(torch.bfloat16),
-                               atol=2e-2, rtol=2e-2)
-    out = norms.rms_norm(strided.contiguous(), w, out_dtype=torch.float32)
+    rows = wide[:, :4096]  # unit last stride, row stride 8192
+    norms.rms_norm(rows.contiguous(), w)  # a record for the contiguous signature
+    ref = norms.rms_norm_reference(rows, w)
+    torch.testing.assert_close(norms.rms_norm(rows, w), ref.to(torch.bfloat16), atol=2e-2,
+                               rtol=2e-2)
+    out = norms.rms_norm(rows.contiguous(), w, out_dtype=torch.float32)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref.float(), atol=2e-2, rtol=2e-2)
-    with pytest.raises(Exception):
-        norms.rms_norm(x, w)  # hidden 8192 against a weight of 4096: refused by Python's rule
+    with pytest.raises(UnsupportedInputError, match="non-contiguous last dimension"):
+        norms.rms_norm(wide[:, ::2], w)
 
 
 @pytest.fixture
