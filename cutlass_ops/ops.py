@@ -25,7 +25,8 @@ from torch import Tensor
 from cutlass_ops import gemm_sharding_rules
 from cutlass_ops.gemms import epilogues
 from cutlass_ops.gemms import dispatch
-from custom_kernels.core.eager import PLAIN, fast_autograd
+from custom_kernels import host_ops
+from custom_kernels.core.eager import PLAIN, fast_autograd, plain_eager
 
 
 def _matmul(a: Tensor, b: Tensor, dims: int, op: str) -> Tensor:
@@ -183,11 +184,37 @@ class _EagerLinear(torch.autograd.Function):
         return (*grads, None)
 
 
+def host_linear(x: Tensor, weight: Tensor) -> Optional[Tensor]:
+    """``x W^T`` through the compiled host path (``custom_kernels.host_ops``: a C++ op, its own
+    autograd node, the backward products through ``cutlass_ops::mm``), or None when it does not
+    take the call: not loaded (yet), traced or non-plain tensors, rows that are not contiguous, a
+    product dispatch has not recorded (its first call records it)."""
+    if _host_linear[1] or torch.compiler.is_compiling() or not plain_eager(x, weight):
+        return None
+    op = _host_linear[0]
+    if op is None:
+        host = host_ops.ops()
+        if host is None:
+            _host_linear[1] = host_ops.why_not() is not None  # off for good: no more lookups
+            return None
+        host.set_product_op("cutlass_ops::mm")
+        op = _host_linear[0] = host.linear.default
+    return op(x, weight)
+
+
+_host_linear: list = [None, False]  # [the op once loaded, whether the path is off for good]
+
+
 def linear_fast(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                 activation: str = "identity") -> Tensor:
-    """``linear`` with the least host work: the custom op while torch.compile traces (it needs
-    the op and its fake), an autograd.Function when gradients are needed, a direct call when
-    not. Same kernels and formulas in all three."""
+    """``linear`` with the least host work: the compiled host path where it takes the call (no
+    bias, no activation), the custom op while torch.compile traces (it needs the op and its
+    fake), an autograd.Function when gradients are needed, a direct call when not. Same kernels
+    and formulas in all of them."""
+    if bias is None and activation == "identity":
+        out = host_linear(x, weight)
+        if out is not None:
+            return out
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (
         bias is not None and bias.requires_grad))
     # A subclass (DTensor: tensor parallelism) takes the op too: its rules, not the launchers.

@@ -469,39 +469,124 @@ void put_pointer(std::vector<uint8_t>& args, int64_t offset, const void* p) {
   std::memcpy(args.data() + offset, &p, sizeof(p));
 }
 
-// a @ b into a new output, or undefined (Python's None) when this path does not take the call:
-// no record for the signature, or a gradient wanted (dispatch's raw product has no autograd).
-Tensor gemm(const Tensor& a, const Tensor& b) {
-  if (!a.is_cuda() || !b.is_cuda() || a.dim() < 2 || b.dim() < 2) return Tensor();
-  if (c10::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())) return Tensor();
+std::shared_ptr<const GemmRecord> find_gemm_record(const Tensor& a, const Tensor& b) {
   const bool aligned = reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0;
   auto key = gemm_key(a.device().index(), a.scalar_type(), a.sizes(), a.strides(),
                       b.scalar_type(), b.sizes(), b.strides(), aligned);
-  std::shared_ptr<const GemmRecord> r;
-  {
-    std::shared_lock lock(records_mutex);
-    auto it = gemm_records.find(key);
-    if (it == gemm_records.end()) return Tensor();
-    r = it->second;
-  }
-  if (b.device() != a.device()) return Tensor();
-  Tensor out = at::empty(r->out_sizes, a.options().dtype(r->out_dtype));
+  std::shared_lock lock(records_mutex);
+  auto it = gemm_records.find(key);
+  return it == gemm_records.end() ? nullptr : it->second;
+}
+
+Tensor launch_gemm(const GemmRecord& r, const Tensor& a, const Tensor& b) {
+  Tensor out = at::empty(r.out_sizes, a.options().dtype(r.out_dtype));
   Tensor workspace;
-  if (r->workspace_bytes) workspace = at::empty({r->workspace_bytes}, a.options().dtype(at::kByte));
-  std::vector<uint8_t> args = r->args;
-  const Tensor& first = r->swap_ab ? b : a;  // swapped, the kernel's A is b^T
-  const Tensor& second = r->swap_ab ? a : b;
-  put_pointer(args, r->off_a, first.data_ptr());
-  put_pointer(args, r->off_b, second.data_ptr());
-  put_pointer(args, r->off_c, out.data_ptr());  // no residual: C is D (beta as checked)
-  put_pointer(args, r->off_d, out.data_ptr());
-  const c10::Device device = a.device();
-  int status = r->run(args.data(), workspace.defined() ? workspace.data_ptr() : nullptr,
-                      static_cast<size_t>(r->workspace_bytes), current_stream(device));
+  if (r.workspace_bytes) workspace = at::empty({r.workspace_bytes}, a.options().dtype(at::kByte));
+  std::vector<uint8_t> args = r.args;
+  const Tensor& first = r.swap_ab ? b : a;  // swapped, the kernel's A is b^T
+  const Tensor& second = r.swap_ab ? a : b;
+  put_pointer(args, r.off_a, first.data_ptr());
+  put_pointer(args, r.off_b, second.data_ptr());
+  put_pointer(args, r.off_c, out.data_ptr());  // no residual: C is D (beta as checked)
+  put_pointer(args, r.off_d, out.data_ptr());
+  int status = r.run(args.data(), workspace.defined() ? workspace.data_ptr() : nullptr,
+                     static_cast<size_t>(r.workspace_bytes), current_stream(a.device()));
   TORCH_CHECK(status == 0, "cutlass_ops: the CUTLASS kernel failed (status ", status,
-              "): ", r->last_error());
+              "): ", r.last_error());
   return out;
+}
+
+bool cuda_pair(const Tensor& a, const Tensor& b) {
+  return a.is_cuda() && b.is_cuda() && a.device() == b.device();
+}
+
+// a @ b into a new output, or undefined (Python's None) when this path does not take the call:
+// no record for the signature, or a gradient wanted (dispatch's raw product has no autograd).
+Tensor gemm(const Tensor& a, const Tensor& b) {
+  if (!cuda_pair(a, b) || a.dim() < 2 || b.dim() < 2) return Tensor();
+  if (c10::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())) return Tensor();
+  auto record = find_gemm_record(a, b);
+  return record ? launch_gemm(*record, a, b) : Tensor();
+}
+
+// ---- Linear (no bias) ------------------------------------------------------------------------
+
+// The op that computes a backward product (cutlass_ops::mm, whose eager call is dispatch's
+// matmul: the same routes as cutlass_ops.ops._EagerLinear's backward). Named by the layer that
+// owns it (set_product_op), so that this file depends on no op above it.
+std::mutex product_mutex;
+std::optional<c10::OperatorHandle> product_op;
+
+std::optional<c10::OperatorHandle> product() {
+  std::lock_guard<std::mutex> lock(product_mutex);
+  return product_op;
+}
+
+void set_product_op(c10::string_view qualname) {
+  std::string name(qualname);
+  auto sep = name.find("::");
+  TORCH_CHECK(sep != std::string::npos, "set_product_op: a qualified name, \"ns::op\"");
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");
+  std::lock_guard<std::mutex> lock(product_mutex);
+  product_op = op;
+}
+
+Tensor call_product(const c10::OperatorHandle& op, const Tensor& a, const Tensor& b) {
+  torch::jit::Stack stack{a, b};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+std::vector<int64_t> linear_out_sizes(const Tensor& x, int64_t n) {
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end() - 1);
+  sizes.push_back(n);
+  return sizes;
+}
+
+struct LinearFunction : public torch::autograd::Function<LinearFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const Tensor& x, const Tensor& weight,
+                                                const GemmRecord& record) {
+    const Tensor rows = x.view({-1, x.size(-1)});
+    Tensor y = launch_gemm(record, rows, weight.t()).view(linear_out_sizes(x, weight.size(0)));
+    ctx->save_for_backward({x, weight});
+    return {y};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor& x = saved[0];
+    const Tensor& weight = saved[1];
+    auto op = product();
+    TORCH_CHECK(op.has_value(), "cutlass_ops host path: no backward product op");
+    const Tensor rows = grads[0].reshape({-1, grads[0].size(-1)});
+    Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = call_product(*op, rows, weight).reshape(x.sizes());  // dY W
+    if (ctx->needs_input_grad(1))
+      dw = call_product(*op, rows.t(), x.reshape({-1, x.size(-1)}));  // dY^T X
+    return {dx, dw, Tensor()};
+  }
+};
+
+// x @ weight^T (a Linear without bias), or undefined when not taken: x must view as rows
+// (contiguous), the product of its rows and weight^T must have a record, and with a gradient
+// wanted the backward product op must be known.
+Tensor linear(const Tensor& x, const Tensor& weight) {
+  if (!cuda_pair(x, weight) || weight.dim() != 2 || x.dim() < 2 || !x.is_contiguous() ||
+      x.size(-1) != weight.size(1) || x.numel() == 0)
+    return Tensor();
+  const Tensor rows = x.dim() == 2 ? x : x.view({-1, x.size(-1)});
+  auto record = find_gemm_record(rows, weight.t());
+  if (!record) return Tensor();
+  const bool grad = c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
+  if (!grad) {
+    Tensor y = launch_gemm(*record, rows, weight.t());
+    return x.dim() == 2 ? y : y.view(linear_out_sizes(x, weight.size(0)));
+  }
+  if (!product().has_value()) return Tensor();
+  return LinearFunction::apply(x, weight, *record)[0];
 }
 
 void clear_records() {
@@ -529,6 +614,8 @@ TORCH_LIBRARY(cutlass_ops_host, m) {
         "int cluster, int shared_mem, int rows_per_unit, bool persistent, int max_units) -> ()",
         &set_norm_record);
   m.def("gemm(Tensor a, Tensor b) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("set_product_op(str qualname) -> ()", &set_product_op);
   m.def("set_gemm_record(int[] a_sizes, int[] a_strides, ScalarType a_dtype, int[] b_sizes, "
         "int[] b_strides, ScalarType b_dtype, int device, bool aligned, int run, int last_error, "
         "Tensor args, int off_a, int off_b, int off_c, int off_d, bool swap_ab, "
@@ -544,11 +631,13 @@ TORCH_LIBRARY(cutlass_ops_host, m) {
 TORCH_LIBRARY_IMPL(cutlass_ops_host, Autograd, m) {
   m.impl("norm", &norm);
   m.impl("gemm", &gemm);
+  m.impl("linear", &linear);
 }
 
 TORCH_LIBRARY_IMPL(cutlass_ops_host, CompositeExplicitAutograd, m) {
   m.impl("norm", &norm);
   m.impl("gemm", &gemm);
+  m.impl("linear", &linear);
 }
 
 }  // namespace cutlass_ops_host
