@@ -67,6 +67,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from cutlass_ops import conversion_refusals, fused_linear, mixins, module_state, step_graphs
+from cutlass_ops.decode_attention import packed_decode_attention
 from cutlass_ops.block_gemms import BF16, BlockGemms, BlockState
 
 # What ``fuse`` asks of a tensor-parallel plan's layer: (attention, mlp or None) -> the GEMMs that
@@ -123,6 +124,11 @@ class FusedAttention:
         ([*input_shape, heads * head_dim], the attention weights or None)."""
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        if q.shape[2] == 1 and not self.training and self.config._attn_implementation == "sdpa":
+            out = packed_decode_attention(q, k, v, attention_mask, self.scaling,
+                                          getattr(self, "num_key_value_groups", 1), **kwargs)
+            if out is not None:  # a decode step: the cache read once, not repeated per head
+                return out.reshape(*input_shape, -1), None
         namespace = sys.modules[self._hf_class.__module__]
         interface = namespace.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, namespace.eager_attention_forward)
