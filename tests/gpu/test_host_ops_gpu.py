@@ -225,12 +225,14 @@ def test_a_plain_product_runs_in_cpp_once_its_route_is_prepared(host, online_com
 
 @pytest.mark.parametrize("leading", [(16,), (2, 8)])
 def test_a_linear_with_gradients_runs_its_cpp_node_and_equals_the_python_path(
-        host, online_compile, leading):
+        host, online_compile, leading, monkeypatch):
     """Linear without bias, x of 2 or 3 dimensions: the first call (Python: _EagerLinear)
     records the product; the next runs the C++ node, whose backward products go through
     cutlass_ops::mm as _EagerLinear's go through dispatch: every gradient equal bit for bit."""
     import cutlass_ops.nn
+    from cutlass_ops import ops
 
+    monkeypatch.setattr(ops, "HOST_LINEAR_WITH_GRAD", True)
     layer = cutlass_ops.nn.Linear(256, 256, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(*leading, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(*leading, 256, device="cuda", dtype=torch.bfloat16)
@@ -244,5 +246,7 @@ def test_a_linear_with_gradients_runs_its_cpp_node_and_equals_the_python_path(
     assert torch.equal(second, first)
     second.backward(dy)
     assert torch.equal(x.grad, expected[0]) and torch.equal(layer.weight.grad, expected[1])
+    assert not second._is_view()  # an in-place op on the output stays legal
+    second.detach().add_(1)
     with torch.no_grad():  # and without gradients: the same product
         assert torch.equal(layer(x), first)

@@ -479,8 +479,12 @@ std::shared_ptr<const GemmRecord> find_gemm_record(const Tensor& a, const Tensor
   return it == gemm_records.end() ? nullptr : it->second;
 }
 
-Tensor launch_gemm(const GemmRecord& r, const Tensor& a, const Tensor& b) {
-  Tensor out = at::empty(r.out_sizes, a.options().dtype(r.out_dtype));
+// The product into a new output of the record's [M, N] shape, or of ``sizes`` (the same elements
+// row-major: a Linear's leading dimensions), so that no output is a view of another tensor.
+Tensor launch_gemm(const GemmRecord& r, const Tensor& a, const Tensor& b,
+                   at::OptionalIntArrayRef sizes = std::nullopt) {
+  Tensor out = at::empty(sizes.has_value() ? *sizes : at::IntArrayRef(r.out_sizes),
+                         a.options().dtype(r.out_dtype));
   Tensor workspace;
   if (r.workspace_bytes) workspace = at::empty({r.workspace_bytes}, a.options().dtype(at::kByte));
   std::vector<uint8_t> args = r.args;
@@ -549,7 +553,7 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
                                                 const Tensor& x, const Tensor& weight,
                                                 const GemmRecord& record) {
     const Tensor rows = x.view({-1, x.size(-1)});
-    Tensor y = launch_gemm(record, rows, weight.t()).view(linear_out_sizes(x, weight.size(0)));
+    Tensor y = launch_gemm(record, rows, weight.t(), linear_out_sizes(x, weight.size(0)));
     ctx->save_for_backward({x, weight});
     return {y};
   }
@@ -581,10 +585,7 @@ Tensor linear(const Tensor& x, const Tensor& weight) {
   auto record = find_gemm_record(rows, weight.t());
   if (!record) return Tensor();
   const bool grad = c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
-  if (!grad) {
-    Tensor y = launch_gemm(*record, rows, weight.t());
-    return x.dim() == 2 ? y : y.view(linear_out_sizes(x, weight.size(0)));
-  }
+  if (!grad) return launch_gemm(*record, rows, weight.t(), linear_out_sizes(x, weight.size(0)));
   if (!product().has_value()) return Tensor();
   return LinearFunction::apply(x, weight, *record)[0];
 }
