@@ -558,15 +558,19 @@ def _graphs_only_route(decision: Decision, kernel: Route, eager: Route) -> Route
     return Route(decision, run, kind="graphs only")
 
 
-def pinned_route(a, b, choice: Choice) -> Route:
+def pinned_route(a, b, choice: Choice, host_record: bool = False) -> Route:
     """The route of ``choice`` for (a, b)'s signature, without the tuning cache: what the
     tuner times as the winner's whole call (the dispatch lookup before it is the same for
-    every route). Plain products only; raises UnsupportedInputError otherwise."""
+    every route). Plain products only; raises UnsupportedInputError otherwise.
+    ``host_record``: a CUTLASS route hands its prepared launch to the compiled host path on its
+    first run (``host_gemm`` then takes the signature; ``host_ops.clear_records`` forgets it)."""
     checked, reason, _ = _check(a, b, None, None, "identity", None)
     if reason is not None:
         raise UnsupportedInputError(reason)
     decision = Decision("pinned", choice, "timed by the tuner")
-    return (_dsl_route if choice.backend == "dsl" else _cutlass_route)(decision, checked, None)
+    if choice.backend == "dsl":
+        return _dsl_route(decision, checked, None)
+    return _cutlass_route(decision, checked, None, host_record=host_record)
 
 
 def torch_route() -> Route:
