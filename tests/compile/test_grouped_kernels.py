@@ -28,3 +28,19 @@ def test_the_default_kernel_builds_loads_and_sizes_its_workspace(cache_root):
                                   "grouped-bf16-tt-cooperative-t128x128x64-c1x2"])
 def test_other_schedules_and_layouts_build(cache_root, name):
     assert grouped_build.build(grouped_build.GroupedConfig.from_name(name)).stat().st_size > 0
+
+
+def test_the_fp8_blockwise_kernel_builds_loads_and_sizes_its_workspace(cache_root):
+    """Issue 53's grouped FP8 kernel (1x128 / 128x128 scales in the mainloop), about 90 s."""
+    from cutlass_ops.gemms.grouped import grouped_fp8_runtime
+
+    library = grouped_fp8_runtime.library(grouped_build.build(grouped_build.GroupedFp8Config()))
+    sizes = []
+    for groups in (8, 256):
+        args = grouped_fp8_runtime._Args(groups=groups, m_total=4096, n=4096, k=7168,
+                                         sm_count=132, device=0)
+        size = ctypes.c_size_t(0)
+        assert library.cutlass_ops_grouped_fp8_workspace_size(ctypes.byref(args),
+                                                              ctypes.byref(size)) == 0
+        sizes.append(size.value)
+    assert 0 < sizes[0] < sizes[1]

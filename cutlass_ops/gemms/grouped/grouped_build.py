@@ -25,6 +25,7 @@ from cutlass_ops.gemms.build import (BUILD_TIMEOUT_S, cutlass_include_dirs, nvcc
 from cutlass_ops.gemms.config import Arch
 
 LAUNCHER = Path(__file__).resolve().parents[1] / "csrc" / "grouped_launcher.cu"  # gemms/csrc
+FP8_LAUNCHER = LAUNCHER.with_name("grouped_fp8_launcher.cu")
 LIBRARY = "grouped.so"
 ELEMENTS = ("bf16", "f16")  # what the launcher is compiled for (custom_kernels.core.elements)
 _NAME = re.compile(r"grouped-(bf16|f16)-([tn])([tn])-(cooperative|pingpong)-t(\d+)x(\d+)x(\d+)"
@@ -77,12 +78,69 @@ class GroupedConfig:
             return "clusters 1x1, 2x1, 1x2 or 2x2"
         return None
 
+    @property
+    def launcher(self) -> Path:
+        return LAUNCHER
+
     def defines(self) -> tuple[str, ...]:
         tm, tn, tk = self.tile
         return (f"GROUPED_ELEMENT={element(self.element).code}",
                 f"GROUPED_LAYOUT_A={0 if self.layout_a == 't' else 1}",
                 f"GROUPED_LAYOUT_B={0 if self.layout_b == 't' else 1}",
                 f"GROUPED_TILE_M={tm}", f"GROUPED_TILE_N={tn}", f"GROUPED_TILE_K={tk}",
+                f"GROUPED_CLUSTER_M={self.cluster[0]}", f"GROUPED_CLUSTER_N={self.cluster[1]}",
+                f"GROUPED_PINGPONG={int(self.pingpong)}")
+
+
+_FP8_NAME = re.compile(r"grouped-e4m3-blockwise-(cooperative|pingpong)-t(\d+)x(\d+)-c(\d)x(\d)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedFp8Config:
+    """One FP8 blockwise grouped kernel (``csrc/grouped_fp8_launcher.cu``, issue 53): e4m3
+    tokens sorted by expert (row-major) times each expert's e4m3 [N, K] weight, bf16 out, 1x128
+    scales of the tokens and 128x128 of the weights applied in the mainloop. The tile's K is the
+    scale block, 128."""
+
+    pingpong: bool = False
+    tile: tuple[int, int] = (128, 128)
+    cluster: tuple[int, int] = (1, 1)
+
+    def __post_init__(self) -> None:
+        why = self.why_invalid()
+        if why:
+            raise ValueError(f"grouped FP8 config {self.name}: {why}")
+
+    @property
+    def name(self) -> str:
+        schedule = "pingpong" if self.pingpong else "cooperative"
+        return (f"grouped-e4m3-blockwise-{schedule}-t{self.tile[0]}x{self.tile[1]}"
+                f"-c{self.cluster[0]}x{self.cluster[1]}")
+
+    @classmethod
+    def from_name(cls, name: str) -> "GroupedFp8Config":
+        match = _FP8_NAME.fullmatch(name)
+        if match is None:
+            raise ValueError(f"not a grouped FP8 config name: {name!r}")
+        schedule, tm, tn, cm, cn = match.groups()
+        return cls(schedule == "pingpong", (int(tm), int(tn)), (int(cm), int(cn)))
+
+    def why_invalid(self) -> str | None:
+        rows = (64,) if self.pingpong else (128,)
+        if self.tile[0] not in rows:
+            return f"{'pingpong' if self.pingpong else 'cooperative'} tiles have M in {rows}"
+        if self.tile[1] not in (64, 128, 256):
+            return "tile N 64, 128 or 256 (the 128-wide scale blocks of B must tile it)"
+        if self.cluster not in ((1, 1), (2, 1), (1, 2)):
+            return "clusters 1x1, 2x1 or 1x2"
+        return None
+
+    @property
+    def launcher(self) -> Path:
+        return FP8_LAUNCHER
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"GROUPED_TILE_M={self.tile[0]}", f"GROUPED_TILE_N={self.tile[1]}",
                 f"GROUPED_CLUSTER_M={self.cluster[0]}", f"GROUPED_CLUSTER_N={self.cluster[1]}",
                 f"GROUPED_PINGPONG={int(self.pingpong)}")
 
@@ -146,13 +204,14 @@ class GroupedProblem:
 
 @dataclasses.dataclass(frozen=True)
 class GroupedBuild:
-    config: GroupedConfig
+    config: GroupedConfig | GroupedFp8Config
     arch: Arch = Arch.SM90A
 
     @functools.cached_property
     def key(self) -> str:
         return build_cache.key({
-            "launcher": build_cache.digest(LAUNCHER.read_bytes()), "nvcc": nvcc_version(),
+            "launcher": build_cache.digest(self.config.launcher.read_bytes()),
+            "nvcc": nvcc_version(),
             "flags": nvcc_flags(self.arch), "arch": self.arch.value,
             "defines": list(self.config.defines())})
 
@@ -168,7 +227,8 @@ class GroupedBuild:
 
 def _compile(spec: GroupedBuild, library: Path) -> build_cache.Built:
     command = [nvcc_path(), *nvcc_flags(spec.arch), *(f"-D{d}" for d in spec.config.defines()),
-               *(f"-I{d}" for d in cutlass_include_dirs()), "-o", str(library), str(LAUNCHER)]
+               *(f"-I{d}" for d in cutlass_include_dirs()), "-o", str(library),
+               str(spec.config.launcher)]
     start = time.perf_counter()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
@@ -182,7 +242,7 @@ def _compile(spec: GroupedBuild, library: Path) -> build_cache.Built:
                               "name": spec.config.name}, log)
 
 
-def build(config: GroupedConfig, arch: Arch = Arch.SM90A, *,
+def build(config: GroupedConfig | GroupedFp8Config, arch: Arch = Arch.SM90A, *,
           retry_failed: bool = False) -> Path:
     """The kernel library of ``config``: from the build cache, or compiled now (raises
     BuildError with nvcc's log kept)."""
@@ -223,5 +283,5 @@ def candidates(problem: GroupedProblem, strategy: str = "default") -> list[Group
     return ranked[:limit]
 
 
-__all__ = ["GroupedConfig", "GroupedProblem", "GroupedBuild", "build", "bucket", "candidates",
-           "config_from_name", "LAUNCHER"]
+__all__ = ["GroupedConfig", "GroupedFp8Config", "GroupedProblem", "GroupedBuild", "build", "bucket",
+           "candidates", "config_from_name", "LAUNCHER", "FP8_LAUNCHER"]

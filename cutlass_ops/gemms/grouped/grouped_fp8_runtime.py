@@ -1,0 +1,145 @@
+"""Running the FP8 blockwise grouped kernel (``grouped_build.GroupedFp8Config``,
+``csrc/grouped_fp8_launcher.cu``; issue 53) on torch tensors, and its float32 reference.
+
+The semantics (the forward of an FP8 mixture-of-experts layer, DeepSeek-V3's recipe):
+
+    out[rows of expert g] = (a[rows of g] * scale_a) @ (b[g] * scale_b[g])^T   in float32, as bf16
+
+with ``a`` [M, K] e4m3 (tokens sorted by expert; ``offs`` [E] int32, cumulative ends, never read
+on the host), ``b`` [E, N, K] e4m3 (each expert's weight, K contiguous), ``scale_a`` [M, K/128]
+float32 (one scale a token and 128 columns; stored M contiguous, as torch._scaled_mm's blockwise
+``scale_a``) and ``scale_b`` [E, N/128, K/128] float32 (one a 128x128 block of a weight; stored
+with N blocks contiguous). ``blockwise_scales_layout`` gives both in the layouts the kernel reads.
+
+Not yet reachable from the public API: the kernel builds (``tests/compile``) but has not run on a
+GPU; ``cutlass_ops.scaled_grouped_mm`` comes once it has (docs/measurements.md, issue 53).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from custom_kernels.core.errors import KernelLaunchError, UnsupportedInputError
+from cutlass_ops.gemms.grouped.grouped_build import GroupedFp8Config, build
+
+ABI_VERSION = 1
+BLOCK = 128  # K (and N for the weights) elements one scale covers
+FP8 = torch.float8_e4m3fn
+
+
+class _Args(ctypes.Structure):
+    """CutlassOpsGroupedFp8Args of the launcher (strides in elements)."""
+
+    _fields_ = [("groups", ctypes.c_int32),
+                ("m_total", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("offs", ctypes.c_void_p), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p),
+                ("d", ctypes.c_void_p), ("scale_a", ctypes.c_void_p),
+                ("scale_b", ctypes.c_void_p),
+                *((name, ctypes.c_int64) for name in (
+                    "a_stride_m", "b_stride_n", "b_stride_group", "d_stride_m")),
+                ("sm_count", ctypes.c_int32), ("device", ctypes.c_int32)]
+
+
+@functools.lru_cache(maxsize=None)
+def library(path: Path) -> ctypes.CDLL:
+    """The kernel library at ``path``, loaded once, its ABI checked."""
+    lib = ctypes.CDLL(str(path))
+    lib.cutlass_ops_grouped_fp8_last_error.restype = ctypes.c_char_p
+    lib.cutlass_ops_grouped_fp8_run.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p,
+                                                ctypes.c_size_t, ctypes.c_void_p]
+    lib.cutlass_ops_grouped_fp8_workspace_size.argtypes = [ctypes.POINTER(_Args),
+                                                           ctypes.POINTER(ctypes.c_size_t)]
+    version = lib.cutlass_ops_grouped_fp8_abi_version()
+    if version != ABI_VERSION:
+        raise KernelLaunchError(f"{path}: launcher ABI {version}, expected {ABI_VERSION}; "
+                                "rebuild it")
+    return lib
+
+
+def refusal(a, b, scale_a, scale_b, offs) -> Optional[str]:
+    """Why the kernel cannot take these operands, or None."""
+    if a.dtype != FP8 or b.dtype != FP8:
+        return f"the FP8 grouped kernel takes e4m3 operands, not {a.dtype} and {b.dtype}"
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[2]:
+        return f"a [M, K] and b [E, N, K] with one K, not {tuple(a.shape)}, {tuple(b.shape)}"
+    experts, n, k = b.shape
+    if n % BLOCK or k % BLOCK:
+        return f"N and K must be multiples of {BLOCK}, not {n} and {k}"
+    if a.stride(1) != 1 or b.stride(2) != 1:
+        return "a's rows and b's rows (each expert's [N, K]) must be K contiguous"
+    if offs is None or offs.dtype != torch.int32 or offs.shape != (experts,):
+        return f"offs must be int32 of shape ({experts},)"
+    m = a.shape[0]
+    if scale_a.dtype != torch.float32 or scale_a.shape != (m, k // BLOCK) or \
+            (m > 1 and scale_a.stride(0) != 1) or scale_a.stride(1) != m:
+        return (f"scale_a must be float32 [{m}, {k // BLOCK}] with M contiguous "
+                "(blockwise_scales_layout)")
+    if scale_b.dtype != torch.float32 or scale_b.shape != (experts, n // BLOCK, k // BLOCK) or \
+            not scale_b.transpose(1, 2).is_contiguous():
+        return (f"scale_b must be float32 [{experts}, {n // BLOCK}, {k // BLOCK}] with N blocks "
+                "contiguous (blockwise_scales_layout)")
+    tensors = (a, b, scale_a, scale_b, offs)
+    if any(t.device != a.device for t in tensors) or a.device.type != "cuda":
+        return "every tensor on one CUDA device"
+    return None
+
+
+def blockwise_scales_layout(scale_a: torch.Tensor, scale_b: torch.Tensor):
+    """``scale_a`` [M, K/128] and ``scale_b`` [E, N/128, K/128] in the layouts the kernel reads
+    (M contiguous; N blocks contiguous), copied only where they are not already."""
+    m = scale_a.shape[0]
+    if scale_a.stride(1) != m or (m > 1 and scale_a.stride(0) != 1):
+        scale_a = scale_a.t().contiguous().t()
+    if not scale_b.transpose(1, 2).is_contiguous():
+        scale_b = scale_b.transpose(1, 2).contiguous().transpose(1, 2)
+    return scale_a, scale_b
+
+
+def run(config: GroupedFp8Config, a, b, scale_a, scale_b, offs) -> torch.Tensor:
+    """The kernel's product as a new bf16 [M, N] tensor, on torch's current stream."""
+    why = refusal(a, b, scale_a, scale_b, offs)
+    if why:
+        raise UnsupportedInputError(why)
+    experts, n, k = b.shape
+    out = torch.empty((a.shape[0], n), dtype=torch.bfloat16, device=a.device)
+    args = _Args(groups=experts, m_total=a.shape[0], n=n, k=k, offs=offs.data_ptr(),
+                 a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
+                 scale_a=scale_a.data_ptr(), scale_b=scale_b.data_ptr(),
+                 a_stride_m=a.stride(0), b_stride_n=b.stride(1), b_stride_group=b.stride(0),
+                 d_stride_m=out.stride(0),
+                 sm_count=torch.cuda.get_device_properties(a.device).multi_processor_count,
+                 device=a.device.index)
+    lib = library(build(config))
+    size = ctypes.c_size_t(0)
+    if lib.cutlass_ops_grouped_fp8_workspace_size(ctypes.byref(args), ctypes.byref(size)):
+        raise KernelLaunchError(lib.cutlass_ops_grouped_fp8_last_error().decode())
+    workspace = torch.empty(size.value, dtype=torch.uint8, device=a.device)
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    status = lib.cutlass_ops_grouped_fp8_run(ctypes.byref(args), workspace.data_ptr(),
+                                             size.value, stream)
+    if status:
+        raise KernelLaunchError(f"{config.name}: "
+                                f"{lib.cutlass_ops_grouped_fp8_last_error().decode()}")
+    return out
+
+
+def reference(a, b, scale_a, scale_b, offs) -> torch.Tensor:
+    """The float32 product the kernel computes, as bf16: each operand dequantized by its block
+    scales, one matmul an expert (groups read from ``offs`` on the host: a reference only; one
+    expert's weight dequantized at a time). Rows past the last offset are zero."""
+    experts, n, k = b.shape
+    a32 = a.float() * scale_a.float().repeat_interleave(BLOCK, dim=1)[:, :k]
+    out = torch.zeros((a.shape[0], n), dtype=torch.float32, device=a.device)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        end = max(end, start)
+        if end > start:
+            scales = scale_b[g].float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+            out[start:end] = a32[start:end] @ (b[g].float() * scales[:n, :k]).t()
+        start = end
+    return out.to(torch.bfloat16)

@@ -1,0 +1,92 @@
+"""The FP8 blockwise grouped GEMM's semantics on the CPU (cutlass_ops.gemms.grouped.
+grouped_fp8_runtime, issue 53): its float32 reference against the definition written out element
+by element, the scale layouts the kernel reads, the inputs it refuses, and the kernel configs'
+names. The kernel itself: tests/compile (it builds) and, once run, tests/gpu."""
+
+import pytest
+import torch
+
+from cutlass_ops.gemms.grouped import grouped_build
+from cutlass_ops.gemms.grouped import grouped_fp8_runtime as fp8g
+
+FP8 = torch.float8_e4m3fn
+
+
+def _operands(offs, n=256, k=384, experts=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    experts = experts or len(offs)
+    m = max(offs) if offs else 0
+    a = (torch.randn(m, k, generator=g) * 2).to(FP8)
+    b = (torch.randn(experts, n, k, generator=g) * 2).to(FP8)
+    scale_a = torch.rand(m, k // 128, generator=g) + 0.5
+    scale_b = torch.rand(experts, n // 128, k // 128, generator=g) + 0.5
+    return a, b, scale_a, scale_b, torch.tensor(offs, dtype=torch.int32)
+
+
+def _by_definition(a, b, scale_a, scale_b, offs):
+    """out[i, j] = sum_k a[i, k] sA[i, k // 128] * b[g(i), j, k] sB[g(i), j // 128, k // 128]."""
+    m, k = a.shape
+    n = b.shape[1]
+    out = torch.zeros(m, n, dtype=torch.float64)
+    ends = offs.tolist()
+    for i in range(m):
+        g = next(e for e, end in enumerate(ends) if i < end)
+        for j in range(n):
+            total = 0.0
+            for kk in range(k):
+                total += (float(a[i, kk]) * float(scale_a[i, kk // 128]) *
+                          float(b[g, j, kk]) * float(scale_b[g, j // 128, kk // 128]))
+            out[i, j] = total
+    return out
+
+
+def test_the_reference_is_the_definition_with_an_empty_expert():
+    a, b, scale_a, scale_b, offs = _operands([3, 3, 7], n=128, k=256)
+    got = fp8g.reference(a, b, scale_a, scale_b, offs)
+    expected = _by_definition(a, b, scale_a, scale_b, offs)
+    torch.testing.assert_close(got.double(), expected.to(torch.bfloat16).double(), rtol=1e-2,
+                               atol=1e-2)
+
+
+def test_rows_past_the_last_offset_stay_zero():
+    a, b, scale_a, scale_b, _ = _operands([4, 8])
+    out = fp8g.reference(a, b, scale_a, scale_b, torch.tensor([4, 6], dtype=torch.int32))
+    assert out[6:].abs().sum() == 0 and out[:6].abs().sum() > 0
+
+
+def test_scales_come_out_in_the_layouts_the_kernel_reads():
+    a, b, scale_a, scale_b, offs = _operands([5, 9])
+    sa, sb = fp8g.blockwise_scales_layout(scale_a, scale_b)
+    assert sa.stride() == (1, sa.shape[0]) and torch.equal(sa, scale_a)
+    assert sb.transpose(1, 2).is_contiguous() and torch.equal(sb, scale_b)
+    again = fp8g.blockwise_scales_layout(sa, sb)
+    assert again[0].data_ptr() == sa.data_ptr() and again[1].data_ptr() == sb.data_ptr()
+
+
+@pytest.mark.parametrize("change, message", [
+    ("a_dtype", "e4m3"), ("k", "multiples of 128"), ("offs_dtype", "int32"),
+    ("scale_a_layout", "M contiguous"), ("scale_b_shape", "N blocks"), ("cpu", "CUDA")])
+def test_the_kernel_refuses_what_it_cannot_read(change, message):
+    a, b, scale_a, scale_b, offs = _operands([5, 9])
+    scale_a, scale_b = fp8g.blockwise_scales_layout(scale_a, scale_b)
+    if change == "a_dtype":
+        a = a.to(torch.bfloat16)
+    elif change == "k":
+        a, b = a[:, :200], b[:, :, :200]
+    elif change == "offs_dtype":
+        offs = offs.long()
+    elif change == "scale_a_layout":
+        scale_a = scale_a.contiguous()
+    elif change == "scale_b_shape":
+        scale_b = scale_b[:, :1]
+    why = fp8g.refusal(a, b, scale_a, scale_b, offs)
+    assert why is not None and message in why
+
+
+def test_config_names_round_trip_and_bad_configs_are_refused():
+    config = grouped_build.GroupedFp8Config(pingpong=True, tile=(64, 128), cluster=(2, 1))
+    assert grouped_build.GroupedFp8Config.from_name(config.name) == config
+    assert config.launcher.name == "grouped_fp8_launcher.cu" and config.launcher.is_file()
+    for bad in (dict(tile=(64, 128)), dict(tile=(128, 96)), dict(cluster=(2, 2))):
+        with pytest.raises(ValueError, match="grouped FP8 config"):
+            grouped_build.GroupedFp8Config(**bad)

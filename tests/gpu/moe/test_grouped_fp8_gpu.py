@@ -1,0 +1,73 @@
+"""The FP8 blockwise grouped kernel on the GPU (issue 53; marker gpu): against its float32
+reference on even, Zipf-skewed and empty-expert routings at Mixtral-, Qwen3-30B-A3B- and
+DeepSeek-V3-shaped experts, for each schedule; captured in a CUDA graph with the offsets changed
+between replays (never read on the host). Not yet run: written with the kernel, for the next
+GPU session."""
+
+import pytest
+import torch
+
+from cutlass_ops.gemms.grouped import grouped_build
+from cutlass_ops.gemms.grouped import grouped_fp8_runtime as fp8g
+
+pytestmark = pytest.mark.gpu
+
+FP8 = torch.float8_e4m3fn
+CONFIGS = [grouped_build.GroupedFp8Config(),
+           grouped_build.GroupedFp8Config(pingpong=True, tile=(64, 128))]
+# (experts, N, K): Mixtral's gate+up, Qwen3-30B-A3B's gate+up, DeepSeek-V3's down
+SHAPES = [(8, 2 * 14336, 4096), (128, 2 * 768, 2048), (256, 7168, 2048)]
+
+
+def _routing(kind, experts, tokens, generator):
+    if kind == "even":
+        counts = torch.full((experts,), tokens // experts)
+    elif kind == "skewed":
+        weights = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** 1.2
+        counts = (weights / weights.sum() * tokens).floor().long()
+    else:  # every other expert empty
+        counts = torch.zeros(experts, dtype=torch.long)
+        counts[::2] = tokens // ((experts + 1) // 2)
+    return torch.cumsum(counts, 0).to(torch.int32)
+
+
+def _operands(experts, n, k, offs, generator):
+    m = int(offs[-1])
+    a = (torch.randn(m, k, generator=generator) * 2).to(FP8)
+    b = (torch.randn(experts, n, k, generator=generator) * 2).to(FP8)
+    scale_a = torch.rand(m, k // 128, generator=generator) + 0.5
+    scale_b = torch.rand(experts, n // 128, k // 128, generator=generator) + 0.5
+    scale_a, scale_b = fp8g.blockwise_scales_layout(scale_a, scale_b)
+    return [t.cuda() for t in (a, b, scale_a, scale_b, offs)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("routing", ["even", "skewed", "empty"])
+def test_matches_the_reference(config, shape, routing):
+    experts, n, k = shape
+    generator = torch.Generator().manual_seed(experts + n)
+    offs = _routing(routing, experts, 4096, generator)
+    a, b, scale_a, scale_b, offs = _operands(experts, n, k, offs, generator)
+    out = fp8g.run(config, a, b, scale_a, scale_b, offs)
+    expected = fp8g.reference(a, b, scale_a, scale_b, offs)
+    error = ((out.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30))
+    assert error < 1e-2, f"relative error {error:.3g}"
+
+
+def test_a_cuda_graph_replays_new_offsets():
+    config = CONFIGS[0]
+    experts, n, k = 8, 512, 1024
+    generator = torch.Generator().manual_seed(0)
+    offs = _routing("even", experts, 1024, generator)
+    a, b, scale_a, scale_b, offs = _operands(experts, n, k, offs, generator)
+    fp8g.run(config, a, b, scale_a, scale_b, offs)  # loads the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8g.run(config, a, b, scale_a, scale_b, offs)
+    offs.copy_(_routing("skewed", experts, 1024, generator).cuda())
+    graph.replay()
+    end = int(offs[-1])  # rows past the last offset are not written
+    torch.testing.assert_close(out[:end].float(),
+                               fp8g.reference(a, b, scale_a, scale_b, offs)[:end].float(),
+                               rtol=2e-2, atol=2e-2)
