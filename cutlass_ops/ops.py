@@ -189,8 +189,9 @@ def host_linear(x: Tensor, weight: Tensor) -> Optional[Tensor]:
     autograd node, the backward products through ``cutlass_ops::mm``), or None when it does not
     take the call: not loaded (yet), traced or non-plain tensors, rows that are not contiguous, a
     product dispatch has not recorded (its first call records it)."""
-    if _host_linear[1] or torch.compiler.is_compiling() or not plain_eager(x, weight):
-        return None
+    if (_host_linear[1] or torch.compiler.is_compiling() or not plain_eager(x, weight)
+            or not x.is_cuda):
+        return None  # (off CUDA: nothing to launch, and no reason to build the library)
     if not HOST_LINEAR_WITH_GRAD and torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad):
         return None

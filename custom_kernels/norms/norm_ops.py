@@ -483,8 +483,8 @@ def host_norm(kind, x, weight, bias, residual, eps):
     (yet), traced or non-plain tensors, or inputs it has no record for. Then the Python path
     runs, and records its plan for the next call. ``kind``: "rms" (bias None) or "ln"."""
     if (_host_op[1] or weight is None or torch.compiler.is_compiling()
-            or not plain_eager(x, weight, bias, residual)):
-        return None
+            or not plain_eager(x, weight, bias, residual) or not x.is_cuda):
+        return None  # (off CUDA: nothing to launch, and no reason to build the library)
     op = _host_op[0]
     if op is None:
         ops = host_ops.ops()

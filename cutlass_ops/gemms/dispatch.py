@@ -642,8 +642,8 @@ def host_gemm(a, b):
     """The compiled host path's plain product (``custom_kernels.host_ops``): ``a @ b`` on a
     recorded CUTLASS route, or None when it does not take the call (not loaded yet, traced or
     non-plain tensors, a signature with no record: then the Python route runs, and records)."""
-    if _host_gemm[1] or torch.compiler.is_compiling() or not plain_eager(a, b):
-        return None
+    if _host_gemm[1] or torch.compiler.is_compiling() or not plain_eager(a, b) or not a.is_cuda:
+        return None  # (off CUDA: nothing to launch, and no reason to build the library)
     op = _host_gemm[0]
     if op is None:
         ops = host_ops.ops()
