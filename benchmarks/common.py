@@ -38,6 +38,11 @@ def require_gpu() -> None:
         print(f"{script} needs an sm90 CUDA GPU: {reason} (see README.md, Install)",
               file=sys.stderr)
         raise SystemExit(2)
+    from custom_kernels import host_ops
+
+    # Eager calls take the compiled host path once it is loaded: built (about 20 s, once per
+    # torch) or found before anything is timed, so that no figure mixes the two paths.
+    host_ops.ops(wait=True)
 
 
 def require_gpu_and_dsl() -> None:
@@ -58,6 +63,7 @@ def versions() -> dict:
 
     from cutlass_ops import __version__
     from cutlass_ops.gemms.build import nvcc_version
+    from custom_kernels import host_ops
 
     def run(*cmd):
         try:
@@ -74,6 +80,7 @@ def versions() -> dict:
         "driver": run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
         .splitlines()[0] if run("nvidia-smi", "-L") else "unknown",
         "project": f"{__version__}+{commit or 'unknown'}",
+        "host_path": host_ops.status(),
     }
 
 

@@ -143,6 +143,15 @@ def ops(wait: bool | None = None):
     return _state["ops"]
 
 
+def status() -> str:
+    """"compiled" (loaded in this process), "off: <why>", or "not loaded" (not asked for yet, or
+    still building): what result files record. Starts nothing."""
+    if _state["ops"] is not None:
+        return "compiled"
+    why = why_not()
+    return f"off: {why}" if why else "not loaded"
+
+
 def why_not() -> str | None:
     """Why the compiled path is off in this process, or None (on, or still building)."""
     if os.environ.get(ENV_VAR, "1") == "0":

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.compile, pytest.mark.smoke]
 def host():
     loaded = host_ops.ops(wait=True)
     assert loaded is not None, host_ops.why_not()
+    assert host_ops.status() == "compiled"
     return loaded
 
 
@@ -79,6 +80,7 @@ def test_the_public_functions_fall_back_to_the_reference_on_cpu(host):
 def test_the_path_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(host_ops.ENV_VAR, "0")
     monkeypatch.setattr(host_ops, "_state", {"ops": None, "thread": None, "why_not": None})
+    assert host_ops.status() == f"off: {host_ops.ENV_VAR}=0"  # starts nothing
     assert host_ops.ops(wait=True) is None
     assert host_ops.why_not() == f"{host_ops.ENV_VAR}=0"
 
