@@ -36,6 +36,7 @@ from benchmarks.common import (print_table, private_cache_with_online_compile,  
                                require_gpu, write_result)
 from custom_kernels import host_ops, norms  # noqa: E402
 from custom_kernels.norms import norm_ops  # noqa: E402
+from cutlass_ops import ops  # noqa: E402
 from cutlass_ops.gemms import dispatch  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 
@@ -51,17 +52,17 @@ def us_per_call(fn, calls: int) -> float:
 
 @contextlib.contextmanager
 def python_path():
-    """Our Python path alone: the compiled host path switched off for the block (the flags
-    ``norm_ops.host_norm`` and ``dispatch.host_gemm`` read first), to time the path before it."""
-    flags = (norm_ops._host_op, dispatch._host_gemm)
-    saved = [f[1] for f in flags]
-    for f in flags:
-        f[1] = True
+    """Our Python path alone: the compiled host path switched off for the block (the flags its
+    entry points read first), to time the path before it."""
+    lazy = (norm_ops.HOST_NORM, dispatch.HOST_GEMM, ops.HOST_LINEAR)
+    saved = [op.off for op in lazy]
+    for op in lazy:
+        op.off = True
     try:
         yield
     finally:
-        for f, value in zip(flags, saved):
-            f[1] = value
+        for op, value in zip(lazy, saved):
+            op.off = value
 
 
 def row(case: str, ours, theirs, reference_name: str, batches: int, calls: int,

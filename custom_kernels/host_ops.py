@@ -159,6 +159,31 @@ def why_not() -> str | None:
     return _state["why_not"]
 
 
+class LazyOp:
+    """One op of the compiled host path for a family's hot call: ``op`` once loaded (None before),
+    ``off`` once the path is off for good (``CUTLASS_OPS_HOST_PATH=0`` or a failed build), so
+    that a warm call costs an attribute read either way. ``on_load(ops)`` runs once, before the
+    op is handed out (an op naming its helpers)."""
+
+    __slots__ = ("name", "op", "off", "on_load")
+
+    def __init__(self, name: str, on_load=None):
+        self.name, self.op, self.off, self.on_load = name, None, False, on_load
+
+    def load(self):
+        """The op, loading (or starting the build of) the library; None while building or
+        when the path is off."""
+        if self.op is None and not self.off:
+            host = ops()
+            if host is None:
+                self.off = why_not() is not None
+                return None
+            if self.on_load is not None:
+                self.on_load(host)
+            self.op = getattr(host, self.name).default
+        return self.op
+
+
 # ---- records ---------------------------------------------------------------------------------
 
 _recorded: set = set()

@@ -189,24 +189,18 @@ def host_linear(x: Tensor, weight: Tensor) -> Optional[Tensor]:
     autograd node, the backward products through ``cutlass_ops::mm``), or None when it does not
     take the call: not loaded (yet), traced or non-plain tensors, rows that are not contiguous, a
     product dispatch has not recorded (its first call records it)."""
-    if (_host_linear[1] or torch.compiler.is_compiling() or not plain_eager(x, weight)
+    if (HOST_LINEAR.off or torch.compiler.is_compiling() or not plain_eager(x, weight)
             or not x.is_cuda):
         return None  # (off CUDA: nothing to launch, and no reason to build the library)
     if not HOST_LINEAR_WITH_GRAD and torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad):
         return None
-    op = _host_linear[0]
-    if op is None:
-        host = host_ops.ops()
-        if host is None:
-            _host_linear[1] = host_ops.why_not() is not None  # off for good: no more lookups
-            return None
-        host.set_product_op("cutlass_ops::mm")
-        op = _host_linear[0] = host.linear.default
-    return op(x, weight)
+    op = HOST_LINEAR.op or HOST_LINEAR.load()
+    return None if op is None else op(x, weight)
 
 
-_host_linear: list = [None, False]  # [the op once loaded, whether the path is off for good]
+# The backward's products go through cutlass_ops::mm: named once the library is loaded.
+HOST_LINEAR = host_ops.LazyOp("linear", on_load=lambda host: host.set_product_op("cutlass_ops::mm"))
 # The C++ Linear's autograd node (its backward products through cutlass_ops::mm) is built and its
 # forward measured, but its backward has not yet run on a GPU: until it has
 # (tests/gpu/test_host_ops_gpu.py, which turns this on), calls wanting gradients take _EagerLinear.

@@ -482,25 +482,19 @@ def host_norm(kind, x, weight, bias, residual, eps):
     with a residual) in x's dtype, or None when that path does not take the call: not loaded
     (yet), traced or non-plain tensors, or inputs it has no record for. Then the Python path
     runs, and records its plan for the next call. ``kind``: "rms" (bias None) or "ln"."""
-    if (_host_op[1] or weight is None or torch.compiler.is_compiling()
+    if (HOST_NORM.off or weight is None or torch.compiler.is_compiling()
             or not plain_eager(x, weight, bias, residual) or not x.is_cuda):
         return None  # (off CUDA: nothing to launch, and no reason to build the library)
-    op = _host_op[0]
+    op = HOST_NORM.op or HOST_NORM.load()
     if op is None:
-        ops = host_ops.ops()
-        if ops is None:
-            _host_op[1] = host_ops.why_not() is not None  # off for good: no more lookups
-            return None
-        op = _host_op[0] = ops.norm.default
+        return None
     y, res_out = op(0 if kind == "rms" else 1, x, weight, bias, residual, float(eps))
     if y is None:
         return None
     return (y, res_out) if residual is not None else y
 
 
-# [the op once loaded, whether the path is off for good (CUTLASS_OPS_HOST_PATH=0 or a failed
-# build): then each call costs one list read]
-_host_op: list = [None, False]
+HOST_NORM = host_ops.LazyOp("norm")
 
 
 def _norm(kind, x, weight, bias, residual, eps, out_dtype, config):

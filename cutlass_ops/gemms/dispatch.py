@@ -642,19 +642,13 @@ def host_gemm(a, b):
     """The compiled host path's plain product (``custom_kernels.host_ops``): ``a @ b`` on a
     recorded CUTLASS route, or None when it does not take the call (not loaded yet, traced or
     non-plain tensors, a signature with no record: then the Python route runs, and records)."""
-    if _host_gemm[1] or torch.compiler.is_compiling() or not plain_eager(a, b) or not a.is_cuda:
+    if HOST_GEMM.off or torch.compiler.is_compiling() or not plain_eager(a, b) or not a.is_cuda:
         return None  # (off CUDA: nothing to launch, and no reason to build the library)
-    op = _host_gemm[0]
-    if op is None:
-        ops = host_ops.ops()
-        if ops is None:
-            _host_gemm[1] = host_ops.why_not() is not None  # off for good: no more lookups
-            return None
-        op = _host_gemm[0] = ops.gemm.default
-    return op(a, b)
+    op = HOST_GEMM.op or HOST_GEMM.load()
+    return None if op is None else op(a, b)
 
 
-_host_gemm: list = [None, False]  # [the op once loaded, whether the path is off for good]
+HOST_GEMM = host_ops.LazyOp("gemm")
 
 
 def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=None,

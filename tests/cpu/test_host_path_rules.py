@@ -48,9 +48,9 @@ def test_a_path_that_is_off_stays_off_without_lookups(monkeypatch):
     calls = []
     monkeypatch.setattr(host_ops, "ops", lambda wait=None: calls.append(1))
     monkeypatch.setattr(host_ops, "why_not", lambda: "built for another torch")
-    monkeypatch.setattr(norm_ops, "_host_op", [None, False])
+    monkeypatch.setattr(norm_ops, "HOST_NORM", host_ops.LazyOp("norm"))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     x, w = torch.randn(2, 64), torch.ones(64)
     assert norm_ops.host_norm("rms", x, w, None, None, 1e-6) is None
     assert norm_ops.host_norm("rms", x, w, None, None, 1e-6) is None
-    assert calls == [1] and norm_ops._host_op[1] is True
+    assert calls == [1] and norm_ops.HOST_NORM.off is True
