@@ -24,19 +24,17 @@ def _operands(offs, n=256, k=384, experts=None, seed=0):
 
 
 def _by_definition(a, b, scale_a, scale_b, offs):
-    """out[i, j] = sum_k a[i, k] sA[i, k // 128] * b[g(i), j, k] sB[g(i), j // 128, k // 128]."""
+    """out[i, j] = sum_k a[i, k] sA[i, k // 128] * b[g(i), j, k] sB[g(i), j // 128, k // 128],
+    g(i) the expert whose offsets hold row i; in float64, row by row."""
     m, k = a.shape
     n = b.shape[1]
+    kb, nb = torch.arange(k) // 128, torch.arange(n) // 128
     out = torch.zeros(m, n, dtype=torch.float64)
-    ends = offs.tolist()
     for i in range(m):
-        g = next(e for e, end in enumerate(ends) if i < end)
-        for j in range(n):
-            total = 0.0
-            for kk in range(k):
-                total += (float(a[i, kk]) * float(scale_a[i, kk // 128]) *
-                          float(b[g, j, kk]) * float(scale_b[g, j // 128, kk // 128]))
-            out[i, j] = total
+        g = int(torch.searchsorted(offs, torch.tensor(i, dtype=offs.dtype), right=True))
+        row = a[i].double() * scale_a[i].double()[kb]
+        weight = b[g].double() * scale_b[g].double()[nb][:, kb]
+        out[i] = weight @ row
     return out
 
 
