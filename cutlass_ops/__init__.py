@@ -70,6 +70,18 @@ def scaled_mm(a, b, scale_a, scale_b, *, bias=None, out_dtype=None, use_fast_acc
                       out_dtype=torch.bfloat16 if out_dtype is None else out_dtype)
 
 
+def scaled_grouped_mm(a, b, scale_a, scale_b, offs, *, out_dtype=None):
+    """FP8 grouped GEMMs, an MoE layer's forward: ``(a * scale_a) @ (b * scale_b)`` an expert at
+    a time in torch._scaled_grouped_mm's 2d-3d form, rowwise or blockwise scales (see
+    cutlass_ops.fp8.scaled_grouped_mm_op)."""
+    import torch
+
+    from cutlass_ops.fp8.scaled_grouped_mm_op import scaled_grouped_mm as _scaled_grouped_mm
+
+    return _scaled_grouped_mm(a, b, scale_a, scale_b, offs,
+                              out_dtype=torch.bfloat16 if out_dtype is None else out_dtype)
+
+
 def linear_cross_entropy(hidden, weight, labels, **options):
     """Cross-entropy of the LM head ``hidden @ weight.T`` against ``labels`` without
     materializing the logits (see cutlass_ops.fused_cross_entropy)."""

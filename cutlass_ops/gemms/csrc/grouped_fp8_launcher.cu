@@ -77,8 +77,9 @@ using LayoutD = cutlass::layout::RowMajor;
 constexpr int kAlignmentAB = 16 / sizeof(ElementAB);
 constexpr int kAlignmentD = 16 / sizeof(ElementD);
 
-static_assert(GROUPED_TILE_N % kScaleBlock == 0 || kScaleBlock % GROUPED_TILE_N == 0,
-              "a tile's N must tile the 128-wide scale blocks of B");
+static_assert(GROUPED_TILE_N == kScaleBlock,
+              "one 128-wide scale block of B a tile: CUTLASS's blockwise accumulation takes no "
+              "other (at N 256 it fails to compile)");
 using TileShape = Shape<Int<GROUPED_TILE_M>, Int<GROUPED_TILE_N>, Int<kScaleBlock>>;
 using ClusterShape = Shape<Int<GROUPED_CLUSTER_M>, Int<GROUPED_CLUSTER_N>, _1>;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;

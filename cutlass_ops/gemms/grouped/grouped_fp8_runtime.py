@@ -11,8 +11,9 @@ float32 (one scale a token and 128 columns; stored M contiguous, as torch._scale
 ``scale_a``) and ``scale_b`` [E, N/128, K/128] float32 (one a 128x128 block of a weight; stored
 with N blocks contiguous). ``blockwise_scales_layout`` gives both in the layouts the kernel reads.
 
-Not yet reachable from the public API: the kernel builds (``tests/compile``) but has not run on a
-GPU; ``cutlass_ops.scaled_grouped_mm`` comes once it has (docs/measurements.md, issue 53).
+``cutlass_ops.scaled_grouped_mm`` runs its blockwise calls here once the kernel has run on a GPU
+(``cutlass_ops.fp8.scaled_grouped_mm_op.BLOCKWISE_KERNEL``): it builds (``tests/compile``), its
+semantics are tested on the CPU, its GPU test is written (docs/measurements.md, issue 53).
 """
 
 from __future__ import annotations

@@ -1,0 +1,169 @@
+"""``cutlass_ops.scaled_grouped_mm``: FP8 grouped GEMMs, the forward of an FP8 mixture-of-experts
+layer (issue 53), in ``torch._scaled_grouped_mm``'s 2d-3d form, with torch's rowwise scales and
+the blockwise scales torch lacks:
+
+    out[rows of expert g] = (a[rows of g] * scale_a) @ (b[g] * scale_b[g])   in float32, as bf16
+
+- ``a`` [M, K] e4m3, row-major: the tokens, sorted by expert;
+- ``b`` [E, K, N] e4m3, K contiguous: each expert's ``nn.Linear`` weight [N, K] transposed;
+- ``offs`` [E] int32: cumulative ends of each expert's rows, never read on the host (a call can
+  be captured in a CUDA graph); rows past the last end are not written;
+- rowwise scales (torch's): ``scale_a`` [M] float32, ``scale_b`` [E, N];
+- blockwise scales (DeepSeek-V3's recipe): ``scale_a`` [M, K/128], one a token and 128 columns;
+  ``scale_b`` [E, K/128, N/128], one a 128x128 block of each expert's weight (``scaled_mm``'s
+  blockwise shapes with an expert dimension in front); any strides.
+
+The recipe is read from the scales' shapes, as ``scaled_mm`` reads it. Where a call runs:
+- tensors off a CUDA device: the dequantized float32 product (``reference``; the CPU rule of
+  ``custom_kernels.core.fallback``);
+- rowwise on a GPU: ``torch._scaled_grouped_mm``;
+- blockwise on a GPU: the CUTLASS FP8 blockwise grouped kernel
+  (``cutlass_ops.gemms.grouped.grouped_fp8_runtime``) once its GPU test has passed
+  (``BLOCKWISE_KERNEL``); until then, the documented fallback: both operands dequantized to bf16
+  and multiplied by ``cutlass_ops.grouped_mm`` (correct to bf16's rounding, slower, logged once).
+
+A custom op ``cutlass_ops::scaled_grouped_mm`` with a fake, so ``torch.compile(fullgraph=True)``
+traces it. FP8 operands take no gradient: the training step quantizes around the op.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import Tensor
+
+from cutlass_ops.moe.grouped import grouped_mm
+from custom_kernels.core import fallback
+from custom_kernels.core.errors import UnsupportedInputError
+
+ENTRY = "cutlass_ops.scaled_grouped_mm"
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+# The CUTLASS blockwise grouped kernel is built and its semantics tested on the CPU, but it has not
+# run on a GPU: tests/gpu/moe/test_grouped_fp8_gpu.py turns this on once it passes there.
+BLOCKWISE_KERNEL = False
+
+
+class GroupedRecipe(enum.Enum):
+    ROWWISE = "rowwise"
+    BLOCKWISE = "blockwise"
+
+
+def check(a, b, scale_a, scale_b, offs, out_dtype) -> GroupedRecipe:
+    """Every rule of a call, the recipe when they hold; UnsupportedInputError naming the rule
+    otherwise."""
+    tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "offs": offs}
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise UnsupportedInputError(f"{ENTRY}: {name} is a {type(t).__name__}, not a tensor")
+    if a.dtype != FP8 or b.dtype != FP8:
+        raise UnsupportedInputError(f"{ENTRY}: a and b must be float8_e4m3fn, not {a.dtype} and "
+                                    f"{b.dtype}")
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1]:
+        raise UnsupportedInputError(
+            f"{ENTRY} takes the 2d-3d form, a [M, K] and b [E, K, N] with one K; got "
+            f"{tuple(a.shape)} and {tuple(b.shape)}")
+    (m, k), (experts, _, n) = a.shape, b.shape
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise UnsupportedInputError(f"{ENTRY}: a must be row-major and b K contiguous (each "
+                                    "expert's [N, K] weight transposed)")
+    if offs.dtype != torch.int32 or offs.shape != (experts,):
+        raise UnsupportedInputError(f"{ENTRY}: offs must be int32 of shape ({experts},), got "
+                                    f"{offs.dtype} {tuple(offs.shape)}")
+    if out_dtype != torch.bfloat16:
+        raise UnsupportedInputError(f"{ENTRY} writes bfloat16, not {out_dtype}")
+    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+        raise UnsupportedInputError(f"{ENTRY}: scales must be float32")
+    sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
+    if sa in ((m,), (m, 1)) and sb in ((experts, n), (experts, 1, n)):
+        if k % 16 or n % 16:
+            raise UnsupportedInputError(f"{ENTRY}: rowwise K and N must be multiples of 16")
+        recipe = GroupedRecipe.ROWWISE
+    elif sa == (m, k // BLOCK) and sb == (experts, k // BLOCK, n // BLOCK):
+        if k % BLOCK or n % BLOCK:
+            raise UnsupportedInputError(f"{ENTRY}: blockwise K and N must be multiples of {BLOCK}")
+        recipe = GroupedRecipe.BLOCKWISE
+    else:
+        raise UnsupportedInputError(
+            f"{ENTRY}: scale_a {sa} and scale_b {sb} name no recipe for M={m}, K={k}, N={n}, "
+            f"E={experts}: rowwise ({m},) and ({experts}, {n}); blockwise ({m}, {k // BLOCK}) "
+            f"and ({experts}, {k // BLOCK}, {n // BLOCK})")
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise UnsupportedInputError(f"{ENTRY}: tensors on different devices: "
+                                    f"{sorted(map(str, devices))}")
+    return recipe
+
+
+def dequantized(a, b, scale_a, scale_b, recipe: GroupedRecipe, dtype=torch.float32):
+    """(a * scale_a, b * scale_b) in ``dtype``: a [M, K], b [E, K, N]."""
+    k, n = a.shape[1], b.shape[2]
+    if recipe is GroupedRecipe.ROWWISE:
+        a_scaled = a.float() * scale_a.reshape(-1, 1)
+        b_scaled = b.float() * scale_b.reshape(b.shape[0], 1, n)
+    else:
+        a_scaled = a.float() * scale_a.repeat_interleave(BLOCK, dim=1)[:, :k]
+        blocks = scale_b.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
+        b_scaled = b.float() * blocks[:, :k, :n]
+    return a_scaled.to(dtype), b_scaled.to(dtype)
+
+
+def reference(a, b, scale_a, scale_b, offs) -> Tensor:
+    """The float32 product, as bf16 (one matmul an expert, ``offs`` read on the host: the CPU rule
+    and the tests' reference); rows past the last end are zero."""
+    recipe = check(a, b, scale_a, scale_b, offs, torch.bfloat16)
+    a32, b32 = dequantized(a, b, scale_a, scale_b, recipe)
+    out = torch.zeros((a.shape[0], b.shape[2]), dtype=torch.float32, device=a.device)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        end = max(end, start)
+        if end > start:
+            out[start:end] = a32[start:end] @ b32[g]
+        start = end
+    return out.to(torch.bfloat16)
+
+
+def _blockwise_kernel(a, b, scale_a, scale_b, offs) -> Tensor:
+    from cutlass_ops.gemms.grouped import grouped_build, grouped_fp8_runtime
+
+    # The kernel reads each expert's weight as [N, K] and its scales N blocks first.
+    sa, sb = grouped_fp8_runtime.blockwise_scales_layout(scale_a, scale_b.transpose(1, 2))
+    return grouped_fp8_runtime.run(grouped_build.GroupedFp8Config(), a, b.transpose(1, 2), sa,
+                                   sb, offs)
+
+
+def _run(a, b, scale_a, scale_b, offs, out_dtype) -> Tensor:
+    recipe = check(a, b, scale_a, scale_b, offs, out_dtype)
+    if a.device.type != "cuda":
+        fallback.log_once(f"{ENTRY} uses the float32 reference",
+                          f"the tensors are on {a.device}, not a CUDA device")
+        return reference(a, b, scale_a, scale_b, offs)
+    if recipe is GroupedRecipe.ROWWISE:
+        return torch._scaled_grouped_mm(a, b, scale_a.reshape(-1), scale_b.reshape(b.shape[0], -1),
+                                        offs=offs, out_dtype=out_dtype)
+    if BLOCKWISE_KERNEL:
+        return _blockwise_kernel(a, b, scale_a, scale_b, offs)
+    fallback.log_once(f"{ENTRY} runs blockwise calls dequantized, through grouped_mm",
+                      "the FP8 blockwise grouped kernel has not yet run on a GPU")
+    a16, b16 = dequantized(a, b, scale_a, scale_b, recipe, torch.bfloat16)
+    return grouped_mm(a16, b16, offs, out_dtype=out_dtype)
+
+
+@torch.library.custom_op("cutlass_ops::scaled_grouped_mm", mutates_args=())
+def scaled_grouped_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor,
+                         out_dtype: torch.dtype) -> Tensor:
+    return _run(a, b, scale_a, scale_b, offs, out_dtype)
+
+
+@scaled_grouped_mm_op.register_fake
+def _(a, b, scale_a, scale_b, offs, out_dtype):
+    check(a, b, scale_a, scale_b, offs, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype)
+
+
+def scaled_grouped_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor, *,
+                      out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` an expert at a time (module docstring)."""
+    check(a, b, scale_a, scale_b, offs, out_dtype)  # by name, before torch's own schema refusal
+    return scaled_grouped_mm_op(a, b, scale_a, scale_b, offs, out_dtype)
