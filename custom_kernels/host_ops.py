@@ -100,6 +100,13 @@ def _compile(library: Path) -> build_cache.Built:
     return build_cache.Built({"torch": torch.__version__}, log)
 
 
+def built_path() -> Path | None:
+    """The library for this torch and compiler if the cache holds it whole, else None: a look,
+    no build (``cutlass-tune doctor``). Raises ToolchainError without a C++ compiler."""
+    entry = _entry()
+    return entry.artifact if build_cache.is_complete(entry) else None
+
+
 def build() -> Path:
     """The library, from the cache or compiled now. Raises BuildError or ToolchainError."""
     return build_cache.get_or_build(_entry(), _compile).path

@@ -94,6 +94,23 @@ def _package(name: str, purpose: str) -> Callable[[], str]:
     return probe
 
 
+def _host_path() -> str:
+    """The compiled host path (``custom_kernels.host_ops``): off, built, or to be built on the
+    first eager CUDA call (nothing is built here)."""
+    import os
+
+    from custom_kernels import host_ops
+
+    if os.environ.get(host_ops.ENV_VAR) == "0":
+        return f"off ({host_ops.ENV_VAR}=0): eager calls take the Python path"
+    compiler = f"{host_ops.compiler()} ({host_ops.compiler_version()})"
+    path = host_ops.built_path()
+    if path is None:
+        return (f"not built yet for this torch: builds on the first eager CUDA call in the "
+                f"background (about 20 s) with {compiler}")
+    return f"built at {path} with {compiler}"
+
+
 def _cache() -> str:
     from custom_kernels.core import cache_dir
     from tuning import tuned_families
@@ -121,6 +138,7 @@ def diagnose() -> dict[str, Any]:
         _check("cutlass", _cutlass, True),
         _check("cuda-python", _package("cuda-python", "custom kernels"), False),
         _check("nvrtc", _nvrtc, False),
+        _check("host path", _host_path, False),
         _check("nvidia-matmul-heuristics",
                _package("nvidia-matmul-heuristics", "optional: better ranking"), False),
         _check("matplotlib", _package("matplotlib", "optional: cutlass-tune report"), False),

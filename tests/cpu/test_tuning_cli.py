@@ -393,3 +393,19 @@ def test_show_says_where_a_short_winner_runs(capsys, monkeypatch):
     code, out, _ = run(capsys, "show", "16x4096x4096")
     assert code == 0 and "whole eager call: 45.0 us, torch.matmul's 27.0 us" in out
     assert "inside CUDA graphs only" in out
+
+
+def test_doctor_reports_the_host_path_without_building_it(capsys, monkeypatch):
+    from custom_kernels import host_ops
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("doctor built the host path")
+    monkeypatch.setattr(host_ops, "build", no_build)
+    monkeypatch.setattr(host_ops, "_compile", no_build)
+    report = json.loads(run(capsys, "doctor", "--json")[1])
+    [check] = [c for c in report["checks"] if c["what"] == "host path"]
+    assert check["ok"] and ("not built yet" in check["detail"] or "built at" in check["detail"])
+    monkeypatch.setenv(host_ops.ENV_VAR, "0")
+    report = json.loads(run(capsys, "doctor", "--json")[1])
+    [check] = [c for c in report["checks"] if c["what"] == "host path"]
+    assert check["detail"].startswith("off")
