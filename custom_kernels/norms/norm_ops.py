@@ -438,7 +438,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     Returns ``y``, or ``(y, new_residual)`` with a residual. ``config``: a ``NormConfig`` or its
     name, overriding the forward heuristic (the tuner's hook). Tensors off a CUDA device run
     ``rms_norm_reference`` (the CPU rule, ``custom_kernels.core.fallback``)."""
-    if config is None and out_dtype is None:
+    if config is None and out_dtype in (None, getattr(x, "dtype", None)):
         done = host_norm("rms", x, weight, None, residual, eps)
         if done is not None:
             return done
@@ -454,7 +454,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     """LayerNorm over the last dimension of ``x`` (after adding ``residual`` when given).
     Returns ``y``, or ``(y, new_residual)`` with a residual. Tensors off a CUDA device run
     ``layer_norm_reference``."""
-    if config is None and out_dtype is None and bias is not None:
+    if config is None and out_dtype in (None, getattr(x, "dtype", None)) and bias is not None:
         done = host_norm("ln", x, weight, bias, residual, eps)
         if done is not None:
             return done
@@ -499,14 +499,10 @@ HOST_NORM = host_ops.LazyOp("norm")
 
 def _norm(kind, x, weight, bias, residual, eps, out_dtype, config):
     """Under torch.compile (and export), the custom ops: the graph sees them with their fake
-    impls. Eagerly, the compiled host path when it takes the call (``host_norm``), else the same
-    kernels without torch's Python custom-op dispatch (it costs more host time a call than the
-    launch): directly when no gradient is needed, else through an autograd.Function whose
-    backward is the custom ops' backward."""
-    if config is None and out_dtype == x.dtype:
-        done = host_norm(kind, x, weight, bias, residual, eps)
-        if done is not None:
-            return done
+    impls. Eagerly, the same kernels without torch's Python custom-op dispatch (it costs more host
+    time a call than the launch): directly when no gradient is needed, else through an
+    autograd.Function whose backward is the custom ops' backward. (Its callers, the public
+    functions and the modules, try the compiled host path, ``host_norm``, before it.)"""
     if torch.compiler.is_compiling() or not plain_eager(x, weight, bias, residual):
         if kind == "rms":
             y, res_out, _ = torch.ops.custom_kernels.rms_norm_fwd(
