@@ -33,7 +33,7 @@ import enum
 import torch
 from torch import Tensor
 
-from cutlass_ops.moe.grouped import grouped_mm
+from cutlass_ops.moe.grouped import bounds, grouped_mm
 from custom_kernels.core import fallback
 from custom_kernels.core.errors import UnsupportedInputError
 
@@ -96,31 +96,35 @@ def check(a, b, scale_a, scale_b, offs, out_dtype) -> GroupedRecipe:
     return recipe
 
 
-def dequantized(a, b, scale_a, scale_b, recipe: GroupedRecipe, dtype=torch.float32):
-    """(a * scale_a, b * scale_b) in ``dtype``: a [M, K], b [E, K, N]."""
-    k, n = a.shape[1], b.shape[2]
+def dequantized_a(a, scale_a, recipe: GroupedRecipe, dtype=torch.float32) -> Tensor:
+    """a [M, K] times its scales, in ``dtype``."""
     if recipe is GroupedRecipe.ROWWISE:
-        a_scaled = a.float() * scale_a.reshape(-1, 1)
-        b_scaled = b.float() * scale_b.reshape(b.shape[0], 1, n)
-    else:
-        a_scaled = a.float() * scale_a.repeat_interleave(BLOCK, dim=1)[:, :k]
-        blocks = scale_b.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
-        b_scaled = b.float() * blocks[:, :k, :n]
-    return a_scaled.to(dtype), b_scaled.to(dtype)
+        return (a.float() * scale_a.reshape(-1, 1)).to(dtype)
+    return (a.float() * scale_a.repeat_interleave(BLOCK, dim=1)[:, :a.shape[1]]).to(dtype)
+
+
+def dequantized_b(b, scale_b, recipe: GroupedRecipe, dtype=torch.float32) -> Tensor:
+    """b [..., K, N] (all experts, or one) times its scales [..., N] / [..., K/128, N/128], in
+    ``dtype``."""
+    k, n = b.shape[-2:]
+    if recipe is GroupedRecipe.ROWWISE:
+        return (b.float() * scale_b.reshape(*b.shape[:-2], 1, n)).to(dtype)
+    blocks = scale_b.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    return (b.float() * blocks[..., :k, :n]).to(dtype)
 
 
 def reference(a, b, scale_a, scale_b, offs) -> Tensor:
-    """The float32 product, as bf16 (one matmul an expert, ``offs`` read on the host: the CPU rule
-    and the tests' reference); rows past the last end are zero."""
+    """The float32 product, as bf16: one matmul an expert, each expert's weight dequantized on
+    its own (``offs`` read on the host: the CPU rule and the tests' ground truth, the blockwise
+    kernel's too); rows past the last end are zero."""
     recipe = check(a, b, scale_a, scale_b, offs, torch.bfloat16)
-    a32, b32 = dequantized(a, b, scale_a, scale_b, recipe)
+    a32 = dequantized_a(a, scale_a, recipe)
     out = torch.zeros((a.shape[0], b.shape[2]), dtype=torch.float32, device=a.device)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        end = max(end, start)
+    if recipe is GroupedRecipe.ROWWISE:
+        scale_b = scale_b.reshape(b.shape[0], -1)
+    for g, (start, end) in enumerate(bounds(offs, a.shape[0])):
         if end > start:
-            out[start:end] = a32[start:end] @ b32[g]
-        start = end
+            out[start:end] = a32[start:end] @ dequantized_b(b[g], scale_b[g], recipe)
     return out.to(torch.bfloat16)
 
 
@@ -146,8 +150,8 @@ def _run(a, b, scale_a, scale_b, offs, out_dtype) -> Tensor:
         return _blockwise_kernel(a, b, scale_a, scale_b, offs)
     fallback.log_once(f"{ENTRY} runs blockwise calls dequantized, through grouped_mm",
                       "the FP8 blockwise grouped kernel has not yet run on a GPU")
-    a16, b16 = dequantized(a, b, scale_a, scale_b, recipe, torch.bfloat16)
-    return grouped_mm(a16, b16, offs, out_dtype=out_dtype)
+    return grouped_mm(dequantized_a(a, scale_a, recipe, torch.bfloat16),
+                      dequantized_b(b, scale_b, recipe, torch.bfloat16), offs, out_dtype=out_dtype)
 
 
 @torch.library.custom_op("cutlass_ops::scaled_grouped_mm", mutates_args=())

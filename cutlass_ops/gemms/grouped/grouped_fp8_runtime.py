@@ -1,5 +1,6 @@
 """Running the FP8 blockwise grouped kernel (``grouped_build.GroupedFp8Config``,
-``csrc/grouped_fp8_launcher.cu``; issue 53) on torch tensors, and its float32 reference.
+``csrc/grouped_fp8_launcher.cu``; issue 53) on torch tensors. Its float32 ground truth is
+``cutlass_ops.fp8.scaled_grouped_mm_op.reference`` (the public op's: b as [E, K, N]).
 
 The semantics (the forward of an FP8 mixture-of-experts layer, DeepSeek-V3's recipe):
 
@@ -127,20 +128,3 @@ def run(config: GroupedFp8Config, a, b, scale_a, scale_b, offs) -> torch.Tensor:
         raise KernelLaunchError(f"{config.name}: "
                                 f"{lib.cutlass_ops_grouped_fp8_last_error().decode()}")
     return out
-
-
-def reference(a, b, scale_a, scale_b, offs) -> torch.Tensor:
-    """The float32 product the kernel computes, as bf16: each operand dequantized by its block
-    scales, one matmul an expert (groups read from ``offs`` on the host: a reference only; one
-    expert's weight dequantized at a time). Rows past the last offset are zero."""
-    experts, n, k = b.shape
-    a32 = a.float() * scale_a.float().repeat_interleave(BLOCK, dim=1)[:, :k]
-    out = torch.zeros((a.shape[0], n), dtype=torch.float32, device=a.device)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        end = max(end, start)
-        if end > start:
-            scales = scale_b[g].float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-            out[start:end] = a32[start:end] @ (b[g].float() * scales[:n, :k]).t()
-        start = end
-    return out.to(torch.bfloat16)

@@ -1,11 +1,12 @@
-"""The FP8 blockwise grouped GEMM's semantics on the CPU (cutlass_ops.gemms.grouped.
-grouped_fp8_runtime, issue 53): its float32 reference against the definition written out element
-by element, the scale layouts the kernel reads, the inputs it refuses, and the kernel configs'
-names. The kernel itself: tests/compile (it builds) and, once run, tests/gpu."""
+"""The FP8 blockwise grouped kernel's operands on the CPU (cutlass_ops.gemms.grouped.
+grouped_fp8_runtime, issue 53): the layouts it reads mean what cutlass_ops.scaled_grouped_mm means
+(whose reference tests/cpu/fp8 checks against the definition), the scale layouts, the inputs it
+refuses, and the kernel configs' names. The kernel itself: tests/compile (it builds) and, once run, tests/gpu."""
 
 import pytest
 import torch
 
+from cutlass_ops.fp8 import scaled_grouped_mm_op as sgm
 from cutlass_ops.gemms.grouped import grouped_build
 from cutlass_ops.gemms.grouped import grouped_fp8_runtime as fp8g
 
@@ -23,32 +24,28 @@ def _operands(offs, n=256, k=384, experts=None, seed=0):
     return a, b, scale_a, scale_b, torch.tensor(offs, dtype=torch.int32)
 
 
-def _by_definition(a, b, scale_a, scale_b, offs):
-    """out[i, j] = sum_k a[i, k] sA[i, k // 128] * b[g(i), j, k] sB[g(i), j // 128, k // 128],
-    g(i) the expert whose offsets hold row i; in float64, row by row."""
-    m, k = a.shape
-    n = b.shape[1]
-    kb, nb = torch.arange(k) // 128, torch.arange(n) // 128
-    out = torch.zeros(m, n, dtype=torch.float64)
-    for i in range(m):
-        g = int(torch.searchsorted(offs, torch.tensor(i, dtype=offs.dtype), right=True))
-        row = a[i].double() * scale_a[i].double()[kb]
-        weight = b[g].double() * scale_b[g].double()[nb][:, kb]
-        out[i] = weight @ row
-    return out
+def _op_reference(a, b, scale_a, scale_b, offs):
+    """The public op's reference on the kernel's operands: b [E, N, K] and scale_b
+    [E, N/128, K/128] are the op's [E, K, N] and [E, K/128, N/128] transposed."""
+    return sgm.reference(a, b.transpose(1, 2), scale_a, scale_b.transpose(1, 2), offs)
 
 
-def test_the_reference_is_the_definition_with_an_empty_expert():
-    a, b, scale_a, scale_b, offs = _operands([3, 3, 7], n=128, k=256)
-    got = fp8g.reference(a, b, scale_a, scale_b, offs)
-    expected = _by_definition(a, b, scale_a, scale_b, offs)
-    torch.testing.assert_close(got.double(), expected.to(torch.bfloat16).double(), rtol=1e-2,
-                               atol=1e-2)
+def test_the_kernels_layouts_are_the_public_ops_semantics_with_an_empty_expert():
+    """The scales as the kernel reads them (re-laid by blockwise_scales_layout, b's transposed)
+    and as contiguous tensors in the op's orientation give one product: the layouts mean what
+    the op means (whose reference is checked against the definition in tests/cpu/fp8)."""
+    a, b, scale_a, scale_b, offs = _operands([3, 3, 7], n=256, k=384)
+    sa, sb = fp8g.blockwise_scales_layout(scale_a, scale_b)
+    got = _op_reference(a, b, sa, sb, offs)
+    expected = sgm.reference(a, b.transpose(1, 2), scale_a.contiguous(),
+                             scale_b.transpose(1, 2).contiguous(), offs)
+    assert torch.equal(got, expected)
+    assert got[:3].abs().sum() > 0 and got[3:7].abs().sum() > 0
 
 
 def test_rows_past_the_last_offset_stay_zero():
     a, b, scale_a, scale_b, _ = _operands([4, 8])
-    out = fp8g.reference(a, b, scale_a, scale_b, torch.tensor([4, 6], dtype=torch.int32))
+    out = _op_reference(a, b, scale_a, scale_b, torch.tensor([4, 6], dtype=torch.int32))
     assert out[6:].abs().sum() == 0 and out[:6].abs().sum() > 0
 
 
