@@ -19,7 +19,9 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <cuda.h>
@@ -31,6 +33,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -314,52 +317,91 @@ NormOutputs norm_forward(const NormRecord& r, const Tensor& x, const Tensor& wei
   return out;
 }
 
-// Backward through the Python custom ops (custom_kernels::rms_norm_bwd / layer_norm_bwd): the
-// same kernels and formulas as the Python path's autograd; a backward costs a whole train step's
-// share of host time, not an eager call's.
-struct NormFunction : public torch::autograd::Function<NormFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const Tensor& x, const Tensor& weight,
-                                                const std::optional<Tensor>& bias,
-                                                const std::optional<Tensor>& residual, double eps,
-                                                const NormRecord& record) {
-    NormOutputs out = norm_forward(record, x, weight, bias, residual, eps, /*stats=*/true);
-    const bool has_res = residual.has_value() && residual->defined();
-    const bool layer = bias.has_value() && bias->defined();
-    ctx->saved_data["layer"] = layer;
-    ctx->saved_data["has_residual"] = has_res;
-    ctx->save_for_backward({has_res ? out.res_out : x, weight, out.mean, out.rstd});
-    ctx->set_materialize_grads(false);
-    // Only defined outputs: autograd gives each output a gradient edge.
-    if (!has_res) return {out.y};
-    return {out.y, out.res_out};
+// The autograd nodes are written by hand, as torch's generated ones are (a Node subclass with
+// SavedVariable members, set_history on the outputs), not through torch::autograd::Function: the
+// Function machinery (its saved_data map, output wrapping and view checks) cost about 2.5 us a call
+// on the GPU host, a fifth of a whole grad-enabled norm call (docs/measurements.md, "Host cost").
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// A node's owning pointer: std::shared_ptr up to torch 2.12, c10::intrusive_ptr from 2.13. Both
+// are built here, so that the same file builds against either torch.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+template <typename T>
+NodePtr make_node() {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>)
+    return std::make_shared<T>();
+  else
+    return c10::make_intrusive<T>();
+}
+
+// A gradient for every input that needs one, through the Python custom ops
+// (custom_kernels::rms_norm_bwd / layer_norm_bwd): the same kernels and formulas as the Python
+// path's autograd. Inputs in order: x, weight, bias, residual.
+struct NormBackward : public Node {
+  SavedVariable h, weight, mean, rstd;  // h: the normalized input (x, or x + residual)
+  bool layer = false, has_residual = false;
+
+  std::string name() const override { return "CutlassOpsNormBackward"; }
+
+  void release_variables() override {
+    h.reset_data();
+    weight.reset_data();
+    mean.reset_data();
+    rstd.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    const Tensor& h = saved[0];
-    const bool layer = ctx->saved_data["layer"].toBool();
-    const bool has_res = ctx->saved_data["has_residual"].toBool();
-    Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(h);
-    c10::IValue d_res =
-        has_res && grads.size() > 1 && grads[1].defined() ? c10::IValue(grads[1]) : c10::IValue();
+  variable_list apply(variable_list&& grads) override {
+    // h is an output when a residual was added (the new residual), an input otherwise.
+    const Tensor h_ = has_residual ? h.unpack(getptr()) : h.unpack();
+    const Tensor w_ = weight.unpack();
+    Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(h_);
+    c10::IValue d_res = has_residual && grads.size() > 1 && grads[1].defined()
+                            ? c10::IValue(grads[1])
+                            : c10::IValue();
     static const c10::OperatorHandle rms_bwd =
         c10::Dispatcher::singleton().findSchemaOrThrow("custom_kernels::rms_norm_bwd", "");
     static const c10::OperatorHandle ln_bwd =
         c10::Dispatcher::singleton().findSchemaOrThrow("custom_kernels::layer_norm_bwd", "");
     torch::jit::Stack stack;
     if (layer)
-      stack = {dy, h, saved[1], saved[2], saved[3], d_res, c10::IValue()};
+      stack = {dy, h_, w_, mean.unpack(), rstd.unpack(), d_res, c10::IValue()};
     else
-      stack = {dy, h, saved[1], saved[3], d_res, c10::IValue()};
+      stack = {dy, h_, w_, rstd.unpack(), d_res, c10::IValue()};
     (layer ? ln_bwd : rms_bwd).callBoxed(&stack);
     Tensor dx = stack[0].toTensor();
-    Tensor dw = stack[1].toTensor();
-    Tensor db = layer ? stack[2].toTensor() : Tensor();
-    return {dx, dw, db, has_res ? dx : Tensor(), Tensor(), Tensor()};  // eps and the record: none
+    variable_list out(4);
+    if (should_compute_output(0)) out[0] = dx;
+    if (should_compute_output(1)) out[1] = stack[1].toTensor();
+    if (layer && should_compute_output(2)) out[2] = stack[2].toTensor();
+    if (has_residual && should_compute_output(3)) out[3] = dx;  // d(x + residual)/d residual = 1
+    return out;
   }
 };
+
+NormOutputs norm_with_grad(const NormRecord& record, const Tensor& x, const Tensor& weight,
+                           const std::optional<Tensor>& bias,
+                           const std::optional<Tensor>& residual, double eps) {
+  NormOutputs out = norm_forward(record, x, weight, bias, residual, eps, /*stats=*/true);
+  NodePtr node = make_node<NormBackward>();
+  auto* raw = static_cast<NormBackward*>(node.get());
+  raw->layer = bias.has_value() && bias->defined();
+  raw->has_residual = residual.has_value() && residual->defined();
+  raw->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias, residual));
+  torch::autograd::set_history(out.y, node);
+  if (raw->has_residual) torch::autograd::set_history(out.res_out, node);
+  // Saved after set_history: a saved output must already have this node as its grad_fn.
+  raw->h = raw->has_residual ? SavedVariable(out.res_out, /*is_output=*/true)
+                             : SavedVariable(x, /*is_output=*/false);
+  raw->weight = SavedVariable(weight, false);
+  if (raw->layer) raw->mean = SavedVariable(out.mean, false);
+  raw->rstd = SavedVariable(out.rstd, false);
+  return out;
+}
+
+bool forward_grad_defined(const Tensor& t) { return t.defined() && t._fw_grad(0).defined(); }
 
 // (y, new residual): y undefined when this path does not take the call (Python's None).
 // kind: 0 RMSNorm (bias None), 1 LayerNorm (bias given); any other pairing misses.
@@ -379,8 +421,10 @@ std::tuple<Tensor, Tensor> norm(int64_t kind, const Tensor& x, const Tensor& wei
     NormOutputs out = norm_forward(record, x, weight, bias, residual, eps, /*stats=*/false);
     return {out.y, out.res_out};
   }
-  auto outs = NormFunction::apply(x, weight, bias, residual, eps, record);
-  return {outs[0], outs.size() > 1 ? outs[1] : Tensor()};
+  // Forward-mode gradients: neither path computes them; the Python path refuses them by name.
+  if (forward_grad_defined(x) || forward_grad_defined(weight)) return {Tensor(), Tensor()};
+  NormOutputs out = norm_with_grad(record, x, weight, bias, residual, eps);
+  return {out.y, out.res_out};
 }
 
 // ---- GEMM launch records ---------------------------------------------------------------------
@@ -548,29 +592,27 @@ std::vector<int64_t> linear_out_sizes(const Tensor& x, int64_t n) {
   return sizes;
 }
 
-struct LinearFunction : public torch::autograd::Function<LinearFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const Tensor& x, const Tensor& weight,
-                                                const GemmRecord& record) {
-    const Tensor rows = x.view({-1, x.size(-1)});
-    Tensor y = launch_gemm(record, rows, weight.t(), linear_out_sizes(x, weight.size(0)));
-    ctx->save_for_backward({x, weight});
-    return {y};
+// dX = dY W and dW = dY^T X through the product op; inputs in order: x, weight.
+struct LinearBackward : public Node {
+  SavedVariable x, weight;
+
+  std::string name() const override { return "CutlassOpsLinearBackward"; }
+
+  void release_variables() override {
+    x.reset_data();
+    weight.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    const Tensor& x = saved[0];
-    const Tensor& weight = saved[1];
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(2);
+    if (!grads[0].defined()) return out;  // no gradient reached the output: none for the inputs
     auto op = product();
     TORCH_CHECK(op.has_value(), "cutlass_ops host path: no backward product op");
+    const Tensor x_ = x.unpack();
     const Tensor rows = grads[0].reshape({-1, grads[0].size(-1)});
-    Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = call_product(*op, rows, weight).reshape(x.sizes());  // dY W
-    if (ctx->needs_input_grad(1))
-      dw = call_product(*op, rows.t(), x.reshape({-1, x.size(-1)}));  // dY^T X
-    return {dx, dw, Tensor()};
+    if (should_compute_output(0)) out[0] = call_product(*op, rows, weight.unpack()).reshape(x_.sizes());
+    if (should_compute_output(1)) out[1] = call_product(*op, rows.t(), x_.reshape({-1, x_.size(-1)}));
+    return out;
   }
 };
 
@@ -586,8 +628,16 @@ Tensor linear(const Tensor& x, const Tensor& weight) {
   if (!record) return Tensor();
   const bool grad = c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
   if (!grad) return launch_gemm(*record, rows, weight.t(), linear_out_sizes(x, weight.size(0)));
-  if (!product().has_value()) return Tensor();
-  return LinearFunction::apply(x, weight, *record)[0];
+  if (!product().has_value() || forward_grad_defined(x) || forward_grad_defined(weight))
+    return Tensor();
+  Tensor y = launch_gemm(*record, rows, weight.t(), linear_out_sizes(x, weight.size(0)));
+  NodePtr node = make_node<LinearBackward>();
+  auto* raw = static_cast<LinearBackward*>(node.get());
+  raw->set_next_edges(torch::autograd::collect_next_edges(x, weight));
+  torch::autograd::set_history(y, node);
+  raw->x = SavedVariable(x, false);
+  raw->weight = SavedVariable(weight, false);
+  return y;
 }
 
 void clear_records() {
