@@ -201,10 +201,10 @@ def host_linear(x: Tensor, weight: Tensor) -> Optional[Tensor]:
 
 # The backward's products go through cutlass_ops::mm: named once the library is loaded.
 HOST_LINEAR = host_ops.LazyOp("linear", on_load=lambda host: host.set_product_op("cutlass_ops::mm"))
-# The C++ Linear's autograd node (its backward products through cutlass_ops::mm) is built and its
-# forward measured, but its backward has not yet run on a GPU: until it has
-# (tests/gpu/test_host_ops_gpu.py, which turns this on), calls wanting gradients take _EagerLinear.
-HOST_LINEAR_WITH_GRAD = False
+# Calls wanting gradients take the C++ Linear's autograd node too (its backward products through
+# cutlass_ops::mm; tests/gpu/test_host_ops_gpu.py checks it against _EagerLinear bit for bit);
+# False sends them to _EagerLinear, the Python path.
+HOST_LINEAR_WITH_GRAD = True
 
 
 def linear_fast(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
