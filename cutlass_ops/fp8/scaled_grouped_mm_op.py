@@ -132,9 +132,9 @@ def _blockwise_kernel(a, b, scale_a, scale_b, offs) -> Tensor:
     from cutlass_ops.gemms.grouped import grouped_build, grouped_fp8_runtime
 
     # The kernel reads each expert's weight as [N, K] and its scales N blocks first.
-    sa, sb = grouped_fp8_runtime.blockwise_scales_layout(scale_a, scale_b.transpose(1, 2))
-    return grouped_fp8_runtime.run(grouped_build.GroupedFp8Config(), a, b.transpose(1, 2), sa,
-                                   sb, offs)
+    sb = grouped_fp8_runtime.weight_scale_layout(scale_b.transpose(1, 2))
+    return grouped_fp8_runtime.run(grouped_build.GroupedFp8Config(), a, b.transpose(1, 2),
+                                   scale_a, sb, offs)
 
 
 def _run(a, b, scale_a, scale_b, offs, out_dtype) -> Tensor:

@@ -7,15 +7,17 @@
 //   A   [M_total, K] e4m3, row-major: the tokens, sorted by expert (offs: cumulative int32 ends)
 //   B   [E, N, K] e4m3, K contiguous (each expert's nn.Linear weight; CUTLASS's column-major B)
 //   D   [M_total, N] bf16, row-major
-//   sA  [M_total, K/128] float32, M contiguous (stride (1, M_total)): one scale a row and K block
-//       (1x128, DeepSeek-V3's activation recipe; torch._scaled_mm's blockwise scale_a layout)
+//   sA  [M_total, K/128] float32, any strides: one scale a row and K block (1x128, DeepSeek-V3's
+//       activation recipe)
 //   sB  [E, N/128, K/128] float32, N blocks contiguous (strides (N/128*K/128, 1, N/128)): one
 //       scale a 128x128 block of each expert's weight
-// Group g's rows of sA are a slice of the columns of a column-major matrix: the layout handed to
-// CUTLASS for every group is the whole [M_total, K/128] one, the group's pointer offset by its
-// first row, so the stride between K blocks stays M_total (the group's own rows only are read:
-// the problem's M bounds the tiles). As in grouped_launcher.cu, a one-block kernel writes each
-// group's problem size, pointers and strides from the offsets on the device: no host sync.
+// CUTLASS 4.2's ptr-array blockwise mainloop reads each group's scales through the packed layout
+// of the group's own problem (its load_init rebuilds it from M, N, K and ignores the layouts it
+// is given): group g's sA must be an M-contiguous [M_g, K/128] block of its own. So a second
+// small kernel copies sA, group by group, into that packed form in the workspace (M_total * K/128
+// floats; group g's block at M-offset start_g * K/128). sB's packed layout depends on N and K
+// only: each expert's block is read in place. As in grouped_launcher.cu, the group sizes,
+// pointers and strides are written from the offsets on the device: no host sync.
 //
 // Macros (cutlass_ops.gemms.grouped): GROUPED_TILE_M / _N (tile K is the scale block, 128),
 // GROUPED_CLUSTER_M / _N, GROUPED_PINGPONG 0 / 1.
@@ -55,7 +57,7 @@ namespace cutlass_ops_grouped_fp8 {
 
 using namespace cute;
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;  // 2: sA any strides, packed per group
 constexpr int kScaleBlock = 128;  // K (and N for B) elements a scale covers
 
 enum Status : int {
@@ -136,8 +138,9 @@ struct CutlassOpsGroupedFp8Args {
   const void* a;
   const void* b;
   void* d;
-  const float* scale_a;  // [M_total, K/128], M contiguous
+  const float* scale_a;  // [M_total, K/128], strides scale_a_stride_m / _k
   const float* scale_b;  // [E, N/128, K/128], N blocks contiguous
+  int64_t scale_a_stride_m, scale_a_stride_k;
   int64_t a_stride_m;    // A's row stride (K when dense)
   int64_t b_stride_n, b_stride_group;
   int64_t d_stride_m;
@@ -162,12 +165,13 @@ struct Arrays {
   StrideD* stride_d;
   LayoutSFA* layout_sfa;
   LayoutSFB* layout_sfb;
+  float* packed_scale_a;  // [M_total * K/128]: each group's sA as an M-contiguous block
   size_t bytes;
 };
 
 size_t round_up(size_t x) { return (x + 255) / 256 * 256; }
 
-Arrays carve(void* base, int groups) {
+Arrays carve(void* base, int groups, int64_t m_total, int64_t k) {
   Arrays arrays{};
   char* p = static_cast<char*>(base);
   size_t offset = 0;
@@ -187,6 +191,8 @@ Arrays carve(void* base, int groups) {
   arrays.stride_d = reinterpret_cast<StrideD*>(take(sizeof(StrideD) * groups));
   arrays.layout_sfa = reinterpret_cast<LayoutSFA*>(take(sizeof(LayoutSFA) * groups));
   arrays.layout_sfb = reinterpret_cast<LayoutSFB*>(take(sizeof(LayoutSFB) * groups));
+  arrays.packed_scale_a =
+      reinterpret_cast<float*>(take(sizeof(float) * size_t(m_total) * size_t(k / kScaleBlock)));
   arrays.bytes = offset;
   return arrays;
 }
@@ -208,9 +214,11 @@ __device__ Stride leading(int64_t ld) {
 __global__ void prepare_groups(CutlassOpsGroupedFp8Args args, Arrays arrays) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= args.groups) return;
-  const int64_t start = g == 0 ? 0 : args.offs[g - 1];
-  int64_t rows = args.offs[g] - start;
-  rows = rows < 0 ? 0 : rows;  // decreasing offsets: an empty group, never a negative one
+  // Offsets past M_total end at M_total; decreasing ones make an empty group, never a negative one
+  // (pack_scale_a clamps alike).
+  const int64_t start = g == 0 ? 0 : min(int64_t(args.offs[g - 1]), args.m_total);
+  int64_t rows = min(int64_t(args.offs[g]), args.m_total) - start;
+  rows = rows < 0 ? 0 : rows;
   const int n = int(args.n), k = int(args.k);
   arrays.shapes[g] = Shape3{int(rows), n, k};
   arrays.a[g] = static_cast<const ElementAB*>(args.a) + start * args.a_stride_m;
@@ -219,19 +227,34 @@ __global__ void prepare_groups(CutlassOpsGroupedFp8Args args, Arrays arrays) {
   arrays.stride_a[g] = leading<StrideA>(args.a_stride_m);
   arrays.stride_b[g] = leading<StrideB>(args.b_stride_n);
   arrays.stride_d[g] = leading<StrideD>(args.d_stride_m);
-  // sA: the M-contiguous [M_total, K/128] matrix entered at the group's first row: the rows from
-  // there to the end (no read past it for a last group's partial tile), the stride between K
-  // blocks the whole matrix's M_total.
-  arrays.scale_a[g] = args.scale_a + start;
-  const auto rows_on = ScaleConfig::tile_atom_to_shape_SFA(
-      make_shape(int(args.m_total - start), n, k, 1));
-  const int m_total = int(args.m_total);
-  arrays.layout_sfa[g] = LayoutSFA(
-      shape(rows_on), make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, m_total),
-                                  m_total * (k / kScaleBlock)));
+  // sA: the group's packed block (pack_scale_a), at M-offset start * K/128.
+  arrays.scale_a[g] = arrays.packed_scale_a + start * (k / kScaleBlock);
+  arrays.layout_sfa[g] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(int(rows), n, k, 1));
   const int64_t b_blocks = int64_t(n / kScaleBlock) * (k / kScaleBlock);
   arrays.scale_b[g] = args.scale_b + g * b_blocks;
   arrays.layout_sfb[g] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(int(rows), n, k, 1));
+}
+
+// One thread per (row, K block) of sA: the row's group found by bisecting the offsets, its scale
+// written into the group's M-contiguous block (offsets clamped to M_total as prepare_groups clamps
+// them). Rows outside every group (past the last offset, or under decreasing offsets) are not
+// copied: the GEMM reads none of them.
+__global__ void pack_scale_a(CutlassOpsGroupedFp8Args args, Arrays arrays) {
+  const int64_t blocks_k = args.k / kScaleBlock;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= args.m_total * blocks_k) return;
+  const int64_t row = i / blocks_k, kb = i % blocks_k;
+  int lo = 0, hi = args.groups;  // the first group whose end is past the row
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (args.offs[mid] > row) hi = mid; else lo = mid + 1;
+  }
+  if (lo == args.groups) return;
+  const int64_t start = lo == 0 ? 0 : args.offs[lo - 1];
+  const int64_t end = min(int64_t(args.offs[lo]), args.m_total);
+  if (row < start) return;
+  arrays.packed_scale_a[start * blocks_k + kb * (end - start) + (row - start)] =
+      args.scale_a[row * args.scale_a_stride_m + kb * args.scale_a_stride_k];
 }
 
 typename Gemm::Arguments gemm_arguments(const CutlassOpsGroupedFp8Args& args,
@@ -288,7 +311,7 @@ __attribute__((visibility("default"))) int cutlass_ops_grouped_fp8_workspace_siz
     set_error("workspace_size", "null arguments or a negative group count");
     return kBadArguments;
   }
-  const Arrays arrays = carve(nullptr, args->groups);
+  const Arrays arrays = carve(nullptr, args->groups, args->m_total, args->k);
   *bytes = arrays.bytes + round_up(Gemm::get_workspace_size(gemm_arguments(*args, arrays)));
   return kOk;
 }
@@ -305,7 +328,7 @@ __attribute__((visibility("default"))) int cutlass_ops_grouped_fp8_run(
     return kBadArguments;
   }
   if (args->groups == 0) return kOk;
-  const Arrays arrays = carve(workspace, args->groups);
+  const Arrays arrays = carve(workspace, args->groups, args->m_total, args->k);
   auto arguments = gemm_arguments(*args, arrays);
   const size_t needed = arrays.bytes + round_up(Gemm::get_workspace_size(arguments));
   if (workspace == nullptr || workspace_bytes < needed) {
@@ -313,6 +336,9 @@ __attribute__((visibility("default"))) int cutlass_ops_grouped_fp8_run(
     return kWorkspaceTooSmall;
   }
   prepare_groups<<<(args->groups + 127) / 128, 128, 0, stream>>>(*args, arrays);
+  const int64_t scales = args->m_total * (args->k / kScaleBlock);
+  if (scales > 0)
+    pack_scale_a<<<unsigned((scales + 255) / 256), 256, 0, stream>>>(*args, arrays);
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) {
     set_error("prepare_groups", cudaGetErrorString(error));

@@ -8,9 +8,10 @@ The semantics (the forward of an FP8 mixture-of-experts layer, DeepSeek-V3's rec
 
 with ``a`` [M, K] e4m3 (tokens sorted by expert; ``offs`` [E] int32, cumulative ends, never read
 on the host), ``b`` [E, N, K] e4m3 (each expert's weight, K contiguous), ``scale_a`` [M, K/128]
-float32 (one scale a token and 128 columns; stored M contiguous, as torch._scaled_mm's blockwise
-``scale_a``) and ``scale_b`` [E, N/128, K/128] float32 (one a 128x128 block of a weight; stored
-with N blocks contiguous). ``blockwise_scales_layout`` gives both in the layouts the kernel reads.
+float32 (one scale a token and 128 columns; any strides: the launcher packs each expert's rows
+into the layout CUTLASS's mainloop reads, on the device) and ``scale_b`` [E, N/128, K/128] float32
+(one a 128x128 block of a weight; stored with N blocks contiguous: ``weight_scale_layout``).
+Offsets must not decrease (as ``torch._grouped_mm``'s); offsets past M end at M.
 
 ``cutlass_ops.scaled_grouped_mm`` runs its blockwise calls here once the kernel has run on a GPU
 (``cutlass_ops.fp8.scaled_grouped_mm_op.BLOCKWISE_KERNEL``): it builds (``tests/compile``), its
@@ -29,7 +30,7 @@ import torch
 from custom_kernels.core.errors import KernelLaunchError, UnsupportedInputError
 from cutlass_ops.gemms.grouped.grouped_build import GroupedFp8Config, build
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: scale_a any strides, packed per expert on the device
 BLOCK = 128  # K (and N for the weights) elements one scale covers
 FP8 = torch.float8_e4m3fn
 
@@ -42,6 +43,7 @@ class _Args(ctypes.Structure):
                 ("offs", ctypes.c_void_p), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("scale_a", ctypes.c_void_p),
                 ("scale_b", ctypes.c_void_p),
+                ("scale_a_stride_m", ctypes.c_int64), ("scale_a_stride_k", ctypes.c_int64),
                 *((name, ctypes.c_int64) for name in (
                     "a_stride_m", "b_stride_n", "b_stride_group", "d_stride_m")),
                 ("sm_count", ctypes.c_int32), ("device", ctypes.c_int32)]
@@ -77,29 +79,24 @@ def refusal(a, b, scale_a, scale_b, offs) -> Optional[str]:
     if offs is None or offs.dtype != torch.int32 or offs.shape != (experts,):
         return f"offs must be int32 of shape ({experts},)"
     m = a.shape[0]
-    if scale_a.dtype != torch.float32 or scale_a.shape != (m, k // BLOCK) or \
-            (m > 1 and scale_a.stride(0) != 1) or scale_a.stride(1) != m:
-        return (f"scale_a must be float32 [{m}, {k // BLOCK}] with M contiguous "
-                "(blockwise_scales_layout)")
+    if scale_a.dtype != torch.float32 or scale_a.shape != (m, k // BLOCK):
+        return f"scale_a must be float32 [{m}, {k // BLOCK}]"
     if scale_b.dtype != torch.float32 or scale_b.shape != (experts, n // BLOCK, k // BLOCK) or \
             not scale_b.transpose(1, 2).is_contiguous():
         return (f"scale_b must be float32 [{experts}, {n // BLOCK}, {k // BLOCK}] with N blocks "
-                "contiguous (blockwise_scales_layout)")
+                "contiguous (weight_scale_layout)")
     tensors = (a, b, scale_a, scale_b, offs)
     if any(t.device != a.device for t in tensors) or a.device.type != "cuda":
         return "every tensor on one CUDA device"
     return None
 
 
-def blockwise_scales_layout(scale_a: torch.Tensor, scale_b: torch.Tensor):
-    """``scale_a`` [M, K/128] and ``scale_b`` [E, N/128, K/128] in the layouts the kernel reads
-    (M contiguous; N blocks contiguous), copied only where they are not already."""
-    m = scale_a.shape[0]
-    if scale_a.stride(1) != m or (m > 1 and scale_a.stride(0) != 1):
-        scale_a = scale_a.t().contiguous().t()
+def weight_scale_layout(scale_b: torch.Tensor) -> torch.Tensor:
+    """``scale_b`` [E, N/128, K/128] in the layout the kernel reads (N blocks contiguous), copied
+    only where it is not already."""
     if not scale_b.transpose(1, 2).is_contiguous():
         scale_b = scale_b.transpose(1, 2).contiguous().transpose(1, 2)
-    return scale_a, scale_b
+    return scale_b
 
 
 def run(config: GroupedFp8Config, a, b, scale_a, scale_b, offs) -> torch.Tensor:
@@ -112,6 +109,7 @@ def run(config: GroupedFp8Config, a, b, scale_a, scale_b, offs) -> torch.Tensor:
     args = _Args(groups=experts, m_total=a.shape[0], n=n, k=k, offs=offs.data_ptr(),
                  a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
                  scale_a=scale_a.data_ptr(), scale_b=scale_b.data_ptr(),
+                 scale_a_stride_m=scale_a.stride(0), scale_a_stride_k=scale_a.stride(1),
                  a_stride_m=a.stride(0), b_stride_n=b.stride(1), b_stride_group=b.stride(0),
                  d_stride_m=out.stride(0),
                  sm_count=torch.cuda.get_device_properties(a.device).multi_processor_count,

@@ -31,11 +31,12 @@ def _op_reference(a, b, scale_a, scale_b, offs):
 
 
 def test_the_kernels_layouts_are_the_public_ops_semantics_with_an_empty_expert():
-    """The scales as the kernel reads them (re-laid by blockwise_scales_layout, b's transposed)
-    and as contiguous tensors in the op's orientation give one product: the layouts mean what
-    the op means (whose reference is checked against the definition in tests/cpu/fp8)."""
+    """The scales as the kernel takes them (scale_a in any strides, scale_b re-laid by
+    weight_scale_layout, b's transposed) and as contiguous tensors in the op's orientation give
+    one product: the layouts mean what the op means (whose reference is checked against the
+    definition in tests/cpu/fp8)."""
     a, b, scale_a, scale_b, offs = _operands([3, 3, 7], n=256, k=384)
-    sa, sb = fp8g.blockwise_scales_layout(scale_a, scale_b)
+    sa, sb = scale_a.t().contiguous().t(), fp8g.weight_scale_layout(scale_b)
     got = _op_reference(a, b, sa, sb, offs)
     expected = sgm.reference(a, b.transpose(1, 2), scale_a.contiguous(),
                              scale_b.transpose(1, 2).contiguous(), offs)
@@ -49,29 +50,37 @@ def test_rows_past_the_last_offset_stay_zero():
     assert out[6:].abs().sum() == 0 and out[:6].abs().sum() > 0
 
 
-def test_scales_come_out_in_the_layouts_the_kernel_reads():
+def test_weight_scales_come_out_in_the_layout_the_kernel_reads():
     a, b, scale_a, scale_b, offs = _operands([5, 9])
-    sa, sb = fp8g.blockwise_scales_layout(scale_a, scale_b)
-    assert sa.stride() == (1, sa.shape[0]) and torch.equal(sa, scale_a)
+    sb = fp8g.weight_scale_layout(scale_b)
     assert sb.transpose(1, 2).is_contiguous() and torch.equal(sb, scale_b)
-    again = fp8g.blockwise_scales_layout(sa, sb)
-    assert again[0].data_ptr() == sa.data_ptr() and again[1].data_ptr() == sb.data_ptr()
+    assert fp8g.weight_scale_layout(sb).data_ptr() == sb.data_ptr()  # no second copy
+
+
+def test_the_kernel_takes_activation_scales_in_any_strides():
+    """CUTLASS's mainloop reads each expert's scale_a as a packed block of its own; the launcher
+    packs them on the device, so any layout of [M, K/128] is taken."""
+    a, b, scale_a, scale_b, offs = _operands([5, 9])
+    sb = fp8g.weight_scale_layout(scale_b)
+    for sa in (scale_a.contiguous(), scale_a.t().contiguous().t()):
+        assert fp8g.refusal(a, b, sa, sb, offs) == \
+            "every tensor on one CUDA device"  # (CPU tensors: only the device rule is left)
 
 
 @pytest.mark.parametrize("change, message", [
     ("a_dtype", "e4m3"), ("k", "multiples of 128"), ("offs_dtype", "int32"),
-    ("scale_a_layout", "M contiguous"), ("scale_b_shape", "N blocks"), ("cpu", "CUDA")])
+    ("scale_a_shape", "scale_a must be float32"), ("scale_b_shape", "N blocks"), ("cpu", "CUDA")])
 def test_the_kernel_refuses_what_it_cannot_read(change, message):
     a, b, scale_a, scale_b, offs = _operands([5, 9])
-    scale_a, scale_b = fp8g.blockwise_scales_layout(scale_a, scale_b)
+    scale_b = fp8g.weight_scale_layout(scale_b)
     if change == "a_dtype":
         a = a.to(torch.bfloat16)
     elif change == "k":
         a, b = a[:, :200], b[:, :, :200]
     elif change == "offs_dtype":
         offs = offs.long()
-    elif change == "scale_a_layout":
-        scale_a = scale_a.contiguous()
+    elif change == "scale_a_shape":
+        scale_a = scale_a[:, :1]
     elif change == "scale_b_shape":
         scale_b = scale_b[:, :1]
     why = fp8g.refusal(a, b, scale_a, scale_b, offs)
