@@ -152,15 +152,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--recipes", nargs="+", choices=("rowwise", "blockwise"),
                         default=["rowwise", "blockwise"])
-    parser.add_argument("--blockwise-kernel", action="store_true",
-                        help="run blockwise calls on the CUTLASS kernel even where "
-                        "scaled_grouped_mm_op.BLOCKWISE_KERNEL is off (each row checks it)")
     args = parser.parse_args()
     require_gpu()
-    if args.blockwise_kernel:
-        from cutlass_ops.fp8 import scaled_grouped_mm_op
-
-        scaled_grouped_mm_op.BLOCKWISE_KERNEL = True
     models = ["Qwen3-30B-A3B"] if args.quick else list(MODELS)
     tokens = TOKENS[:1] if args.quick else TOKENS
     name = "moe_fp8_quick" if args.quick else "moe_fp8"

@@ -18,9 +18,9 @@ The recipe is read from the scales' shapes, as ``scaled_mm`` reads it. Where a c
   ``custom_kernels.core.fallback``);
 - rowwise on a GPU: ``torch._scaled_grouped_mm``;
 - blockwise on a GPU: the CUTLASS FP8 blockwise grouped kernel
-  (``cutlass_ops.gemms.grouped.grouped_fp8_runtime``) once its GPU test has passed
-  (``BLOCKWISE_KERNEL``); until then, the documented fallback: both operands dequantized to bf16
-  and multiplied by ``cutlass_ops.grouped_mm`` (correct to bf16's rounding, slower, logged once).
+  (``cutlass_ops.gemms.grouped.grouped_fp8_runtime``; ``BLOCKWISE_KERNEL``); with it turned off,
+  the documented fallback: both operands dequantized to bf16 and multiplied by
+  ``cutlass_ops.grouped_mm`` (correct to bf16's rounding, slower, logged once).
 
 A custom op ``cutlass_ops::scaled_grouped_mm`` with a fake, so ``torch.compile(fullgraph=True)``
 traces it. FP8 operands take no gradient: the training step quantizes around the op.
@@ -40,9 +40,9 @@ from custom_kernels.core.errors import UnsupportedInputError
 ENTRY = "cutlass_ops.scaled_grouped_mm"
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
-# The CUTLASS blockwise grouped kernel is built and its semantics tested on the CPU, but it has not
-# run on a GPU: tests/gpu/moe/test_grouped_fp8_gpu.py turns this on once it passes there.
-BLOCKWISE_KERNEL = False
+# Blockwise calls run the CUTLASS blockwise grouped kernel (tests/gpu/moe/test_grouped_fp8_gpu.py
+# passed on an H200); False sends them to the dequantized fallback through grouped_mm.
+BLOCKWISE_KERNEL = True
 
 
 class GroupedRecipe(enum.Enum):

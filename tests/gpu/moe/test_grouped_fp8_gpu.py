@@ -79,10 +79,19 @@ def test_a_cuda_graph_replays_new_offsets():
         out = fp8g.run(config, a, b, scale_a, scale_b, offs)
     offs.copy_(_routing("skewed", experts, 1024, generator).cuda())
     graph.replay()
-    end = int(offs[-1])  # rows past the last offset are not written
-    torch.testing.assert_close(out[:end].float(),
-                               _reference(a, b, scale_a, scale_b, offs)[:end].float(),
-                               rtol=2e-2, atol=2e-2)
+    expected = _reference(a, b, scale_a, scale_b, offs).float()
+    # Each expert's rows of the new routing (rows past the last offset are not written), by the
+    # norm-wise error as above: the FP8 MMA accumulates each 128-wide K block in reduced
+    # precision, so an output near zero may be off by 1e-3 of its row's magnitude (an element-wise
+    # tolerance failed 226 of 522752 such elements at 0.125 on an H200). Rows read with the old
+    # offsets would be another expert's product: an error near 1.
+    start = 0
+    for end in offs.tolist():
+        if end > start:
+            got, want = out[start:end].float(), expected[start:end]
+            error = (got - want).norm() / want.norm()
+            assert error < 1e-2, f"rows {start}:{end}: relative error {error:.3g}"
+        start = end
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "blockwise kernel"])
