@@ -22,6 +22,11 @@ error, the quantization error against the bf16 product, and where the blockwise 
 (``path``: the CUTLASS kernel, or the documented dequantized fallback).
 
     python benchmarks/moe_fp8.py [--quick] [--reps 30] [--recipes rowwise blockwise]
+                                 [--tune quick|default|exhaustive]
+
+With ``--tune``, the blockwise rows' problems are tuned first (``cutlass-tune tune --grouped
+E:N:K --tokens ROWS --fp8 blockwise``; problems already in the tuning cache are kept) and each
+row's ``detail`` names the kernel that ran.
 
 Writes ``benchmarks/results/moe_fp8.json`` (``moe_fp8_quick.json`` with ``--quick``: Qwen3 only,
 4096 tokens).
@@ -38,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
+from benchmarks.common import (labelled_rows, print_table, require_gpu,  # noqa: E402
+                               write_result)
 from benchmarks.moe import MODELS, ROUTINGS, TOKENS, expert_operands, rate_fields  # noqa: E402
 from custom_kernels.core.tolerances import relative_error  # noqa: E402
 
@@ -71,6 +77,16 @@ def quantize_blockwise(x: torch.Tensor, w: torch.Tensor):
     blocks = w.view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK).abs().amax((2, 4))  # [E, N/128, K/128]
     bq, sb = _scaled(w, blocks, lambda s: s.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2))
     return a, bq.transpose(1, 2), sa, sb.transpose(1, 2)
+
+
+def kernel_name(a, b) -> str:
+    """The FP8 grouped kernel ``scaled_grouped_mm`` runs for these operands (tuned or default)."""
+    from cutlass_ops.gemms.grouped import grouped_build, grouped_fp8_entries
+
+    weights = b.transpose(1, 2)
+    tuned = grouped_fp8_entries.tuned_config(grouped_build.GroupedFp8Problem.of(a, weights))
+    return (tuned or grouped_build.GroupedFp8Config()).name + (" (tuned)" if tuned else
+                                                               " (default, untuned)")
 
 
 def _torchao_blockwise(x, wt, offs):
@@ -115,14 +131,17 @@ def fp8_row(recipe, model, direction, tokens, routing, reps) -> dict:
     if recipe == "blockwise":
         detail["path"] = ("CUTLASS FP8 blockwise grouped kernel" if sgm.BLOCKWISE_KERNEL else
                           "dequantized through grouped_mm (BLOCKWISE_KERNEL off)")
+        detail["kernel"] = kernel_name(a, b)
         tao, why = _torchao_blockwise(x, wt, offs)
         if tao is None:
             detail["torchao_blockwise"] = f"does not run: {why}"
         else:  # eager, not a graph replay: its call reads the offsets on the host
-            ms["torchao_blockwise"] = do_bench(tao, reps=max(5, reps // 3)).median_ms
-            detail["torchao_blockwise_note"] = ("eager; bf16 operands, quantized inside the "
-                                                "call; DeepGEMM backend where installed, else "
-                                                "emulated")
+            # (emulated where DeepGEMM is missing: tens of ms a call, so few repetitions)
+            ms["torchao_blockwise"] = do_bench(tao, warmup=1, reps=5).median_ms
+            detail["torchao_blockwise_note"] = ("eager, median of 5 (BENCHMARKS.md's 20 are "
+                                                "left to the main figures); bf16 operands, "
+                                                "quantized inside the call; DeepGEMM backend "
+                                                "where installed, else emulated")
     return fp8_result(recipe, f"{model} {direction}", tokens, routing, counts, tuple(wt.shape[1:]),
                       ms, reference_name, error, relative_error(ours, bf16_product), detail)
 
@@ -146,18 +165,49 @@ def fp8_result(recipe, name, tokens, routing, counts, kn, ms: dict, reference_na
     }
 
 
+def blockwise_problems(models, tokens) -> list:
+    from tuning.grouped_fp8_search import moe_problems
+
+    problems = []
+    for model in models:
+        experts, hidden, inter, top_k = MODELS[model]
+        for n, k in ((inter, hidden), (hidden, inter)):
+            for count in tokens:
+                problems += moe_problems(experts, n, k, count * top_k)
+    return list(dict.fromkeys(problems))
+
+
+def tune_blockwise(models, tokens, strategy: str) -> dict:
+    import time
+
+    from tuning import grouped_fp8_search
+
+    start = time.perf_counter()
+    results = grouped_fp8_search.tune(blockwise_problems(models, tokens), strategy=strategy)
+    return {"tune_strategy": strategy, "tune_seconds": round(time.perf_counter() - start, 1),
+            "tuned": {r.problem.name: r.entry.get("winner") for r in results}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="Qwen3-30B-A3B, 4096 tokens")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--recipes", nargs="+", choices=("rowwise", "blockwise"),
                         default=["rowwise", "blockwise"])
+    parser.add_argument("--tune", choices=("quick", "default", "exhaustive"),
+                        help="first tune the blockwise rows' problems with this strategy")
     args = parser.parse_args()
     require_gpu()
     models = ["Qwen3-30B-A3B"] if args.quick else list(MODELS)
     tokens = TOKENS[:1] if args.quick else TOKENS
     name = "moe_fp8_quick" if args.quick else "moe_fp8"
-    rows, summary = [], {}
+    # A recipe left out of this run keeps its rows from the file, each labelled with its run.
+    kept = [r for r in labelled_rows(name, {})
+            if r["case"].split()[1] in {"rowwise", "blockwise"} - set(args.recipes)]
+    rows, summary = [], {"recipes_measured_here": args.recipes}
+    if args.tune and "blockwise" in args.recipes:
+        summary.update(tune_blockwise(models, tokens, args.tune))
+        print(summary, flush=True)
     for recipe in args.recipes:
         for model in models:
             for direction in ("up", "down"):
@@ -166,11 +216,15 @@ def main() -> None:
                         rows.append(fp8_row(recipe, model, direction, count, routing, args.reps))
                         print(rows[-1]["case"], rows[-1]["ratio"], rows[-1]["correct"],
                               flush=True)
-                        write_result(name, rows, **summary)  # a cut-short run keeps its rows
+                        # a cut-short run keeps its rows
+                        write_result(name, rows + kept, **summary)
+    rows += kept
+    for recipe in ("rowwise", "blockwise"):
         ratios = [r["ratio"] for r in rows if f" {recipe} " in r["case"]]
-        summary[f"{recipe}_geomean"] = round(statistics.geometric_mean(ratios), 4)
-        summary[f"{recipe}_min"] = min(ratios)
-        write_result(name, rows, **summary)
+        if ratios:
+            summary[f"{recipe}_geomean"] = round(statistics.geometric_mean(ratios), 4)
+            summary[f"{recipe}_min"] = min(ratios)
+    write_result(name, rows, **summary)
     print_table(["case", "ours", "reference", "ratio", "correct"],
                 [[r["case"], r["ours"], r["reference"], r["ratio"], r["correct"]] for r in rows])
     print(summary)

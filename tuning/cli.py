@@ -307,6 +307,8 @@ def _tune_grouped(args, problems: list | None = None) -> int:
 
     from cutlass_ops.gemms.grouped.grouped_build import ELEMENTS
 
+    if getattr(args, "fp8", None) and problems is None:
+        return _tune_grouped_fp8(args)
     if args.dtype not in ELEMENTS:
         raise ValueError(f"grouped GEMMs are {' or '.join(ELEMENTS)}, not {args.dtype}")
     if problems is None:
@@ -331,6 +333,34 @@ def _tune_grouped(args, problems: list | None = None) -> int:
              _fmt(r["torch_ms"]), r["speedup"] or "-", r["prefer"],
              _fmt((r["other_path_best"] or {}).get("ms")), r["failures"], r["cached"]]
             for r in rows]))
+    return EXIT_OK
+
+
+def _tune_grouped_fp8(args) -> int:
+    """``tune --grouped E:N:K --tokens ROWS --fp8 blockwise``: the FP8 blockwise grouped kernels
+    of ``cutlass_ops.scaled_grouped_mm`` (the forward), timed beside ``torch._grouped_mm`` in
+    bf16 on the same values."""
+    from tuning import grouped_fp8_search, grouped_search
+
+    if args.backward:
+        raise ValueError("--fp8 with --grouped tunes the forward (scaled_grouped_mm's 2d-3d form); "
+                         "leave out --backward")
+    if not args.tokens:
+        raise ValueError("--grouped needs --tokens: the routed rows (tokens x top-k)")
+    problems = [p for spec in args.grouped for p in grouped_fp8_search.moe_problems(
+        *grouped_search.parse(spec), args.tokens, recipe=args.fp8)]
+    results = grouped_fp8_search.tune(problems, strategy=args.strategy, force=args.force,
+                                      progress=lambda message: print(message, file=sys.stderr))
+    rows = [{"problem": r.problem.name, "winner": r.entry.get("winner"),
+             "winner_ms": r.entry.get("winner_ms"), "torch_ms": r.entry.get("torch_ms"),
+             "speedup": round(r.entry["torch_ms"] / r.entry["winner_ms"], 3)
+             if r.entry.get("winner_ms") else None,
+             "failures": len(r.entry.get("failures", [])), "cached": r.cached} for r in results]
+    _emit(args, {"results": rows},
+          (["problem", "winner", "ms", "bf16 torch._grouped_mm ms", "speedup", "failures",
+            "cached"],
+           [[r["problem"], r["winner"] or "-", _fmt(r["winner_ms"]), _fmt(r["torch_ms"]),
+             r["speedup"] or "-", r["failures"], r["cached"]] for r in rows]))
     return EXIT_OK
 
 
@@ -650,7 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grouped", action="append", metavar="E:N:K",
                    help="tune the grouped (mixture-of-experts) GEMM of E experts, K -> N each, "
                    "over --tokens routed rows (tokens x top-k); with --backward its dX and dW "
-                   "too (cutlass_ops.grouped_mm runs the winners)")
+                   "too (cutlass_ops.grouped_mm runs the winners); with --fp8 blockwise the FP8 "
+                   "forward (cutlass_ops.scaled_grouped_mm runs the winners)")
     _add_build_args(p)
 
     p = command("bench", cmd_bench, "time tuned winners against torch.matmul (a table)")

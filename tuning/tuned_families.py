@@ -12,13 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from cutlass_ops.gemms import gemm_entries
-from cutlass_ops.gemms.grouped import grouped_entries
+from cutlass_ops.gemms.grouped import grouped_entries, grouped_fp8_entries
 from custom_kernels.core.tuned_store import EntrySchema, TuningCache, all_caches
 from custom_kernels.norms import tuned as norm_entries
 
 SCHEMAS: dict[str, EntrySchema] = {
     schema.family: schema
-    for schema in (gemm_entries.SCHEMA, grouped_entries.SCHEMA, norm_entries.SCHEMA)}
+    for schema in (gemm_entries.SCHEMA, grouped_entries.SCHEMA, grouped_fp8_entries.SCHEMA,
+                   norm_entries.SCHEMA)}
 ALL = "all"
 CHOICES = (*SCHEMAS, ALL)
 

@@ -129,12 +129,17 @@ def reference(a, b, scale_a, scale_b, offs) -> Tensor:
 
 
 def _blockwise_kernel(a, b, scale_a, scale_b, offs) -> Tensor:
-    from cutlass_ops.gemms.grouped import grouped_build, grouped_fp8_runtime
+    from cutlass_ops.gemms.grouped import grouped_build, grouped_fp8_entries, grouped_fp8_runtime
 
     # The kernel reads each expert's weight as [N, K] and its scales N blocks first.
+    weights = b.transpose(1, 2)
     sb = grouped_fp8_runtime.weight_scale_layout(scale_b.transpose(1, 2))
-    return grouped_fp8_runtime.run(grouped_build.GroupedFp8Config(), a, b.transpose(1, 2),
-                                   scale_a, sb, offs)
+    # The tuned kernel of this problem (cutlass-tune tune --grouped E:N:K --fp8 blockwise), else
+    # the default one.
+    problem = grouped_build.GroupedFp8Problem.of(a, weights)
+    config = grouped_fp8_entries.tuned_config(problem, a.device.index) or \
+        grouped_build.GroupedFp8Config()
+    return grouped_fp8_runtime.run(config, a, weights, scale_a, sb, offs)
 
 
 def _run(a, b, scale_a, scale_b, offs, out_dtype) -> Tensor:

@@ -205,6 +205,57 @@ class GroupedProblem:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupedFp8Problem:
+    """What an FP8 grouped GEMM (``GroupedFp8Config``'s kernel, the 2d-3d forward) is tuned
+    for: the expert count, the mean rows per expert as a ``bucket``, N, K and the scaling
+    recipe. As for ``GroupedProblem``, routing skew is not in the key."""
+
+    groups: int
+    m: int
+    n: int
+    k: int
+    recipe: str = "blockwise"
+
+    @property
+    def name(self) -> str:
+        return f"2d3d-e4m3-{self.recipe}-g{self.groups}-m{self.m}-n{self.n}-k{self.k}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GroupedFp8Problem:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.groups * self.m * self.n * self.k
+
+    @classmethod
+    def of(cls, a, b) -> GroupedFp8Problem:
+        """The key of a call's operands in the kernel's orientation: a [M, K], b [E, N, K]."""
+        groups = b.shape[0]
+        return cls(groups, bucket(a.shape[0] / max(1, groups)), b.shape[1], b.shape[2])
+
+
+def fp8_candidates(problem: GroupedFp8Problem, strategy: str = "default") -> list:
+    """FP8 blockwise kernels to try, the best guess first: pingpong 64-row tiles (one warpgroup's
+    scale promotion overlapping the other's MMA) when an expert has few rows, cooperative 128-row
+    tiles otherwise, then the 2-CTA clusters; quick 3, default 4, exhaustive all 6."""
+    pingpong = [GroupedFp8Config(pingpong=True, tile=(64, 128), cluster=c)
+                for c in ((1, 1), (2, 1), (1, 2))]
+    cooperative = [GroupedFp8Config(cluster=c) for c in ((1, 1), (1, 2), (2, 1))]
+    if problem.m <= 128:
+        ranked = [pingpong[0], cooperative[0], cooperative[1], pingpong[1], pingpong[2],
+                  cooperative[2]]
+    else:
+        ranked = [cooperative[0], pingpong[0], cooperative[1], cooperative[2], pingpong[1],
+                  pingpong[2]]
+    limit = {"quick": 3, "default": 4, "exhaustive": None}[strategy]
+    return ranked[:limit]
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupedBuild:
     config: GroupedConfig | GroupedFp8Config
     arch: Arch = Arch.SM90A
@@ -285,5 +336,6 @@ def candidates(problem: GroupedProblem, strategy: str = "default") -> list[Group
     return ranked[:limit]
 
 
-__all__ = ["GroupedConfig", "GroupedFp8Config", "GroupedProblem", "GroupedBuild", "build", "bucket",
-           "candidates", "config_from_name", "LAUNCHER", "FP8_LAUNCHER"]
+__all__ = ["GroupedConfig", "GroupedFp8Config", "GroupedFp8Problem", "GroupedProblem",
+           "GroupedBuild", "build", "bucket", "candidates", "config_from_name", "fp8_candidates",
+           "LAUNCHER", "FP8_LAUNCHER"]

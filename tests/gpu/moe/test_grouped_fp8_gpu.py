@@ -119,3 +119,36 @@ def test_scaled_grouped_mm_routes_match_the_reference(recipe, monkeypatch):
     expected = sgm.reference(a, b, scale_a, scale_b, offs)
     error = (out.float() - expected.float()).norm() / expected.float().norm()
     assert error < 1e-2, f"relative error {error:.3g}"
+
+
+def test_a_tune_stores_a_winner_that_scaled_grouped_mm_runs(tmp_path, monkeypatch):
+    """cutlass-tune's FP8 grouped family on a small problem: a verified winner stored, and the
+    public op's blockwise call dispatching on it, equal to the reference."""
+    import cutlass_ops
+    from cutlass_ops.fp8 import scaled_grouped_mm_op as sgm
+    from cutlass_ops.gemms.grouped import grouped_fp8_entries
+    from tuning import grouped_fp8_search
+
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    experts, n, k, rows = 8, 512, 1024, 2048
+    (problem,) = grouped_fp8_search.moe_problems(experts, n, k, rows)
+    (result,) = grouped_fp8_search.tune([problem], strategy="quick",
+                                        progress=lambda message: None)
+    winner = grouped_fp8_entries.tuned_config(problem)
+    assert winner is not None and winner.name == result.entry["winner"]
+    ran = []
+    real_run = fp8g.run
+    monkeypatch.setattr(fp8g, "run", lambda config, *args: ran.append(config) or
+                        real_run(config, *args))
+    generator = torch.Generator().manual_seed(2)
+    offs = _routing("skewed", experts, rows, generator).cuda()
+    a = (torch.randn(rows, k, generator=generator) * 2).to(FP8).cuda()
+    b = (torch.randn(experts, n, k, generator=generator) * 2).to(FP8).cuda().transpose(1, 2)
+    scale_a = torch.rand(rows, k // 128, generator=generator).cuda() + 0.5
+    scale_b = torch.rand(experts, k // 128, n // 128, generator=generator).cuda() + 0.5
+    out = cutlass_ops.scaled_grouped_mm(a, b, scale_a, scale_b, offs)
+    assert ran == [winner]
+    expected = sgm.reference(a, b, scale_a, scale_b, offs).float()
+    end = int(offs[-1])
+    error = (out[:end].float() - expected[:end]).norm() / expected[:end].norm()
+    assert error < 1e-2, f"relative error {error:.3g}"

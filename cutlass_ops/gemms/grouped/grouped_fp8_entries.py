@@ -1,0 +1,106 @@
+"""The FP8 grouped GEMMs' tuned entries (``tuning.grouped_fp8_search`` writes them): one typed
+record per stored problem (``GroupedFp8Problem``), the schema that reads it, and the lookup
+``cutlass_ops.scaled_grouped_mm`` runs for its blockwise calls.
+
+An entry is accepted only if its key is its own problem's name, its recipe is one this library
+has a kernel for (blockwise), its winner is a ``GroupedFp8Config`` name, and every time is a
+finite number above zero. Its ``torch_ms`` is ``torch._grouped_mm`` on the same operands in
+bf16: what a user runs without FP8, the figure the winner is measured beside.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from cutlass_ops.gemms.grouped.grouped_build import GroupedFp8Config, GroupedFp8Problem
+from custom_kernels.core import tuned_fields as f
+from custom_kernels.core.tuned_store import CacheScope, TuningCache, family_dir
+
+GROUPED_FP8 = "grouped_fp8"  # the family's name in exports
+RECIPES = ("blockwise",)
+_FIELDS = {"problem", "winner", "winner_ms", "torch_ms", "winner_tflops", "routing_speedups",
+           "runners_up", "failures", "timed_on", "strategy", "complete", "tune_seconds",
+           "build_seconds_total", "tuned_at"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedFp8Entry(f.StoredRecord):
+    key: str
+    problem: GroupedFp8Problem
+    winner: Optional[GroupedFp8Config]  # None: every candidate failed
+    winner_ms: Optional[float]
+    torch_ms: float
+    runners_up: tuple[tuple[str, float], ...]
+    failures: tuple[tuple[str, str, str], ...]
+    complete: bool
+    stored: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
+
+
+def parse_problem(value: Any) -> GroupedFp8Problem:
+    data = f.mapping(value, "problem")
+    problem = f.parsed("problem", lambda: GroupedFp8Problem.from_dict(data))
+    f.require_canonical(data, problem.to_dict(), "problem")
+    f.text(data, "recipe", choices=RECIPES)
+    for name in ("groups", "m", "n", "k"):
+        f.integer(data, name)
+    return problem
+
+
+class GroupedFp8Schema:
+    """``EntrySchema`` of the FP8 grouped GEMM family."""
+
+    family = GROUPED_FP8
+    directory = GROUPED_FP8
+
+    def parse(self, key: str, raw: Any, scope: CacheScope) -> GroupedFp8Entry:
+        data = f.entry_fields(raw, _FIELDS)
+        problem = parse_problem(data.get("problem"))
+        f.own_key(key, problem)
+        f.require(scope.compute_capability == 90, "FP8 grouped kernels are sm90 kernels; the "
+                  f"scope's GPU is cc {scope.compute_capability}")
+        name = f.text(data, "winner", optional=True)
+        winner = None if name is None else f.parsed(
+            "winner", lambda: GroupedFp8Config.from_name(name))
+        winner_ms = f.milliseconds(data, "winner_ms", optional=winner is None)
+        f.require(winner is not None or winner_ms is None, "a time without a winner")
+        for field in ("winner_tflops", "tune_seconds", "build_seconds_total"):
+            f.figure(data, field)
+        for field in ("timed_on", "strategy", "tuned_at"):
+            f.text(data, field, optional=True)
+        speedups = data.get("routing_speedups")
+        if speedups is not None:
+            f.require(isinstance(speedups, list) and len(speedups) <= 8,
+                      "routing_speedups is not a short list")
+            for value in speedups:
+                f.positive(value, "a routing speedup")
+        return GroupedFp8Entry(
+            key, problem, winner, winner_ms, f.milliseconds(data, "torch_ms"),
+            f.items(data, "runners_up", f.measured_alternative("config")),
+            f.items(data, "failures", f.failure("config")),
+            f.boolean(data, "complete", default=True), copy.deepcopy(dict(data)))
+
+
+SCHEMA = GroupedFp8Schema()
+
+
+def grouped_fp8_cache(device: int | None = None, root: Path | None = None) -> TuningCache:
+    """The tuned FP8 grouped kernels of this GPU and software scope."""
+    from custom_kernels.core.device import current_scope
+
+    return TuningCache(current_scope(device), SCHEMA, root)
+
+
+def tuned_config(problem: GroupedFp8Problem, device: int | None = None):
+    """The stored winner of ``problem`` (a ``GroupedFp8Config``), or None: nothing tuned (no
+    device query at all when nothing of this family was ever stored)."""
+    if not family_dir(SCHEMA).is_dir():
+        return None
+    entry = grouped_fp8_cache(device).get(problem)
+    return None if entry is None else entry.winner
+
+
+__all__ = ["GROUPED_FP8", "GroupedFp8Entry", "GroupedFp8Schema", "SCHEMA", "grouped_fp8_cache",
+           "parse_problem", "tuned_config"]

@@ -1,0 +1,229 @@
+"""Tuning the FP8 blockwise grouped kernels (``cutlass_ops.gemms.grouped.grouped_build.
+GroupedFp8Config``, issue 53): the FP8 grouped family's side of the tuner protocol
+(``tuning.protocol``).
+
+Per ``GroupedFp8Problem`` (experts, mean rows per expert as a bucket, N, K): the candidates
+(``grouped_build.fp8_candidates``) built in parallel through the build cache, each run on random
+e4m3 operands with random 1x128 / 128x128 scales, the rows split evenly and Zipf-skewed
+(``grouped_search.skewed_offsets``), checked on both and with the first expert empty against the
+float32 reference (``cutlass_ops.fp8.scaled_grouped_mm_op.reference``), timed as CUDA-graph
+replays after an L2 flush; the finalists each timed again beside ``torch._grouped_mm`` on the
+same values in bf16 (what a user runs without FP8), interleaved. The fastest finalist wins
+(geometric mean over the routings): every candidate runs the same FP8 product, so there is no
+torch call for it to beat, only the bf16 one to measure it beside. Entries live in the tuning
+cache of this GPU, family ``grouped_fp8``; ``cutlass_ops.scaled_grouped_mm`` runs the stored
+winner of its problem and ``GroupedFp8Config()`` where none is stored.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from statistics import geometric_mean
+from typing import Callable, Iterable
+
+from cutlass_ops.gemms.grouped import grouped_build
+from cutlass_ops.gemms.grouped.grouped_build import GroupedFp8Config, GroupedFp8Problem
+from cutlass_ops.gemms.grouped.grouped_fp8_entries import grouped_fp8_cache
+from tuning import protocol
+from tuning.grouped_search import STRATEGIES, GpuGroupedBackend, skewed_offsets
+
+TOLERANCE = 1e-2  # norm-wise against float32; measured 7e-4 on an H200 (moe_fp8.json)
+
+
+def moe_problems(experts: int, n: int, k: int, rows: int,
+                 recipe: str = "blockwise") -> list[GroupedFp8Problem]:
+    """An MoE layer's forward expert GEMM ``rows`` x K -> N over ``experts`` experts in FP8."""
+    if recipe != "blockwise":
+        raise ValueError(f"FP8 grouped GEMMs are tuned for the blockwise recipe; {recipe} calls "
+                         "run torch._scaled_grouped_mm, which has nothing to tune")
+    return [GroupedFp8Problem(experts, grouped_build.bucket(rows / experts), n, k, recipe)]
+
+
+def tune(problems: Iterable[GroupedFp8Problem], *, strategy: str = "default",
+         force: bool = False, backend=None, cache=None,
+         progress: Callable[[str], None] = print) -> list[protocol.Result]:
+    """Tunes each problem not yet in the cache (all with ``force``), storing each entry as soon
+    as its problem is done."""
+    family = GroupedFp8Family(strategy, backend or GpuGroupedFp8Backend(), progress)
+    return protocol.run(list(problems), family,
+                        cache if cache is not None else grouped_fp8_cache(), force=force)
+
+
+class GroupedFp8Family:
+    rounds = protocol.Rounds()
+
+    def __init__(self, strategy: str, backend, progress: Callable[[str], None]):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+        self.strategy, self.backend, self.progress = strategy, backend, progress
+        self.build_seconds = 0.0
+        self._sessions: dict = {}
+
+    def candidates(self, problem: GroupedFp8Problem) -> list[GroupedFp8Config]:
+        return grouped_build.fp8_candidates(problem, self.strategy)
+
+    def build(self, plans: dict) -> dict:
+        start = time.perf_counter()
+        configs = list(dict.fromkeys(c for plan in plans.values() for c in plan))
+        self.progress(f"building {len(configs)} FP8 grouped kernels")
+        errors = self.backend.build(configs)
+        self.build_seconds = time.perf_counter() - start
+        return {problem: {c: errors.get(c) for c in plan} for problem, plan in plans.items()}
+
+    def session(self, problem: GroupedFp8Problem):
+        session = self.backend.session(problem)
+        self._sessions[problem] = session
+        return session
+
+    def derived(self, problem, ranked):
+        return ()
+
+    def baseline(self, problem, plan):
+        # The default kernel (what runs untuned) is timed in the final round whatever its rank,
+        # so the entry says what tuning gained.
+        default = GroupedFp8Config()
+        return default if default in plan else None
+
+    def deadline(self):
+        return None
+
+    def entry(self, problem: GroupedFp8Problem, measured: protocol.Measured) -> dict:
+        times = measured.times
+        finalists = [c for c in measured.final_ms]
+        winner = min(finalists, key=times.get) if finalists else None
+        ratios = getattr(self._sessions.pop(problem, None), "ratios", {})
+        torch_ms = measured.torch_beside.get(winner) if winner else measured.torch_ms
+        ranked = sorted(times, key=times.get)
+        return {
+            "problem": problem.to_dict(),
+            "winner": winner.name if winner else None,
+            "winner_ms": times[winner] if winner else None,
+            "torch_ms": torch_ms,
+            "winner_tflops": round(problem.flops / times[winner] / 1e9, 2) if winner else None,
+            # bf16 torch._grouped_mm's time / the winner's on each routing (even, skewed)
+            "routing_speedups": [round(1 / r, 4) for r in ratios[winner]]
+            if winner in ratios else None,
+            "runners_up": [{"config": c.name, "ms": times[c],
+                            "torch_ms": measured.torch_beside.get(c)}
+                           for c in ranked if c != winner][:self.rounds.runners_up],
+            "failures": [{"config": f.candidate, "stage": f.stage, "error": f.error[:400]}
+                         for f in measured.failures],
+            "timed_on": "geometric mean of an even and a Zipf-skewed routing; torch_ms: "
+                        "torch._grouped_mm on the same values in bf16",
+            "strategy": self.strategy, "complete": measured.complete,
+            "tune_seconds": round(measured.seconds, 2),
+            "build_seconds_total": round(self.build_seconds, 2),
+            "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"),
+        }
+
+
+class GpuGroupedFp8Backend(GpuGroupedBackend):
+    """Builds as the bf16 grouped family builds (nvcc in parallel, the build cache); measures
+    with ``GroupedFp8Session``."""
+
+    def session(self, problem):
+        return GroupedFp8Session(problem)
+
+
+class GroupedFp8Session:
+    """One problem's random FP8 operands and scales, its float32 reference per routing, and the
+    bf16 ``torch._grouped_mm`` of the same values (``tuning.protocol.Session``)."""
+
+    def __init__(self, problem: GroupedFp8Problem):
+        import torch
+
+        from cutlass_ops.fp8 import scaled_grouped_mm_op as sgm
+        from cutlass_ops.gemms.grouped import grouped_fp8_runtime as runtime
+
+        p = self.problem = problem
+        g = torch.Generator("cuda").manual_seed(0)
+        fp8, rows, blocks_k, blocks_n = torch.float8_e4m3fn, p.groups * p.m, p.k // 128, p.n // 128
+        self.a = (torch.randn(rows, p.k, device="cuda", generator=g) * 2).to(fp8)
+        self.b = (torch.randn(p.groups, p.n, p.k, device="cuda", generator=g) * 2).to(fp8)
+        self.scale_a = torch.rand(rows, blocks_k, device="cuda", generator=g) + 0.5
+        self.scale_b = runtime.weight_scale_layout(
+            torch.rand(p.groups, blocks_n, blocks_k, device="cuda", generator=g) + 0.5)
+        # The same values in bf16, the weights as [E, K, N] views: the call without FP8.
+        self.a16 = self.a.to(torch.bfloat16)
+        self.b16 = self.b.to(torch.bfloat16).transpose(1, 2)
+        even = torch.full((p.groups,), p.m, device="cuda", dtype=torch.int32).cumsum(0)
+        self.routings = [even.to(torch.int32)]
+        if p.groups > 1:
+            self.routings.append(skewed_offsets(p.groups, p.m, even.device))
+        checked = list(self.routings)
+        if p.groups > 1:
+            empty_first = self.routings[0].clone()
+            empty_first[0] = 0
+            checked.append(empty_first)
+        self.checked = [(offs, sgm.reference(self.a, self.b.transpose(1, 2), self.scale_a,
+                                             self.scale_b.transpose(1, 2), offs))
+                        for offs in checked]
+        self.ratios: dict = {}
+
+    def _launch(self, config, offs):
+        from cutlass_ops.gemms.grouped import grouped_fp8_runtime as runtime
+
+        return lambda: runtime.run(config, self.a, self.b, self.scale_a, self.scale_b, offs)
+
+    def _torch(self, offs):
+        import torch
+
+        return lambda: torch._grouped_mm(self.a16, self.b16, offs)
+
+    def verify(self, config) -> str | None:
+        import torch
+
+        from custom_kernels.core.errors import CutlassOpsError
+
+        names = ["an even split", "a skewed split", "an empty expert"]
+        for i, (offs, reference) in enumerate(self.checked):
+            try:
+                out = self._launch(config, offs)()
+                torch.cuda.synchronize()
+            except CutlassOpsError as exc:
+                return f"launch: {exc}"[:400]
+            end = int(offs[-1])  # rows past the last offset are not written
+            why = protocol.check([out[:end]], [reference[:end]], TOLERANCE)
+            if why:
+                return why if i == 0 else f"with {names[i]}: {why}"
+        return None
+
+    def time_ms(self, config, reps: int) -> float:
+        from tuning.timing import do_bench
+
+        return geometric_mean(do_bench(self._launch(config, offs), reps=reps, graph=True)
+                              .median_ms for offs in self.routings)
+
+    def torch_ms(self, reps: int) -> float:
+        from tuning.timing import do_bench
+
+        return geometric_mean(do_bench(self._torch(offs), reps=reps, graph=True).median_ms
+                              for offs in self.routings)
+
+    def compare_ms(self, configs, reps: int):
+        from tuning.timing import do_bench_interleaved
+
+        fns = {}
+        for i, offs in enumerate(self.routings):
+            fns.update({(c, i): self._launch(c, offs) for c in configs})
+            fns[("torch", i)] = self._torch(offs)
+        timings = do_bench_interleaved(fns, reps=reps, graph=True)
+        times = {key: t.median_ms for key, t in timings.items()}
+        n = len(self.routings)
+        for c in configs:
+            self.ratios[c] = [times[(c, i)] / times[("torch", i)] for i in range(n)]
+
+        def combined(who):
+            return geometric_mean(times[(who, i)] for i in range(n))
+
+        return {c: combined(c) for c in configs}, combined("torch")
+
+    def close(self) -> None:
+        self.a = self.b = self.a16 = self.b16 = self.scale_a = self.scale_b = None
+        self.routings = self.checked = []
+
+
+__all__ = ["GroupedFp8Family", "GpuGroupedFp8Backend", "GroupedFp8Session", "moe_problems",
+           "tune"]
