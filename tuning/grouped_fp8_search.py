@@ -18,7 +18,6 @@ winner of its problem and ``GroupedFp8Config()`` where none is stored.
 from __future__ import annotations
 
 import datetime
-import time
 from statistics import geometric_mean
 from typing import Callable, Iterable
 
@@ -26,7 +25,7 @@ from cutlass_ops.gemms.grouped import grouped_build
 from cutlass_ops.gemms.grouped.grouped_build import GroupedFp8Config, GroupedFp8Problem
 from cutlass_ops.gemms.grouped.grouped_fp8_entries import grouped_fp8_cache
 from tuning import protocol
-from tuning.grouped_search import STRATEGIES, GpuGroupedBackend, skewed_offsets
+from tuning.grouped_search import GpuGroupedBackend, GroupedFamily, skewed_offsets
 
 TOLERANCE = 1e-2  # norm-wise against float32; measured 7e-4 on an H200 (moe_fp8.json)
 
@@ -50,31 +49,16 @@ def tune(problems: Iterable[GroupedFp8Problem], *, strategy: str = "default",
                         cache if cache is not None else grouped_fp8_cache(), force=force)
 
 
-class GroupedFp8Family:
-    rounds = protocol.Rounds()
+class GroupedFp8Family(GroupedFamily):
+    """The bf16 grouped family's builds (nvcc in parallel through the build cache) and sessions
+    (kept for their per-routing ratios), with FP8 candidates, no round 2 (no DSL twins, no skew
+    dispatch: one kernel serves both routings) and its own entry."""
 
     def __init__(self, strategy: str, backend, progress: Callable[[str], None]):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
-        self.strategy, self.backend, self.progress = strategy, backend, progress
-        self.build_seconds = 0.0
-        self._sessions: dict = {}
+        super().__init__(strategy, backend, progress, dynamic_twins=False)
 
     def candidates(self, problem: GroupedFp8Problem) -> list[GroupedFp8Config]:
         return grouped_build.fp8_candidates(problem, self.strategy)
-
-    def build(self, plans: dict) -> dict:
-        start = time.perf_counter()
-        configs = list(dict.fromkeys(c for plan in plans.values() for c in plan))
-        self.progress(f"building {len(configs)} FP8 grouped kernels")
-        errors = self.backend.build(configs)
-        self.build_seconds = time.perf_counter() - start
-        return {problem: {c: errors.get(c) for c in plan} for problem, plan in plans.items()}
-
-    def session(self, problem: GroupedFp8Problem):
-        session = self.backend.session(problem)
-        self._sessions[problem] = session
-        return session
 
     def derived(self, problem, ranked):
         return ()
@@ -84,9 +68,6 @@ class GroupedFp8Family:
         # so the entry says what tuning gained.
         default = GroupedFp8Config()
         return default if default in plan else None
-
-    def deadline(self):
-        return None
 
     def entry(self, problem: GroupedFp8Problem, measured: protocol.Measured) -> dict:
         times = measured.times

@@ -136,6 +136,24 @@ def figure(data: Mapping[str, Any], name: str) -> float | None:
     return float(value)
 
 
+def display_fields(data: Mapping[str, Any], figures: tuple[str, ...],
+                   texts: tuple[str, ...]) -> None:
+    """Fields stored for display only (derived figures, notes), each checked for its kind."""
+    for name in figures:
+        figure(data, name)
+    for name in texts:
+        text(data, name, optional=True)
+
+
+def short_ratios(data: Mapping[str, Any], name: str, most: int = 8) -> None:
+    """An optional short list of ratios (per-routing speedups), each above zero."""
+    value = data.get(name)
+    if value is not None:
+        require(isinstance(value, list) and len(value) <= most, f"{name} is not a short list")
+        for item in value:
+            positive(item, f"an item of {name}")
+
+
 def items(data: Mapping[str, Any], name: str, read: Callable[[Mapping[str, Any]], T]) -> tuple[T, ...]:
     """A list of objects (absent: empty), each read by ``read``."""
     value = data.get(name)

@@ -114,16 +114,9 @@ class GroupedSchema:
 
 
 def _check_display_fields(data: Mapping[str, Any]) -> None:
-    for name in ("winner_tflops", "tune_seconds", "build_seconds_total"):
-        f.figure(data, name)
-    for name in ("timed_on", "strategy", "tuned_at"):
-        f.text(data, name, optional=True)
-    speedups = data.get("routing_speedups")
-    if speedups is not None:
-        f.require(isinstance(speedups, list) and len(speedups) <= 8,
-                  "routing_speedups is not a short list")
-        for value in speedups:
-            f.positive(value, "a routing speedup")
+    f.display_fields(data, ("winner_tflops", "tune_seconds", "build_seconds_total"),
+                     ("timed_on", "strategy", "tuned_at"))
+    f.short_ratios(data, "routing_speedups")
     other = data.get("other_backend_best")
     if other is not None:
         other = f.mapping(other, "other_backend_best")

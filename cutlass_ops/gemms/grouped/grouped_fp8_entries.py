@@ -66,16 +66,9 @@ class GroupedFp8Schema:
             "winner", lambda: GroupedFp8Config.from_name(name))
         winner_ms = f.milliseconds(data, "winner_ms", optional=winner is None)
         f.require(winner is not None or winner_ms is None, "a time without a winner")
-        for field in ("winner_tflops", "tune_seconds", "build_seconds_total"):
-            f.figure(data, field)
-        for field in ("timed_on", "strategy", "tuned_at"):
-            f.text(data, field, optional=True)
-        speedups = data.get("routing_speedups")
-        if speedups is not None:
-            f.require(isinstance(speedups, list) and len(speedups) <= 8,
-                      "routing_speedups is not a short list")
-            for value in speedups:
-                f.positive(value, "a routing speedup")
+        f.display_fields(data, ("winner_tflops", "tune_seconds", "build_seconds_total"),
+                         ("timed_on", "strategy", "tuned_at"))
+        f.short_ratios(data, "routing_speedups")
         return GroupedFp8Entry(
             key, problem, winner, winner_ms, f.milliseconds(data, "torch_ms"),
             f.items(data, "runners_up", f.measured_alternative("config")),
