@@ -11,6 +11,9 @@ chose and why (``Choice``; ``cutlass_ops.nn`` folds them into its report).
   the GEMM), and its seven projections become FP8 Linears too (a call of the module itself, as
   o_proj's beside our fused norm, is FP8 as well). All or nothing: a block one of whose
   projections cannot take the recipe keeps bf16 GEMMs throughout.
+- A converted MoE layer's ``GroupedExperts`` becomes ``cutlass_ops.fp8.fp8_experts.
+  Fp8GroupedExperts`` under the blockwise recipe, bf16 weights, N and K multiples of 128, and
+  ``fp8_experts.ENABLED`` (off until its GPU tests pass); otherwise it stays, and says why.
 - Refused, with the reason: weights that are not bf16/fp16, in/out features not multiples of 16
   (128 for blockwise), a CUDA device that is not sm90, names the caller excluded; the LM head
   (``get_output_embeddings()``, else a Linear named ``lm_head``) stays bf16 unless
@@ -28,9 +31,10 @@ from typing import Optional
 from torch import nn
 
 from cutlass_ops import conversion_refusals, decoder_blocks, lm_loss
-from cutlass_ops.fp8 import recipes
+from cutlass_ops.fp8 import fp8_experts, recipes
 from cutlass_ops.fp8.linear import FusedGemms, Fp8Linear
 from cutlass_ops.fp8.recipes import Recipe
+from cutlass_ops.moe.experts import GroupedExperts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +79,33 @@ def convert_fp8(model: nn.Module, recipe: Recipe | str, *, lm_head: bool = False
         if module is head:
             reason += _head_note(model)
         choices.append(RecipeChoice(name, kind, recipe.name, reason))
+    for name, module in list(model.named_modules()):
+        if type(module) is GroupedExperts and not _excluded(name, include, exclude):
+            choices.append(_convert_experts(model, name, module, recipe))
     return choices
+
+
+def _convert_experts(model, name: str, experts: GroupedExperts, recipe: Recipe) -> RecipeChoice:
+    """A converted MoE layer's experts made FP8 (``cutlass_ops.fp8.fp8_experts``) where they
+    take it, else a RecipeChoice saying why they stay bf16."""
+    kind = type(experts).__name__
+    weight = experts.gate_up_proj
+    if recipe.name != "blockwise":
+        why = f"FP8 experts take the blockwise recipe, not {recipe.name}"
+    elif not fp8_experts.ENABLED:
+        why = "the FP8 experts have not yet run on a GPU (cutlass_ops.fp8.fp8_experts.ENABLED)"
+    else:
+        why = (conversion_refusals.not_sm90(weight.device, ": FP8 experts need one")
+               if weight.device.type == "cuda" else None) or fp8_experts.refusal(experts)
+    if why is not None:
+        return RecipeChoice(name, kind, None, f"the experts stay 16-bit: {why}")
+    new = fp8_experts.Fp8GroupedExperts(experts)
+    new.replaced = experts.replaced
+    _swap(model, name, new)
+    return RecipeChoice(name, kind, recipe.name,
+                        "FP8 blockwise expert GEMMs (forward and input gradient; the weight "
+                        "gradient in bf16)" + _converted_reason(weight, recipe)[
+                            len(f"FP8 {recipe.name} forward and backward"):])
 
 
 def refusal(layer: nn.Linear, recipe: Recipe) -> str | None:

@@ -87,21 +87,28 @@ def sorted_pairs(top_k_index: torch.Tensor, experts: int):
 
 def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                    down_proj: torch.Tensor, pairs=None) -> torch.Tensor:
+                    down_proj: torch.Tensor, pairs=None, gemm=None) -> torch.Tensor:
     """``sum_j w[t, j] * down[e] @ silu_and_mul(gate_up[e] @ x[t])`` over each token's slots
     ``j`` (expert ``e = top_k_index[t, j]``): hidden [T, H], top_k_index / top_k_weights
-    [T, k]. ``pairs``: ``sorted_pairs(top_k_index, E)`` when the router made them. Returns
+    [T, k]. ``pairs``: ``sorted_pairs(top_k_index, E)`` when the router made them. ``gemm(rows,
+    weight [E, N, K], offs)``: the routed expert GEMM, ``rows @ weight[e]^T`` an expert
+    (default: bf16 grouped GEMMs; ``cutlass_ops.fp8.fp8_experts`` passes its FP8 one). Returns
     [T, H] in hidden's dtype."""
     token_of_row, offs, inverse = pairs if pairs is not None else \
         sorted_pairs(top_k_index, gate_up_proj.shape[0])
     routed = _GatherPairs.apply(hidden, token_of_row, inverse)  # [T * k, H]: pair's token
     # every pair is routed, so offs[-1] is every row: the backward need not zero a tail
-    gate_up = routed_grouped_mm(routed, gate_up_proj.transpose(1, 2), offs)
-    out = routed_grouped_mm(swiglu(gate_up), down_proj.transpose(1, 2), offs)
+    gemm = gemm or _bf16_gemm
+    gate_up = gemm(routed, gate_up_proj, offs)
+    out = gemm(swiglu(gate_up), down_proj, offs)
     weights = top_k_weights
     if weights.dtype not in (torch.float32, out.dtype):  # the kernel reads these two
         weights = weights.float()
     return combine(out, inverse, weights).to(hidden.dtype)
+
+
+def _bf16_gemm(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return routed_grouped_mm(rows, weight.transpose(1, 2), offs)
 
 
 class _GatherPairs(torch.autograd.Function):
@@ -126,6 +133,8 @@ class GroupedExperts(nn.Module):
     """A Hugging Face experts module on grouped GEMMs, with its parameters (no copy: the same
     ``state_dict`` keys, optimizers keep working)."""
 
+    gemm = None  # the routed expert GEMM (experts_forward's ``gemm``); a subclass's own
+
     def __init__(self, experts: nn.Module):
         super().__init__()
         self.gate_up_proj = experts.gate_up_proj
@@ -142,7 +151,7 @@ class GroupedExperts(nn.Module):
             module_state.take(self, SortedPairs)
         pairs = handed.pairs if handed is not None and handed.index is top_k_index else None
         return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                               self.down_proj, pairs)
+                               self.down_proj, pairs, gemm=type(self).gemm)
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} experts, replaces {self.replaced}"

@@ -42,9 +42,9 @@ def handed(monkeypatch):
     seen = []
     forward = moe_experts.experts_forward
 
-    def spy(*args):
-        seen.append(args[-1] is not None)
-        return forward(*args)
+    def spy(*args, **kwargs):
+        seen.append(args[-1] is not None)  # the pairs (the GEMM comes by keyword)
+        return forward(*args, **kwargs)
 
     monkeypatch.setattr(moe_experts, "experts_forward", spy)
     return seen
