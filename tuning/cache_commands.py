@@ -44,6 +44,16 @@ def _grouped_row(scope: CacheScope, entry) -> dict[str, Any]:
             "prefer": entry.prefer, "complete": entry.complete}
 
 
+def _grouped_fp8_row(scope: CacheScope, entry) -> dict[str, Any]:
+    # torch_ms: torch._grouped_mm in bf16 on the same values (the call without FP8); the winner
+    # always runs (there is no torch FP8 blockwise grouped kernel to prefer).
+    return {"family": "grouped_fp8", "gpu": scope.gpu, "key": entry.key, "shape": entry.key,
+            "operands": f"e4m3_{entry.problem.recipe}", "winner": entry.winner_name,
+            "winner_ms": entry.winner_ms, "torch_ms": entry.torch_ms, "backend": "cutlass",
+            "speedup": ratio(entry.speedup), "prefer": "cutlass" if entry.winner else "-",
+            "complete": entry.complete}
+
+
 def _norm_row(scope: CacheScope, entry) -> dict[str, Any]:
     p = entry.problem
     return {"family": "norms", "gpu": scope.gpu, "key": entry.key, "problem": entry.key,
@@ -56,7 +66,8 @@ def _norm_row(scope: CacheScope, entry) -> dict[str, Any]:
             "prefer": "kernel", "failures": len(entry.failures)}
 
 
-_ROWS = {"gemm": _gemm_row, "grouped": _grouped_row, "norms": _norm_row}
+_ROWS = {"gemm": _gemm_row, "grouped": _grouped_row, "grouped_fp8": _grouped_fp8_row,
+         "norms": _norm_row}
 
 
 def _entries(args) -> tuple[list[tuple[Any, Any]], int]:

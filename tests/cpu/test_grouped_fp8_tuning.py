@@ -134,3 +134,26 @@ def test_the_cli_refuses_bad_fp8_grouped_arguments_by_name(args, words, capsys, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["tune", *args]) != 0
     assert words in capsys.readouterr().err
+
+
+def test_the_cache_commands_list_show_export_and_clear_its_entries(tmp_path, monkeypatch, capsys):
+    """Every family's entries reach the cache commands: an FP8 grouped entry is listed, shown,
+    exported and cleared like the others (they once failed on a family without a table row)."""
+    from custom_kernels.core import device
+    from tuning.cli import main
+
+    monkeypatch.setenv("CUTLASS_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(device, "current_scope", lambda device=None: SCOPE)
+    problem = GroupedFp8Problem(8, 1024, 14336, 4096)
+    grouped_fp8_entries.grouped_fp8_cache().put(
+        problem, {"winner": PINGPONG.name, "winner_ms": 1.2, "torch_ms": 1.8,
+                  "runners_up": [{"config": GroupedFp8Config().name, "ms": 1.3}]})
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert problem.name in listed and "grouped_fp8" in listed and PINGPONG.name in listed
+    assert main(["show", problem.name]) == 0
+    assert GroupedFp8Config().name in capsys.readouterr().out  # the runner-up
+    assert main(["export", str(tmp_path / "out.json"), "--family", "grouped_fp8"]) == 0
+    assert "exported 1" in capsys.readouterr().out
+    assert main(["clear", "--yes", "--family", "grouped_fp8"]) == 0
+    assert grouped_fp8_entries.grouped_fp8_cache().get(problem) is None
