@@ -24,9 +24,10 @@ error, the quantization error against the bf16 product, and where the blockwise 
     python benchmarks/moe_fp8.py [--quick] [--reps 30] [--recipes rowwise blockwise]
                                  [--tune quick|default|exhaustive]
 
-With ``--tune``, the blockwise rows' problems are tuned first (``cutlass-tune tune --grouped
-E:N:K --tokens ROWS --fp8 blockwise``; problems already in the tuning cache are kept) and each
-row's ``detail`` names the kernel that ran.
+With ``--tune``, the rows' problems of each recipe measured are tuned first (``cutlass-tune
+tune --grouped E:N:K --tokens ROWS --fp8 RECIPE``; problems already in the tuning cache are
+kept) and each row's ``detail`` names the kernel that ran: for rowwise, our CUTLASS kernel where
+the tune stored one as faster than ``torch._scaled_grouped_mm``, torch's otherwise.
 
 Writes ``benchmarks/results/moe_fp8.json`` (``moe_fp8_quick.json`` with ``--quick``: Qwen3 only,
 4096 tokens).
@@ -79,14 +80,17 @@ def quantize_blockwise(x: torch.Tensor, w: torch.Tensor):
     return a, bq.transpose(1, 2), sa, sb.transpose(1, 2)
 
 
-def kernel_name(a, b) -> str:
-    """The FP8 grouped kernel ``scaled_grouped_mm`` runs for these operands (tuned or default)."""
+def kernel_name(a, b, recipe: str) -> str:
+    """The kernel ``scaled_grouped_mm`` runs for these operands: a tuned one, else blockwise's
+    default or rowwise's torch._scaled_grouped_mm."""
     from cutlass_ops.gemms.grouped import grouped_build, grouped_fp8_entries
 
-    weights = b.transpose(1, 2)
-    tuned = grouped_fp8_entries.tuned_config(grouped_build.GroupedFp8Problem.of(a, weights))
-    return (tuned or grouped_build.GroupedFp8Config()).name + (" (tuned)" if tuned else
-                                                               " (default, untuned)")
+    problem = grouped_build.GroupedFp8Problem.of(a, b.transpose(1, 2), recipe)
+    tuned = grouped_fp8_entries.tuned_config(problem)
+    if tuned is not None:
+        return f"{tuned.name} (tuned)"
+    return (f"{grouped_build.GroupedFp8Config().name} (default, untuned)" if recipe ==
+            "blockwise" else "torch._scaled_grouped_mm (nothing tuned beat it)")
 
 
 def _torchao_blockwise(x, wt, offs):
@@ -121,17 +125,18 @@ def fp8_row(recipe, model, direction, tokens, routing, reps) -> dict:
         fns["reference"] = lambda: torch._scaled_grouped_mm(a, b, sa, sb, offs=offs,
                                                             out_dtype=torch.bfloat16)
         reference_name = "torch._scaled_grouped_mm"
+        detail_kernel = kernel_name(a, b, "rowwise")
     else:
         fns["reference"] = lambda: cutlass_ops.grouped_mm(x, wt, offs)
         fns["torch_grouped_mm_bf16"] = lambda: torch._grouped_mm(x, wt, offs)
         reference_name = "cutlass_ops.grouped_mm bf16"
+        detail_kernel = kernel_name(a, b, "blockwise")
     timings = do_bench_interleaved(fns, reps=reps, graph=True)
     ms = {key: t.median_ms for key, t in timings.items()}
-    detail: dict = {}
+    detail: dict = {"kernel": detail_kernel}
     if recipe == "blockwise":
         detail["path"] = ("CUTLASS FP8 blockwise grouped kernel" if sgm.BLOCKWISE_KERNEL else
                           "dequantized through grouped_mm (BLOCKWISE_KERNEL off)")
-        detail["kernel"] = kernel_name(a, b)
         tao, why = _torchao_blockwise(x, wt, offs)
         if tao is None:
             detail["torchao_blockwise"] = f"does not run: {why}"
@@ -165,25 +170,26 @@ def fp8_result(recipe, name, tokens, routing, counts, kn, ms: dict, reference_na
     }
 
 
-def blockwise_problems(models, tokens) -> list:
+def fp8_problems(models, tokens, recipes=("blockwise",)) -> list:
     from tuning.grouped_fp8_search import moe_problems
 
     problems = []
-    for model in models:
-        experts, hidden, inter, top_k = MODELS[model]
-        for n, k in ((inter, hidden), (hidden, inter)):
-            for count in tokens:
-                problems += moe_problems(experts, n, k, count * top_k)
+    for recipe in recipes:
+        for model in models:
+            experts, hidden, inter, top_k = MODELS[model]
+            for n, k in ((inter, hidden), (hidden, inter)):
+                for count in tokens:
+                    problems += moe_problems(experts, n, k, count * top_k, recipe)
     return list(dict.fromkeys(problems))
 
 
-def tune_blockwise(models, tokens, strategy: str) -> dict:
+def tune_recipes(models, tokens, recipes, strategy: str) -> dict:
     import time
 
     from tuning import grouped_fp8_search
 
     start = time.perf_counter()
-    results = grouped_fp8_search.tune(blockwise_problems(models, tokens), strategy=strategy)
+    results = grouped_fp8_search.tune(fp8_problems(models, tokens, recipes), strategy=strategy)
     return {"tune_strategy": strategy, "tune_seconds": round(time.perf_counter() - start, 1),
             "tuned": {r.problem.name: r.entry.get("winner") for r in results}}
 
@@ -195,7 +201,7 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", choices=("rowwise", "blockwise"),
                         default=["rowwise", "blockwise"])
     parser.add_argument("--tune", choices=("quick", "default", "exhaustive"),
-                        help="first tune the blockwise rows' problems with this strategy")
+                        help="first tune the rows' problems with this strategy")
     args = parser.parse_args()
     require_gpu()
     models = ["Qwen3-30B-A3B"] if args.quick else list(MODELS)
@@ -205,8 +211,8 @@ def main() -> None:
     kept = [r for r in labelled_rows(name, {})
             if r["case"].split()[1] in {"rowwise", "blockwise"} - set(args.recipes)]
     rows, summary = [], {"recipes_measured_here": args.recipes}
-    if args.tune and "blockwise" in args.recipes:
-        summary.update(tune_blockwise(models, tokens, args.tune))
+    if args.tune:
+        summary.update(tune_recipes(models, tokens, args.recipes, args.tune))
         print(summary, flush=True)
     for recipe in args.recipes:
         for model in models:

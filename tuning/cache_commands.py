@@ -45,12 +45,12 @@ def _grouped_row(scope: CacheScope, entry) -> dict[str, Any]:
 
 
 def _grouped_fp8_row(scope: CacheScope, entry) -> dict[str, Any]:
-    # torch_ms: torch._grouped_mm in bf16 on the same values (the call without FP8); the winner
-    # always runs (there is no torch FP8 blockwise grouped kernel to prefer).
+    # torch_ms: blockwise, torch._grouped_mm in bf16 on the same values (the winner always runs);
+    # rowwise, torch._scaled_grouped_mm (the winner runs where it beat it: prefer).
     return {"family": "grouped_fp8", "gpu": scope.gpu, "key": entry.key, "shape": entry.key,
             "operands": f"e4m3_{entry.problem.recipe}", "winner": entry.winner_name,
             "winner_ms": entry.winner_ms, "torch_ms": entry.torch_ms, "backend": "cutlass",
-            "speedup": ratio(entry.speedup), "prefer": "cutlass" if entry.winner else "-",
+            "speedup": ratio(entry.speedup), "prefer": entry.prefer if entry.winner else "-",
             "complete": entry.complete}
 
 

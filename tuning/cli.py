@@ -337,9 +337,9 @@ def _tune_grouped(args, problems: list | None = None) -> int:
 
 
 def _tune_grouped_fp8(args) -> int:
-    """``tune --grouped E:N:K --tokens ROWS --fp8 blockwise``: the FP8 blockwise grouped kernels
-    of ``cutlass_ops.scaled_grouped_mm`` (the forward), timed beside ``torch._grouped_mm`` in
-    bf16 on the same values."""
+    """``tune --grouped E:N:K --tokens ROWS --fp8 blockwise|rowwise``: the FP8 grouped kernels of
+    ``cutlass_ops.scaled_grouped_mm`` (the forward), timed beside torch's call
+    (``tuning.grouped_fp8_search``)."""
     from tuning import grouped_fp8_search, grouped_search
 
     if args.backward:
@@ -354,13 +354,12 @@ def _tune_grouped_fp8(args) -> int:
     rows = [{"problem": r.problem.name, "winner": r.entry.get("winner"),
              "winner_ms": r.entry.get("winner_ms"), "torch_ms": r.entry.get("torch_ms"),
              "speedup": round(r.entry["torch_ms"] / r.entry["winner_ms"], 3)
-             if r.entry.get("winner_ms") else None,
+             if r.entry.get("winner_ms") else None, "prefer": r.entry.get("prefer"),
              "failures": len(r.entry.get("failures", [])), "cached": r.cached} for r in results]
     _emit(args, {"results": rows},
-          (["problem", "winner", "ms", "bf16 torch._grouped_mm ms", "speedup", "failures",
-            "cached"],
+          (["problem", "winner", "ms", "torch ms", "speedup", "uses", "failures", "cached"],
            [[r["problem"], r["winner"] or "-", _fmt(r["winner_ms"]), _fmt(r["torch_ms"]),
-             r["speedup"] or "-", r["failures"], r["cached"]] for r in rows]))
+             r["speedup"] or "-", r["prefer"], r["failures"], r["cached"]] for r in rows]))
     return EXIT_OK
 
 
@@ -680,8 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grouped", action="append", metavar="E:N:K",
                    help="tune the grouped (mixture-of-experts) GEMM of E experts, K -> N each, "
                    "over --tokens routed rows (tokens x top-k); with --backward its dX and dW "
-                   "too (cutlass_ops.grouped_mm runs the winners); with --fp8 blockwise the FP8 "
-                   "forward (cutlass_ops.scaled_grouped_mm runs the winners)")
+                   "too (cutlass_ops.grouped_mm runs the winners); with --fp8 blockwise or rowwise "
+                   "the FP8 forward (cutlass_ops.scaled_grouped_mm runs the winners; rowwise ones "
+                   "where they beat torch._scaled_grouped_mm)")
     _add_build_args(p)
 
     p = command("bench", cmd_bench, "time tuned winners against torch.matmul (a table)")

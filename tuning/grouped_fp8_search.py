@@ -1,18 +1,23 @@
-"""Tuning the FP8 blockwise grouped kernels (``cutlass_ops.gemms.grouped.grouped_build.
-GroupedFp8Config``, issue 53): the FP8 grouped family's side of the tuner protocol
-(``tuning.protocol``).
+"""Tuning the FP8 grouped kernels (``cutlass_ops.gemms.grouped.grouped_build.GroupedFp8Config``,
+issue 53): the FP8 grouped family's side of the tuner protocol (``tuning.protocol``).
 
-Per ``GroupedFp8Problem`` (experts, mean rows per expert as a bucket, N, K): the candidates
-(``grouped_build.fp8_candidates``) built in parallel through the build cache, each run on random
-e4m3 operands with random 1x128 / 128x128 scales, the rows split evenly and Zipf-skewed
-(``grouped_search.skewed_offsets``), checked on both and with the first expert empty against the
-float32 reference (``cutlass_ops.fp8.scaled_grouped_mm_op.reference``), timed as CUDA-graph
-replays after an L2 flush; the finalists each timed again beside ``torch._grouped_mm`` on the
-same values in bf16 (what a user runs without FP8), interleaved. The fastest finalist wins
-(geometric mean over the routings): every candidate runs the same FP8 product, so there is no
-torch call for it to beat, only the bf16 one to measure it beside. Entries live in the tuning
-cache of this GPU, family ``grouped_fp8``; ``cutlass_ops.scaled_grouped_mm`` runs the stored
-winner of its problem and ``GroupedFp8Config()`` where none is stored.
+Per ``GroupedFp8Problem`` (experts, mean rows per expert as a bucket, N, K, recipe): the
+candidates (``grouped_build.fp8_candidates``) built in parallel through the build cache, each
+run on random e4m3 operands with random scales of the recipe, the rows split evenly and
+Zipf-skewed (``grouped_search.skewed_offsets``), checked on both and with the first expert empty
+against the float32 reference (``cutlass_ops.fp8.scaled_grouped_mm_op.reference``), timed as
+CUDA-graph replays after an L2 flush; the finalists each timed again beside torch's call,
+interleaved.
+
+- Blockwise: torch has no blockwise grouped GEMM; its call is ``torch._grouped_mm`` on the same
+  values in bf16 (what a user runs without FP8), measured beside, and the fastest finalist wins
+  (geometric mean over the routings). ``scaled_grouped_mm`` runs the stored winner, and
+  ``GroupedFp8Config()`` where none is stored.
+- Rowwise: torch's call is ``torch._scaled_grouped_mm`` on the same operands, and the winner is
+  the fastest finalist that beat it on every routing timed (``prefer`` "cutlass"); with none,
+  ``scaled_grouped_mm`` keeps running torch's kernel (``prefer`` "torch").
+
+Entries live in the tuning cache of this GPU, family ``grouped_fp8``.
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ TOLERANCE = 1e-2  # norm-wise against float32; measured 7e-4 on an H200 (moe_fp8
 def moe_problems(experts: int, n: int, k: int, rows: int,
                  recipe: str = "blockwise") -> list[GroupedFp8Problem]:
     """An MoE layer's forward expert GEMM ``rows`` x K -> N over ``experts`` experts in FP8."""
-    if recipe != "blockwise":
-        raise ValueError(f"FP8 grouped GEMMs are tuned for the blockwise recipe; {recipe} calls "
-                         "run torch._scaled_grouped_mm, which has nothing to tune")
+    if recipe not in grouped_build.FP8_RECIPES:
+        recipes = " and ".join(grouped_build.FP8_RECIPES)
+        raise ValueError(f"FP8 grouped GEMMs are tuned for the {recipes} recipes, not {recipe}")
     return [GroupedFp8Problem(experts, grouped_build.bucket(rows / experts), n, k, recipe)]
 
 
@@ -64,25 +69,33 @@ class GroupedFp8Family(GroupedFamily):
         return ()
 
     def baseline(self, problem, plan):
-        # The default kernel (what runs untuned) is timed in the final round whatever its rank,
-        # so the entry says what tuning gained.
+        # The default blockwise kernel (what runs untuned) is timed in the final round whatever
+        # its rank, so the entry says what tuning gained.
         default = GroupedFp8Config()
         return default if default in plan else None
 
     def entry(self, problem: GroupedFp8Problem, measured: protocol.Measured) -> dict:
         times = measured.times
-        finalists = [c for c in measured.final_ms]
-        winner = min(finalists, key=times.get) if finalists else None
         ratios = getattr(self._sessions.pop(problem, None), "ratios", {})
+        finalists = sorted(measured.final_ms, key=times.get)
+        if problem.recipe == "rowwise":  # it must beat torch's kernel on every routing
+            safe = [c for c in finalists if c in ratios and max(ratios[c]) <= 1.0]
+            winner = (safe or finalists or [None])[0]
+            prefer = "cutlass" if safe else "torch"
+        else:
+            winner, prefer = (finalists or [None])[0], "cutlass"
         torch_ms = measured.torch_beside.get(winner) if winner else measured.torch_ms
         ranked = sorted(times, key=times.get)
+        reference = ("torch._scaled_grouped_mm on the same operands" if problem.recipe ==
+                     "rowwise" else "torch._grouped_mm on the same values in bf16")
         return {
             "problem": problem.to_dict(),
             "winner": winner.name if winner else None,
+            "prefer": prefer,
             "winner_ms": times[winner] if winner else None,
             "torch_ms": torch_ms,
             "winner_tflops": round(problem.flops / times[winner] / 1e9, 2) if winner else None,
-            # bf16 torch._grouped_mm's time / the winner's on each routing (even, skewed)
+            # torch's time / the winner's on each routing (even, skewed)
             "routing_speedups": [round(1 / r, 4) for r in ratios[winner]]
             if winner in ratios else None,
             "runners_up": [{"config": c.name, "ms": times[c],
@@ -91,7 +104,7 @@ class GroupedFp8Family(GroupedFamily):
             "failures": [{"config": f.candidate, "stage": f.stage, "error": f.error[:400]}
                          for f in measured.failures],
             "timed_on": "geometric mean of an even and a Zipf-skewed routing; torch_ms: "
-                        "torch._grouped_mm on the same values in bf16",
+                        + reference,
             "strategy": self.strategy, "complete": measured.complete,
             "tune_seconds": round(measured.seconds, 2),
             "build_seconds_total": round(self.build_seconds, 2),
@@ -109,8 +122,8 @@ class GpuGroupedFp8Backend(GpuGroupedBackend):
 
 
 class GroupedFp8Session:
-    """One problem's random FP8 operands and scales, its float32 reference per routing, and the
-    bf16 ``torch._grouped_mm`` of the same values (``tuning.protocol.Session``)."""
+    """One problem's random FP8 operands and scales of its recipe, its float32 reference per
+    routing, and torch's call (``tuning.protocol.Session``; the module docstring says which)."""
 
     def __init__(self, problem: GroupedFp8Problem):
         import torch
@@ -123,12 +136,18 @@ class GroupedFp8Session:
         fp8, rows, blocks_k, blocks_n = torch.float8_e4m3fn, p.groups * p.m, p.k // 128, p.n // 128
         self.a = (torch.randn(rows, p.k, device="cuda", generator=g) * 2).to(fp8)
         self.b = (torch.randn(p.groups, p.n, p.k, device="cuda", generator=g) * 2).to(fp8)
-        self.scale_a = torch.rand(rows, blocks_k, device="cuda", generator=g) + 0.5
-        self.scale_b = runtime.weight_scale_layout(
-            torch.rand(p.groups, blocks_n, blocks_k, device="cuda", generator=g) + 0.5)
-        # The same values in bf16, the weights as [E, K, N] views: the call without FP8.
-        self.a16 = self.a.to(torch.bfloat16)
-        self.b16 = self.b.to(torch.bfloat16).transpose(1, 2)
+        if p.recipe == "rowwise":
+            self.scale_a = torch.rand(rows, device="cuda", generator=g) + 0.5
+            self.scale_b = torch.rand(p.groups, p.n, device="cuda", generator=g) + 0.5
+            public_scale_b = self.scale_b
+        else:
+            self.scale_a = torch.rand(rows, blocks_k, device="cuda", generator=g) + 0.5
+            self.scale_b = runtime.weight_scale_layout(
+                torch.rand(p.groups, blocks_n, blocks_k, device="cuda", generator=g) + 0.5)
+            public_scale_b = self.scale_b.transpose(1, 2)
+            # The same values in bf16, the weights as [E, K, N] views: the call without FP8.
+            self.a16 = self.a.to(torch.bfloat16)
+            self.b16 = self.b.to(torch.bfloat16).transpose(1, 2)
         even = torch.full((p.groups,), p.m, device="cuda", dtype=torch.int32).cumsum(0)
         self.routings = [even.to(torch.int32)]
         if p.groups > 1:
@@ -139,7 +158,7 @@ class GroupedFp8Session:
             empty_first[0] = 0
             checked.append(empty_first)
         self.checked = [(offs, sgm.reference(self.a, self.b.transpose(1, 2), self.scale_a,
-                                             self.scale_b.transpose(1, 2), offs))
+                                             public_scale_b, offs))
                         for offs in checked]
         self.ratios: dict = {}
 
@@ -151,6 +170,10 @@ class GroupedFp8Session:
     def _torch(self, offs):
         import torch
 
+        if self.problem.recipe == "rowwise":
+            a, b, scale_a, scale_b = self.a, self.b.transpose(1, 2), self.scale_a, self.scale_b
+            return lambda: torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs,
+                                                    out_dtype=torch.bfloat16)
         return lambda: torch._grouped_mm(self.a16, self.b16, offs)
 
     def verify(self, config) -> str | None:
@@ -202,7 +225,8 @@ class GroupedFp8Session:
         return {c: combined(c) for c in configs}, combined("torch")
 
     def close(self) -> None:
-        self.a = self.b = self.a16 = self.b16 = self.scale_a = self.scale_b = None
+        self.a = self.b = self.scale_a = self.scale_b = None
+        self.a16 = self.b16 = None
         self.routings = self.checked = []
 
 

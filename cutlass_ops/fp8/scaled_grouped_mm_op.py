@@ -16,7 +16,9 @@ the blockwise scales torch lacks:
 The recipe is read from the scales' shapes, as ``scaled_mm`` reads it. Where a call runs:
 - tensors off a CUDA device: the dequantized float32 product (``reference``; the CPU rule of
   ``custom_kernels.core.fallback``);
-- rowwise on a GPU: ``torch._scaled_grouped_mm``;
+- rowwise on a GPU: ``torch._scaled_grouped_mm``, or our CUTLASS rowwise grouped kernel where a
+  GPU tune (``cutlass-tune tune --grouped E:N:K --fp8 rowwise``) stored one as faster on every
+  routing it timed, after checking it against the float32 reference;
 - blockwise on a GPU: the CUTLASS FP8 blockwise grouped kernel
   (``cutlass_ops.gemms.grouped.grouped_fp8_runtime``; ``BLOCKWISE_KERNEL``); with it turned off,
   the documented fallback: both operands dequantized to bf16 and multiplied by
@@ -142,6 +144,15 @@ def _blockwise_kernel(a, b, scale_a, scale_b, offs) -> Tensor:
     return grouped_fp8_runtime.run(config, a, weights, scale_a, sb, offs)
 
 
+def _tuned_rowwise(a, b):
+    """The rowwise kernel a GPU tune stored for this problem as faster than
+    ``torch._scaled_grouped_mm`` on every routing it timed, or None (then torch's runs)."""
+    from cutlass_ops.gemms.grouped import grouped_build, grouped_fp8_entries
+
+    problem = grouped_build.GroupedFp8Problem.of(a, b.transpose(1, 2), "rowwise")
+    return grouped_fp8_entries.tuned_config(problem, a.device.index)
+
+
 def _run(a, b, scale_a, scale_b, offs, out_dtype) -> Tensor:
     recipe = check(a, b, scale_a, scale_b, offs, out_dtype)
     if a.device.type != "cuda":
@@ -149,8 +160,14 @@ def _run(a, b, scale_a, scale_b, offs, out_dtype) -> Tensor:
                           f"the tensors are on {a.device}, not a CUDA device")
         return reference(a, b, scale_a, scale_b, offs)
     if recipe is GroupedRecipe.ROWWISE:
-        return torch._scaled_grouped_mm(a, b, scale_a.reshape(-1), scale_b.reshape(b.shape[0], -1),
-                                        offs=offs, out_dtype=out_dtype)
+        scale_a, scale_b = scale_a.reshape(-1), scale_b.reshape(b.shape[0], -1)
+        tuned = _tuned_rowwise(a, b)
+        if tuned is not None:
+            from cutlass_ops.gemms.grouped import grouped_fp8_runtime
+
+            return grouped_fp8_runtime.run(tuned, a, b.transpose(1, 2), scale_a.contiguous(),
+                                           scale_b.contiguous(), offs)
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
     if BLOCKWISE_KERNEL:
         return _blockwise_kernel(a, b, scale_a, scale_b, offs)
     fallback.log_once(f"{ENTRY} runs blockwise calls dequantized, through grouped_mm",

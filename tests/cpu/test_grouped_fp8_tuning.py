@@ -15,8 +15,9 @@ PINGPONG = GroupedFp8Config(pingpong=True, tile=(64, 128))
 
 
 class FakeSession:
-    def __init__(self, backend, problem):
-        self.backend, self.problem = backend, problem
+    def __init__(self, backend, problem, torch_time=1.5):
+        self.backend, self.problem, self.torch_time = backend, problem, torch_time
+        self.ratios = {}
 
     def verify(self, config):
         self.backend.verified.append(config)
@@ -26,9 +27,11 @@ class FakeSession:
         return 0.9 if config == PINGPONG else 1.0 + 0.01 * sum(config.cluster)
 
     def torch_ms(self, reps):
-        return 1.5
+        return self.torch_time
 
     def compare_ms(self, configs, reps):
+        # each routing's time over torch's, as the real session records them (the rowwise rule)
+        self.ratios = {c: [self.time_ms(c, reps) / self.torch_ms(reps)] * 2 for c in configs}
         return {c: self.time_ms(c, reps) for c in configs}, self.torch_ms(reps)
 
     def close(self):
@@ -36,15 +39,15 @@ class FakeSession:
 
 
 class FakeBackend:
-    def __init__(self):
-        self.built, self.verified = [], []
+    def __init__(self, torch_time=1.5):
+        self.built, self.verified, self.torch_time = [], [], torch_time
 
     def build(self, configs):
         self.built += configs
         return {c: "build: fake nvcc error" for c in configs if c.cluster == (2, 1)}
 
     def session(self, problem):
-        return FakeSession(self, problem)
+        return FakeSession(self, problem, self.torch_time)
 
 
 def test_the_key_buckets_the_rows_per_expert_and_reads_the_kernels_orientation():
@@ -56,8 +59,10 @@ def test_the_key_buckets_the_rows_per_expert_and_reads_the_kernels_orientation()
     assert GroupedFp8Problem.from_dict(problem.to_dict()) == problem
     a, b = torch.empty(4096 * 8, 2048), torch.empty(128, 768, 2048)  # b as [E, N, K]
     assert GroupedFp8Problem.of(a, b) == problem
-    with pytest.raises(ValueError, match="torch._scaled_grouped_mm"):
-        grouped_fp8_search.moe_problems(8, 4096, 4096, 4096, recipe="rowwise")
+    (rowwise,) = grouped_fp8_search.moe_problems(8, 4096, 4096, 4096, recipe="rowwise")
+    assert rowwise.name == "2d3d-e4m3-rowwise-g8-m512-n4096-k4096"
+    with pytest.raises(ValueError, match="blockwise and rowwise recipes, not tensorwise"):
+        grouped_fp8_search.moe_problems(8, 4096, 4096, 4096, recipe="tensorwise")
 
 
 def test_candidates_follow_the_rows_per_expert():
@@ -107,8 +112,9 @@ def test_dispatch_reads_the_stored_winner_and_falls_back_to_the_default(tmp_path
     ({"winner_ms": -1.0}, "winner_ms"),
     ({"torch_ms": float("nan")}, "not finite"),
     ({"torch_ms": 0.0}, "torch_ms"),
-    ({"problem": {"groups": 8, "m": 1024, "n": 14336, "k": 4096, "recipe": "rowwise"}},
+    ({"problem": {"groups": 8, "m": 1024, "n": 14336, "k": 4096, "recipe": "tensorwise"}},
      "recipe"),
+    ({"prefer": "torch"}, "always runs"),  # a blockwise winner has no torch kernel to yield to
 ])
 def test_the_schema_refuses_entries_it_cannot_trust(change, words):
     problem = GroupedFp8Problem(8, 1024, 14336, 4096)
@@ -119,8 +125,7 @@ def test_the_schema_refuses_entries_it_cannot_trust(change, words):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--grouped", "8:14336:4096", "--tokens", "64", "--fp8", "rowwise"],
-     "torch._scaled_grouped_mm"),
+    (["--grouped", "8:14336:4096", "--tokens", "64", "--fp8", "tensorwise"], "not tensorwise"),
     (["--grouped", "8:14336:4096", "--tokens", "64", "--fp8", "blockwise", "--backward"],
      "forward"),
     (["--grouped", "8:14336:4096", "--fp8", "blockwise"], "--tokens"),
@@ -157,3 +162,62 @@ def test_the_cache_commands_list_show_export_and_clear_its_entries(tmp_path, mon
     assert "exported 1" in capsys.readouterr().out
     assert main(["clear", "--yes", "--family", "grouped_fp8"]) == 0
     assert grouped_fp8_entries.grouped_fp8_cache().get(problem) is None
+
+
+ROWWISE_FAST = GroupedFp8Config(pingpong=True, tile=(64, 256), recipe="rowwise", fast_accum=True)
+
+
+def test_rowwise_configs_name_their_scaling_and_round_trip():
+    assert ROWWISE_FAST.name == "grouped-e4m3-rowwise-fastaccum-pingpong-t64x256-c1x1"
+    assert GroupedFp8Config.from_name(ROWWISE_FAST.name) == ROWWISE_FAST
+    assert "GROUPED_ROWWISE=1" in ROWWISE_FAST.defines()
+    assert "GROUPED_FAST_ACCUM=1" in ROWWISE_FAST.defines()
+    assert "GROUPED_ROWWISE=0" in GroupedFp8Config().defines()
+    with pytest.raises(ValueError, match="rowwise kernel's"):
+        GroupedFp8Config(fast_accum=True)  # blockwise promotes every K block
+    with pytest.raises(ValueError, match="tile N 128:"):
+        GroupedFp8Config(tile=(128, 256))  # blockwise: one B scale block a tile
+    problem = GroupedFp8Problem(8, 1024, 14336, 4096, "rowwise")
+    pool = fp8_candidates(problem, "exhaustive")
+    assert len(pool) == len(set(pool)) == 12 and all(c.recipe == "rowwise" for c in pool)
+    assert [len(fp8_candidates(problem, s)) for s in ("quick", "default")] == [4, 6]
+
+
+@pytest.mark.parametrize("torch_time, prefer", [(1.5, "cutlass"), (0.5, "torch")])
+def test_a_rowwise_winner_runs_only_where_it_beat_torchs_kernel(torch_time, prefer, tmp_path,
+                                                                 monkeypatch):
+    backend = FakeBackend(torch_time)
+    cache = TuningCache(SCOPE, grouped_fp8_entries.SCHEMA, tmp_path)
+    problems = grouped_fp8_search.moe_problems(8, 4096, 4096, 8192, recipe="rowwise")
+    grouped_fp8_search.tune(problems, strategy="quick", backend=backend, cache=cache,
+                            progress=lambda message: None)
+    entry = stored(cache, problems[0])
+    assert entry["prefer"] == prefer and entry["winner"].startswith("grouped-e4m3-rowwise")
+    monkeypatch.setattr(grouped_fp8_entries, "family_dir", lambda schema: tmp_path)
+    monkeypatch.setattr(grouped_fp8_entries, "grouped_fp8_cache", lambda device=None: cache)
+    tuned = grouped_fp8_entries.tuned_config(problems[0])
+    assert (tuned is not None) == (prefer == "cutlass")
+
+
+def test_a_winner_of_another_recipe_is_refused():
+    problem = GroupedFp8Problem(8, 1024, 14336, 4096, "rowwise")
+    raw = {"problem": problem.to_dict(), "winner": PINGPONG.name, "winner_ms": 1.0,
+           "torch_ms": 1.6}
+    with pytest.raises(EntryRejected, match="blockwise kernel"):
+        grouped_fp8_entries.SCHEMA.parse(problem.name, raw, SCOPE)
+
+
+def test_the_public_op_asks_for_a_tuned_rowwise_kernel_by_its_problem(monkeypatch):
+    """scaled_grouped_mm's rowwise route looks its problem up (in the kernel's orientation);
+    with nothing stored torch._scaled_grouped_mm runs."""
+    import torch
+
+    from cutlass_ops.fp8 import scaled_grouped_mm_op as sgm
+
+    asked = []
+    monkeypatch.setattr(grouped_fp8_entries, "tuned_config",
+                        lambda problem, device=None: asked.append(problem))
+    a = torch.empty(4096, 2048, dtype=torch.float8_e4m3fn)
+    b = torch.empty(128, 768, 2048, dtype=torch.float8_e4m3fn).transpose(1, 2)  # [E, K, N]
+    assert sgm._tuned_rowwise(a, b) is None
+    assert asked == [GroupedFp8Problem(128, 32, 768, 2048, "rowwise")]

@@ -11,6 +11,7 @@
 //       activation recipe)
 //   sB  [E, N/128, K/128] float32, N blocks contiguous (strides (N/128*K/128, 1, N/128)): one
 //       scale a 128x128 block of each expert's weight
+// Rowwise: sA [M_total] float32 contiguous, sB [E, N] float32 contiguous; tile N may be 256.
 // CUTLASS 4.2's ptr-array blockwise mainloop reads each group's scales through the packed layout
 // of the group's own problem (its load_init rebuilds it from M, N, K and ignores the layouts it
 // is given): group g's sA must be an M-contiguous [M_g, K/128] block of its own. So a second
@@ -19,8 +20,9 @@
 // only: each expert's block is read in place. As in grouped_launcher.cu, the group sizes,
 // pointers and strides are written from the offsets on the device: no host sync.
 //
-// Macros (cutlass_ops.gemms.grouped): GROUPED_TILE_M / _N (tile K is the scale block, 128),
-// GROUPED_CLUSTER_M / _N, GROUPED_PINGPONG 0 / 1.
+// Macros (cutlass_ops.gemms.grouped): GROUPED_TILE_M / _N (tile K 128: blockwise, the scale
+// block), GROUPED_CLUSTER_M / _N, GROUPED_PINGPONG 0 / 1, GROUPED_ROWWISE 0 / 1,
+// GROUPED_FAST_ACCUM 0 / 1 (rowwise only).
 
 #include <cstdint>
 #include <cstdio>
@@ -52,12 +54,19 @@
 #ifndef GROUPED_PINGPONG
 #define GROUPED_PINGPONG 0
 #endif
+#ifndef GROUPED_ROWWISE
+#define GROUPED_ROWWISE 0
+#endif
+#ifndef GROUPED_FAST_ACCUM
+#define GROUPED_FAST_ACCUM 0
+#endif
 
 namespace cutlass_ops_grouped_fp8 {
 
 using namespace cute;
 
-constexpr int kAbiVersion = 2;  // 2: sA any strides, packed per group
+constexpr int kAbiVersion = 3;  // 2: sA any strides, packed per group; 3: the rowwise build
+constexpr bool kRowwise = GROUPED_ROWWISE != 0;
 constexpr int kScaleBlock = 128;  // K (and N for B) elements a scale covers
 
 enum Status : int {
@@ -79,35 +88,64 @@ using LayoutD = cutlass::layout::RowMajor;
 constexpr int kAlignmentAB = 16 / sizeof(ElementAB);
 constexpr int kAlignmentD = 16 / sizeof(ElementD);
 
-static_assert(GROUPED_TILE_N == kScaleBlock,
+static_assert(kRowwise || GROUPED_TILE_N == kScaleBlock,
               "one 128-wide scale block of B a tile: CUTLASS's blockwise accumulation takes no "
               "other (at N 256 it fails to compile)");
+static_assert(kRowwise || !GROUPED_FAST_ACCUM, "fast accumulation is a rowwise build's");
 using TileShape = Shape<Int<GROUPED_TILE_M>, Int<GROUPED_TILE_N>, Int<kScaleBlock>>;
 using ClusterShape = Shape<Int<GROUPED_CLUSTER_M>, Int<GROUPED_CLUSTER_N>, _1>;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 
-// 1x128 blocks of A, 128x128 of B; Sm90's mainloop reads both scale tensors M / N contiguous.
+// Blockwise: 1x128 blocks of A, 128x128 of B; Sm90's mainloop reads both scale tensors M / N
+// contiguous.
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleBlock, kScaleBlock>;
 using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
 using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
-using KernelSchedule = cute::conditional_t<
+using BlockwiseSchedule = cute::conditional_t<
     GROUPED_PINGPONG, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>;
+using RowwiseSchedule = cute::conditional_t<
+    GROUPED_FAST_ACCUM,
+    cute::conditional_t<GROUPED_PINGPONG,
+                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
+                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>,
+    cute::conditional_t<GROUPED_PINGPONG, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
+using KernelSchedule = cute::conditional_t<kRowwise, RowwiseSchedule, BlockwiseSchedule>;
 using EpilogueSchedule = cute::conditional_t<GROUPED_PINGPONG,
                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+
+// Rowwise: D = bf16(sB[col] * (sA[row] * acc)), each scale vector read through a pointer a group
+// (the broadcasts' array-of-pointers form: index l of a tile is its group).
+namespace fusion = cutlass::epilogue::fusion;
+using RowScaleA = fusion::Sm90ColBroadcast<0, TileShape, ElementAccumulator*, ElementAccumulator,
+                                           Stride<_1, _0, _0>>;
+using ColScaleB = fusion::Sm90RowBroadcast<0, TileShape, ElementAccumulator*, ElementAccumulator,
+                                           Stride<_0, _1, _0>>;
+using ScaledAcc = fusion::Sm90EVT<
+    fusion::Sm90Compute<cutlass::multiplies, ElementAccumulator, ElementAccumulator,
+                        cutlass::FloatRoundStyle::round_to_nearest>,
+    RowScaleA, fusion::Sm90AccFetch>;
+using RowwiseFusion = fusion::Sm90EVT<
+    fusion::Sm90Compute<cutlass::multiplies, ElementD, ElementAccumulator,
+                        cutlass::FloatRoundStyle::round_to_nearest>,
+    ColScaleB, ScaledAcc>;
+using Fusion = cute::conditional_t<kRowwise, RowwiseFusion,
+                                   fusion::LinearCombination<ElementD, ElementAccumulator, void>>;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator,
     void, LayoutD*, kAlignmentD, ElementD, LayoutD*, kAlignmentD, EpilogueSchedule,
-    cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAccumulator, void>>::CollectiveOp;
+    Fusion>::CollectiveOp;
 
+using GmemLayoutA = cute::conditional_t<kRowwise, LayoutA*, cute::tuple<LayoutA*, LayoutSFA*>>;
+using GmemLayoutB = cute::conditional_t<kRowwise, LayoutB*, cute::tuple<LayoutB*, LayoutSFB*>>;
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB,
-    cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentAB, ElementAB, cute::tuple<LayoutB*, LayoutSFB*>,
-    kAlignmentAB, ElementAccumulator, TileShape, ClusterShape,
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, GmemLayoutA, kAlignmentAB,
+    ElementAB, GmemLayoutB, kAlignmentAB, ElementAccumulator, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
         sizeof(typename CollectiveEpilogue::SharedStorage))>,
     KernelSchedule>::CollectiveOp;
@@ -138,8 +176,8 @@ struct CutlassOpsGroupedFp8Args {
   const void* a;
   const void* b;
   void* d;
-  const float* scale_a;  // [M_total, K/128], strides scale_a_stride_m / _k
-  const float* scale_b;  // [E, N/128, K/128], N blocks contiguous
+  const float* scale_a;  // blockwise [M_total, K/128], strides scale_a_stride_m / _k; rowwise [M_total]
+  const float* scale_b;  // blockwise [E, N/128, K/128], N blocks contiguous; rowwise [E, N]
   int64_t scale_a_stride_m, scale_a_stride_k;
   int64_t a_stride_m;    // A's row stride (K when dense)
   int64_t b_stride_n, b_stride_group;
@@ -191,8 +229,9 @@ Arrays carve(void* base, int groups, int64_t m_total, int64_t k) {
   arrays.stride_d = reinterpret_cast<StrideD*>(take(sizeof(StrideD) * groups));
   arrays.layout_sfa = reinterpret_cast<LayoutSFA*>(take(sizeof(LayoutSFA) * groups));
   arrays.layout_sfb = reinterpret_cast<LayoutSFB*>(take(sizeof(LayoutSFB) * groups));
-  arrays.packed_scale_a =
-      reinterpret_cast<float*>(take(sizeof(float) * size_t(m_total) * size_t(k / kScaleBlock)));
+  if (!kRowwise)  // rowwise scales are read in place
+    arrays.packed_scale_a =
+        reinterpret_cast<float*>(take(sizeof(float) * size_t(m_total) * size_t(k / kScaleBlock)));
   arrays.bytes = offset;
   return arrays;
 }
@@ -227,12 +266,17 @@ __global__ void prepare_groups(CutlassOpsGroupedFp8Args args, Arrays arrays) {
   arrays.stride_a[g] = leading<StrideA>(args.a_stride_m);
   arrays.stride_b[g] = leading<StrideB>(args.b_stride_n);
   arrays.stride_d[g] = leading<StrideD>(args.d_stride_m);
-  // sA: the group's packed block (pack_scale_a), at M-offset start * K/128.
-  arrays.scale_a[g] = arrays.packed_scale_a + start * (k / kScaleBlock);
-  arrays.layout_sfa[g] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(int(rows), n, k, 1));
-  const int64_t b_blocks = int64_t(n / kScaleBlock) * (k / kScaleBlock);
-  arrays.scale_b[g] = args.scale_b + g * b_blocks;
-  arrays.layout_sfb[g] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(int(rows), n, k, 1));
+  if constexpr (kRowwise) {
+    arrays.scale_a[g] = args.scale_a + start;   // the group's rows' scales
+    arrays.scale_b[g] = args.scale_b + g * int64_t(n);  // its columns'
+  } else {
+    // sA: the group's packed block (pack_scale_a), at M-offset start * K/128.
+    arrays.scale_a[g] = arrays.packed_scale_a + start * (k / kScaleBlock);
+    arrays.layout_sfa[g] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(int(rows), n, k, 1));
+    const int64_t b_blocks = int64_t(n / kScaleBlock) * (k / kScaleBlock);
+    arrays.scale_b[g] = args.scale_b + g * b_blocks;
+    arrays.layout_sfb[g] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(int(rows), n, k, 1));
+  }
 }
 
 // One thread per (row, K block) of sA: the row's group found by bisecting the offsets, its scale
@@ -262,15 +306,33 @@ typename Gemm::Arguments gemm_arguments(const CutlassOpsGroupedFp8Args& args,
   cutlass::KernelHardwareInfo hw_info;
   hw_info.device_id = args.device;
   hw_info.sm_count = args.sm_count;
-  typename Gemm::Arguments arguments{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {args.groups, arrays.shapes, nullptr},
-      {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b, arrays.scale_a, arrays.layout_sfa,
-       arrays.scale_b, arrays.layout_sfb},
-      {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
-      hw_info};
-  arguments.epilogue.thread.alpha = 1.0f;
-  arguments.epilogue.thread.beta = 0.0f;
+  typename Gemm::Arguments arguments;
+  // (#if, not if constexpr: outside a template both branches of an if constexpr must compile,
+  // and each build's Arguments has only its own scaling's fields.)
+#if GROUPED_ROWWISE
+  {
+    arguments = typename Gemm::Arguments{
+        cutlass::gemm::GemmUniversalMode::kGrouped,
+        {args.groups, arrays.shapes, nullptr},
+        {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
+        {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
+        hw_info};
+    // (column scales of B, (row scales of A, the accumulator, their product), the product)
+    arguments.epilogue.thread = {{arrays.scale_b}, {{arrays.scale_a}, {}, {}}, {}};
+  }
+#else
+  {
+    arguments = typename Gemm::Arguments{
+        cutlass::gemm::GemmUniversalMode::kGrouped,
+        {args.groups, arrays.shapes, nullptr},
+        {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b, arrays.scale_a, arrays.layout_sfa,
+         arrays.scale_b, arrays.layout_sfb},
+        {{}, nullptr, nullptr, arrays.d, arrays.stride_d},
+        hw_info};
+    arguments.epilogue.thread.alpha = 1.0f;
+    arguments.epilogue.thread.beta = 0.0f;
+  }
+#endif
   return arguments;
 }
 
@@ -278,7 +340,8 @@ typename Gemm::Arguments gemm_arguments(const CutlassOpsGroupedFp8Args& args,
 // stride, and extents the scale blocks tile.
 const char* why_not(const CutlassOpsGroupedFp8Args& args) {
   if (args.groups < 0) return "a negative group count";
-  if (args.k % kScaleBlock || args.n % kScaleBlock) return "N and K must be multiples of 128";
+  if (kRowwise ? (args.k % 16 || args.n % 16) : (args.k % kScaleBlock || args.n % kScaleBlock))
+    return kRowwise ? "N and K must be multiples of 16" : "N and K must be multiples of 128";
   if (args.a_stride_m < args.k || args.b_stride_n < args.k || args.d_stride_m < args.n)
     return "a row stride shorter than its row";
   if (args.a_stride_m % kAlignmentAB || args.b_stride_n % kAlignmentAB ||
@@ -336,7 +399,7 @@ __attribute__((visibility("default"))) int cutlass_ops_grouped_fp8_run(
     return kWorkspaceTooSmall;
   }
   prepare_groups<<<(args->groups + 127) / 128, 128, 0, stream>>>(*args, arrays);
-  const int64_t scales = args->m_total * (args->k / kScaleBlock);
+  const int64_t scales = kRowwise ? 0 : args->m_total * (args->k / kScaleBlock);
   if (scales > 0)
     pack_scale_a<<<unsigned((scales + 255) / 256), 256, 0, stream>>>(*args, arrays);
   cudaError_t error = cudaGetLastError();

@@ -92,19 +92,24 @@ class GroupedConfig:
                 f"GROUPED_PINGPONG={int(self.pingpong)}")
 
 
-_FP8_NAME = re.compile(r"grouped-e4m3-blockwise-(cooperative|pingpong)-t(\d+)x(\d+)-c(\d)x(\d)")
+_FP8_NAME = re.compile(r"grouped-e4m3-(blockwise|rowwise|rowwise-fastaccum)-(cooperative|pingpong)"
+                       r"-t(\d+)x(\d+)-c(\d)x(\d)")
+FP8_RECIPES = ("blockwise", "rowwise")
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedFp8Config:
-    """One FP8 blockwise grouped kernel (``csrc/grouped_fp8_launcher.cu``, issue 53): e4m3
-    tokens sorted by expert (row-major) times each expert's e4m3 [N, K] weight, bf16 out, 1x128
-    scales of the tokens and 128x128 of the weights applied in the mainloop. The tile's K is the
-    scale block, 128."""
+    """One FP8 grouped kernel (``csrc/grouped_fp8_launcher.cu``, issue 53): e4m3 tokens sorted by
+    expert (row-major) times each expert's e4m3 [N, K] weight, bf16 out. ``recipe`` blockwise:
+    1x128 scales of the tokens and 128x128 of the weights applied in the mainloop (tile K, N
+    128); rowwise: a scale a token and a scale a weight row applied in the epilogue, with
+    ``fast_accum`` the accumulation kept in the tensor cores (never promoted)."""
 
     pingpong: bool = False
     tile: tuple[int, int] = (128, 128)
     cluster: tuple[int, int] = (1, 1)
+    recipe: str = "blockwise"
+    fast_accum: bool = False
 
     def __post_init__(self) -> None:
         why = self.why_invalid()
@@ -114,7 +119,8 @@ class GroupedFp8Config:
     @property
     def name(self) -> str:
         schedule = "pingpong" if self.pingpong else "cooperative"
-        return (f"grouped-e4m3-blockwise-{schedule}-t{self.tile[0]}x{self.tile[1]}"
+        scaling = self.recipe + ("-fastaccum" if self.fast_accum else "")
+        return (f"grouped-e4m3-{scaling}-{schedule}-t{self.tile[0]}x{self.tile[1]}"
                 f"-c{self.cluster[0]}x{self.cluster[1]}")
 
     @classmethod
@@ -122,17 +128,24 @@ class GroupedFp8Config:
         match = _FP8_NAME.fullmatch(name)
         if match is None:
             raise ValueError(f"not a grouped FP8 config name: {name!r}")
-        schedule, tm, tn, cm, cn = match.groups()
-        return cls(schedule == "pingpong", (int(tm), int(tn)), (int(cm), int(cn)))
+        scaling, schedule, tm, tn, cm, cn = match.groups()
+        return cls(schedule == "pingpong", (int(tm), int(tn)), (int(cm), int(cn)),
+                   scaling.split("-")[0], scaling.endswith("fastaccum"))
 
     def why_invalid(self) -> str | None:
+        if self.recipe not in FP8_RECIPES:
+            return f"recipes {FP8_RECIPES}"
+        if self.fast_accum and self.recipe != "rowwise":
+            return "fast accumulation is a rowwise kernel's (blockwise promotes every K block)"
         rows = (64,) if self.pingpong else (128,)
         if self.tile[0] not in rows:
             return f"{'pingpong' if self.pingpong else 'cooperative'} tiles have M in {rows}"
-        if self.tile[1] != 128:
+        if self.recipe == "blockwise" and self.tile[1] != 128:
             # CUTLASS's blockwise accumulation wants one B scale a tile (fp8_accumulation.hpp:
             # "Accumulator and scaleB must have same shape" at N 256, compiled here).
             return "tile N 128: one 128-wide scale block of B a tile"
+        if self.tile[1] not in (128, 256):
+            return "tile N 128 or 256"
         if self.cluster not in ((1, 1), (2, 1), (1, 2)):
             return "clusters 1x1, 2x1 or 1x2"
         return None
@@ -144,7 +157,9 @@ class GroupedFp8Config:
     def defines(self) -> tuple[str, ...]:
         return (f"GROUPED_TILE_M={self.tile[0]}", f"GROUPED_TILE_N={self.tile[1]}",
                 f"GROUPED_CLUSTER_M={self.cluster[0]}", f"GROUPED_CLUSTER_N={self.cluster[1]}",
-                f"GROUPED_PINGPONG={int(self.pingpong)}")
+                f"GROUPED_PINGPONG={int(self.pingpong)}",
+                f"GROUPED_ROWWISE={int(self.recipe == 'rowwise')}",
+                f"GROUPED_FAST_ACCUM={int(self.fast_accum)}")
 
 
 def bucket(rows_per_group: float) -> int:
@@ -232,20 +247,37 @@ class GroupedFp8Problem:
         return 2.0 * self.groups * self.m * self.n * self.k
 
     @classmethod
-    def of(cls, a, b) -> GroupedFp8Problem:
+    def of(cls, a, b, recipe: str = "blockwise") -> GroupedFp8Problem:
         """The key of a call's operands in the kernel's orientation: a [M, K], b [E, N, K]."""
         groups = b.shape[0]
-        return cls(groups, bucket(a.shape[0] / max(1, groups)), b.shape[1], b.shape[2])
+        return cls(groups, bucket(a.shape[0] / max(1, groups)), b.shape[1], b.shape[2], recipe)
 
 
 def fp8_candidates(problem: GroupedFp8Problem, strategy: str = "default") -> list:
-    """FP8 blockwise kernels to try, the best guess first: pingpong 64-row tiles (one warpgroup's
-    scale promotion overlapping the other's MMA) when an expert has few rows, cooperative 128-row
-    tiles otherwise, then the 2-CTA clusters; quick 3, default 4, exhaustive all 6."""
+    """FP8 kernels to try for ``problem``'s recipe, the best guess first.
+
+    Blockwise: pingpong 64-row tiles (one warpgroup's scale promotion overlapping the other's
+    MMA) when an expert has few rows, cooperative 128-row tiles otherwise, then the 2-CTA
+    clusters; quick 3, default 4, exhaustive all 6. Rowwise: the scales cost nothing in the
+    mainloop, so 256-wide tiles join, with and without fast accumulation; quick 4, default 6,
+    exhaustive all 12."""
+    small = problem.m <= 128
+    if problem.recipe == "rowwise":
+        def rowwise(pingpong, tile, cluster, fast):
+            return GroupedFp8Config(pingpong, tile, cluster, "rowwise", fast)
+
+        coop = [rowwise(False, (128, n), c, fast) for fast in (True, False)
+                for n in (256, 128) for c in ((1, 1), (2, 1))]
+        ping = [rowwise(True, (64, n), (1, 1), fast) for fast in (True, False)
+                for n in (256, 128)]
+        ranked = ping[:2] + coop[:2] + ping[2:] + coop[2:] if small else \
+            coop[:2] + ping[:2] + coop[2:4] + ping[2:] + coop[4:]
+        limit = {"quick": 4, "default": 6, "exhaustive": None}[strategy]
+        return ranked[:limit]
     pingpong = [GroupedFp8Config(pingpong=True, tile=(64, 128), cluster=c)
                 for c in ((1, 1), (2, 1), (1, 2))]
     cooperative = [GroupedFp8Config(cluster=c) for c in ((1, 1), (1, 2), (2, 1))]
-    if problem.m <= 128:
+    if small:
         ranked = [pingpong[0], cooperative[0], cooperative[1], pingpong[1], pingpong[2],
                   cooperative[2]]
     else:

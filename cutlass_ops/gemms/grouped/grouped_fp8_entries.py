@@ -3,9 +3,11 @@ record per stored problem (``GroupedFp8Problem``), the schema that reads it, and
 ``cutlass_ops.scaled_grouped_mm`` runs for its blockwise calls.
 
 An entry is accepted only if its key is its own problem's name, its recipe is one this library
-has a kernel for (blockwise), its winner is a ``GroupedFp8Config`` name, and every time is a
-finite number above zero. Its ``torch_ms`` is ``torch._grouped_mm`` on the same operands in
-bf16: what a user runs without FP8, the figure the winner is measured beside.
+has kernels for, its winner is a ``GroupedFp8Config`` of that recipe, and every time is a finite
+number above zero. Its ``torch_ms``: for blockwise, ``torch._grouped_mm`` on the same values in
+bf16 (torch has no blockwise grouped GEMM; the winner always runs); for rowwise,
+``torch._scaled_grouped_mm`` on the same operands, and the winner runs only where it beat it on
+every routing timed (``prefer`` "cutlass"; "torch" otherwise).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from custom_kernels.core import tuned_fields as f
 from custom_kernels.core.tuned_store import CacheScope, TuningCache, family_dir
 
 GROUPED_FP8 = "grouped_fp8"  # the family's name in exports
-RECIPES = ("blockwise",)
-_FIELDS = {"problem", "winner", "winner_ms", "torch_ms", "winner_tflops", "routing_speedups",
+RECIPES = ("blockwise", "rowwise")
+_FIELDS = {"problem", "winner", "prefer", "winner_ms", "torch_ms", "winner_tflops", "routing_speedups",
            "runners_up", "failures", "timed_on", "strategy", "complete", "tune_seconds",
            "build_seconds_total", "tuned_at"}
 
@@ -31,6 +33,7 @@ class GroupedFp8Entry(f.StoredRecord):
     key: str
     problem: GroupedFp8Problem
     winner: Optional[GroupedFp8Config]  # None: every candidate failed
+    prefer: str  # "cutlass": the winner runs; "torch": torch._scaled_grouped_mm does (rowwise)
     winner_ms: Optional[float]
     torch_ms: float
     runners_up: tuple[tuple[str, float], ...]
@@ -64,13 +67,19 @@ class GroupedFp8Schema:
         name = f.text(data, "winner", optional=True)
         winner = None if name is None else f.parsed(
             "winner", lambda: GroupedFp8Config.from_name(name))
+        f.require(winner is None or winner.recipe == problem.recipe,
+                  f"its winner {name} is a {getattr(winner, 'recipe', '')} kernel, the problem "
+                  f"{problem.recipe}")
+        prefer = f.text(data, "prefer", choices=("cutlass", "torch"), default="cutlass")
+        f.require(prefer == "cutlass" or problem.recipe == "rowwise",
+                  "a blockwise winner always runs (torch has no blockwise grouped GEMM)")
         winner_ms = f.milliseconds(data, "winner_ms", optional=winner is None)
         f.require(winner is not None or winner_ms is None, "a time without a winner")
         f.display_fields(data, ("winner_tflops", "tune_seconds", "build_seconds_total"),
                          ("timed_on", "strategy", "tuned_at"))
         f.short_ratios(data, "routing_speedups")
         return GroupedFp8Entry(
-            key, problem, winner, winner_ms, f.milliseconds(data, "torch_ms"),
+            key, problem, winner, prefer, winner_ms, f.milliseconds(data, "torch_ms"),
             f.items(data, "runners_up", f.measured_alternative("config")),
             f.items(data, "failures", f.failure("config")),
             f.boolean(data, "complete", default=True), copy.deepcopy(dict(data)))
@@ -87,12 +96,13 @@ def grouped_fp8_cache(device: int | None = None, root: Path | None = None) -> Tu
 
 
 def tuned_config(problem: GroupedFp8Problem, device: int | None = None):
-    """The stored winner of ``problem`` (a ``GroupedFp8Config``), or None: nothing tuned (no
-    device query at all when nothing of this family was ever stored)."""
+    """The stored winner of ``problem`` (a ``GroupedFp8Config``) where it is to run, or None:
+    nothing tuned (no device query at all when nothing of this family was ever stored), or a
+    rowwise winner that did not beat ``torch._scaled_grouped_mm``."""
     if not family_dir(SCHEMA).is_dir():
         return None
     entry = grouped_fp8_cache(device).get(problem)
-    return None if entry is None else entry.winner
+    return None if entry is None or entry.prefer != "cutlass" else entry.winner
 
 
 __all__ = ["GROUPED_FP8", "GroupedFp8Entry", "GroupedFp8Schema", "SCHEMA", "grouped_fp8_cache",
