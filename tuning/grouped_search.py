@@ -159,7 +159,17 @@ class GroupedFamily:
             "winner_ms": winner_ms, "torch_ms": torch_ms,
             "winner_tflops": round(problem.flops / winner_ms / 1e9, 2) if winner else None,
             "prefer": "cutlass" if safe else "torch",
-            # torch's time / the winner's on each routing (even, skewed), when measured.
+            "timed_on": "geometric mean of an even and a Zipf-skewed routing",
+            **self.measured_fields(measured, ranked, winner, ratios),
+        }
+
+    def measured_fields(self, measured: protocol.Measured, ranked: list, winner,
+                        ratios: dict) -> dict:
+        """The entry fields every grouped family stores alike: torch's time over the winner's
+        on each routing (even, skewed) when measured, the runners-up, the failures, and how
+        the tune ran."""
+        times = measured.times
+        return {
             "routing_speedups": [round(1 / r, 4) for r in ratios[winner]]
             if winner in ratios else None,
             "runners_up": [{"config": c.name, "ms": times[c],
@@ -167,7 +177,6 @@ class GroupedFamily:
                            for c in ranked if c != winner][:self.rounds.runners_up],
             "failures": [{"config": f.candidate, "stage": f.stage, "error": f.error[:400]}
                          for f in measured.failures],
-            "timed_on": "geometric mean of an even and a Zipf-skewed routing",
             "strategy": self.strategy, "complete": measured.complete,
             "tune_seconds": round(measured.seconds, 2),
             "build_seconds_total": round(self.build_seconds, 2),

@@ -43,7 +43,7 @@ ENTRY = "cutlass_ops.scaled_grouped_mm"
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
 # Blockwise calls run the CUTLASS blockwise grouped kernel (tests/gpu/moe/test_grouped_fp8_gpu.py
-# passed on an H200); False sends them to the dequantized fallback through grouped_mm.
+# passed: docs/measurements.md); False sends them to the dequantized fallback through grouped_mm.
 BLOCKWISE_KERNEL = True
 
 

@@ -1,7 +1,7 @@
 // The compiled host path: eager entry points registered with torch's dispatcher in C++, so that a
 // warm call costs torch's own op dispatch, a record lookup, the output's allocation and one
-// cuLaunchKernel, and no Python (docs/measurements.md, "Host cost": the Python launch path costs
-// 30 to 45 us a norm call on the GPU machine's host, torch's own norm 15 to 17).
+// cuLaunchKernel, and no Python (docs/measurements.md, "Host cost", has what the Python launch
+// path costs against torch's own calls).
 //
 // Python decides once per input signature: it builds the plan (compiles the kernel, reads the
 // tuned config, sizes the grid) and hands its launch record here (set_norm_record). A call whose
@@ -318,9 +318,9 @@ NormOutputs norm_forward(const NormRecord& r, const Tensor& x, const Tensor& wei
 }
 
 // The autograd nodes are written by hand, as torch's generated ones are (a Node subclass with
-// SavedVariable members, set_history on the outputs), not through torch::autograd::Function: the
-// Function machinery (its saved_data map, output wrapping and view checks) cost about 2.5 us a call
-// on the GPU host, a fifth of a whole grad-enabled norm call (docs/measurements.md, "Host cost").
+// SavedVariable members, set_history on the outputs), not through torch::autograd::Function,
+// whose machinery (its saved_data map, output wrapping and view checks) costs a grad-enabled call
+// more host time than the launch itself (docs/measurements.md, "Host cost", has the figures).
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;

@@ -10,6 +10,7 @@ problem sizes are read on the device. A build needs nvcc, not a GPU (about 35 s)
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import math
@@ -160,6 +161,26 @@ class GroupedFp8Config:
                 f"GROUPED_PINGPONG={int(self.pingpong)}",
                 f"GROUPED_ROWWISE={int(self.recipe == 'rowwise')}",
                 f"GROUPED_FAST_ACCUM={int(self.fast_accum)}")
+
+
+@functools.lru_cache(maxsize=None)
+def load_library(path: Path, prefix: str, args_type, abi_version: int) -> ctypes.CDLL:
+    """A grouped launcher's library (``grouped_launcher.cu``: ``prefix`` "cutlass_ops_grouped",
+    ``grouped_fp8_launcher.cu``: "cutlass_ops_grouped_fp8"), loaded once a path, its C entry
+    points typed with ``args_type`` (the ctypes mirror of its arguments) and its ABI checked."""
+    from custom_kernels.core.errors import KernelLaunchError
+
+    library = ctypes.CDLL(str(path))
+    getattr(library, f"{prefix}_last_error").restype = ctypes.c_char_p
+    getattr(library, f"{prefix}_run").argtypes = [ctypes.POINTER(args_type), ctypes.c_void_p,
+                                                  ctypes.c_size_t, ctypes.c_void_p]
+    getattr(library, f"{prefix}_workspace_size").argtypes = [ctypes.POINTER(args_type),
+                                                             ctypes.POINTER(ctypes.c_size_t)]
+    version = getattr(library, f"{prefix}_abi_version")()
+    if version != abi_version:
+        raise KernelLaunchError(f"{path}: launcher ABI {version}, expected {abi_version}; "
+                                "rebuild it")
+    return library
 
 
 def bucket(rows_per_group: float) -> int:
@@ -369,5 +390,5 @@ def candidates(problem: GroupedProblem, strategy: str = "default") -> list[Group
 
 
 __all__ = ["GroupedConfig", "GroupedFp8Config", "GroupedFp8Problem", "GroupedProblem",
-           "GroupedBuild", "build", "bucket", "candidates", "config_from_name", "fp8_candidates",
+           "GroupedBuild", "build", "bucket", "load_library", "candidates", "config_from_name", "fp8_candidates",
            "LAUNCHER", "FP8_LAUNCHER"]

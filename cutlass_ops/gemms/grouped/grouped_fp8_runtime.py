@@ -19,8 +19,8 @@ than ``torch._scaled_grouped_mm`` after checking it against the float32 referenc
 
 ``cutlass_ops.scaled_grouped_mm`` runs its blockwise calls here
 (``cutlass_ops.fp8.scaled_grouped_mm_op.BLOCKWISE_KERNEL``). It builds (``tests/compile``), its
-semantics are tested on the CPU, and on an H200 it matched the float32 reference on every
-routing and both schedules (``tests/gpu/moe``; ``benchmarks/moe_fp8.py``; docs/measurements.md).
+semantics are tested on the CPU, and its GPU tests (``tests/gpu/moe``) compare it with the float32
+reference on every routing and both schedules (docs/measurements.md has the runs).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from custom_kernels.core.errors import KernelLaunchError, UnsupportedInputError
-from cutlass_ops.gemms.grouped.grouped_build import GroupedFp8Config, build
+from cutlass_ops.gemms.grouped.grouped_build import GroupedFp8Config, build, load_library
 
 ABI_VERSION = 3  # 2: scale_a any strides, packed per expert on the device; 3: rowwise builds
 BLOCK = 128  # K (and N for the weights) elements one scale covers
@@ -54,20 +54,16 @@ class _Args(ctypes.Structure):
                 ("sm_count", ctypes.c_int32), ("device", ctypes.c_int32)]
 
 
-@functools.lru_cache(maxsize=None)
 def library(path: Path) -> ctypes.CDLL:
     """The kernel library at ``path``, loaded once, its ABI checked."""
-    lib = ctypes.CDLL(str(path))
-    lib.cutlass_ops_grouped_fp8_last_error.restype = ctypes.c_char_p
-    lib.cutlass_ops_grouped_fp8_run.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p,
-                                                ctypes.c_size_t, ctypes.c_void_p]
-    lib.cutlass_ops_grouped_fp8_workspace_size.argtypes = [ctypes.POINTER(_Args),
-                                                           ctypes.POINTER(ctypes.c_size_t)]
-    version = lib.cutlass_ops_grouped_fp8_abi_version()
-    if version != ABI_VERSION:
-        raise KernelLaunchError(f"{path}: launcher ABI {version}, expected {ABI_VERSION}; "
-                                "rebuild it")
-    return lib
+    return load_library(path, "cutlass_ops_grouped_fp8", _Args, ABI_VERSION)
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(config: GroupedFp8Config) -> ctypes.CDLL:
+    """``config``'s library, found in the build cache (or built) once per process: the lookup
+    costs more host time than the launch (``grouped_runtime._loaded``)."""
+    return library(build(config))
 
 
 def refusal(a, b, scale_a, scale_b, offs, recipe: str = "blockwise") -> Optional[str]:
@@ -129,7 +125,7 @@ def run(config: GroupedFp8Config, a, b, scale_a, scale_b, offs) -> torch.Tensor:
                  d_stride_m=out.stride(0),
                  sm_count=torch.cuda.get_device_properties(a.device).multi_processor_count,
                  device=a.device.index)
-    lib = library(build(config))
+    lib = _loaded(config)
     size = ctypes.c_size_t(0)
     if lib.cutlass_ops_grouped_fp8_workspace_size(ctypes.byref(args), ctypes.byref(size)):
         raise KernelLaunchError(lib.cutlass_ops_grouped_fp8_last_error().decode())

@@ -17,7 +17,7 @@ import torch
 
 from custom_kernels.core import int_limits
 from custom_kernels.core.errors import KernelLaunchError, UnsupportedInputError
-from cutlass_ops.gemms.grouped.grouped_build import ELEMENTS, GroupedConfig, build
+from cutlass_ops.gemms.grouped.grouped_build import ELEMENTS, GroupedConfig, build, load_library
 from custom_kernels.core.elements import element
 
 ABI_VERSION = 1
@@ -68,19 +68,8 @@ def _loaded(config: GroupedConfig) -> ctypes.CDLL:
     return _library(build(config))
 
 
-@functools.lru_cache(maxsize=None)
 def _library(path: Path) -> ctypes.CDLL:
-    library = ctypes.CDLL(str(path))
-    library.cutlass_ops_grouped_last_error.restype = ctypes.c_char_p
-    library.cutlass_ops_grouped_run.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p,
-                                                ctypes.c_size_t, ctypes.c_void_p]
-    library.cutlass_ops_grouped_workspace_size.argtypes = [ctypes.POINTER(_Args),
-                                                          ctypes.POINTER(ctypes.c_size_t)]
-    version = library.cutlass_ops_grouped_abi_version()
-    if version != ABI_VERSION:
-        raise KernelLaunchError(f"{path}: launcher ABI {version}, expected {ABI_VERSION}; "
-                                "rebuild it")
-    return library
+    return load_library(path, "cutlass_ops_grouped", _Args, ABI_VERSION)
 
 
 def layout(t: torch.Tensor) -> str:

@@ -94,3 +94,24 @@ def test_config_names_round_trip_and_bad_configs_are_refused():
     for bad in (dict(tile=(64, 128)), dict(tile=(128, 256)), dict(cluster=(2, 2))):
         with pytest.raises(ValueError, match="grouped FP8 config"):
             grouped_build.GroupedFp8Config(**bad)
+
+
+@pytest.mark.parametrize("change, message", [
+    (None, "CUDA"),  # every rule of the rowwise kernel holds: only the device is left
+    ("k", "multiples of 16"), ("scale_a_shape", "rowwise scale_a"),
+    ("scale_a_strided", "rowwise scale_a"), ("scale_b_blockwise", "rowwise scale_b")])
+def test_a_rowwise_kernel_refuses_what_it_cannot_read(change, message):
+    """The rowwise build reads torch's scales, [M] and [E, N], contiguous, in its epilogue."""
+    a, b, _, _, offs = _operands([5, 9])
+    m, (experts, n, k) = a.shape[0], b.shape
+    scale_a, scale_b = torch.rand(m), torch.rand(experts, n)
+    if change == "k":
+        a, b = a[:, :200], b[:, :, :200]
+    elif change == "scale_a_shape":
+        scale_a = scale_a[:, None]
+    elif change == "scale_a_strided":
+        scale_a = torch.rand(2 * m)[::2]
+    elif change == "scale_b_blockwise":
+        scale_b = torch.rand(experts, n // 128, k // 128)
+    why = fp8g.refusal(a, b, scale_a, scale_b, offs, "rowwise")
+    assert why is not None and message in why
