@@ -35,7 +35,11 @@ a run adds its rows to those of the other section written by the same code):
     and graph breaks). No ``SequenceParallel`` on the norms: Hugging Face's LlamaModel derives
     positions, rotary cos/sin and the causal mask from the embedding output's length
     (``NO_SEQUENCE_PARALLEL``). ``tp ... converted vs unconverted eager``: torch's plan eager,
-    logits gathered (Hugging Face's ``tp_plan="auto"``).
+    logits gathered (Hugging Face's ``tp_plan="auto"``). ``tp train`` and ``tp prefill converted
+    graphed vs torchtitan-style``: the converted model's step through
+    ``cutlass_ops.graphed_train_step`` (``graphed_forward``), its collectives captured with the
+    rest; ``detail.graphed_equals_eager`` says whether a replay's loss and every gradient (the
+    logits) equal the eager step's bit for bit.
   - ``fsdp2+tp``: the same over a 2 x (gpus / 2) mesh, FSDP2 (``fully_shard`` on the
     data-parallel dimension) over TP groups: ``fsdp2+tp train converted vs unconverted eager``.
 
@@ -506,7 +510,9 @@ def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, rep
     record, comms, peak = tp_record(models, ids, mesh, dp, keep=rank == 0)
     checks, logits = tp_checks(record) if rank == 0 else (None, None)
     del record
-    ms = timed({k: tp_step(m, ids, k == "torchtitan") for k, m in models.items()}, reps)
+    steps = {k: tp_step(m, ids, k == "torchtitan") for k, m in models.items()}
+    graphed, equal = graphed_tp(models["ours"], ids) if dp == 1 else ({}, None)
+    ms = timed({**steps, **{k: v[0] for k, v in graphed.items()}}, reps)
 
     def prefill(model):
         def run():
@@ -514,13 +520,51 @@ def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, rep
                 model(input_ids=ids)
         return run
 
-    prefill_ms = timed({k: prefill(m) for k, m in models.items()}, reps) if dp == 1 else None
+    prefills = {**{k: prefill(m) for k, m in models.items()},
+                **{k: v[1] for k, v in graphed.items()}}
+    prefill_ms = timed(prefills, reps) if dp == 1 else None
     if rank == 0:
         torch.save({"ms": ms, "prefill_ms": prefill_ms, "checks": checks, "logits": logits,
                     "comms": comms, "peak_gb": peak, "converted": converted,
-                    "graph_breaks": graph_breaks()}, out)
+                    "graph_breaks": graph_breaks(), "graphed_equals_eager": equal}, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def graphed_tp(model, ids) -> tuple[dict, dict]:
+    """``{"ours graphed": (train step, prefill)}``: the converted TP model through
+    ``graphed_train_step`` and ``graphed_forward`` (each captured by its second call here), and
+    whether a replay equals the eager step bit for bit: the loss and every gradient (the
+    gradients gathered on every rank), the prefill's logits."""
+    import cutlass_ops
+
+    step = cutlass_ops.graphed_train_step(model)
+    forward = cutlass_ops.graphed_forward(model)
+    for _ in range(3):
+        loss = local(step(input_ids=ids, labels=ids)).clone()
+        with torch.no_grad():
+            logits = local(forward(input_ids=ids).logits).clone()
+    grads = full_grads(model)
+    eager_loss = local(tp_step(model, ids, False)().detach())
+    eager_grads = full_grads(model)
+    with torch.no_grad():
+        eager_logits = local(model(input_ids=ids).logits)
+    equal = {"captured": len(step.graphs.entries) == 1 and len(forward.graphs.entries) == 1,
+             "loss": torch.equal(loss, eager_loss),
+             "gradients_differing": sorted(k for k, g in grads.items()
+                                           if not torch.equal(g, eager_grads[k])),
+             "logits": torch.equal(logits, eager_logits)}
+    model.zero_grad(set_to_none=True)
+
+    def prefill():
+        with torch.no_grad():
+            forward(input_ids=ids)
+    return {"ours graphed": (lambda: step(input_ids=ids, labels=ids), prefill)}, equal
+
+
+def graphed_ok(equal: dict | None) -> bool:
+    return bool(equal) and equal["captured"] and equal["loss"] and equal["logits"] and \
+        not equal["gradients_differing"]
 
 
 def tp_rows(world: int, args, dp: int = 1) -> list[dict]:
@@ -554,14 +598,21 @@ def tp_rows(world: int, args, dp: int = 1) -> list[dict]:
                            {"ours": check["ours"]},
                            {**common, "collectives_not_more_than_torch_plan": collectives_ok},
                            ok=collectives_ok))
-        if "torchtitan" in ms:
+        for ours in ("ours", "ours graphed"):
+            if "torchtitan" not in ms or ours not in ms:
+                continue
+            graphed = ours == "ours graphed"
             rows.append(tp_row(
-                f"{mode} {kind} converted vs torchtitan-style, {world} GPUs, {args.layers} "
-                f"layers", ms, "torchtitan", per_gpu, "torchtitan-style: torch's plan, "
-                "vocabulary-sharded head, loss_parallel, each layer compiled", check,
+                f"{mode} {kind} converted{' graphed' if graphed else ''} vs torchtitan-style, "
+                f"{world} GPUs, {args.layers} layers", ms, "torchtitan", per_gpu,
+                "torchtitan-style: torch's plan, vocabulary-sharded head, loss_parallel, each "
+                "layer compiled", check,
                 {**common, "peer": peer_settings(got["graph_breaks"]),
                  "weaker_references": {"unconverted eager under torch's TP plan":
-                                       round(per_gpu / ms["unconverted"], 1)}}))
+                                       round(per_gpu / ms["unconverted"], 1)},
+                 **({"graphed_equals_eager": got["graphed_equals_eager"],
+                     "ours_eager_ms": ms["ours"]} if graphed else {})},
+                ok=graphed_ok(got["graphed_equals_eager"]) if graphed else True, ours=ours))
     return rows
 
 
@@ -597,15 +648,16 @@ def ratio(ours: float, reference: float) -> float:
 
 
 def tp_row(case: str, ms: dict, peer: str, per_gpu: float, peer_name: str, checks: dict,
-           detail: dict, ok: bool = True) -> dict:
-    """One TP row (tokens/s per GPU): ``ours`` against ``ms[peer]``, correct when ``ok`` and
-    ``judged(checks)``."""
-    ours, reference = round(per_gpu / ms["ours"], 1), round(per_gpu / ms[peer], 1)
+           detail: dict, ok: bool = True, ours: str = "ours") -> dict:
+    """One TP row (tokens/s per GPU): ``ms[ours]`` against ``ms[peer]``, correct when ``ok``
+    and ``judged(checks)``."""
+    ours_ms = ms[ours]
+    ours, reference = round(per_gpu / ours_ms, 1), round(per_gpu / ms[peer], 1)
     row = {"case": case, "unit": "tokens/s per GPU", "ours": ours,
            "reference": reference, "reference_name": peer_name,
            "ratio": ratio(ours, reference),
            "correct": ok and judged(checks),
-           "detail": {"ours_ms": ms["ours"], "reference_ms": ms[peer],
+           "detail": {"ours_ms": ours_ms, "reference_ms": ms[peer],
                       **bounds(checks["ours"]), "checks": checks, "rule": PEER_RULE,
                       **detail}}
     print(row["case"], row["ratio"], row["correct"], flush=True)

@@ -32,10 +32,19 @@ What a user sees:
   a signature eagerly instead, logged once.
 - A new parameter tensor (``load_state_dict(assign=True)``, ``model.to``) or an optimizer's
   ``load_state_dict`` drops the graphs: they read the old memory.
-- **Distributed models are refused** (``distributed_refusal``: DDP, FSDP, tensor-parallel DTensor
-  parameters) until a GPU test shows their replays equal to their eager steps: DDP's reducer and
-  FSDP's unshard / reshard keep Python state per step that a replay would skip (gradients left
-  unreduced would be a wrong answer, not an error).
+- **Distributed models** (``distributed_refusal`` says why one is not graphed): NCCL
+  collectives are captured with the rest (NCCL 2.9.6 or later, as torch's CUDA graphs notes
+  require), so the replay reduces the gradients as the eager step did.
+  - Tensor parallelism (DTensor parameters on a CUDA mesh: ``cutlass_ops.parallel`` or torch's
+    plan): graphed like any model; ``.grad`` is each parameter's DTensor gradient.
+  - DDP (``DistributedDataParallel`` over NCCL): captured after ``DDP_WARMUP_STEPS`` eager
+    steps (the reducer times its first 10 iterations with CUDA events it reads back on the host,
+    which a capture refuses); its runtime logging is then sampled never again, for the same
+    reason. Refused with ``find_unused_parameters=True`` (the reducer finds the unused
+    parameters on the host each step: a replay would freeze the first answer) and under
+    ``no_sync`` (a replay would reduce anyway).
+  - FSDP (``fully_shard``) is refused: its unshard / reshard state machine and its
+    per-step allocations of unsharded parameters run on the host around every layer.
 """
 
 from __future__ import annotations
@@ -204,19 +213,72 @@ def static_inputs(leaves: list) -> list:
     return [leaf.detach().clone() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
 
 
+DDP_WARMUP_STEPS = 11  # eager DDP steps before a capture (torch's notes on CUDA graphs)
+
+
 def distributed_refusal(model: nn.Module) -> Optional[str]:
-    """Why ``model`` is not graphed: it is wrapped for data parallelism, or sharded; None if
-    neither."""
+    """Why ``model``'s step cannot be graphed because of how it is distributed, or None (a
+    model that is not distributed, TP on a CUDA mesh over NCCL, or DDP over NCCL)."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        return ("a DistributedDataParallel model: its reducer's per-step state is not verified "
-                "under replay; run the step ungraphed")
+        if model.find_unused_parameters:
+            return ("a DistributedDataParallel model with find_unused_parameters=True: its "
+                    "reducer finds the unused parameters on the host each step, which a replay "
+                    "would skip; build it without, or run the step ungraphed")
+        backend = _backend(model.process_group)
+        if backend != "nccl":
+            return (f"a DistributedDataParallel model over {backend}: only NCCL collectives "
+                    "can be captured in a CUDA graph")
     for module in model.modules():
         if type(module).__name__.startswith(("FSDP", "FullyShardedDataParallel")):
             return ("an FSDP-sharded model (fully_shard): its unshard / reshard state machine "
-                    "runs on the host every step; run the step ungraphed")
-    if any(hasattr(p, "placements") for p in model.parameters()):
-        return ("tensor-parallel (DTensor) parameters: not verified under replay; run the step "
-                "ungraphed")
+                    "and the unsharded parameters' allocations run on the host around every "
+                    "layer; run the step ungraphed")
+    for parameter in model.parameters():
+        mesh = getattr(parameter, "device_mesh", None)
+        if mesh is None:
+            continue
+        if mesh.device_type != "cuda":
+            return (f"tensor-parallel (DTensor) parameters on a {mesh.device_type} mesh: CUDA "
+                    "graphs hold CUDA tensors only")
+        backends = {_backend(group) for group in mesh.get_all_groups()}
+        if backends != {"nccl"}:
+            return (f"tensor-parallel (DTensor) parameters whose mesh talks over "
+                    f"{', '.join(sorted(map(str, backends)))}: only NCCL collectives can be "
+                    "captured in a CUDA graph")
+        break
+    if _nccl_too_old(model):
+        return (f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))} cannot capture its "
+                "collectives in a CUDA graph (2.9.6 or later can)")
+    return None
+
+
+def _backend(group) -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group)).lower()
+
+
+def _distributed(model: nn.Module) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel) or any(
+        hasattr(p, "device_mesh") for p in model.parameters())
+
+
+def _nccl_too_old(model: nn.Module) -> bool:
+    if not _distributed(model) or not torch.cuda.is_available():
+        return False
+    version = torch.cuda.nccl.version()
+    return tuple(version)[:3] < (2, 9, 6)
+
+
+def _ddp_ready(model: nn.Module, eager_steps: int) -> Optional[str]:
+    """Why a DDP model's step is not captured yet (None: it may be): the warm-up, or a
+    ``no_sync`` context (a replay would reduce the gradients all the same)."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return None
+    if not model.require_backward_grad_sync:
+        return "inside no_sync"
+    if eager_steps < DDP_WARMUP_STEPS:
+        return "warming up"
     return None
 
 
@@ -277,11 +339,21 @@ class GraphedTrainStep(_Graphed):
         self.optimizer_captured = optimizer is not None and capturable(optimizer)
         self._hyperparameters = self._snapshot()
         self._warned = False
+        self._eager_steps = 0  # DDP is captured after DDP_WARMUP_STEPS of them
+        if self.refusal is None and isinstance(model, nn.parallel.DistributedDataParallel):
+            # After its first 10 iterations the reducer times one in every N with CUDA events
+            # read back on the host at the next forward: a capture landing there would fail.
+            model._set_ddp_runtime_logging_sample_rate(2 ** 31 - 1)
         if optimizer is not None:
             optimizer.register_load_state_dict_post_hook(lambda *_: self.reset())
 
     def __call__(self, *args, **kwargs) -> Tensor:
         if self.refusal is not None:
+            return self._eager(args, kwargs)
+        if _ddp_ready(self.model, DDP_WARMUP_STEPS) is not None:
+            self._refused(None, CaptureRefused(
+                "a DistributedDataParallel step inside no_sync: a graphed step replaces the "
+                "gradients and reduces them every call, so it cannot accumulate them"))
             return self._eager(args, kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         try:
@@ -296,7 +368,7 @@ class GraphedTrainStep(_Graphed):
             if key in self.graphs.refused:
                 self._refused(key, CaptureRefused(self.graphs.refused[key]))
                 return self._eager(args, kwargs)
-            if not self.graphs.seen_before(key):
+            if not self.graphs.seen_before(key) or _ddp_ready(self.model, self._eager_steps):
                 return self._eager(args, kwargs)
             entry = self._capture(key, leaves, spec)
             if entry is None:
@@ -318,6 +390,7 @@ class GraphedTrainStep(_Graphed):
         return loss.detach()
 
     def _eager(self, args, kwargs) -> Tensor:
+        self._eager_steps += 1
         for parameter in self._parameters:
             parameter.grad = None
         loss = self._step(*args, **kwargs)

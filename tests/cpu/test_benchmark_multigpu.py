@@ -171,6 +171,37 @@ def test_tp_rows_against_torchtitan_style_and_eager(monkeypatch):
     assert not multigpu.tp_rows(2, args)[0]["correct"]
 
 
+def test_graphed_tp_rows_hold_the_replay_to_the_eager_step(monkeypatch):
+    good = multigpu.check_step(record(), record(), "unconverted")
+    logits = torch.randn(2, 3, 5)
+    equal = {"captured": True, "loss": True, "gradients_differing": [], "logits": True}
+    fake = {"ms": {"ours": 50.0, "unconverted": 80.0, "torchtitan": 55.0, "ours graphed": 44.0},
+            "prefill_ms": {"ours": 20.0, "unconverted": 30.0, "torchtitan": 21.0,
+                           "ours graphed": 15.0},
+            "checks": {"ours": good, "torchtitan": good},
+            "logits": {k: multigpu.check_logits(logits, logits, "eager")
+                       for k in ("ours", "torchtitan")},
+            "comms": {"ours": {"all_reduce": 4}, "unconverted": {"all_reduce": 5}},
+            "peak_gb": {}, "converted": 4, "graph_breaks": 0, "graphed_equals_eager": equal}
+
+    def spawn(fn, world, *args):
+        torch.save(fake, args[-2])
+
+    monkeypatch.setattr(multigpu, "spawn", spawn)
+    args = type("Args", (), {"tokens": 4096, "layers": 4, "reps": 1, "model_tune_line": None})
+    rows = {r["case"]: r for r in multigpu.tp_rows(2, args)}
+    train = rows["tp train converted graphed vs torchtitan-style, 2 GPUs, 4 layers"]
+    assert train["correct"] and train["ratio"] == pytest.approx(55 / 44, abs=1e-3)
+    assert train["detail"]["ours_eager_ms"] == 50.0
+    prefill = rows["tp prefill converted graphed vs torchtitan-style, 2 GPUs, 4 layers"]
+    assert prefill["correct"] and prefill["detail"]["ours_ms"] == 15.0
+    equal["gradients_differing"] = ["model.layers.0.mlp.down_proj.weight"]
+    rows = {r["case"]: r for r in multigpu.tp_rows(2, args)}
+    assert not rows["tp train converted graphed vs torchtitan-style, 2 GPUs, 4 layers"][
+        "correct"]
+    assert rows["tp train converted vs torchtitan-style, 2 GPUs, 4 layers"]["correct"]
+
+
 def test_a_compiled_peer_is_held_to_agreement_not_to_ours_bound():
     """torch.compile reorders bf16 sums: a peer a little past the bf16 bound (0.056 against
     0.05, seen on an H200) measured the same step; a halved or lost gradient did not."""

@@ -164,13 +164,17 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-def test_distributed_models_are_refused_until_verified(world_of_one):
+def test_distributed_models_that_cannot_be_captured_are_refused_with_the_reason(world_of_one):
+    """On the CPU every distributed model is refused (gloo, a CPU mesh); what NCCL allows (DDP,
+    TP on a CUDA mesh) is graphed in tests/gpu/parallel/test_graphed_parallel_gpu.py."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     ddp = nn.parallel.DistributedDataParallel(Mse())
-    assert "DistributedDataParallel" in graphed_steps.distributed_refusal(ddp)
+    assert "over gloo" in graphed_steps.distributed_refusal(ddp)
+    unused = nn.parallel.DistributedDataParallel(Mse(), find_unused_parameters=True)
+    assert "find_unused_parameters" in graphed_steps.distributed_refusal(unused)
     mesh = init_device_mesh("cpu", (1,))
     sharded = Mse()
     fully_shard(sharded, mesh=mesh)
@@ -178,10 +182,22 @@ def test_distributed_models_are_refused_until_verified(world_of_one):
     tensor_parallel = Mse()
     tensor_parallel.linear.weight = nn.Parameter(distribute_tensor(
         tensor_parallel.linear.weight.detach(), mesh, [Replicate()]))
-    assert "DTensor" in graphed_steps.distributed_refusal(tensor_parallel)
+    assert "on a cpu mesh" in graphed_steps.distributed_refusal(tensor_parallel)
     assert graphed_steps.distributed_refusal(Mse()) is None
     with pytest.raises(CaptureRefused, match="DistributedDataParallel"):
         cutlass_ops.graphed_train_step(ddp)
+
+
+def test_ddp_waits_for_its_warm_up_and_refuses_no_sync(world_of_one):
+    """The capture rule, without a capture: a DDP step may be captured only after
+    DDP_WARMUP_STEPS eager ones, never inside no_sync."""
+    ddp = nn.parallel.DistributedDataParallel(Mse())
+    ready = graphed_steps._ddp_ready
+    assert ready(ddp, graphed_steps.DDP_WARMUP_STEPS - 1) == "warming up"
+    assert ready(ddp, graphed_steps.DDP_WARMUP_STEPS) is None
+    with ddp.no_sync():
+        assert ready(ddp, graphed_steps.DDP_WARMUP_STEPS) == "inside no_sync"
+    assert ready(Mse(), 0) is None
 
 
 def test_a_refused_distributed_model_runs_eagerly_on_request(world_of_one):
