@@ -3,7 +3,9 @@ the shapes of Qwen3-30B-A3B (4 layers) and Mixtral-8x7B (2 layers), random bf16 
 tokens, ``cutlass_ops.convert`` (the MoE layers' attention half fused, the experts as grouped
 GEMMs, the norms, the chunked loss head) against Hugging Face's default path eagerly and against
 ``torch.compile`` of it, timed interleaved in one process: a train step (forward + backward),
-prefill, and ``generate()`` at batch 1 and 16; peak memory.
+prefill, and ``generate()`` at batch 1 and 16; peak memory. ``train <family> ours graphed vs
+compile`` (and ``vs ours``, prefill alike): the converted model's step through
+``cutlass_ops.graphed_train_step`` (``graphed_forward``), as in ``e2e.py`` (``--no-graphs``: not).
 
 Hugging Face's experts are pinned to ``experts_implementation="grouped_mm"`` (``HF_EXPERTS``,
 transformers' default, passed to ``from_config`` and checked on the built model) on the eager
@@ -239,7 +241,7 @@ class FloatTwin:
                 "twin_grad_worst_relative_error": round(errors[worst], 6)}
 
 
-TWIN_BOUNDED = ("ours", "compile")  # bf16 variants checked against eager's gradients
+TWIN_BOUNDED = ("ours", e2e.GRAPHED, "compile")  # bf16 variants checked against eager's gradients
 
 
 def measure_train(variants: dict, ids, reps: int) -> tuple[dict, FloatTwin]:
@@ -287,6 +289,8 @@ def measure(family: str, args) -> list[dict]:
     ours = copy.deepcopy(eager)
     report = cutlass_ops.convert(ours)
     variants = {"eager": eager, "ours": ours}
+    if not args.no_graphs:
+        variants[e2e.GRAPHED] = ours  # the same model, its steps through cutlass_ops.graphed_steps
     if not args.no_compile:
         variants["compile"] = torch.compile(eager)
     vocab = eager.config.vocab_size
@@ -377,6 +381,8 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--no-graphs", action="store_true",
+                        help="skip ours through cutlass_ops.graphed_train_step / graphed_forward")
     parser.add_argument("--tune", choices=["quick", "default", "exhaustive"],
                         help="first tune the converted model's GEMMs and grouped GEMMs")
     args = parser.parse_args(argv)
