@@ -16,8 +16,9 @@ in 5.24): each decode row's ``detail.hf_experts_in_generate`` says what one shor
 of the eager model ran (observed with a hook, not assumed).
 
 Decode rows, at batch 1 and 16 (``--new-tokens`` greedy tokens after a 128-token prompt; ours
-is the converted model's ``generate()``): ``decode batch <b> <family> ours vs hf static compile``
-against Hugging Face's ``generate(cache_implementation="static")`` of the unconverted model,
+is the converted model decoded by ``cutlass_ops.generate``: static cache, each step one CUDA
+graph, checked stepping through the same graphs): ``decode batch <b> <family> ours vs hf static
+compile`` against Hugging Face's ``generate(cache_implementation="static")`` of the unconverted model,
 which compiles its decoding forward itself (``e2e.HF_STATIC``: transformers 5.17 compiles
 whenever the cache is a compileable one on a GPU, and both models' classes declare
 ``_can_compile_fullgraph``; ``detail.reference_settings`` records the compile settings and
@@ -324,10 +325,11 @@ def decode_section(eager, ours, args) -> list[dict]:
     rows = []
     for batch, (decode, peer, failures) in decoded.items():
         twin_check = twin_decode(twin, eager, decode)
+        ours_check = e2e.decode_check(decode, models, graphed=GRAPHED_DECODE)  # once a batch
         for reference in ([peer] if peer else []) + ["eager"]:
             row = e2e.decode_row(decode, models, batch, args.new_tokens, reference=reference,
                                  judge=lambda check: model_checks.twin_decode_check(
-                                     check, twin_check))
+                                     check, twin_check), graphed=GRAPHED_DECODE, check=ours_check)
             row["detail"]["hf_experts_in_generate"] = seen
             if reference == HF_STATIC_NO_COMPILE:
                 row["detail"]["reference_settings"] = {"cache_implementation": "static",
@@ -341,6 +343,12 @@ def decode_section(eager, ours, args) -> list[dict]:
     return rows
 
 
+# Ours decodes through cutlass_ops.generate (static cache, each step one CUDA graph), as in e2e,
+# and is checked stepping through the same graphs (the CPU tests turn the graphs off).
+OURS_DECODE = {"ours": e2e.graphed_generate}
+GRAPHED_DECODE = True
+
+
 def measure_decode(models: dict, batch: int, new_tokens: int, reps: int, vocab: int,
                    peers=STATIC_PEERS) -> tuple[dict, str | None, dict]:
     """``e2e.measure_decode`` of eager, ours and the first of ``peers`` (name, generate()
@@ -350,11 +358,13 @@ def measure_decode(models: dict, batch: int, new_tokens: int, reps: int, vocab: 
     for peer, options in peers:
         try:
             return (e2e.measure_decode({**models, peer: models["eager"]}, batch, new_tokens,
-                                       reps, vocab, options={peer: options}), peer, failures)
+                                       reps, vocab, options={peer: options}, calls=OURS_DECODE),
+                    peer, failures)
         except Exception as error:  # noqa: BLE001 - the row says why, against the next peer
             failures[peer] = f"{type(error).__name__}: {error}"[:500]
             torch._dynamo.reset()  # nothing half-compiled left for the next peer
-    return e2e.measure_decode(models, batch, new_tokens, reps, vocab, options={}), None, failures
+    return (e2e.measure_decode(models, batch, new_tokens, reps, vocab, options={},
+                               calls=OURS_DECODE), None, failures)
 
 
 def twin_decode(twin, eager, decode: dict):

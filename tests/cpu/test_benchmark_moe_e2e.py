@@ -203,8 +203,10 @@ def fake_decode(monkeypatch):
     A 16-token prompt: the checks' cost on a CPU is the prompt's."""
     calls, failing = [], set()
     monkeypatch.setattr(e2e, "PROMPT", 16)
+    monkeypatch.setattr(moe_e2e, "GRAPHED_DECODE", False)  # no CUDA graphs on the CPU
 
-    def measure_decode(variants, batch, new_tokens, reps, vocab, options=None):
+    def measure_decode(variants, batch, new_tokens, reps, vocab, options=None, **keywords):
+        assert keywords == {"calls": {"ours": e2e.graphed_generate}}  # cutlass_ops.generate
         calls.append((batch, dict(options or {})))
         for name, keywords in (options or {}).items():
             if name in failing:

@@ -95,3 +95,26 @@ def test_a_step_that_syncs_is_refused_or_decoded_step_by_step():
     decoder = graphed_decode.graphed_decoder(model, on_refusal="eager")
     assert torch.equal(decoder.generate(ids, max_new_tokens=8, eos_token_id=[]), expected)
     assert next(iter(decoder.sessions.values())).refusal is not None
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_a_converted_moe_model_decodes_in_graphs_as_its_eager_loop(family):
+    """Mixture-of-experts layers route on the device, so a decode step is captured whole: the
+    graphed tokens are those of the same loop run step by step eagerly."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "moe"))
+    from test_moe_layers_gpu import tiny_model
+
+    model = tiny_model(family)
+    cutlass_ops.convert(model)
+    ids = prompt(batch=4)
+    decoder = graphed_decode.graphed_decoder(model)
+    first = decoder.generate(ids, max_new_tokens=24, eos_token_id=[])
+    session = next(iter(decoder.sessions.values()))
+    assert session.graph is not None and session.refusal is None
+    with step_graphs.paused():
+        eager = graphed_decode.graphed_decoder(model).generate(ids, max_new_tokens=24,
+                                                              eos_token_id=[])
+    assert torch.equal(first, eager)
