@@ -91,13 +91,63 @@ class _FP8Linear(torch.autograd.Function):
         return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype), None, None
 
 
+class _FP8ExpertLinear(torch.autograd.Function):
+    """One expert's GEMM as ``cutlass_ops.fp8.fp8_experts`` runs it: forward and dgrad quantized
+    per the recipe, the weight gradient in high precision (its grouped GEMM is bf16)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, table):
+        ctx.save_for_backward(x, weight)
+        ctx.table = table
+        return _gemm(x, weight, table.forward).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = _gemm(dy, weight.t(), ctx.table.dgrad)
+        dw = dy.float().t() @ x.float()
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A Hugging Face experts module (Qwen3-MoE's, Mixtral's, ...): 3-d ``gate_up_proj``
+    [E, 2I, H] and ``down_proj`` [E, H, I], forward(hidden, top_k_index, top_k_weights)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and
+            isinstance(down, torch.Tensor) and down.dim() == 3 and hasattr(module, "act_fn"))
+
+
+def _experts_forward(module: nn.Module, table):
+    """Hugging Face's expert loop (gate and up from one GEMM, act(gate) * up, down, weighted,
+    summed into each token's row) with each GEMM through ``_FP8ExpertLinear``."""
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in range(module.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == expert)
+            if not token.numel():
+                continue
+            gate, up = _FP8ExpertLinear.apply(hidden_states[token], module.gate_up_proj[expert],
+                                              table).chunk(2, dim=-1)
+            y = _FP8ExpertLinear.apply(module.act_fn(gate) * up, module.down_proj[expert],
+                                       table)
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+    return forward
+
+
 def emulate_fp8(model: nn.Module, recipe: str, *, skip=("lm_head",), wrong_scale=None):
     """Every ``nn.Linear`` of ``model`` (but those whose last name is in ``skip``) computes
     through emulated FP8 GEMMs per ``recipe``, in place; parameters and names are unchanged.
-    With ``wrong_scale`` (a Linear's name), that layer's weight scale is applied twice."""
+    Under the blockwise recipe, mixture-of-experts layers' experts too (``is_experts``), as
+    ``convert`` makes them FP8 (``cutlass_ops.fp8.fp8_experts``: their weight gradients
+    bf16). With ``wrong_scale`` (a Linear's name), that layer's weight scale is applied
+    twice."""
     table = recipe_table(recipe)
     found = False
     for name, module in model.named_modules():
+        if recipe == "blockwise" and is_experts(module):
+            module.forward = _experts_forward(module, table)
+            continue
         if not isinstance(module, nn.Linear) or name.split(".")[-1] in skip:
             continue
         error = 1.0

@@ -6,6 +6,11 @@ GEMMs, the norms, the chunked loss head) against Hugging Face's default path eag
 prefill, and ``generate()`` at batch 1 and 16; peak memory. ``train <family> ours graphed vs
 compile`` (and ``vs ours``, prefill alike): the converted model's step through
 ``cutlass_ops.graphed_train_step`` (``graphed_forward``), as in ``e2e.py`` (``--no-graphs``: not).
+``train <family> ours fp8 blockwise vs ours bf16`` (and prefill): ``convert(model,
+fp8="blockwise")``, the experts' grouped GEMMs FP8 (``cutlass_ops.fp8.fp8_experts``) and the
+attention's projections, checked against the recipe's float32 emulation with the experts' GEMMs
+emulated too (``e2e_fp8.Emulations``; ``--no-fp8``: not). torchao's MoE FP8 training
+(``torchao.prototype.moe_training``) is not measured here yet.
 
 Hugging Face's experts are pinned to ``experts_implementation="grouped_mm"`` (``HF_EXPERTS``,
 transformers' default, passed to ``from_config`` and checked on the built model) on the eager
@@ -67,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks import e2e, model_checks  # noqa: E402
+from benchmarks import e2e, e2e_fp8, model_checks  # noqa: E402
 from benchmarks.common import (labelled_rows, print_table, require_gpu,  # noqa: E402
                                write_result)
 
@@ -245,11 +250,21 @@ class FloatTwin:
 TWIN_BOUNDED = ("ours", e2e.GRAPHED, "compile")  # bf16 variants checked against eager's gradients
 
 
-def measure_train(variants: dict, ids, reps: int) -> tuple[dict, FloatTwin]:
+# FP8 recipes measured (``convert(model, fp8=...)``): the experts take blockwise only
+# (cutlass_ops.fp8.fp8_experts); under the others an MoE model's experts stay bf16.
+FP8_RECIPES = ("blockwise",)
+
+
+def measure_train(variants: dict, ids, reps: int,
+                  emulations: e2e_fp8.Emulations | None = None) -> tuple[dict, FloatTwin]:
     """``e2e.measure_train`` with ours' and compile's gradients bounded by eager's float32 twin
-    (built after eager's step, freed before theirs)."""
+    (built after eager's step, freed before theirs), the FP8 variants' by their recipe's float32
+    emulation (``emulations``; the experts' GEMMs emulated too, as ``fp8_emulation`` says)."""
     twin = FloatTwin(variants["eager"], ids)
     tolerances = {name: twin.tolerances for name in TWIN_BOUNDED if name in variants}
+    for recipe in FP8_RECIPES:
+        if emulations is not None and e2e_fp8.fp8_name(recipe) in variants:
+            tolerances[e2e_fp8.fp8_name(recipe)] = emulations.tolerances(recipe)
     return e2e.measure_train(variants, ids, reps, tolerances), twin
 
 
@@ -292,25 +307,40 @@ def measure(family: str, args) -> list[dict]:
     variants = {"eager": eager, "ours": ours}
     if not args.no_graphs:
         variants[e2e.GRAPHED] = ours  # the same model, its steps through cutlass_ops.graphed_steps
+    recipes = () if args.no_fp8 else FP8_RECIPES
+    fp8_models, missing, conversions = e2e_fp8.fp8_variants(eager, recipes)
+    variants.update(fp8_models)
     if not args.no_compile:
         variants["compile"] = torch.compile(eager)
     vocab = eager.config.vocab_size
     ids = e2e.token_ids(args.tokens, vocab)
+    emulations = e2e_fp8.Emulations(eager, ids) if recipes else None
     layers = layer_report(report)
     rows = []
     if "train" in args.sections:
-        train, twin = measure_train(variants, ids, args.reps)
+        train, twin = measure_train(variants, ids, args.reps, emulations)
         profile = step_profile(e2e.train_step(ours, ids))
         ours.zero_grad(set_to_none=True)
         for row in train_rows(train, twin, args.tokens):
             row["detail"].update(layers=layers, ours_profile=profile)
             rows.append(named(row, family))
+        for row in e2e_fp8.train_rows(train, {}, args.tokens, recipes):
+            rows.append(named(fp8_detail(row, missing, conversions), family))
     if "prefill" in args.sections:
         prefill = e2e.measure_prefill(variants, ids, args.reps)
         rows += [named(row, family) for row in prefill_rows(prefill, args.tokens)]
+        for row in e2e_fp8.prefill_rows(prefill, args.tokens, recipes, emulations, {}):
+            rows.append(named(fp8_detail(row, missing, conversions), family))
     if "decode" in args.sections:
         rows += [named(row, family) for row in decode_section(eager, ours, args)]
     return rows
+
+
+def fp8_detail(row: dict, missing: dict, conversions: dict) -> dict:
+    """An FP8 row with what ``convert(model, fp8=...)`` did (or why there is no FP8 model)."""
+    variant = e2e_fp8.fp8_name(row["case"].split(" fp8 ", 1)[1].split()[0])
+    row["detail"]["fp8_conversion"] = conversions.get(variant) or missing.get(variant)
+    return row
 
 
 def decode_section(eager, ours, args) -> list[dict]:
@@ -391,6 +421,8 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--no-fp8", action="store_true",
+                        help="skip ours converted with fp8='blockwise' (experts and attention)")
     parser.add_argument("--no-graphs", action="store_true",
                         help="skip ours through cutlass_ops.graphed_train_step / graphed_forward")
     parser.add_argument("--tune", choices=["quick", "default", "exhaustive"],

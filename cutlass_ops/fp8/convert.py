@@ -13,7 +13,7 @@ chose and why (``Choice``; ``cutlass_ops.nn`` folds them into its report).
   projections cannot take the recipe keeps bf16 GEMMs throughout.
 - A converted MoE layer's ``GroupedExperts`` becomes ``cutlass_ops.fp8.fp8_experts.
   Fp8GroupedExperts`` under the blockwise recipe, bf16 weights, N and K multiples of 128, and
-  ``fp8_experts.ENABLED`` (off until its GPU tests pass); otherwise it stays, and says why.
+  ``fp8_experts.ENABLED`` (on by default); otherwise it stays, and says why.
 - Refused, with the reason: weights that are not bf16/fp16, in/out features not multiples of 16
   (128 for blockwise), a CUDA device that is not sm90, names the caller excluded; the LM head
   (``get_output_embeddings()``, else a Linear named ``lm_head``) stays bf16 unless
@@ -93,7 +93,7 @@ def _convert_experts(model, name: str, experts: GroupedExperts, recipe: Recipe) 
     if recipe.name != "blockwise":
         why = f"FP8 experts take the blockwise recipe, not {recipe.name}"
     elif not fp8_experts.ENABLED:
-        why = "the FP8 experts have not yet run on a GPU (cutlass_ops.fp8.fp8_experts.ENABLED)"
+        why = "the FP8 experts are turned off (cutlass_ops.fp8.fp8_experts.ENABLED)"
     else:
         why = (conversion_refusals.not_sm90(weight.device, ": FP8 experts need one")
                if weight.device.type == "cuda" else None) or fp8_experts.refusal(experts)

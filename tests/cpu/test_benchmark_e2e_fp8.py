@@ -508,3 +508,75 @@ def test_a_torchao_peer_s_process_records_its_loss_and_checks_against_the_emulat
     monkeypatch.setattr(e2e_fp8, "installed", lambda package: package != "liger_kernel")
     assert "not installed" in e2e_fp8.build_peer("torchao-tensorwise", tiny_llama(1),
                                                  tokens()).settings["loss_note"]
+
+
+# --- mixture-of-experts models: the experts' emulation ------------------------------------------
+
+def tiny_qwen3_moe():
+    """Expert widths blockwise takes (multiples of 128), routers scaled so that each token's
+    experts are clear-cut (FP8 noise then moves no token to other experts)."""
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+        vocab_size=VOCAB, norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(30.0)
+    return model
+
+
+def fp8_experts_model(eager, scale=1.0):
+    """``eager``'s copy with its experts as ``convert`` leaves them on a GPU, then FP8
+    blockwise (``convert_fp8``; off CUDA the experts' quantization runs in torch). ``scale``:
+    the experts' down_proj gradients multiplied by it (a planted fault)."""
+    from cutlass_ops.fp8 import fp8_experts
+    from cutlass_ops.fp8.convert import convert_fp8
+    from cutlass_ops.moe.experts import GroupedExperts
+
+    model = copy.deepcopy(eager)
+    for layer in model.model.layers:
+        layer.mlp.experts = GroupedExperts(layer.mlp.experts)
+    convert_fp8(model, "blockwise")
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert all(isinstance(e, fp8_experts.Fp8GroupedExperts) for e in experts)
+    if scale != 1.0:
+        experts[1].down_proj.register_hook(lambda g: g * scale)
+    return model
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_fp8_experts_pass_the_blockwise_emulation_bound_and_a_halved_gradient_fails(scale):
+    """Blockwise emulation quantizes the experts' GEMMs as Fp8GroupedExperts does (forward and
+    dgrad, weight gradients in high precision): FP8 experts pass its bound; one expert
+    weight's gradient at half its value fails it."""
+    eager = tiny_qwen3_moe()
+    ids = tokens()
+    reference = step(eager, ids)
+    emulations = e2e_fp8.Emulations(eager, ids)
+    bounds = emulations.tolerances("blockwise")(*reference)
+    loss, grads = step(fp8_experts_model(eager, scale), ids)
+    check = model_checks.check_train_step(loss, grads, *reference, bounds)
+    if scale == 1.0:
+        assert check.ok, check.detail()
+    else:
+        assert check.loss_ok and not check.ok
+        assert check.detail()["grad_worst_parameter"] == "model.layers.1.mlp.experts.down_proj"
+
+
+def test_the_experts_emulation_quantizes_only_under_blockwise():
+    eager = tiny_qwen3_moe()
+    experts = eager.model.layers[0].mlp.experts
+    assert fp8_emulation.is_experts(experts)
+    x = torch.randn(16, 256, dtype=torch.bfloat16)
+    index = torch.randint(0, 4, (16, 2), generator=torch.Generator().manual_seed(0))
+    weights = torch.full((16, 2), 0.5, dtype=torch.bfloat16)
+    exact = experts(x, index, weights)
+    tensorwise = fp8_emulation.emulate_fp8(copy.deepcopy(eager), "tensorwise")
+    assert torch.equal(tensorwise.model.layers[0].mlp.experts(x, index, weights), exact)
+    blockwise = fp8_emulation.emulate_fp8(copy.deepcopy(eager), "blockwise")
+    got = blockwise.model.layers[0].mlp.experts(x, index, weights)
+    error = float((got.float() - exact.float()).norm() / exact.float().norm())
+    assert 1e-3 < error < 0.1  # FP8's rounding, no more

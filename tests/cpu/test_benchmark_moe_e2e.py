@@ -298,3 +298,15 @@ def test_a_run_keeps_the_other_sections_of_its_model():
     kept = moe_e2e.kept_rows(rows, ["qwen3-moe"], ["decode"])
     assert [r["case"] for r in kept] == [rows[0]["case"], rows[1]["case"], rows[3]["case"]]
     assert moe_e2e.kept_rows(rows, ["qwen3-moe", "mixtral"], list(moe_e2e.SECTIONS)) == []
+
+
+def test_an_fp8_row_names_what_convert_did_or_why_there_is_no_fp8_model():
+    row = {"case": "train ours fp8 blockwise vs ours bf16", "detail": {}}
+    got = moe_e2e.fp8_detail(row, {}, {"ours fp8 blockwise": "converted 9 of 9; 4 layers FP8"})
+    assert got["detail"]["fp8_conversion"] == "converted 9 of 9; 4 layers FP8"
+    row = {"case": "prefill ours fp8 blockwise vs ours bf16", "detail": {}}
+    got = moe_e2e.fp8_detail(row, {"ours fp8 blockwise": "made no layer FP8"}, {})
+    assert got["detail"]["fp8_conversion"] == "made no layer FP8"
+    assert moe_e2e.named(got, "mixtral")["case"] == \
+        "prefill mixtral ours fp8 blockwise vs ours bf16"
+    assert moe_e2e.parse_args(["--no-fp8"]).no_fp8 and not moe_e2e.parse_args([]).no_fp8
