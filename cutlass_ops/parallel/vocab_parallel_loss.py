@@ -36,6 +36,10 @@ The chunk step is torch's float32 math on every device (float32 copies of a [row
 chunk: the default chunk is sized for float32). float64 inputs keep float64 statistics. Not
 written for ``torch.compile`` (the host sync of (1) would break the graph).
 
+Captured in a CUDA graph (``cutlass_ops.graphed_train_step``), a call reuses the plan an eager
+call of the same shapes agreed (refused, naming why, without one) and checks the labels on the
+device instead: where they would have been refused, the loss is NaN (a replay cannot raise).
+
 Optional DTensor inputs: a ``weight_shard`` DTensor placed ``Shard(0)`` on a 1-D mesh (its local
 tensor, its mesh's group, its rows as torch's ``Shard(0)`` splits them); ``hidden`` and
 ``labels`` DTensors with ``Replicate`` placements (their local tensors).
@@ -99,11 +103,70 @@ def vocab_parallel_linear_cross_entropy(
     chunk = chunk_rows or (default_chunk_rows(rows, weight_shard.shape[0], hidden.device,
                                               _stat_dtype(hidden.dtype))
                            if refusal is None else INT64_MAX)
-    plan = _agree(hidden, weight_shard, flat, start, chunk, refusal, group, rank, world,
-                  ignore_index, float(label_smoothing), logit_softcap)
+    key = _plan_key(hidden, weight_shard, flat, start, chunk, refusal, group, ignore_index,
+                    float(label_smoothing), logit_softcap)
+    captured = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    if captured:
+        plan = _captured_plan(key)
+    else:
+        plan = _agree(hidden, weight_shard, flat, start, chunk, refusal, group, rank, world,
+                      ignore_index, float(label_smoothing), logit_softcap)
+        _remember(key, plan)
     loss = _VocabParallelCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight_shard,
                                             flat, plan, reduction, num_items_in_batch)
+    if captured:
+        loss = loss + _poison(flat, plan)
     return loss.view(labels.shape) if reduction == "none" else loss
+
+
+# ---------------------------------------------------------------------------------------------
+# Calls captured in a CUDA graph (cutlass_ops.graphed_steps)
+# ---------------------------------------------------------------------------------------------
+
+# Plans agreed by eager calls, by everything the agreement reads but the labels' values. A
+# capture cannot read the setup gather on the host; graphed_steps captures a signature's second
+# call, so the eager call before it agreed the same shapes, and the capture reuses its plan.
+_AGREED: dict = {}
+_AGREED_LIMIT = 64
+
+
+def _plan_key(hidden, weight, flat, start, chunk, refusal, group, ignore_index, smoothing,
+              softcap) -> Optional[tuple]:
+    if refusal is not None:
+        return None
+    return (group, hidden.device, tuple(weight.shape), start, flat.numel(), hidden.shape[-1],
+            chunk, ignore_index, smoothing, softcap)
+
+
+def _remember(key, plan: _VocabPlan) -> None:
+    if key is None:
+        return
+    if len(_AGREED) >= _AGREED_LIMIT:
+        _AGREED.clear()
+    _AGREED[key] = plan
+
+
+def _captured_plan(key) -> _VocabPlan:
+    plan = _AGREED.get(key) if key is not None else None
+    if plan is None:
+        raise RuntimeError(f"{NAME}: a call captured in a CUDA graph without an eager call of "
+                           "the same shapes before it (the ranks agree their plan on the host, "
+                           "which a capture cannot)")
+    return plan
+
+
+def _poison(flat: torch.Tensor, plan: _VocabPlan) -> torch.Tensor:
+    """NaN where a replay's labels would have been refused (out of [0, V) and not ignored, or
+    different between the ranks), else 0: the replay cannot raise, so its loss says it. The
+    labels' range and checksum, one all-reduce (MAX) of 4 int64s, on the device."""
+    summary = _label_summary(flat, plan.ignore_index, flat.device)
+    low, high, total = summary[0], summary[1], summary[2]
+    spread = torch.stack([low, -low, total, -total])
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=plan.group)
+    differ = (spread[0] != -spread[1]) | (spread[2] != -spread[3])
+    any_label = low <= high
+    outside = any_label & ((low < 0) | (high >= plan.vocab))
+    return torch.where(differ | outside, float("nan"), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

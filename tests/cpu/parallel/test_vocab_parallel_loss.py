@@ -335,3 +335,41 @@ def test_refuses_without_an_initialized_group(monkeypatch):
     hidden, weight, labels, _ = problem(8, [(0, 8)], torch.float32)
     with pytest.raises(UnsupportedInputError, match="not initialized"):
         vocab_parallel_linear_cross_entropy(hidden, weight, labels)
+
+
+def _captured_checks(rank, world):
+    """What a call captured in a CUDA graph relies on, without a GPU: the plan an eager call
+    remembered, the refusal without one, and the device-side label check's verdicts."""
+    from cutlass_ops.parallel import vocab_parallel_loss as vpl
+
+    hidden = torch.randn(6, 8)
+    weight = torch.randn(5, 8)
+    labels = torch.tensor([0, 3, 9, 1, -100, 7])
+    vpl.vocab_parallel_linear_cross_entropy(hidden, weight, labels)
+    key = vpl._plan_key(hidden, weight, labels, rank * 5, vpl.INT64_MAX, None, None, -100, 0.0,
+                        None)
+    keys = [k for k in vpl._AGREED if k[2:5] == (tuple(weight.shape), rank * 5, 6)]
+    plan = vpl._AGREED[keys[0]]
+    try:
+        vpl._captured_plan(key[:-1] + ("another softcap",))
+        unknown = None
+    except RuntimeError as error:
+        unknown = str(error)
+    mine = labels.clone()
+    if rank == 1:
+        mine[0] = 2  # the ranks' labels differ
+    return {"vocab": plan.vocab, "unknown": unknown,
+            "same": float(vpl._poison(labels, plan)),
+            "differ": float(vpl._poison(mine, plan)),
+            "outside": float(vpl._poison(torch.tensor([0, 10, -100]), plan)),
+            "ignored": float(vpl._poison(torch.tensor([-100, -100]), plan))}
+
+
+def test_a_captured_call_reuses_the_eager_plan_and_checks_labels_on_the_device(tmp_path):
+    import math
+
+    for got in on_ranks(tmp_path, _captured_checks, world=2):
+        assert got["vocab"] == 10
+        assert "captured in a CUDA graph" in got["unknown"]
+        assert got["same"] == 0.0 and got["ignored"] == 0.0
+        assert math.isnan(got["differ"]) and math.isnan(got["outside"])
