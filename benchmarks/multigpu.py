@@ -35,8 +35,9 @@ a run adds its rows to those of the other section written by the same code):
     and graph breaks). No ``SequenceParallel`` on the norms: Hugging Face's LlamaModel derives
     positions, rotary cos/sin and the causal mask from the embedding output's length
     (``NO_SEQUENCE_PARALLEL``). ``tp ... converted vs unconverted eager``: torch's plan eager,
-    logits gathered (Hugging Face's ``tp_plan="auto"``). ``tp train`` and ``tp prefill converted
-    graphed vs torchtitan-style``: the converted model's step through
+    logits gathered (Hugging Face's ``tp_plan="auto"``). With ``--graphed`` (opting in to
+    ``graphed_steps.CAPTURE_DISTRIBUTED``, whose GPU tests have not passed yet), ``tp train`` and
+    ``tp prefill converted graphed vs torchtitan-style``: the converted model's step through
     ``cutlass_ops.graphed_train_step`` (``graphed_forward``), its collectives captured with the
     rest; ``detail.graphed_equals_eager`` says whether a replay's loss and every gradient (the
     logits) equal the eager step's bit for bit.
@@ -493,7 +494,7 @@ def tp_checks(record: dict) -> tuple[dict, dict]:
 
 
 def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, reps: int,
-                 out: str, dp: int = 1) -> None:
+                 out: str, dp: int = 1, graphed_steps: bool = False) -> None:
     """Tensor parallelism of degree ``world // dp`` (``dp`` > 1: FSDP2 over ``dp`` groups of it,
     a 2-D mesh; no torchtitan-style model there): ``tp_models``, ``tokens`` a data-parallel
     rank, shared by its TP ranks. ``tp_record`` and ``tp_checks``, then train steps (forward
@@ -511,7 +512,8 @@ def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, rep
     checks, logits = tp_checks(record) if rank == 0 else (None, None)
     del record
     steps = {k: tp_step(m, ids, k == "torchtitan") for k, m in models.items()}
-    graphed, equal = graphed_tp(models["ours"], ids) if dp == 1 else ({}, None)
+    graphed, equal = graphed_tp(models["ours"], ids) if dp == 1 and graphed_steps else \
+        ({}, None)
     ms = timed({**steps, **{k: v[0] for k, v in graphed.items()}}, reps)
 
     def prefill(model):
@@ -537,7 +539,9 @@ def graphed_tp(model, ids) -> tuple[dict, dict]:
     whether a replay equals the eager step bit for bit: the loss and every gradient (the
     gradients gathered on every rank), the prefill's logits."""
     import cutlass_ops
+    from cutlass_ops import graphed_steps
 
+    graphed_steps.CAPTURE_DISTRIBUTED = True  # opted in by --graphed (not yet GPU-verified)
     step = cutlass_ops.graphed_train_step(model)
     forward = cutlass_ops.graphed_forward(model)
     for _ in range(3):
@@ -576,7 +580,8 @@ def tp_rows(world: int, args, dp: int = 1) -> list[dict]:
     sides are."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        spawn(tp_rank_main, world, args.layers, args.tokens, args.reps, out, dp)
+        spawn(tp_rank_main, world, args.layers, args.tokens, args.reps, out, dp,
+              getattr(args, "graphed", False))
         got = torch.load(out, weights_only=False)
     checks, logits = got["checks"], got["logits"]
     comm_total = {k: sum(v.values()) for k, v in got["comms"].items()}
@@ -825,6 +830,9 @@ def main() -> None:
                         help="the train section's wrappers: data parallel (ddp, fsdp2), tensor "
                         "parallel over all the GPUs (tp: train and prefill rows), FSDP2 over two "
                         "TP groups (fsdp2+tp, a 2 x gpus/2 mesh)")
+    parser.add_argument("--graphed", action="store_true",
+                        help="tp: also the converted model through graphed_train_step / "
+                        "graphed_forward (opts in to graphed_steps.CAPTURE_DISTRIBUTED)")
     parser.add_argument("--name", help="the result file's name (default multigpu, or "
                         "multigpu_1gpu with --gpus 1)")
     args = parser.parse_args()

@@ -231,6 +231,18 @@ def record_gemm(a, b, run: int, last_error: int, args: bytes, offsets: dict, swa
                          out_dtype)
 
 
+def record_torch_gemm(a, b) -> None:
+    """Hands dispatch's torch route of a plain 2-D product to the C++ op: the signature of
+    (a, b) as dispatch keys it; the op then runs ``torch.matmul``'s product itself (``at::matmul_out``)
+    instead of returning to Python."""
+    host = _state["ops"]
+    if host is None:
+        return
+    aligned = a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    host.set_gemm_torch_record(list(a.shape), list(a.stride()), a.dtype, list(b.shape),
+                               list(b.stride()), b.dtype, a.device.index, aligned)
+
+
 def clear_records() -> None:
     """Forgets every record (when Python forgets its decisions: ``dispatch.reset`` after a tune,
     a test switching tuned configs)."""

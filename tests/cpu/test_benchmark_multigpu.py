@@ -150,7 +150,7 @@ def test_tp_rows_against_torchtitan_style_and_eager(monkeypatch):
             "peak_gb": {}, "converted": 4, "graph_breaks": 0}
 
     def spawn(fn, world, *args):
-        torch.save(fake, args[-2])  # out, then dp
+        torch.save(fake, args[3])  # layers, tokens, reps, out, dp, graphed
 
     monkeypatch.setattr(multigpu, "spawn", spawn)
     args = type("Args", (), {"tokens": 4096, "layers": 4, "reps": 1, "model_tune_line": None})
@@ -185,7 +185,7 @@ def test_graphed_tp_rows_hold_the_replay_to_the_eager_step(monkeypatch):
             "peak_gb": {}, "converted": 4, "graph_breaks": 0, "graphed_equals_eager": equal}
 
     def spawn(fn, world, *args):
-        torch.save(fake, args[-2])
+        torch.save(fake, args[3])
 
     monkeypatch.setattr(multigpu, "spawn", spawn)
     args = type("Args", (), {"tokens": 4096, "layers": 4, "reps": 1, "model_tune_line": None})

@@ -164,13 +164,23 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-def test_distributed_models_that_cannot_be_captured_are_refused_with_the_reason(world_of_one):
-    """On the CPU every distributed model is refused (gloo, a CPU mesh); what NCCL allows (DDP,
-    TP on a CUDA mesh) is graphed in tests/gpu/parallel/test_graphed_parallel_gpu.py."""
+def test_distributed_models_are_refused_until_their_gpu_tests_pass(world_of_one):
+    ddp = nn.parallel.DistributedDataParallel(Mse())
+    assert "DistributedDataParallel model: graphed distributed steps have not yet passed" in \
+        graphed_steps.distributed_refusal(ddp)
+    assert graphed_steps.distributed_refusal(Mse()) is None
+
+
+def test_distributed_models_that_cannot_be_captured_are_refused_with_the_reason(world_of_one,
+                                                                              monkeypatch):
+    """With distributed capture on: on the CPU every distributed model is still refused (gloo, a
+    CPU mesh); what NCCL allows (DDP, TP on a CUDA mesh) is graphed in
+    tests/gpu/parallel/test_graphed_parallel_gpu.py."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, distribute_tensor
 
+    monkeypatch.setattr(graphed_steps, "CAPTURE_DISTRIBUTED", True)
     ddp = nn.parallel.DistributedDataParallel(Mse())
     assert "over gloo" in graphed_steps.distributed_refusal(ddp)
     unused = nn.parallel.DistributedDataParallel(Mse(), find_unused_parameters=True)

@@ -433,10 +433,12 @@ std::tuple<Tensor, Tensor> norm(int64_t kind, const Tensor& x, const Tensor& wei
 // kernel library's C entry point, the launch arguments it checked (bytes, laid out as the library's
 // own struct), where in them the operand and output pointers go, and the workspace it needs. This
 // file does not know the struct: Python gives the offsets, as ctypes reads them from its mirror.
+// A record without a kernel (run null) is dispatch's torch route of the signature: the product
+// goes to at::matmul_out, as the route's torch.matmul would run it, without the Python around it.
 struct GemmRecord {
   using Run = int (*)(const void* args, void* workspace, size_t workspace_bytes, void* stream);
   using LastError = const char* (*)();
-  Run run;
+  Run run = nullptr;
   LastError last_error;
   std::vector<uint8_t> args;
   int64_t off_a, off_b, off_c, off_d;
@@ -509,6 +511,21 @@ void set_gemm_record(at::IntArrayRef a_sizes, at::IntArrayRef a_strides, c10::Sc
   gemm_records[std::move(key)] = std::move(record);
 }
 
+void set_gemm_torch_record(at::IntArrayRef a_sizes, at::IntArrayRef a_strides,
+                           c10::ScalarType a_dtype, at::IntArrayRef b_sizes,
+                           at::IntArrayRef b_strides, c10::ScalarType b_dtype, int64_t device,
+                           bool aligned) {
+  TORCH_CHECK(a_sizes.size() == 2 && b_sizes.size() == 2 && a_strides.size() == 2 &&
+                  b_strides.size() == 2 && a_sizes[1] == b_sizes[0] && a_dtype == b_dtype,
+              "GEMM torch record: two 2-D operands of one dtype whose inner sizes match");
+  auto record = std::make_shared<GemmRecord>();
+  record->out_dtype = a_dtype;
+  record->out_sizes = {a_sizes[0], b_sizes[1]};
+  auto key = gemm_key(device, a_dtype, a_sizes, a_strides, b_dtype, b_sizes, b_strides, aligned);
+  std::unique_lock lock(records_mutex);
+  gemm_records[std::move(key)] = std::move(record);
+}
+
 void put_pointer(std::vector<uint8_t>& args, int64_t offset, const void* p) {
   std::memcpy(args.data() + offset, &p, sizeof(p));
 }
@@ -529,6 +546,12 @@ Tensor launch_gemm(const GemmRecord& r, const Tensor& a, const Tensor& b,
                    at::OptionalIntArrayRef sizes = std::nullopt) {
   Tensor out = at::empty(sizes.has_value() ? *sizes : at::IntArrayRef(r.out_sizes),
                          a.options().dtype(r.out_dtype));
+  if (!r.run) {  // the torch route: computed below autograd (a node, if any, is this file's)
+    at::AutoDispatchBelowAutograd below;
+    Tensor rows = out.view(r.out_sizes);  // out's storage, as [M, N]
+    at::matmul_out(rows, a, b);
+    return out;
+  }
   Tensor workspace;
   if (r.workspace_bytes) workspace = at::empty({r.workspace_bytes}, a.options().dtype(at::kByte));
   std::vector<uint8_t> args = r.args;
@@ -672,6 +695,9 @@ TORCH_LIBRARY(cutlass_ops_host, m) {
         "Tensor args, int off_a, int off_b, int off_c, int off_d, bool swap_ab, "
         "int workspace_bytes, ScalarType out_dtype) -> ()",
         &set_gemm_record);
+  m.def("set_gemm_torch_record(int[] a_sizes, int[] a_strides, ScalarType a_dtype, "
+        "int[] b_sizes, int[] b_strides, ScalarType b_dtype, int device, bool aligned) -> ()",
+        &set_gemm_torch_record);
   m.def("clear_records() -> ()", &clear_records);
   m.def("record_count() -> int", &record_count);
   m.def("driver_status() -> str", &driver_status);

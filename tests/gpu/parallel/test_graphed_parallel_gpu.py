@@ -45,8 +45,10 @@ def _params(model) -> dict:
 
 
 def _adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"),
-                             capturable=True, foreach=True)
+    # A float lr: a tensor lr meets DTensor parameters in _foreach_mul_ as a plain tensor,
+    # which DTensor refuses (seen on an H200).
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, foreach=True)
+
 
 
 def _eager_step(model, optimizer, **batch):
@@ -64,7 +66,10 @@ def _tensor_parallel(rank, world):
     import cutlass_ops
     from torch.distributed.device_mesh import init_device_mesh
 
+    from cutlass_ops import graphed_steps
     from cutlass_ops.parallel import tensor_parallel
+
+    graphed_steps.CAPTURE_DISTRIBUTED = True  # this rank's process: what the test verifies
 
     mesh = init_device_mesh("cuda", (world,))
     ids = torch.randint(0, GPU_CONFIG["vocab_size"], (2, 64),
@@ -113,6 +118,7 @@ def _data_parallel(rank, world):
     import cutlass_ops
     from cutlass_ops import graphed_steps
 
+    graphed_steps.CAPTURE_DISTRIBUTED = True  # this rank's process: what the test verifies
     ids = distributed_steps.batch("cuda").chunk(world)[rank]
     twins = []
     for _ in range(2):
