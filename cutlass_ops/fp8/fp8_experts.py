@@ -16,6 +16,11 @@ expert weight ``w`` [E, N, K] (bf16, each expert's ``nn.Linear`` layout: ``gate_
   tokens: FP8 would need a scale a 128-token block inside each expert's rows, a kernel form
   not built yet.
 
+A call that trains nothing (prefill, decoding) quantizes only the forward orientation, and
+keeps it per weight until the weight changes (``cutlass_ops.fp8.weight_versions``: an optimizer
+step, ``load_state_dict``, an in-place write; a write through ``.data`` escapes it: call
+``clear_weight_copies()``).
+
 bf16 only (the kernel writes bf16); K and N multiples of 128; the master weights stay bf16 and
 the ``state_dict`` is unchanged. Off CUDA the same quantization runs in torch and the products
 in float32 (the CPU rules), so a converted model can be checked on a CPU.
@@ -27,12 +32,14 @@ wants bf16 experts under an FP8 recipe turns it off.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 from torch import nn
 
 from cutlass_ops.fp8.scaled_grouped_mm_op import scaled_grouped_mm
+from cutlass_ops.fp8.weight_versions import weights_key
 from cutlass_ops.moe.experts import GroupedExperts
 from cutlass_ops.moe.grouped import grouped_mm
 from custom_kernels.fp8.fp8_quant import quantize, quantize_pair
@@ -89,10 +96,58 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         return grad_rows, grad_weight, None
 
 
+# Each weight's forward operand kept for calls that do not train it (prefill, decoding), by the
+# weight's id: (a weak reference to it, its weight_versions key, the operand); an entry goes when
+# its weight does. A call that trains quantizes afresh. (Not a WeakKeyDictionary: its lookups
+# compare tensors with ==.)
+_FORWARD_OPERANDS: dict[int, tuple] = {}
+
+
+def _kept(weight: torch.Tensor) -> Optional[tuple]:
+    """(key, operand) kept for ``weight``, or None."""
+    entry = _FORWARD_OPERANDS.get(id(weight))
+    return entry[1:] if entry is not None and entry[0]() is weight else None
+
+
+def _keep(weight: torch.Tensor, key, operand) -> None:
+    if _kept(weight) is None:
+        weakref.finalize(weight, _FORWARD_OPERANDS.pop, id(weight), None)
+    _FORWARD_OPERANDS[id(weight)] = (weakref.ref(weight), key, operand)
+
+
+def _forward_operand(weight: torch.Tensor):
+    """``weight``'s forward operand (``_weight_operands``' first) for a call that does not train
+    it: the kept one while ``weight_versions.weights_key`` says the weight has not changed, else
+    made afresh (the forward orientation only) and kept. Not kept under torch.compile (its graph
+    could not tell a stale copy) or inside a CUDA-graph capture (the graph's own memory)."""
+    capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = None if capturing or torch.compiler.is_compiling() else \
+        weights_key((weight,), "blockwise")
+    kept = _kept(weight) if key is not None else None
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    e, n, k = weight.shape
+    q, s = quantize(weight.reshape(e * n, k), "block_128x128")
+    operand = (q.view(e, n, k).transpose(1, 2), s.view(e, n // BLOCK, k // BLOCK).transpose(1, 2))
+    if key is not None:
+        _keep(weight, key, operand)
+    return operand
+
+
 def fp8_routed_gemm(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``rows @ weight[e]^T`` for each expert's rows (``experts_forward``'s ``gemm``): rows
-    [M, K] bf16 sorted by expert with ``offs`` covering every row, ``weight`` [E, N, K] bf16."""
-    return _Fp8GroupedLinear.apply(rows, weight, offs)
+    [M, K] bf16 sorted by expert with ``offs`` covering every row, ``weight`` [E, N, K] bf16.
+    A call that trains nothing (no gradient wanted) reads the weight's kept forward operand."""
+    if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
+        return _Fp8GroupedLinear.apply(rows, weight, offs)
+    a, scale_a = quantize(rows, "block_1x128")
+    b, scale_b = _forward_operand(weight)
+    return scaled_grouped_mm(a, b, scale_a, scale_b, offs)
+
+
+def clear_weight_copies() -> None:
+    """Drops every kept forward operand (after writing weights through ``.data``)."""
+    _FORWARD_OPERANDS.clear()
 
 
 class Fp8GroupedExperts(GroupedExperts):
@@ -105,4 +160,4 @@ class Fp8GroupedExperts(GroupedExperts):
         return super().extra_repr() + ", FP8 blockwise GEMMs"
 
 
-__all__ = ["ENABLED", "Fp8GroupedExperts", "fp8_routed_gemm", "refusal"]
+__all__ = ["ENABLED", "Fp8GroupedExperts", "clear_weight_copies", "fp8_routed_gemm", "refusal"]

@@ -16,12 +16,9 @@ nothing else in the state_dict, and FSDP2's gathered weight is what the forward 
 **Weights' FP8 copies.** A call that trains the weights quantizes them afresh (forward: W;
 backward: W^T). A call that does not (gradients off, or frozen weights) takes them from the
 layer's ``WeightCache``, made on first use and refreshed when a weight changes, which it knows
-by each weight's data pointer and version counter (every in-place write through autograd's view
-of a tensor bumps it: optimizer steps, ``load_state_dict``, ``with no_grad(): w.copy_()``) and by
-a count of optimizer steps taken in this process (which also covers weights written under
-``torch.autograd._unsafe_preserve_version_counter``, as FSDP2's all-gather writes). Writes
-through ``.data`` escape both: call ``cache.clear()``. Inference tensors have no version counter:
-their FP8 copies are made at every call. A refresh writes into the copies' own memory, so a CUDA
+by ``cutlass_ops.fp8.weight_versions`` (data pointer, version counter, optimizer steps taken).
+Writes through ``.data`` escape it: call ``cache.clear()``. Inference tensors have no version
+counter: their FP8 copies are made at every call. A refresh writes into the copies' own memory, so a CUDA
 graph that read them stays valid.
 Under torch.compile the weights are quantized inside the compiled graph at every call: a
 compiled graph checks its guards (the parameters' identity, shapes, dtypes, strides), never a
@@ -58,9 +55,10 @@ from cutlass_ops import fused_linear
 from cutlass_ops.fp8 import recipes
 from cutlass_ops.fp8.recipes import Operand, Recipe
 from cutlass_ops.fp8.scaled_mm_op import scaled_mm
+from cutlass_ops.fp8.weight_versions import optimizer_steps, weights_key
 from cutlass_ops.gemms import epilogues
 from cutlass_ops.gemms.config import Activation
-from custom_kernels.core.eager import PLAIN, fast_autograd
+from custom_kernels.core.eager import fast_autograd
 from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.fp8.fp8_quant import (Granularity, empty_scale, quantize, quantize_pair,
                                       scale_shape, tensor_amax)
@@ -241,32 +239,9 @@ def _check_x_fp8(x: Tensor, x_fp8, a: Operand) -> None:
 # The weights' FP8 copies for calls that do not train them
 # ---------------------------------------------------------------------------------------------
 
-_optimizer_steps = [0, None]  # steps taken by any torch optimizer in this process, the hook
-
-
-def _count_step(optimizer, args, kwargs) -> None:
-    _optimizer_steps[0] += 1
-
-
-def optimizer_steps() -> int:
-    """Optimizer steps taken since the first call (the hook is registered then, not at
-    import)."""
-    if _optimizer_steps[1] is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _optimizer_steps[1] = register_optimizer_step_post_hook(_count_step)
-    return _optimizer_steps[0]
-
-
 def _key(weights: Sequence[Tensor], recipe: Recipe):
-    """What the copies of ``weights`` depend on, or None when it cannot be known (inference
-    tensors, tensor subclasses)."""
-    parts = []
-    for w in weights:
-        if type(w) not in PLAIN or w.is_inference():
-            return None
-        parts.append((w.data_ptr(), w._version, tuple(w.shape)))
-    return (recipe.name, optimizer_steps(), weights[0].device, weights[0].dtype, *parts)
+    """What the copies of ``weights`` depend on (``weight_versions.weights_key``)."""
+    return weights_key(weights, recipe.name)
 
 
 class WeightCache:

@@ -127,3 +127,29 @@ def test_convert_makes_experts_fp8_only_under_blockwise_and_the_switch(recipe, e
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()
     assert experts.gate_up_proj.grad is not None
+
+
+def test_a_call_that_trains_nothing_keeps_the_weights_operand_until_the_weight_changes():
+    """Prefill and decoding read each weight's forward operand, quantized once: the same
+    products as a training call's forward, bit for bit; made again after an optimizer step or
+    an in-place write, never kept for an inference tensor, dropped with its weight."""
+    x, w, _, offs = _operands()
+    fp8_experts.clear_weight_copies()
+    trained = fp8_experts.fp8_routed_gemm(x, w, offs)
+    with torch.no_grad():
+        first = fp8_experts.fp8_routed_gemm(x, w, offs)
+        kept = fp8_experts._kept(w)[1]
+        again = fp8_experts.fp8_routed_gemm(x, w, offs)
+    assert torch.equal(first, trained.detach()) and torch.equal(again, first)
+    assert fp8_experts._kept(w)[1] is kept  # not quantized again
+    with torch.no_grad():
+        w.mul_(2.0)  # an in-place write bumps the version counter
+        doubled = fp8_experts.fp8_routed_gemm(x, w, offs)
+    assert fp8_experts._kept(w)[1] is not kept
+    assert relative_error(doubled, 2 * first.float()) < 1e-2
+    with torch.inference_mode():
+        frozen = w.detach().clone()
+        fp8_experts.fp8_routed_gemm(x.detach(), frozen, offs)
+    assert fp8_experts._kept(frozen) is None
+    del frozen, w, trained  # (trained's graph holds w)
+    assert not fp8_experts._FORWARD_OPERANDS  # an entry goes with its weight
