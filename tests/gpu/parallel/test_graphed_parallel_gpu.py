@@ -8,20 +8,17 @@ same order; a replay changes no arithmetic). DDP is captured only after its warm
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cpu" / "parallel"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The sharded model and the two-GPU marks of the TP test beside this one (it puts the shared
+# helpers' folders on the path).
+from test_tensor_parallel_gpu import GPU_CONFIG, pytestmark  # noqa: E402, F401
+
 import distributed_steps  # noqa: E402
 from gloo_ranks import on_ranks  # noqa: E402
-from test_tensor_parallel import CONFIG, _model  # noqa: E402
+from test_tensor_parallel import _model  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or
-    not torch.distributed.is_nccl_available(), reason="needs two GPUs and NCCL")]
-GPU_CONFIG = {**CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8,
-              "num_key_value_heads": 4, "vocab_size": 128}
 STEPS = 3
 
 
