@@ -250,3 +250,45 @@ def test_a_linear_with_gradients_runs_its_cpp_node_and_equals_the_python_path(
     second.detach().add_(1)
     with torch.no_grad():  # and without gradients: the same product
         assert torch.equal(layer(x), first)
+
+
+def test_a_product_dispatch_sends_to_torch_runs_in_cpp_as_torch_matmul(host, monkeypatch):
+    """``dispatch.HOST_TORCH_RECORDS``: a plain product whose route is torch's (nothing tuned or
+    built, online off) is recorded on its first call; the next runs ``at::matmul_out`` in C++
+    and equals torch.matmul bit for bit, eagerly, inside a CUDA graph, and through a Linear
+    with and without gradients."""
+    import cutlass_ops
+    import cutlass_ops.nn
+    from cutlass_ops.gemms import dispatch
+
+    monkeypatch.setattr(dispatch, "HOST_TORCH_RECORDS", True)
+    dispatch.reset()
+    x = torch.randn(24, 136, device="cuda", dtype=torch.bfloat16)  # a shape nothing is tuned for
+    weight = torch.randn(72, 136, device="cuda", dtype=torch.bfloat16)
+    assert cutlass_ops.explain(x, weight.t()).source == "torch"
+    with torch.no_grad():
+        before = host.record_count()
+        first = cutlass_ops.matmul(x, weight.t())
+        assert host.record_count() == before + 1
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the Python route ran")
+        monkeypatch.setattr(dispatch, "route", refuse)
+        assert torch.equal(cutlass_ops.matmul(x, weight.t()), first)
+        assert torch.equal(first, torch.matmul(x, weight.t()))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = cutlass_ops.matmul(x, weight.t())
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(y, torch.matmul(x, weight.t()))
+    monkeypatch.undo()  # the route back
+    monkeypatch.setattr(dispatch, "HOST_TORCH_RECORDS", True)
+    layer = cutlass_ops.nn.Linear(136, 72, bias=False, device="cuda", dtype=torch.bfloat16)
+    inputs = torch.randn(2, 12, 136, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):  # the first records, the second runs the C++ node
+        out = layer(inputs)
+        out.sum().backward()
+    assert torch.equal(out.detach(), torch.matmul(inputs.detach(), layer.weight.detach().t()))
+    assert inputs.grad is not None and layer.weight.grad is not None
+    dispatch.reset()

@@ -117,19 +117,26 @@ def _data_parallel(rank, world):
 
     graphed_steps.CAPTURE_DISTRIBUTED = True  # this rank's process: what the test verifies
     ids = distributed_steps.batch("cuda").chunk(world)[rank]
+    # torch's notes on CUDA graphs with DDP: build it, and warm it up, on a side stream (the
+    # first GPU run, on the default stream, failed inside the capture).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
     twins = []
-    for _ in range(2):
-        model, _ = distributed_steps.build("cuda", torch.bfloat16)
-        twins.append(torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank]))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model, _ = distributed_steps.build("cuda", torch.bfloat16)
+            twins.append(torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank]))
     eager, graphed = twins
     eager_opt = _adamw(eager)
     step = cutlass_ops.graphed_train_step(graphed, _adamw(graphed))
     losses, captured_at = [], None
-    for i in range(graphed_steps.DDP_WARMUP_STEPS + STEPS):
-        expected = _eager_step(eager, eager_opt, input_ids=ids, labels=ids)
-        losses.append(torch.equal(step(input_ids=ids, labels=ids), expected))
-        if captured_at is None and step.graphs.entries:
-            captured_at = i
+    with torch.cuda.stream(side):
+        for i in range(graphed_steps.DDP_WARMUP_STEPS + STEPS):
+            expected = _eager_step(eager, eager_opt, input_ids=ids, labels=ids)
+            losses.append(torch.equal(step(input_ids=ids, labels=ids), expected))
+            if captured_at is None and step.graphs.entries:
+                captured_at = i
+    torch.cuda.current_stream().wait_stream(side)
     return {"losses_equal": losses, "captured_at": captured_at,
             "grads": _differences(_grads(graphed), _grads(eager)),
             "params": _differences(_params(graphed), _params(eager))}
