@@ -158,12 +158,13 @@ def _captured_plan(key) -> _VocabPlan:
 def _poison(flat: torch.Tensor, plan: _VocabPlan) -> torch.Tensor:
     """NaN where a replay's labels would have been refused (out of [0, V) and not ignored, or
     different between the ranks), else 0: the replay cannot raise, so its loss says it. The
-    labels' range and checksum, one all-reduce (MAX) of 4 int64s, on the device."""
+    labels' range and checksum (what the setup gather compares), one all-reduce (MAX) of 6
+    int64s, on the device: each field's maximum and its negated minimum over the ranks."""
     summary = _label_summary(flat, plan.ignore_index, flat.device)
-    low, high, total = summary[0], summary[1], summary[2]
-    spread = torch.stack([low, -low, total, -total])
+    low, high = summary[0], summary[1]
+    spread = torch.cat([summary, -summary])
     dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=plan.group)
-    differ = (spread[0] != -spread[1]) | (spread[2] != -spread[3])
+    differ = (spread[:3] != -spread[3:]).any()
     any_label = low <= high
     outside = any_label & ((low < 0) | (high >= plan.vocab))
     return torch.where(differ | outside, float("nan"), 0.0)
