@@ -175,6 +175,17 @@ def online_compile():
     dispatch.reset()
 
 
+def _replayed_with_new_input(call, x):
+    """``call()`` captured in a CUDA graph, ``x`` refilled with new values, the graph replayed:
+    the captured output."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = call()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    return y
+
+
 def test_a_plain_product_runs_in_cpp_once_its_route_is_prepared(host, online_compile,
                                                                   monkeypatch):
     import cutlass_ops
@@ -203,11 +214,7 @@ def test_a_plain_product_runs_in_cpp_once_its_route_is_prepared(host, online_com
         with torch.cuda.stream(stream):
             cutlass_ops.matmul(x, weight.t())
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = cutlass_ops.matmul(x, weight.t())
-        x.copy_(torch.randn_like(x))
-        graph.replay()
+        y = _replayed_with_new_input(lambda: cutlass_ops.matmul(x, weight.t()), x)
         assert torch.equal(y, cutlass_ops.matmul(x, weight.t()))
         torch.testing.assert_close(y.float(), x.float() @ weight.t().float(), atol=0.5,
                                    rtol=2e-2)
@@ -276,11 +283,7 @@ def test_a_product_dispatch_sends_to_torch_runs_in_cpp_as_torch_matmul(host, mon
         monkeypatch.setattr(dispatch, "route", refuse)
         assert torch.equal(cutlass_ops.matmul(x, weight.t()), first)
         assert torch.equal(first, torch.matmul(x, weight.t()))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = cutlass_ops.matmul(x, weight.t())
-        x.copy_(torch.randn_like(x))
-        graph.replay()
+        y = _replayed_with_new_input(lambda: cutlass_ops.matmul(x, weight.t()), x)
         assert torch.equal(y, torch.matmul(x, weight.t()))
     monkeypatch.undo()  # the route back
     monkeypatch.setattr(dispatch, "HOST_TORCH_RECORDS", True)
