@@ -216,10 +216,9 @@ def static_inputs(leaves: list) -> list:
 
 
 DDP_WARMUP_STEPS = 11  # eager DDP steps before a capture (torch's notes on CUDA graphs)
-# Distributed models are refused unless this is on: their first GPU runs (H200, f42bbad and
-# after) did not pass. A DDP step's capture failed (a CUDA error inside the capture); a TP
-# step was captured and replayed, but a timed run of it did not finish in 9 minutes
-# (docs/measurements.md). The rules below are what applies once they do.
+# Distributed models are refused unless this is on: their first GPU runs did not pass (a DDP
+# capture failed, a timed TP run did not finish: docs/measurements.md, "Graphed distributed
+# steps"). The rules below are what applies once they do.
 CAPTURE_DISTRIBUTED = False
 
 

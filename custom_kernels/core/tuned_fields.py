@@ -181,6 +181,16 @@ def failure(name_field: str) -> Callable[[Mapping[str, Any]], tuple[str, str, st
     return read
 
 
+def measured(data: Mapping[str, Any], winner: Any, name_field: str) -> tuple:
+    """What a tuned family's entry stores beside its winner, read and checked: (winner_ms,
+    torch_ms, runners_up, failures, complete); a winner's time only with a winner."""
+    winner_ms = milliseconds(data, "winner_ms", optional=winner is None)
+    require(winner is not None or winner_ms is None, "a time without a winner")
+    return (winner_ms, milliseconds(data, "torch_ms"),
+            items(data, "runners_up", measured_alternative(name_field)),
+            items(data, "failures", failure(name_field)), boolean(data, "complete", default=True))
+
+
 def json_safe(value: Any, what: str, depth: int = 0) -> None:
     """Every number in ``value`` finite, nesting shallow: a field the schema does not read is
     still kept and exported, so it must not carry NaN or a structure that breaks a reader."""

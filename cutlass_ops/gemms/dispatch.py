@@ -677,8 +677,9 @@ def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=N
 
 
 # Whether a plain product dispatch sends to torch is handed to the compiled host path too, so
-# that its warm call skips Python (gemm_tuned.json: 0.80 of torch.matmul's whole call at
-# 128x4096x4096, where the route is torch's): off until its GPU test has run. Before turning it
+# that its warm call skips Python (the whole-call rows where the route is torch's:
+# docs/measurements.md, "Whole calls through the compiled host path"): off until its GPU test
+# has run. Before turning it
 # on: a host-path call is counted as "cutlass" in ``calls``, which a torch record's is not.
 HOST_TORCH_RECORDS = False
 

@@ -112,8 +112,7 @@ class GemmSchema:
             parse_winner(data["winner"], problem, scope)
         prefer = f.text(data, "prefer", choices=("cutlass", "torch"), default="cutlass")
         f.require(winner is not None or prefer == "torch", "it prefers a kernel but names none")
-        winner_ms = f.milliseconds(data, "winner_ms", optional=winner is None)
-        f.require(winner is not None or winner_ms is None, "a time without a winner")
+        outcome = f.measured(data, winner, "choice")
         f.require(f.text(data, "winner_name", optional=True) in (None, _name(winner)),
                   "winner_name is not its winner's name")
         f.require(f.text(data, "backend", optional=True) in (None, _backend(winner)),
@@ -124,11 +123,8 @@ class GemmSchema:
         f.require((whole[0] is None) == (whole[1] is None),
                   "one whole-call time without the other")
         f.require(whole[0] is None or winner is not None, "a whole-call time without a winner")
-        return GemmEntry(
-            key, problem, winner, prefer, winner_ms, f.milliseconds(data, "torch_ms"),
-            f.items(data, "runners_up", f.measured_alternative("choice")),
-            f.items(data, "failures", f.failure("choice")),
-            f.boolean(data, "complete", default=True), copy.deepcopy(dict(data)), *whole)
+        return GemmEntry(key, problem, winner, prefer, *outcome, copy.deepcopy(dict(data)),
+                         *whole)
 
 
 def _check_display_fields(data: Mapping[str, Any]) -> None:

@@ -102,15 +102,10 @@ class GroupedSchema:
         name = f.text(data, "winner", optional=True)
         winner = None if name is None else parse_winner(name, problem)
         prefer = f.text(data, "prefer", choices=("cutlass", "torch"), default="torch")
-        winner_ms = f.milliseconds(data, "winner_ms", optional=winner is None)
-        f.require(winner is not None or winner_ms is None, "a time without a winner")
+        outcome = f.measured(data, winner, "config")
         f.text(data, "backend", optional=True, choices=_PATHS)
         _check_display_fields(data)
-        return GroupedEntry(
-            key, problem, winner, prefer, winner_ms, f.milliseconds(data, "torch_ms"),
-            f.items(data, "runners_up", f.measured_alternative("config")),
-            f.items(data, "failures", f.failure("config")),
-            f.boolean(data, "complete", default=True), copy.deepcopy(dict(data)))
+        return GroupedEntry(key, problem, winner, prefer, *outcome, copy.deepcopy(dict(data)))
 
 
 def _check_display_fields(data: Mapping[str, Any]) -> None:

@@ -73,16 +73,11 @@ class GroupedFp8Schema:
         prefer = f.text(data, "prefer", choices=("cutlass", "torch"), default="cutlass")
         f.require(prefer == "cutlass" or problem.recipe == "rowwise",
                   "a blockwise winner always runs (torch has no blockwise grouped GEMM)")
-        winner_ms = f.milliseconds(data, "winner_ms", optional=winner is None)
-        f.require(winner is not None or winner_ms is None, "a time without a winner")
+        outcome = f.measured(data, winner, "config")
         f.display_fields(data, ("winner_tflops", "tune_seconds", "build_seconds_total"),
                          ("timed_on", "strategy", "tuned_at"))
         f.short_ratios(data, "routing_speedups")
-        return GroupedFp8Entry(
-            key, problem, winner, prefer, winner_ms, f.milliseconds(data, "torch_ms"),
-            f.items(data, "runners_up", f.measured_alternative("config")),
-            f.items(data, "failures", f.failure("config")),
-            f.boolean(data, "complete", default=True), copy.deepcopy(dict(data)))
+        return GroupedFp8Entry(key, problem, winner, prefer, *outcome, copy.deepcopy(dict(data)))
 
 
 SCHEMA = GroupedFp8Schema()
