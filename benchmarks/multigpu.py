@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import faulthandler
 import os
 import re
 import shutil
@@ -542,6 +543,9 @@ def graphed_tp(model, ids) -> tuple[dict, dict]:
     from cutlass_ops import graphed_steps
 
     graphed_steps.CAPTURE_DISTRIBUTED = True  # opted in by --graphed (not yet GPU-verified)
+    # A timed run after the captures once hung without a word: every rank prints its stack
+    # each 3 minutes from here on, so a hang shows where each rank waits.
+    faulthandler.dump_traceback_later(180, repeat=True)
     step = cutlass_ops.graphed_train_step(model)
     forward = cutlass_ops.graphed_forward(model)
     for _ in range(3):
