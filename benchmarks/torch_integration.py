@@ -94,9 +94,9 @@ def step_row(m, n, k):
     sources = [d.choice.name if d.choice else f"torch ({d.source})" for d in decisions]
     from cutlass_ops.gemms import dispatch
 
-    before = dict(dispatch.calls)
+    before = dispatch.call_counts()
     step(ours)()
-    ran = {kind: dispatch.calls[kind] - before.get(kind, 0) for kind in ("cutlass", "torch")}
+    ran = {kind: dispatch.call_counts()[kind] - before[kind] for kind in ("cutlass", "torch")}
     timings = do_bench_interleaved({"ours": step(ours), "torch": step(theirs)}, reps=30)
     ours_ms, torch_ms = timings["ours"].median_ms, timings["torch"].median_ms
     return {"case": f"linear fwd+bwd bf16 M={m} N={n} K={k}", "unit": "steps/s",

@@ -243,6 +243,13 @@ def record_torch_gemm(a, b) -> None:
                                list(b.stride()), b.dtype, a.device.index, aligned)
 
 
+def torch_route_calls() -> int:
+    """How many plain products the C++ op has run on torch records in this process (0 before
+    the library loads)."""
+    host = _state["ops"]
+    return 0 if host is None else int(host.torch_route_calls())
+
+
 def clear_records() -> None:
     """Forgets every record (when Python forgets its decisions: ``dispatch.reset`` after a tune,
     a test switching tuned configs)."""

@@ -123,6 +123,17 @@ def test_a_gemm_call_off_cuda_or_without_a_record_returns_none(host):
         host.clear_records()
 
 
+def test_a_torch_record_is_not_a_reason_to_take_a_cpu_call_nor_counted(host):
+    a, b = torch.randn(16, 256), torch.randn(256, 128)
+    host.set_gemm_torch_record(list(a.shape), list(a.stride()), a.dtype, list(b.shape),
+                               list(b.stride()), b.dtype, 0, True)
+    try:
+        assert host.gemm(a, b) is None
+        assert host_ops.torch_route_calls() == 0
+    finally:
+        host.clear_records()
+
+
 @pytest.mark.parametrize("change", [dict(off_a=196), dict(off_d=-8), dict(off_b=50),
                                     dict(run=0), dict(last_error=0), dict(workspace_bytes=-1),
                                     dict(a_sizes=[16]), dict(b_strides=[1])])

@@ -54,3 +54,16 @@ def test_a_path_that_is_off_stays_off_without_lookups(monkeypatch):
     assert norm_ops.host_norm("rms", x, w, None, None, 1e-6) is None
     assert norm_ops.host_norm("rms", x, w, None, None, 1e-6) is None
     assert calls == [1] and norm_ops.HOST_NORM.off is True
+
+
+def test_call_counts_move_the_host_path_s_torch_products_to_torch(monkeypatch):
+    """The hot path counts each product the C++ op takes as "cutlass"; the ones it ran on a
+    torch record are counted in C++, and ``call_counts`` moves them where they belong."""
+    from cutlass_ops.gemms import dispatch
+
+    monkeypatch.setattr(dispatch, "calls", dispatch.collections.Counter(cutlass=5, torch=2))
+    monkeypatch.setattr(host_ops, "torch_route_calls", lambda: 3)
+    assert dispatch.call_counts() == {"cutlass": 2, "torch": 5}
+    assert dispatch.calls == {"cutlass": 5, "torch": 2}  # the counter itself untouched
+    monkeypatch.setattr(host_ops, "torch_route_calls", lambda: 0)
+    assert dispatch.call_counts() == {"cutlass": 5, "torch": 2}

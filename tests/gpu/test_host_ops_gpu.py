@@ -206,7 +206,10 @@ def test_a_plain_product_runs_in_cpp_once_its_route_is_prepared(host, online_com
         def refuse(*args, **kwargs):
             raise AssertionError("the Python route ran")
         monkeypatch.setattr(dispatch, "route", refuse)
+        counted = dispatch.call_counts()
         assert torch.equal(cutlass_ops.matmul(x, weight.t()), first)
+        now = dispatch.call_counts()  # counted as what it ran: torch's product
+        assert (now["torch"], now["cutlass"]) == (counted["torch"] + 1, counted["cutlass"])
         assert torch.equal(layer(x), first_layer)
         # CUDA graphs capture the C++ launch like any other
         stream = torch.cuda.Stream()
