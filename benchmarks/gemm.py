@@ -24,6 +24,7 @@ benchmarks/results/gemm_tuned.json.
     cutlass-tune tune $(python benchmarks/gemm.py --print-shapes)
     python benchmarks/gemm.py --tuned
     python benchmarks/gemm.py --tuned --tune default   # both, the tune's wall time recorded
+    python benchmarks/gemm.py --tuned --tune default --tune-gpus all   # the tune on every GPU
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ def bench_tuned_shape(m, n, k):
     }
 
 
-def run_tune(shapes, strategy: str) -> dict:
-    """``cutlass-tune tune`` of ``shapes`` in a child process (as a user runs it), timed."""
+def run_tune(shapes, strategy: str, gpus: str | None = None) -> dict:
+    """``cutlass-tune tune`` of ``shapes`` in a child process (as a user runs it), timed;
+    ``gpus``: its ``--gpus`` (one worker per GPU, one cache)."""
     import subprocess
     import time
 
@@ -162,6 +164,7 @@ def run_tune(shapes, strategy: str) -> dict:
     cold = not any(cache.get(cutlass_ops.GemmProblem(operands, m, n, k)) for m, n, k in shapes)
     command = [sys.executable, "-m", "tuning.cli", "tune",
                *(f"{m}x{n}x{k}" for m, n, k in shapes), "--strategy", strategy]
+    command += ["--gpus", gpus] if gpus else []
     start = time.perf_counter()
     subprocess.run(command, check=True)
     return {"tune": {"strategy": strategy, "seconds": round(time.perf_counter() - start, 1),
@@ -268,6 +271,8 @@ def main() -> None:
                         help="with --tuned: first run `cutlass-tune tune` on the shapes with "
                         "this strategy, in its own process, and record its wall time (cold when "
                         "the cache held none of them)")
+    parser.add_argument("--tune-gpus", metavar="GPUS",
+                        help="with --tune: the tune's --gpus (all, or indices like 0,1)")
     args = parser.parse_args()
     shapes = LLM_SHAPES[::6] if args.quick else LLM_SHAPES
     if args.print_shapes:
@@ -275,7 +280,7 @@ def main() -> None:
         return
     require_gpu()
     if args.tuned:
-        tune = run_tune(shapes, args.tune) if args.tune else {}
+        tune = run_tune(shapes, args.tune, args.tune_gpus) if args.tune else {}
         rows = tuned_rows(shapes)
         print_table(["case", "ours TFLOP/s", "torch TFLOP/s", "ratio", "correct", "dispatch",
                      "config"],
