@@ -526,6 +526,10 @@ def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, rep
     prefills = {**{k: prefill(m) for k, m in models.items()},
                 **{k: v[1] for k, v in graphed.items()}}
     prefill_ms = timed(prefills, reps) if dp == 1 else None
+    if graphed:  # the graphs holding captured collectives, gone before the process group
+        from cutlass_ops import graphed_steps as graphed_module
+
+        graphed_module.reset_all()
     if rank == 0:
         torch.save({"ms": ms, "prefill_ms": prefill_ms, "checks": checks, "logits": logits,
                     "comms": comms, "peak_gb": peak, "converted": converted,
@@ -543,8 +547,8 @@ def graphed_tp(model, ids) -> tuple[dict, dict]:
     from cutlass_ops import graphed_steps
 
     graphed_steps.CAPTURE_DISTRIBUTED = True  # opted in by --graphed (not yet GPU-verified)
-    # A timed run after the captures once hung without a word: every rank prints its stack
-    # each 3 minutes from here on, so a hang shows where each rank waits.
+    # Should a rank hang (as destroy_process_group did with the graphs alive), each prints its
+    # stack every 3 minutes from here on.
     faulthandler.dump_traceback_later(180, repeat=True)
     step = cutlass_ops.graphed_train_step(model)
     forward = cutlass_ops.graphed_forward(model)

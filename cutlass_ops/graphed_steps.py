@@ -47,6 +47,9 @@ What a user sees:
     ``no_sync`` (a replay would reduce anyway).
   - FSDP (``fully_shard``) is refused: its unshard / reshard state machine and its
     per-step allocations of unsharded parameters run on the host around every layer.
+  - **Before ``destroy_process_group()``, call ``reset_all()``** (or each holder's ``reset()``):
+    NCCL destroys a communicator only once every graph that captured one of its collectives is
+    destroyed, so a graph still alive there hangs the exit (pytorch#115388; seen on an H200).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -304,12 +308,25 @@ def _ddp_ready(model: nn.Module, eager_steps: int) -> Optional[str]:
     return None
 
 
+# Every graphed step and forward alive in this process, for reset_all.
+_LIVE: "weakref.WeakSet[_Graphed]" = weakref.WeakSet()
+
+
+def reset_all() -> None:
+    """Drops the graphs of every graphed step and forward alive in this process: call it before
+    ``torch.distributed.destroy_process_group()``, which otherwise waits forever for the graphs
+    holding captured NCCL collectives (see the module docstring)."""
+    for holder in list(_LIVE):
+        holder.reset()
+
+
 class _Graphed:
     """What both wrappers share: the graphs, the refusal policy, the memory report."""
 
     def __init__(self, model: nn.Module, max_graphs: int, on_refusal: str):
         if on_refusal not in ("raise", "eager"):
             raise ValueError(f"on_refusal is 'raise' or 'eager', not {on_refusal!r}")
+        _LIVE.add(self)
         self.model = model
         self.graphs = Graphs(max_graphs)
         self.on_refusal = on_refusal
@@ -526,4 +543,5 @@ def graphed_forward(model: nn.Module, *, max_graphs: int = DEFAULT_MAX_GRAPHS,
 
 
 __all__ = ["CaptureRefused", "GraphedTrainStep", "GraphedForward", "graphed_train_step",
-           "graphed_forward", "signature", "capturable", "default_loss", "distributed_refusal"]
+           "graphed_forward", "signature", "capturable", "default_loss", "distributed_refusal",
+           "reset_all"]

@@ -111,6 +111,23 @@ class Mse(nn.Module):
         return self.linear(x).square().mean()
 
 
+def test_reset_all_drops_every_live_holder_s_graphs():
+    """What a distributed program calls before destroy_process_group (NCCL waits for the graphs
+    that captured its collectives); a holder no longer referenced is not kept alive for it."""
+    import gc
+    import weakref
+
+    step = cutlass_ops.graphed_train_step(Mse())
+    forward = cutlass_ops.graphed_forward(Mse())
+    for holder in (step, forward):
+        holder.graphs.store("key", Captured(None, [], None))
+    dropped = weakref.ref(cutlass_ops.graphed_forward(Mse()))
+    gc.collect()
+    assert dropped() is None and {step, forward} <= set(graphed_steps._LIVE)
+    graphed_steps.reset_all()
+    assert not step.graphs.entries and not forward.graphs.entries
+
+
 def test_a_refused_call_raises_by_default():
     step = cutlass_ops.graphed_train_step(Mse())
     with pytest.raises(CaptureRefused, match="CUDA tensors only"):

@@ -42,9 +42,25 @@ def _params(model) -> dict:
 
 
 def _adamw(model):
-    # A float lr: a tensor lr meets DTensor parameters in _foreach_mul_ as a plain tensor,
-    # which DTensor refuses (seen on an H200).
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, foreach=True)
+    # Not foreach: a parallelized model's parameters mix DTensors (the sharded ones) and plain
+    # tensors, and DTensor refuses such a list in _foreach_mul_ (seen on an H200).
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, foreach=False)
+
+
+def _guarded(rank, world, work):
+    """``work(rank, world)`` on a rank that prints its stack and exits after 120 s (a capture
+    or replay that hangs then fails the test, naming where), its graphs dropped before the
+    process group is destroyed (NCCL waits for them: pytorch#115388)."""
+    import faulthandler
+
+    from cutlass_ops import graphed_steps
+
+    faulthandler.dump_traceback_later(120, exit=True)
+    try:
+        return work(rank, world)
+    finally:
+        graphed_steps.reset_all()
+        faulthandler.cancel_dump_traceback_later()
 
 
 
@@ -97,7 +113,7 @@ def _tensor_parallel(rank, world):
 
 
 def test_a_tensor_parallel_step_replays_equal_to_its_eager_twin(tmp_path):
-    results = on_ranks(tmp_path, _tensor_parallel, world=2, backend="nccl")
+    results = on_ranks(tmp_path, _guarded, _tensor_parallel, world=2, backend="nccl")
     for rank, got in enumerate(results):
         for with_optimizer in (False, True):
             r = got[with_optimizer]
@@ -145,7 +161,7 @@ def _data_parallel(rank, world):
 def test_a_ddp_step_is_captured_after_its_warm_up_and_replays_equal(tmp_path):
     from cutlass_ops import graphed_steps
 
-    results = on_ranks(tmp_path, _data_parallel, world=2, backend="nccl")
+    results = on_ranks(tmp_path, _guarded, _data_parallel, world=2, backend="nccl")
     for rank, got in enumerate(results):
         assert got["captured_at"] == graphed_steps.DDP_WARMUP_STEPS, (rank, got["captured_at"])
         assert all(got["losses_equal"]), (rank, got["losses_equal"])
