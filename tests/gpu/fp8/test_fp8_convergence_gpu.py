@@ -36,7 +36,7 @@ def test_each_recipe_follows_bf16(result, recipe):
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
 def test_moe_models_with_fp8_experts_follow_bf16(family):
     """Issue 53: the MoE families under blockwise, their experts FP8 (cutlass_ops.fp8.fp8_experts),
-    by the same rule (passed on an H200 at ec7fb07)."""
+    by the same rule (passed on an H200 at 3b1959b)."""
     result = fp8_convergence.run(["blockwise"], steps=200, device="cuda", family=family)
     row = result["rows"][0]
     detail = row["detail"]
