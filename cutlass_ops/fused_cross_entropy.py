@@ -21,6 +21,11 @@ normalizes), ``sum``, ``none``, ``label_smoothing``, and Gemma-2's ``logit_softc
 ``cap * tanh(logits / cap)`` before the loss). A vocabulary sharded across GPUs is out of scope.
 (``cutlass_ops.parallel.vocab_parallel_loss`` takes a head whose vocabulary is sharded across ranks.)
 
+**The head's products** are a ``HeadProducts`` (the logits of a chunk, then its gradients to
+hidden and weight): the default runs the tuned bf16 GEMMs above; an FP8 LM head passes its own
+(``cutlass_ops.fp8.loss_head``: the same three products through FP8 GEMMs, the weight quantized
+once a call), so the chunking, the kernel and the reductions stay one code.
+
 Tensors off a CUDA device keep torch's step (``_chunk_step``: float32 logits, the CPU rule of
 ``custom_kernels.core.fallback``), except under ``torch.compile``, where the custom op runs on
 every device (its CPU implementation is that same torch step).
@@ -48,7 +53,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          logit_softcap: Optional[float] = None,
                          num_items_in_batch: Optional[int] = None,
-                         chunk_rows: Optional[int] = None) -> torch.Tensor:
+                         chunk_rows: Optional[int] = None,
+                         products: Optional["HeadProducts"] = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without the logits.
 
     hidden: (..., H); weight: (V, H); labels: hidden's leading shape, int64, values in [0, V) or
@@ -57,6 +63,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     of non-ignored labels. ``chunk_rows``: rows a chunk (default: from free memory and V).
     A label outside [0, V) that is not ``ignore_index``: UnsupportedInputError off a GPU; on a GPU
     its row's loss and gradients are NaN (checking first would sync with the host every step).
+    ``products``: the head's GEMMs (``HeadProducts``; default the tuned bf16 ones).
     """
     rows_hidden, flat_labels = _check(hidden, weight, labels, bias, reduction, label_smoothing,
                                       logit_softcap, num_items_in_batch, ignore_index)
@@ -66,7 +73,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise UnsupportedInputError(f"chunk_rows must be positive, got {chunk}")
     loss = _LinearCrossEntropy.apply(rows_hidden, weight, bias, flat_labels, ignore_index,
                                      reduction, float(label_smoothing), logit_softcap,
-                                     num_items_in_batch, int(chunk))
+                                     num_items_in_batch, int(chunk), products or HeadProducts())
     return loss.view(labels.shape) if reduction == "none" else loss
 
 
@@ -143,10 +150,34 @@ def _matmul(a, b, bias=None):
     return matmul(a, b, bias=bias.detach() if bias is not None else None)
 
 
-def _logits(hidden_chunk, weight, bias, softcap):
+class HeadProducts:
+    """The head's three products in the chunked loss, bf16 through the tuned dispatch. A
+    subclass (an FP8 head's) overrides them; ``start`` runs once per pass over the chunks (what
+    the chunks share: the weight's operands), ``finish`` after it."""
+
+    def start(self, weight: torch.Tensor, train_weight: bool) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def logits(self, hidden_chunk, weight, bias=None) -> torch.Tensor:
+        """``hidden_chunk @ weight.T (+ bias)`` in the model dtype."""
+        return _matmul(hidden_chunk, weight.t(), bias)
+
+    def grad_hidden(self, grad, weight) -> torch.Tensor:
+        """The chunk's hidden gradient from its logits gradient ``grad``."""
+        return _matmul(grad, weight)
+
+    def grad_weight(self, accumulated, grad, hidden_chunk) -> torch.Tensor:
+        """``accumulated`` (None at the first chunk) plus this chunk's weight gradient."""
+        return _accumulate(accumulated, grad.t(), hidden_chunk)
+
+
+def _logits(hidden_chunk, weight, bias, softcap, products):
     """A chunk's float32 logits, and the softcap's tanh (None without a cap) for the gradient:
     the torch step's input, off CUDA."""
-    logits = _matmul(hidden_chunk, weight.t())
+    logits = products.logits(hidden_chunk, weight)
     if bias is not None:
         logits = logits + bias
     logits = logits.float()
@@ -163,10 +194,10 @@ _chunk_step = kernel.torch_chunk_step
 
 
 def _torch_chunk(hidden_chunk, weight, bias, labels, ignore_index, smoothing, softcap,
-                 row_scale, want_grads):
+                 row_scale, want_grads, products):
     """The chunk off CUDA: torch's step on float32 logits; the gradient (times ``row_scale``)
     in hidden's dtype, and its float32 column sums with a ``bias``."""
-    logits, capped = _logits(hidden_chunk, weight, bias, softcap)
+    logits, capped = _logits(hidden_chunk, weight, bias, softcap, products)
     losses, grad = _chunk_step(logits, capped, labels, ignore_index, smoothing)
     del logits, capped
     if not want_grads:
@@ -177,10 +208,10 @@ def _torch_chunk(hidden_chunk, weight, bias, labels, ignore_index, smoothing, so
 
 
 def _fused_chunk(hidden_chunk, weight, bias, labels, ignore_index, smoothing, softcap,
-                 row_scale, want_grads):
+                 row_scale, want_grads, products):
     """The chunk through the fused kernel: logits in the model dtype (bias in the GEMM's
     epilogue), overwritten in place with the gradient (times ``row_scale``)."""
-    logits = _matmul(hidden_chunk, weight.t(), bias)
+    logits = products.logits(hidden_chunk, weight, bias)
     if logits.stride(-1) != 1:  # the kernel's layout (a GEMM's output has it)
         logits = logits.contiguous()
     losses = torch.ops.custom_kernels.cross_entropy_chunk(
@@ -205,7 +236,7 @@ def _accumulate(grad_weight, grad_t, hidden_chunk):
 
 
 def _loss_and_grads(hidden, weight, bias, labels, ignore_index, smoothing, softcap, chunk,
-                    row_scale=None, wants=(True, True, True)):
+                    products, row_scale=None, wants=(True, True, True)):
     """The per-row losses and the gradients of ``sum(row_scale * loss)`` that ``wants`` asks for
     (hidden, weight, bias): hidden's and weight's in their dtype, bias's in float32."""
     rows = hidden.shape[0]
@@ -221,17 +252,19 @@ def _loss_and_grads(hidden, weight, bias, labels, ignore_index, smoothing, softc
         fallback.log_once("linear_cross_entropy uses torch's chunk step",
                           f"the tensors are on {hidden.device}, not a CUDA device")
     step = _fused_chunk if fused else _torch_chunk
+    products.start(weight, want_weight)
     for part in _chunks(rows, chunk):
         losses[part], grad, column_sums = step(
             hidden[part], weight, bias, labels[part], ignore_index, smoothing, softcap,
-            row_scale[part] if row_scale is not None else None, want_grads)
+            row_scale[part] if row_scale is not None else None, want_grads, products)
         if grad_bias is not None:
             grad_bias += column_sums
         if want_hidden:
-            grad_hidden[part] = _matmul(grad, weight)
+            grad_hidden[part] = products.grad_hidden(grad, weight)
         if want_weight:
-            grad_weight = _accumulate(grad_weight, grad.t(), hidden[part])
+            grad_weight = products.grad_weight(grad_weight, grad, hidden[part])
         del grad
+    products.finish()
     if want_weight and grad_weight is None:  # no rows
         grad_weight = torch.zeros_like(weight)
     return losses, grad_hidden, grad_weight, grad_bias
@@ -255,8 +288,8 @@ def divisor(reduction: str, labels, ignore_index: int, num_items=None):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, smoothing, softcap,
-                num_items, chunk):
-        args = (ignore_index, smoothing, softcap, chunk)
+                num_items, chunk, products):
+        args = (ignore_index, smoothing, softcap, chunk, products)
         ctx.reduction, ctx.args, ctx.weight_dtype = reduction, args, weight.dtype
         if reduction == "none":  # the per-row incoming gradient comes later: recompute then
             losses, *_ = _loss_and_grads(hidden, weight, bias, labels, *args,
@@ -286,7 +319,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_bias = grad_bias * scale if grad_bias is not None else None
         return (grad_hidden, grad_weight,
                 grad_bias.to(ctx.weight_dtype) if grad_bias is not None else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
-__all__ = ["linear_cross_entropy", "default_chunk_rows"]
+__all__ = ["linear_cross_entropy", "default_chunk_rows", "HeadProducts"]

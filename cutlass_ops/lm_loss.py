@@ -54,9 +54,12 @@ def loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
     shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     head = model.lm_head
     num_items = int(num_items_in_batch) if num_items_in_batch is not None else None
+    products = _head_products(head)
     if hasattr(head.weight, "to_local"):  # a vocabulary sharded over ranks (tensor parallel)
         from cutlass_ops.parallel.vocab_parallel_loss import vocab_parallel_linear_cross_entropy
 
+        if products is not None:
+            _bf16_head_once("its vocabulary is sharded (the vocabulary-parallel loss)")
         if head.bias is not None:
             raise UnsupportedInputError("the sharded head's loss takes no bias")
         rows = shifted.numel()
@@ -68,7 +71,23 @@ def loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
                                 bias=head.bias, ignore_index=IGNORE_INDEX,
                                 logit_softcap=getattr(model.config, "final_logit_softcapping",
                                                       None),
-                                num_items_in_batch=num_items)
+                                num_items_in_batch=num_items, products=products)
+
+
+def _head_products(head: nn.Module):
+    """The head's own products for the chunked loss (an FP8 head's: ``loss_head_products``),
+    or None for the bf16 GEMMs. While torch.compile traces, None: the FP8 products run eagerly
+    only, so a compiled step's loss head runs bf16 (as the conversion report says)."""
+    own = getattr(head, "loss_head_products", None)
+    if not callable(own) or torch.compiler.is_compiling():
+        return None
+    return own()
+
+
+def _bf16_head_once(why: str) -> None:
+    from custom_kernels.core.fallback import log_once
+
+    log_once("the LM head's loss runs its GEMMs in bf16", f"the head is FP8, but {why}")
 
 
 class RoutedLoss(NamedTuple):

@@ -125,8 +125,8 @@ def _converted_reason(weight, recipe: Recipe) -> str:
 
 def _head_note(model) -> str:
     if lm_loss.is_routed(model):  # cutlass_ops.lm_loss routed the loss
-        return ("; with labels the fused head and loss (cutlass_ops.lm_loss) read its weight "
-                "in bf16")
+        return ("; with labels the fused head and loss (cutlass_ops.lm_loss) run its GEMMs in "
+                "FP8 too (bf16 under torch.compile or a sharded vocabulary)")
     return ""
 
 

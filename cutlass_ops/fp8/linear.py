@@ -46,147 +46,28 @@ eagerly when gradients are needed, a direct call otherwise. ``Fp8Linear`` is the
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from cutlass_ops import fused_linear
 from cutlass_ops.fp8 import recipes
+from cutlass_ops.fp8.gemm_steps import (backward_gemms, forward_gemm, nothing_kept,
+                                        quantize_operand, rows_of, training_weight_operand)
+from cutlass_ops.fp8.loss_head import Fp8HeadProducts
 from cutlass_ops.fp8.recipes import Operand, Recipe
-from cutlass_ops.fp8.scaled_mm_op import scaled_mm
 from cutlass_ops.fp8.weight_versions import optimizer_steps, weights_key
 from cutlass_ops.gemms import epilogues
 from cutlass_ops.gemms.config import Activation
 from custom_kernels.core.eager import fast_autograd
 from custom_kernels.core.errors import UnsupportedInputError
-from custom_kernels.fp8.fp8_quant import (Granularity, empty_scale, quantize, quantize_pair,
-                                      scale_shape, tensor_amax)
+from custom_kernels.fp8.fp8_quant import Granularity, empty_scale, scale_shape
 from custom_kernels.fp8.grad_amax import GradAmax
 
 # ---------------------------------------------------------------------------------------------
-# Operands and GEMMs (no autograd)
+# The rules of a call
 # ---------------------------------------------------------------------------------------------
-
-
-def _rows(t: Tensor) -> Tensor:
-    t = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-
-
-def _quantize(t: Tensor, operand: Operand, transpose: bool = False, amax=None):
-    if amax is not None:
-        return quantize(t, operand.granularity, fp8_dtype=operand.dtype, transpose=transpose,
-                        amax=amax)
-    return quantize(t, operand.granularity, fp8_dtype=operand.dtype, transpose=transpose)
-
-
-def _training_weight_operand(weight: Tensor, recipe: Recipe):
-    """((q, scale), amax): W's forward operand for a call that trains W, and for a tensorwise
-    recipe W's amax, which the backward's W^T (the same tensor's scale) reuses instead of
-    reading W once more (None otherwise)."""
-    b = recipe.forward.b
-    if b.granularity is Granularity.TENSOR and recipe.dgrad.b.granularity is Granularity.TENSOR:
-        amax = tensor_amax(weight)
-        return _quantize(weight, b, amax=amax), amax
-    return _quantize(weight, b), None
-
-
-def _padded(rows: Tensor, multiple: int) -> Tensor:
-    """``rows`` with zero rows added up to a multiple of ``multiple``."""
-    extra = -rows.shape[0] % multiple
-    return rows if extra == 0 else torch.nn.functional.pad(rows, (0, 0, 0, extra))
-
-
-def _nothing(like: Tensor):
-    """The kept x^T of a call that keeps none."""
-    return (like.new_empty(0, dtype=torch.float8_e4m3fn), like.new_empty(0, dtype=torch.float32))
-
-
-def _pairable(one: Operand, other: Operand) -> bool:
-    return one.granularity == other.granularity and one.fp8 == other.fp8
-
-
-def _gemm(a, scale_a, b_rows, scale_b_rows, gemm, dtype, bias=None) -> Tensor:
-    """``scaled_mm`` of ``a`` (M, K) and the matrix whose rows are ``b_rows`` (N, K) (passed
-    K-major as ``b_rows.t()``, its scales transposed alike), in ``dtype``. The GEMM writes bf16,
-    the one output every recipe of ``torch._scaled_mm`` takes (rowwise writes nothing else); an
-    fp16 layer casts it and adds its bias after (FP8 operands carry 3 or 2 mantissa bits: bf16's
-    8 do not limit the result)."""
-    fused = bias if dtype == torch.bfloat16 else None
-    y = scaled_mm(a, b_rows.t(), scale_a, scale_b_rows.t(), bias=fused,
-                  out_dtype=torch.bfloat16, use_fast_accum=gemm.fast_accum)
-    if dtype == torch.bfloat16:
-        return y
-    y = y.to(dtype)
-    return y if bias is None else y.add_(bias)
-
-
-def _tensor_amax(amax, *operands: Operand):
-    """``amax`` where every operand takes the tensor's scale (the amax is theirs), else None."""
-    if amax is None or any(o.granularity is not Granularity.TENSOR for o in operands):
-        return None
-    return amax
-
-
-def _activations(rows: Tensor, recipe: Recipe, keep: bool, x_fp8=None, x_amax=None):
-    """(x_q, x_s, xt_q, xt_s): x for the forward (``x_fp8``'s when given), x^T for the wgrad
-    when ``keep`` (the tokens padded to the recipe's multiple: zero rows, the amax unchanged).
-    ``x_amax``: x's amax when a kernel that wrote x reduced it (tensorwise)."""
-    a, b = recipe.forward.a, recipe.wgrad.b
-    a_amax, b_amax = _tensor_amax(x_amax, a), _tensor_amax(x_amax, b)
-    if x_fp8 is not None:
-        xt = _quantize(_padded(rows, recipe.token_multiple), b, True, b_amax) if keep else \
-            _nothing(rows)
-        return x_fp8[0].reshape(rows.shape), x_fp8[1], *xt
-    if not keep:
-        return (*_quantize(rows, a, amax=a_amax), *_nothing(rows))
-    if _pairable(a, b) and rows.shape[0] % recipe.token_multiple == 0:
-        (q, s), (qt, st) = quantize_pair(rows, a.granularity, fp8_dtype=a.dtype, amax=a_amax)
-        return q, s, qt, st
-    return (*_quantize(rows, a, amax=a_amax),
-            *_quantize(_padded(rows, recipe.token_multiple), b, True, b_amax))
-
-
-def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], recipe: Recipe, keep: bool,
-             weight_fp8=None, x_fp8=None, x_amax=None):
-    """(y, xt_q, xt_s): y = x W^T + b; x^T quantized for the wgrad when ``keep`` (else empty).
-    ``weight_fp8``: W's forward operand (q, scale) when the caller has it; ``x_fp8``: x's;
-    ``x_amax``: x's amax (tensorwise)."""
-    rows = _rows(x)
-    wq, ws = weight_fp8 if weight_fp8 is not None else _quantize(weight, recipe.forward.b)
-    xq, xs, xtq, xts = _activations(rows, recipe, keep, x_fp8, x_amax)
-    y = _gemm(xq, xs, wq, ws, recipe.forward, x.dtype, bias)
-    return y.view(*x.shape[:-1], weight.shape[0]), xtq, xts
-
-
-def _backward(grad: Tensor, xt, recipe: Recipe, need_x: bool, need_w: bool, weight_dtype,
-              weight_t: Callable[[], tuple], dy_amax=None):
-    """(dx, dW), None where not needed. ``xt``: the forward's kept (xt_q, xt_s); ``weight_t()``
-    gives W^T's dgrad operand (q, scale); ``dy_amax``: dy's amax when the kernel that wrote dy
-    reduced it (tensorwise)."""
-    dy = _rows(grad)
-    a_x, a_w = recipe.dgrad.a, recipe.wgrad.a
-    x_amax, w_amax = _tensor_amax(dy_amax, a_x), _tensor_amax(dy_amax, a_w)
-    if need_w and xt[0].numel() == 0 and dy.numel() > 0:
-        raise UnsupportedInputError("fp8_linear's wgrad needs the x^T its forward keeps: the "
-                                    "forward ran with keep=False")
-    whole = dy.shape[0] % recipe.token_multiple == 0
-    if need_x and need_w and whole and _pairable(a_x, a_w):
-        (dq, ds), (dtq, dts) = quantize_pair(dy, a_x.granularity, fp8_dtype=a_x.dtype,
-                                             amax=x_amax)
-    else:
-        dq, ds = _quantize(dy, a_x, amax=x_amax) if need_x else (None, None)
-        dtq, dts = _quantize(_padded(dy, recipe.token_multiple), a_w, True, w_amax) \
-            if need_w else (None, None)
-    grad_x = grad_w = None
-    if need_x:
-        wtq, wts = weight_t()
-        grad_x = _gemm(dq, ds, wtq, wts, recipe.dgrad, grad.dtype)
-        grad_x = grad_x.view(*grad.shape[:-1], wtq.shape[0])
-    if need_w:
-        grad_w = _gemm(dtq, dts, xt[0], xt[1], recipe.wgrad, weight_dtype)
-    return grad_x, grad_w
 
 
 def _check_call(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor],
@@ -270,7 +151,7 @@ class WeightCache:
             self.captured = self.captured or capturing
             return self._copies[which]
         operand = recipe.forward.b if which == "forward" else recipe.dgrad.b
-        fresh = _quantize(merged, operand, transpose=which == "dgrad")
+        fresh = quantize_operand(merged, operand, transpose=which == "dgrad")
         if key is None or capturing:  # not keepable, or memory of the graph's own pool
             return fresh
         if key != self._key:
@@ -320,7 +201,7 @@ def _op_forward(x, weights, bias, recipe, keep, x_q=None, x_s=None):
     x_fp8 = _given(x_q, x_s)
     _check_call(x, weights, bias, found, x_fp8)
     with torch.no_grad():
-        return _forward(x, fused_linear.concatenated(weights), bias, found, keep, x_fp8=x_fp8)
+        return forward_gemm(x, fused_linear.concatenated(weights), bias, found, keep, x_fp8=x_fp8)
 
 
 @fp8_linear_op.register_fake
@@ -330,7 +211,7 @@ def _(x, weights, bias, recipe, keep, x_q=None, x_s=None):
     k, n = weights[0].shape[1], sum(w.shape[0] for w in weights)
     y = x.new_empty((*x.shape[:-1], n))
     if not keep:
-        return (y, *_nothing(x))
+        return (y, *nothing_kept(x))
     tokens = x.numel() // k
     tokens = tokens + (-tokens % found.token_multiple)
     b = found.wgrad.b
@@ -344,9 +225,9 @@ def fp8_linear_backward_op(grad: Tensor, xt_q: Tensor, xt_s: Tensor, weights: li
     """(dx, dW of the merged weight); an empty tensor for the one not needed."""
     found = recipes.get(recipe)
     with torch.no_grad():
-        grad_x, grad_w = _backward(
+        grad_x, grad_w = backward_gemms(
             grad, (xt_q, xt_s), found, need_x, need_w, weights[0].dtype,
-            lambda: _quantize(fused_linear.concatenated(weights), found.dgrad.b, True))
+            lambda: quantize_operand(fused_linear.concatenated(weights), found.dgrad.b, True))
     return (grad_x if grad_x is not None else grad.new_empty(0),
             grad_w if grad_w is not None else grad.new_empty(0))
 
@@ -377,7 +258,7 @@ def _op_backward(ctx, grad, *_):
     need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[1])
     grad_x, grad_w = fp8_linear_backward_op(grad, xt_q, xt_s, weights, ctx.recipe, need_x,
                                             need_w)
-    grad_b = _rows(grad).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    grad_b = rows_of(grad).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return (grad_x if need_x else None, _split(grad_w if need_w else None, weights), grad_b,
             None, None, None, None)
 
@@ -396,11 +277,11 @@ class _EagerFp8Linear(torch.autograd.Function):
         need_w = any(ctx.needs_input_grad[7:])
         amax = None  # W's, for W^T in the backward (tensorwise)
         if need_w:
-            fp8, amax = _training_weight_operand(merged, recipe)
+            fp8, amax = training_weight_operand(merged, recipe)
         else:
             fp8 = cache.get("forward", weights, merged, recipe) if cache is not None else None
         x_amax, ctx.grad_amax = amaxes
-        y, xt_q, xt_s = _forward(x, merged, bias, recipe, need_w, fp8, x_fp8, x_amax)
+        y, xt_q, xt_s = forward_gemm(x, merged, bias, recipe, need_w, fp8, x_fp8, x_amax)
         ctx.save_for_backward(xt_q, xt_s, *weights)
         ctx.recipe, ctx.cache, ctx.has_bias = recipe, cache, bias is not None
         ctx.weight_amax = amax
@@ -417,13 +298,13 @@ class _EagerFp8Linear(torch.autograd.Function):
             merged = fused_linear.concatenated(weights)
             if cache is not None and not need_w:
                 return cache.get("dgrad", weights, merged, recipe)
-            return _quantize(merged, recipe.dgrad.b, True, amax=ctx.weight_amax)
+            return quantize_operand(merged, recipe.dgrad.b, True, amax=ctx.weight_amax)
 
         dy_amax = ctx.grad_amax.amax_of(grad) if ctx.grad_amax is not None else None
         with torch.no_grad():
-            grad_x, grad_w = _backward(grad, (xt_q, xt_s), recipe, need_x, need_w,
-                                       weights[0].dtype, weight_t, dy_amax)
-            grad_b = _rows(grad).sum(0) if ctx.has_bias and need_b else None
+            grad_x, grad_w = backward_gemms(grad, (xt_q, xt_s), recipe, need_x, need_w,
+                                            weights[0].dtype, weight_t, dy_amax)
+            grad_b = rows_of(grad).sum(0) if ctx.has_bias and need_b else None
         return (grad_x, grad_b, None, None, None, None, None, *_split(grad_w, weights))
 
 
@@ -463,7 +344,7 @@ def fp8_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = No
         return _EagerFp8Linear.apply(x, bias, recipe, cache, x_fp8, (x_amax, grad_amax),
                                      merged, *weights)
     fp8 = cache.get("forward", weights, merged, recipe) if cache is not None else None
-    return _forward(x, merged, bias, recipe, False, fp8, x_fp8, x_amax)[0]
+    return forward_gemm(x, merged, bias, recipe, False, fp8, x_fp8, x_amax)[0]
 
 
 class Fp8Linear(nn.Linear):
@@ -484,6 +365,13 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         y = fp8_linear(x, (self.weight,), self.bias, self.recipe, cache=self.fp8_weights)
         return epilogues.activate(y, self.activation)
+
+    def loss_head_products(self) -> Optional[Fp8HeadProducts]:
+        """The layer's products as an LM head inside the chunked loss (``cutlass_ops.lm_loss``
+        asks a head for them): FP8 per its recipe; None with an activation (not a head)."""
+        if self.activation != "identity":
+            return None
+        return Fp8HeadProducts(self.recipe, self.fp8_weights)
 
     def extra_repr(self) -> str:
         fused = f", activation={self.activation}" if self.activation != "identity" else ""

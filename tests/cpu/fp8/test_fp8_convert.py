@@ -16,7 +16,7 @@ from torch import nn
 import cutlass_ops
 from cutlass_ops import decoder_blocks, norm_probe
 from cutlass_ops.block_gemms import BF16
-from cutlass_ops.fp8 import linear as fp8_linear_module
+from cutlass_ops.fp8 import gemm_steps
 from cutlass_ops.fp8 import Fp8Linear, FusedGemms, convert_fp8
 from custom_kernels import swiglu as swiglu_module
 from custom_kernels.core.errors import UnsupportedInputError
@@ -204,7 +204,7 @@ def fp8_writers(monkeypatch, tokens):
     rows) fp8_linear quantizes for a forward GEMM (weights and transposes left out)."""
     calls = {"norm": 0, "swiglu": 0, "forward operands": 0}
     norm_fp8, swiglu_fp8 = RMSNorm.forward_fp8, swiglu_module.swiglu_fp8
-    quantize, pair = fp8_linear_module.quantize, fp8_linear_module.quantize_pair
+    quantize, pair = gemm_steps.quantize, gemm_steps.quantize_pair
 
     def count(key, original):
         def spy(*args, **kwargs):
@@ -222,8 +222,8 @@ def fp8_writers(monkeypatch, tokens):
 
     monkeypatch.setattr(RMSNorm, "forward_fp8", count("norm", norm_fp8))
     monkeypatch.setattr(swiglu_module, "swiglu_fp8", count("swiglu", swiglu_fp8))
-    monkeypatch.setattr(fp8_linear_module, "quantize", forward_operand(quantize))
-    monkeypatch.setattr(fp8_linear_module, "quantize_pair", forward_operand(pair))
+    monkeypatch.setattr(gemm_steps, "quantize", forward_operand(quantize))
+    monkeypatch.setattr(gemm_steps, "quantize_pair", forward_operand(pair))
     return calls
 
 
@@ -369,13 +369,13 @@ def test_generate_makes_each_weight_copy_once(monkeypatch):
     cutlass_ops.convert(model, fp8="rowwise")
     weights = {tuple(p.shape) for n, p in model.named_parameters() if "proj" in n}
     calls = []
-    original = fp8_linear_module.quantize
+    original = gemm_steps.quantize
 
     def spy(t, *args, **kwargs):
         calls.append(t)
         return original(t, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_linear_module, "quantize", spy)
+    monkeypatch.setattr(gemm_steps, "quantize", spy)
     ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,

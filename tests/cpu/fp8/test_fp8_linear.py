@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cutlass_ops.fp8 import gemm_steps
 from cutlass_ops.fp8 import linear as fp8_linear_module
 from cutlass_ops.fp8 import recipes
 from cutlass_ops.fp8.linear import Fp8Linear, fp8_linear
@@ -165,13 +166,13 @@ def test_the_module_keeps_nn_linear_state_and_shares_parameters():
 
 def counting(monkeypatch):
     calls = []
-    original = fp8_linear_module.quantize
+    original = gemm_steps.quantize
 
     def spy(t, *args, **kwargs):
         calls.append(tuple(t.shape))
         return original(t, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_linear_module, "quantize", spy)
+    monkeypatch.setattr(gemm_steps, "quantize", spy)
     return calls
 
 
@@ -222,13 +223,13 @@ def test_a_tensorwise_backward_reuses_the_forwards_weight_amax(monkeypatch):
     """W^T's tensorwise scale is W's: the forward's amax goes to the backward's quantization of
     W^T (no second pass over W), and the result equals quantizing W^T afresh."""
     seen = []
-    original = fp8_linear_module.quantize
+    original = gemm_steps.quantize
 
     def spy(t, *args, **kwargs):
         seen.append((tuple(t.shape), kwargs.get("transpose", False), kwargs.get("amax")))
         return original(t, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_linear_module, "quantize", spy)
+    monkeypatch.setattr(gemm_steps, "quantize", spy)
     lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="tensorwise")
     x = torch.randn(16, 256, dtype=torch.bfloat16, requires_grad=True)
     lin(x).sum().backward()
@@ -243,8 +244,8 @@ def test_a_tensorwise_backward_reuses_the_forwards_weight_amax(monkeypatch):
 def test_a_rowwise_backward_quantizes_the_weight_afresh(monkeypatch):
     """Rowwise W^T's scales are W's columns', not its rows': no amax is handed over."""
     seen = []
-    original = fp8_linear_module.quantize
-    monkeypatch.setattr(fp8_linear_module, "quantize", lambda t, *a, **k: (
+    original = gemm_steps.quantize
+    monkeypatch.setattr(gemm_steps, "quantize", lambda t, *a, **k: (
         seen.append(k.get("amax")), original(t, *a, **k))[1])
     lin = Fp8Linear(256, 128, dtype=torch.bfloat16, recipe="rowwise")
     lin(torch.randn(16, 256, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
@@ -285,10 +286,10 @@ def test_a_given_fp8_input_replaces_the_forward_quantization_bit_for_bit(recipe,
     x^T (for the wgrad), or nothing of x without gradients."""
     x, w, b, dy, y = run_linear(recipe, tokens)
     calls = []
-    quantize, pair = fp8_linear_module.quantize, fp8_linear_module.quantize_pair
-    monkeypatch.setattr(fp8_linear_module, "quantize", lambda t, *a, **k: calls.append(
+    quantize, pair = gemm_steps.quantize, gemm_steps.quantize_pair
+    monkeypatch.setattr(gemm_steps, "quantize", lambda t, *a, **k: calls.append(
         ("quantize", t, k)) or quantize(t, *a, **k))
-    monkeypatch.setattr(fp8_linear_module, "quantize_pair", lambda t, *a, **k: calls.append(
+    monkeypatch.setattr(gemm_steps, "quantize_pair", lambda t, *a, **k: calls.append(
         ("pair", t, k)) or pair(t, *a, **k))
     x2 = x.detach().clone().requires_grad_()
     w2, b2 = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()

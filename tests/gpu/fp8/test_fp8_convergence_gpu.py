@@ -49,4 +49,7 @@ def test_an_fp8_lm_head_follows_bf16():
     result = fp8_convergence.run(["rowwise"], steps=200, device="cuda", lm_head=True)
     row = next(r for r in result["rows"] if r["case"].endswith("rowwise+lm_head vs bf16"))
     assert "lm_head" in row["detail"]["fp8_modules"]
+    # The head's FP8 GEMMs ran in the routed loss: the curve is not the bf16-head one (it was,
+    # bit for bit, while the fused loss read the head's weight in bf16).
+    assert result["curves"]["rowwise+lm_head"] != result["curves"]["rowwise"]
     assert row["correct"], {k: row["detail"][k] for k in ("max_deviation", "final_deviation")}
