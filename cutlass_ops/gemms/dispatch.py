@@ -691,9 +691,9 @@ def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=N
 
 # Whether a plain product dispatch sends to torch is handed to the compiled host path too, so
 # that its warm call skips Python (the whole-call rows where the route is torch's:
-# docs/measurements.md, "Whole calls through the compiled host path"): off until its GPU test
-# has run.
-HOST_TORCH_RECORDS = False
+# docs/measurements.md, "Whole calls through the compiled host path"); call_counts() counts
+# such calls as "torch".
+HOST_TORCH_RECORDS = True
 
 
 def _record_torch_for_host(a, b) -> None:
