@@ -119,3 +119,21 @@ def run_linear(recipe, tokens, k=256, n=384, dtype=torch.bfloat16, bias=True, de
     y = fp8_linear(x, [w], b, recipe)
     y.backward(dy)
     return x, w, b, dy, y
+
+
+def chunked_head_and_fp8_linear(head, hidden, labels, chunk_rows):
+    """An FP8 head (``Fp8Linear``) in the chunked loss, and the same head called whole then
+    F.cross_entropy, each with its backward: ``(ours, reference, bf16_loss)``, the first two
+    ``(loss, grad_hidden, grad_weight)``, the last the bf16 chunked loss on the same tensors."""
+    from cutlass_ops.fused_cross_entropy import linear_cross_entropy
+
+    def run(loss_of):
+        hidden.grad, head.weight.grad = None, None
+        loss = loss_of()
+        loss.backward()
+        return loss.detach(), hidden.grad.clone(), head.weight.grad.clone()
+    ours = run(lambda: linear_cross_entropy(hidden, head.weight, labels, chunk_rows=chunk_rows,
+                                            products=head.loss_head_products()))
+    reference = run(lambda: F.cross_entropy(head(hidden).float(), labels, ignore_index=-100))
+    bf16 = linear_cross_entropy(hidden.detach(), head.weight.detach(), labels)
+    return ours, reference, bf16

@@ -6,12 +6,12 @@ different logit-gradient scale; a frozen head reads the layer's kept FP8 copy.""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import cutlass_ops
 from cutlass_ops.fp8 import Fp8Linear, gemm_steps
 from cutlass_ops.fused_cross_entropy import linear_cross_entropy
 from custom_kernels.core.tolerances import relative_error
+from fp8_reference import chunked_head_and_fp8_linear
 from test_fp8_convert import tiny_llama
 
 RECIPES = ["tensorwise", "rowwise", "blockwise"]
@@ -33,18 +33,11 @@ def test_the_chunked_fp8_head_follows_the_fp8_linear(recipe):
     hidden = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 384, (128,), generator=torch.Generator().manual_seed(2))
     labels[::7] = -100
-    ours = linear_cross_entropy(hidden, head.weight, labels, chunk_rows=48,
-                                products=head.loss_head_products())
-    ours.backward()
-    got = (ours.detach(), hidden.grad.clone(), head.weight.grad.clone())
-    hidden.grad, head.weight.grad = None, None
-    reference = F.cross_entropy(head(hidden).float(), labels, ignore_index=-100)
-    reference.backward()
-    assert relative_error(got[0], reference.detach()) < 2e-3
-    assert relative_error(got[1], hidden.grad) < 6e-2, recipe
-    assert relative_error(got[2], head.weight.grad) < 6e-2, recipe
-    bf16 = linear_cross_entropy(hidden.detach(), head.weight.detach(), labels)
-    assert not torch.equal(got[0], bf16)  # the products were FP8
+    ours, reference, bf16 = chunked_head_and_fp8_linear(head, hidden, labels, chunk_rows=48)
+    assert relative_error(ours[0], reference[0]) < 2e-3
+    assert relative_error(ours[1], reference[1]) < 6e-2, recipe
+    assert relative_error(ours[2], reference[2]) < 6e-2, recipe
+    assert not torch.equal(ours[0], bf16)  # the products were FP8
 
 
 def test_a_converted_model_s_training_loss_runs_the_fp8_head():
