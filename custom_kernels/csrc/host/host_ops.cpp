@@ -549,6 +549,9 @@ Tensor launch_gemm(const GemmRecord& r, const Tensor& a, const Tensor& b,
                          a.options().dtype(r.out_dtype));
   if (!r.run) {  // the torch route: computed below autograd (a node, if any, is this file's)
     at::AutoDispatchBelowAutograd below;
+    // matmul_out refuses, by grad mode rather than by dispatch key, inputs that require grad
+    // (seen on an H200: the Linear op's forward with gradients).
+    c10::NoGradGuard no_grad;
     Tensor rows = out.view(r.out_sizes);  // out's storage, as [M, N]
     at::matmul_out(rows, a, b);
     return out;
