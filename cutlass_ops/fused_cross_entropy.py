@@ -67,6 +67,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """
     rows_hidden, flat_labels = _check(hidden, weight, labels, bias, reduction, label_smoothing,
                                       logit_softcap, num_items_in_batch, ignore_index)
+    if products is not None and not isinstance(products, HeadProducts):
+        raise UnsupportedInputError(f"products must be a HeadProducts (the head's GEMMs), got "
+                                    f"{type(products).__name__}")
     chunk = chunk_rows or default_chunk_rows(rows_hidden.shape[0], weight.shape[0],
                                              hidden.device, hidden.dtype)
     if chunk < 1:

@@ -692,9 +692,8 @@ def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=N
 # Whether a plain product dispatch sends to torch is handed to the compiled host path too, so
 # that its warm call skips Python (the whole-call rows where the route is torch's:
 # docs/measurements.md, "Whole calls through the compiled host path"); call_counts() counts
-# such calls as "torch". Off: on an H200 the plain products ran and counted right, but the
-# Linear op with gradients then met matmul_out's grad-mode check and raised (training broke);
-# the fix (a no-grad guard around it) has not run on a GPU yet.
+# such calls as "torch". Off until the Linear op's use of a torch record passes its GPU test
+# (docs/measurements.md, "The torch record on a GPU").
 HOST_TORCH_RECORDS = False
 
 

@@ -10,6 +10,7 @@ import torch
 import cutlass_ops
 from cutlass_ops.fp8 import Fp8Linear, gemm_steps
 from cutlass_ops.fused_cross_entropy import linear_cross_entropy
+from custom_kernels.core.errors import UnsupportedInputError
 from custom_kernels.core.tolerances import relative_error
 from fp8_reference import chunked_head_and_fp8_linear
 from test_fp8_convert import tiny_llama
@@ -71,3 +72,9 @@ def test_a_frozen_head_reads_its_kept_fp8_copy(monkeypatch):
     # W once for the first forward (kept), then W^T for each call's hidden gradient.
     assert weights.count((384, 256)) == 3, quantized
     assert head.weight.grad is None and hidden.grad is not None
+
+
+def test_products_that_are_not_head_products_are_refused():
+    with pytest.raises(UnsupportedInputError, match="products must be a HeadProducts"):
+        linear_cross_entropy(torch.randn(4, 256), torch.randn(384, 256),
+                             torch.zeros(4, dtype=torch.long), products="fp8")
