@@ -137,3 +137,23 @@ def chunked_head_and_fp8_linear(head, hidden, labels, chunk_rows):
     reference = run(lambda: F.cross_entropy(head(hidden).float(), labels, ignore_index=-100))
     bf16 = linear_cross_entropy(hidden.detach(), head.weight.detach(), labels)
     return ours, reference, bf16
+
+
+def kept_operand_sequence(x, w, offs):
+    """The FP8 experts' kept forward operand through one weight change: a training call, two
+    calls that train nothing, an in-place doubling of ``w``, one more such call. Returns
+    ``{"trained", "first", "again", "doubled"}`` (outputs) and ``{"kept_twice", "renewed"}``
+    (whether the second no-grad call read the first's operand, whether the change replaced it)."""
+    from cutlass_ops.fp8 import fp8_experts
+
+    fp8_experts.clear_weight_copies()
+    trained = fp8_experts.fp8_routed_gemm(x, w, offs)
+    with torch.no_grad():
+        first = fp8_experts.fp8_routed_gemm(x, w, offs)
+        kept = fp8_experts._kept(w)[1]
+        again = fp8_experts.fp8_routed_gemm(x, w, offs)
+        kept_twice = fp8_experts._kept(w)[1] is kept
+        w.mul_(2.0)  # an in-place write bumps the version counter
+        doubled = fp8_experts.fp8_routed_gemm(x, w, offs)
+    return ({"trained": trained, "first": first, "again": again, "doubled": doubled},
+            {"kept_twice": kept_twice, "renewed": fp8_experts._kept(w)[1] is not kept})

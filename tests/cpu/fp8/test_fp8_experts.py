@@ -11,6 +11,7 @@ from cutlass_ops.fp8 import fp8_experts
 from cutlass_ops.moe.experts import GroupedExperts
 from custom_kernels.core.tolerances import relative_error
 from custom_kernels.fp8.fp8_quant import torch_quantize
+from fp8_reference import kept_operand_sequence
 
 COUNTS = [100, 0, 60, 96]  # an empty expert among them
 E, N, K = len(COUNTS), 256, 384
@@ -134,22 +135,15 @@ def test_a_call_that_trains_nothing_keeps_the_weights_operand_until_the_weight_c
     products as a training call's forward, bit for bit; made again after an optimizer step or
     an in-place write, never kept for an inference tensor, dropped with its weight."""
     x, w, _, offs = _operands()
-    fp8_experts.clear_weight_copies()
-    trained = fp8_experts.fp8_routed_gemm(x, w, offs)
-    with torch.no_grad():
-        first = fp8_experts.fp8_routed_gemm(x, w, offs)
-        kept = fp8_experts._kept(w)[1]
-        again = fp8_experts.fp8_routed_gemm(x, w, offs)
-    assert torch.equal(first, trained.detach()) and torch.equal(again, first)
-    assert fp8_experts._kept(w)[1] is kept  # not quantized again
-    with torch.no_grad():
-        w.mul_(2.0)  # an in-place write bumps the version counter
-        doubled = fp8_experts.fp8_routed_gemm(x, w, offs)
-    assert fp8_experts._kept(w)[1] is not kept
-    assert relative_error(doubled, 2 * first.float()) < 1e-2
+    out, kept = kept_operand_sequence(x, w, offs)
+    trained, first = out["trained"], out["first"]
+    assert torch.equal(first, trained.detach()) and torch.equal(out["again"], first)
+    assert kept["kept_twice"]  # not quantized again
+    assert kept["renewed"]
+    assert relative_error(out["doubled"], 2 * first.float()) < 1e-2
     with torch.inference_mode():
         frozen = w.detach().clone()
         fp8_experts.fp8_routed_gemm(x.detach(), frozen, offs)
     assert fp8_experts._kept(frozen) is None
-    del frozen, w, trained  # (trained's graph holds w)
+    del frozen, w, trained, out  # (trained's graph holds w)
     assert not fp8_experts._FORWARD_OPERANDS  # an entry goes with its weight

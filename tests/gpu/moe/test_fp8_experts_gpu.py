@@ -11,6 +11,7 @@ import torch
 from cutlass_ops.fp8 import fp8_experts
 from custom_kernels.core.tolerances import relative_error
 from custom_kernels.fp8.fp8_quant import quantize
+from fp8_reference import kept_operand_sequence
 
 pytestmark = pytest.mark.gpu
 
@@ -93,15 +94,9 @@ def test_a_call_that_trains_nothing_reads_the_kept_operand_and_equals_the_traini
     offs = counts.cumsum(0).to(torch.int32).cuda()
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(experts, n, k, device="cuda") / 20).bfloat16().requires_grad_()
-    fp8_experts.clear_weight_copies()
-    trained = fp8_experts.fp8_routed_gemm(x, w, offs)
-    with torch.no_grad():
-        first = fp8_experts.fp8_routed_gemm(x, w, offs)
-        kept = fp8_experts._kept(w)[1]
-        again = fp8_experts.fp8_routed_gemm(x, w, offs)
-        assert fp8_experts._kept(w)[1] is kept
-        w.mul_(2.0)
-        doubled = fp8_experts.fp8_routed_gemm(x, w, offs)
-    assert torch.equal(first, trained.detach()) and torch.equal(again, first)
-    assert fp8_experts._kept(w)[1] is not kept
-    assert relative_error(doubled, 2 * first.float()) < 1e-2
+    out, kept = kept_operand_sequence(x, w, offs)
+    assert kept["kept_twice"]
+    first = out["first"]
+    assert torch.equal(first, out["trained"].detach()) and torch.equal(out["again"], first)
+    assert kept["renewed"]
+    assert relative_error(out["doubled"], 2 * first.float()) < 1e-2
