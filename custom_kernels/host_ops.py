@@ -166,6 +166,12 @@ def why_not() -> str | None:
     return _state["why_not"]
 
 
+def direct_callable(overload):
+    """The C++ callable behind a torch op overload: ``OpOverload.__call__`` only forwards to it,
+    so a hot call skips one Python frame. The overload itself where a torch lacks the attribute."""
+    return getattr(overload, "_op", overload)
+
+
 class LazyOp:
     """One op of the compiled host path for a family's hot call: ``op`` once loaded (None before),
     ``off`` once the path is off for good (``CUTLASS_OPS_HOST_PATH=0`` or a failed build), so
@@ -187,7 +193,7 @@ class LazyOp:
                 return None
             if self.on_load is not None:
                 self.on_load(host)
-            self.op = getattr(host, self.name).default
+            self.op = direct_callable(getattr(host, self.name).default)
         return self.op
 
 
@@ -243,11 +249,14 @@ def record_torch_gemm(a, b) -> None:
                                list(b.stride()), b.dtype, a.device.index, aligned)
 
 
-def torch_route_calls() -> int:
-    """How many plain products the C++ op has run on torch records in this process (0 before
-    the library loads)."""
+def product_calls() -> tuple[int, int]:
+    """How many plain products the C++ op has run in this process, (on CUTLASS records, on
+    torch records): (0, 0) before the library loads."""
     host = _state["ops"]
-    return 0 if host is None else int(host.torch_route_calls())
+    if host is None:
+        return 0, 0
+    cutlass, torch_records = host.product_calls()
+    return int(cutlass), int(torch_records)
 
 
 def clear_records() -> None:

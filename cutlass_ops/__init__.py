@@ -49,13 +49,18 @@ def explain(a, b, *, out_dtype=None, bias=None, activation="identity", residual=
                                residual=residual)
 
 
-def _dispatch():
-    import sys
+_dispatch_module = None
 
-    module = sys.modules.get("cutlass_ops.gemms.dispatch")
-    if module is None:  # first call: import it (and torch) now, not at package import
+
+def _dispatch():
+    # A global read on the warm call: an import statement here costs more than the rest of
+    # matmul's Python entry (docs/measurements.md, "Whole calls through the compiled host path").
+    global _dispatch_module
+    if _dispatch_module is None:  # first call: import it (and torch) now, not at package import
         import cutlass_ops.gemms.dispatch as module
-    return module
+
+        _dispatch_module = module
+    return _dispatch_module
 
 
 def scaled_mm(a, b, scale_a, scale_b, *, bias=None, out_dtype=None, use_fast_accum=False):

@@ -13,17 +13,20 @@ from __future__ import annotations
 import torch
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)
-try:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-except ImportError:  # a torch without it: every call takes the custom ops
-    _get_current_dispatch_mode = None
+# How many torch dispatch modes are active, read in C: torch.utils._python_dispatch's
+# _get_current_dispatch_mode wraps this count in a Python frame that every hot call would pay.
+# A torch without it: every call counts as under a mode and takes the custom ops.
+_modes_active = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
 
 
 def plain_eager(*tensors) -> bool:
     """True when the direct path is exact for these tensors (None entries are ignored)."""
-    if _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None:
+    if _modes_active():
         return False
-    return all(t is None or type(t) in PLAIN for t in tensors)
+    for t in tensors:
+        if t is not None and type(t) not in PLAIN:
+            return False
+    return True
 
 
 def _flatten(args) -> tuple[tuple, list]:
@@ -125,7 +128,7 @@ def fast_autograd(qualname: str, *, eager, backward, setup_context,
 
     def plain(args) -> bool:
         """``plain_eager`` of the arguments, unrolled over the schema's tensor positions."""
-        if _get_current_dispatch_mode is None or _get_current_dispatch_mode() is not None:
+        if _modes_active():
             return False
         for i in singles:
             t = args[i]

@@ -633,28 +633,30 @@ def _tensors(a, b) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
 
 
-# Calls per route kind ("cutlass", "dsl", "torch", "graphs only") in this process, as the hot
-# path counts them: every product the compiled host path takes is counted "cutlass" there.
-# call_counts() is what really ran, for benchmarks and for users checking that a model runs our
-# kernels.
+# Calls per route kind ("cutlass", "dsl", "torch", "graphs only") in this process that took the
+# Python route. The products the compiled host path takes are counted in C++ (a counter here
+# would cost the hot call as much as its checks). call_counts() is what really ran, for
+# benchmarks and for users checking that a model runs our kernels.
 calls: collections.Counter = collections.Counter()
 
 
 def call_counts() -> collections.Counter:
-    """Calls per route kind in this process: ``calls`` with the compiled host path's products
-    on torch records (``HOST_TORCH_RECORDS``) moved from "cutlass" to "torch"."""
+    """Calls per route kind in this process: ``calls`` plus the compiled host path's products,
+    on CUTLASS records as "cutlass" and on torch records (``HOST_TORCH_RECORDS``) as "torch"."""
     counts = calls.copy()
-    moved = host_ops.torch_route_calls()
-    if moved:
-        counts["cutlass"] -= moved
-        counts["torch"] += moved
+    on_cutlass, on_torch = host_ops.product_calls()
+    if on_cutlass:
+        counts["cutlass"] += on_cutlass
+    if on_torch:
+        counts["torch"] += on_torch
     return counts
 
 
 def host_gemm(a, b):
     """The compiled host path's plain product (``custom_kernels.host_ops``): ``a @ b`` on a
-    recorded CUTLASS route, or None when it does not take the call (not loaded yet, traced or
-    non-plain tensors, a signature with no record: then the Python route runs, and records)."""
+    record (a CUTLASS route or torch's), or None when it does not take the call (not loaded
+    yet, traced or non-plain tensors, a signature with no record: then the Python route runs,
+    and records)."""
     if HOST_GEMM.off or torch.compiler.is_compiling() or not plain_eager(a, b) or not a.is_cuda:
         return None  # (off CUDA: nothing to launch, and no reason to build the library)
     op = HOST_GEMM.op or HOST_GEMM.load()
@@ -675,8 +677,7 @@ def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=N
     if (out_dtype is None and bias is None and residual is None and alpha == 1.0
             and activation == "identity"):
         out = host_gemm(a, b)
-        if out is not None:
-            calls["cutlass"] += 1
+        if out is not None:  # (counted in C++: call_counts)
             return out
         plain = True
     else:
@@ -692,9 +693,8 @@ def matmul(a, b, *, out_dtype=None, bias=None, activation="identity", residual=N
 # Whether a plain product dispatch sends to torch is handed to the compiled host path too, so
 # that its warm call skips Python (the whole-call rows where the route is torch's:
 # docs/measurements.md, "Whole calls through the compiled host path"); call_counts() counts
-# such calls as "torch". Off until the Linear op's use of a torch record passes its GPU test
-# (docs/measurements.md, "The torch record on a GPU").
-HOST_TORCH_RECORDS = False
+# such calls as "torch".
+HOST_TORCH_RECORDS = True
 
 
 def _record_torch_for_host(a, b) -> None:

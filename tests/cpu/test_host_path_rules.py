@@ -56,14 +56,19 @@ def test_a_path_that_is_off_stays_off_without_lookups(monkeypatch):
     assert calls == [1] and norm_ops.HOST_NORM.off is True
 
 
-def test_call_counts_move_the_host_path_s_torch_products_to_torch(monkeypatch):
-    """The hot path counts each product the C++ op takes as "cutlass"; the ones it ran on a
-    torch record are counted in C++, and ``call_counts`` moves them where they belong."""
+def test_call_counts_add_the_host_path_s_products_by_what_they_ran(monkeypatch):
+    """The hot path leaves the products the C++ op takes uncounted in Python; the op counts
+    them, apart by record kind, and ``call_counts`` adds them where they belong."""
     from cutlass_ops.gemms import dispatch
 
     monkeypatch.setattr(dispatch, "calls", dispatch.collections.Counter(cutlass=5, torch=2))
-    monkeypatch.setattr(host_ops, "torch_route_calls", lambda: 3)
-    assert dispatch.call_counts() == {"cutlass": 2, "torch": 5}
+    monkeypatch.setattr(host_ops, "product_calls", lambda: (4, 3))
+    assert dispatch.call_counts() == {"cutlass": 9, "torch": 5}
     assert dispatch.calls == {"cutlass": 5, "torch": 2}  # the counter itself untouched
-    monkeypatch.setattr(host_ops, "torch_route_calls", lambda: 0)
+    monkeypatch.setattr(host_ops, "product_calls", lambda: (0, 0))
     assert dispatch.call_counts() == {"cutlass": 5, "torch": 2}
+
+
+def test_product_calls_are_none_before_the_library_loads(monkeypatch):
+    monkeypatch.setitem(host_ops._state, "ops", None)
+    assert host_ops.product_calls() == (0, 0)

@@ -576,12 +576,16 @@ bool cuda_pair(const Tensor& a, const Tensor& b) {
   return a.is_cuda() && b.is_cuda() && a.device() == b.device();
 }
 
-// Plain products this op ran on a torch record. Dispatch's hot path counts every product the
-// op takes as "cutlass" (telling them apart there would cost the lookup it skips); its
-// call_counts moves these to "torch".
-std::atomic<int64_t> torch_route_products{0};
+// Plain products this op ran, on CUTLASS records and on torch records: dispatch's hot path leaves
+// the counting to the op (it cannot tell the two apart without the lookup it skips), and its
+// call_counts adds these to what Python counted.
+std::atomic<int64_t> cutlass_products{0};
+std::atomic<int64_t> torch_products{0};
 
-int64_t torch_route_calls() { return torch_route_products.load(std::memory_order_relaxed); }
+std::vector<int64_t> product_calls() {
+  return {cutlass_products.load(std::memory_order_relaxed),
+          torch_products.load(std::memory_order_relaxed)};
+}
 
 // a @ b into a new output, or undefined (Python's None) when this path does not take the call:
 // no record for the signature, or a gradient wanted (dispatch's raw product has no autograd).
@@ -590,7 +594,7 @@ Tensor gemm(const Tensor& a, const Tensor& b) {
   if (c10::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())) return Tensor();
   auto record = find_gemm_record(a, b);
   if (!record) return Tensor();
-  if (!record->run) torch_route_products.fetch_add(1, std::memory_order_relaxed);
+  (record->run ? cutlass_products : torch_products).fetch_add(1, std::memory_order_relaxed);
   return launch_gemm(*record, a, b);
 }
 
@@ -713,7 +717,7 @@ TORCH_LIBRARY(cutlass_ops_host, m) {
         &set_gemm_torch_record);
   m.def("clear_records() -> ()", &clear_records);
   m.def("record_count() -> int", &record_count);
-  m.def("torch_route_calls() -> int", &torch_route_calls);
+  m.def("product_calls() -> int[]", &product_calls);
   m.def("driver_status() -> str", &driver_status);
 }
 
