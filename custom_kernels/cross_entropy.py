@@ -233,7 +233,8 @@ def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, *, ignore_in
 def scale_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``t *= scale`` in place, in float32 math with one rounding to ``t``'s dtype; ``scale`` is a
     0-d float32 tensor on ``t``'s device (a device value: nothing syncs). A contiguous float16 /
-    bfloat16 CUDA tensor takes one pass of the kernel (``scale_by_device_scalar``); float32 is
+    bfloat16 CUDA tensor takes one pass of the kernel (``scale_by_device_scalar``, which reads
+    the scale first and leaves ``t`` unread when it is 1); float32 is
     torch's ``mul_``; anything else (off CUDA, strided, under torch.compile, where Inductor fuses
     the same expression) goes through float32 copies of bounded blocks."""
     if t.dtype == torch.float32:

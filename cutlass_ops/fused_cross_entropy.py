@@ -288,6 +288,19 @@ def divisor(reduction: str, labels, ignore_index: int, num_items=None):
     return float(num_items) if num_items is not None else (labels != ignore_index).sum()
 
 
+def per_row(count, hidden, dtype=torch.float32):
+    """``1 / count`` (``divisor``'s) for each of hidden's rows, on its device, or None for a
+    count of 1: the row scale that divides the gradients in the forward. A count of 0 (every
+    label ignored: every gradient row is zero, the loss NaN as F.cross_entropy's) scales by 1,
+    where 1 / 0 would make the zeros NaN."""
+    rows = hidden.shape[0]
+    if isinstance(count, torch.Tensor):
+        return torch.reciprocal(count.clamp_min(1).to(dtype)).expand(rows).contiguous()
+    if count == 1.0:
+        return None
+    return torch.full((rows,), 1.0 / count if count else 1.0, dtype=dtype, device=hidden.device)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, smoothing, softcap,
@@ -299,13 +312,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                          wants=(False, False, False))
             ctx.save_for_backward(hidden, weight, bias, labels)
             return losses
-        # The gradients of the summed loss, now, while each chunk's logits are at hand; the
-        # backward only scales them.
+        # The gradients of the reduced loss, now, while each chunk's logits are at hand: the
+        # kernel writes each row's gradient already divided by the count, so that the backward
+        # only scales them by its incoming gradient (a pass the scale kernel skips when that
+        # is 1, as after loss.backward()).
+        count = divisor(reduction, labels, ignore_index, num_items)
         losses, *grads = _loss_and_grads(hidden, weight, bias, labels, *args,
+                                         row_scale=per_row(count, hidden),
                                          wants=tuple(ctx.needs_input_grad[:3]))
         ctx.grads = grads
-        ctx.count = divisor(reduction, labels, ignore_index, num_items)
-        return losses.sum() / ctx.count
+        return losses.sum() / count
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -317,7 +333,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             grad_hidden, grad_weight, grad_bias = ctx.grads
             ctx.grads = None
-            scale = grad_output.float() / ctx.count
+            scale = grad_output.float()
             grad_hidden, grad_weight = _scale(grad_hidden, scale), _scale(grad_weight, scale)
             grad_bias = grad_bias * scale if grad_bias is not None else None
         return (grad_hidden, grad_weight,

@@ -54,8 +54,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cutlass_ops.fused_cross_entropy import (REDUCTIONS, _accumulate, _chunks, _matmul, divisor,
-                                       default_chunk_rows)
+from cutlass_ops.fused_cross_entropy import (REDUCTIONS, _accumulate, _chunks, _matmul,
+                                             default_chunk_rows, divisor, per_row)
 from custom_kernels import cross_entropy as kernel
 from custom_kernels.core.errors import UnsupportedInputError
 
@@ -439,11 +439,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             losses, lse, _, _ = _run(hidden, weight, labels, plan)
             ctx.save_for_backward(hidden, weight, labels, lse)
             return losses
+        # The gradients already divided by the count (as linear_cross_entropy's): the backward
+        # scales by its incoming gradient only, a pass skipped when that is 1.
+        count = divisor(reduction, labels, plan.ignore_index, num_items)
         losses, _, *grads = _run(hidden, weight, labels, plan,
+                                 row_scale=per_row(count, hidden, _stat_dtype(hidden.dtype)),
                                  wants=tuple(ctx.needs_input_grad[:2]))
         ctx.grads = grads
-        ctx.count = divisor(reduction, labels, plan.ignore_index, num_items)
-        return losses.sum() / ctx.count
+        return losses.sum() / count
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -456,7 +459,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             grad_hidden, grad_weight = ctx.grads
             ctx.grads = None
-            scale = grad_output.to(_stat_dtype(grad_output.dtype)) / ctx.count
+            scale = grad_output.to(_stat_dtype(grad_output.dtype))
             grad_hidden, grad_weight = _scale_(grad_hidden, scale), _scale_(grad_weight, scale)
         if grad_hidden is not None:
             # Each rank's share comes from its rows of the head: the sum is hidden's gradient,

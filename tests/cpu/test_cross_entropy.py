@@ -85,10 +85,28 @@ def test_a_chunk_of_ignored_rows_and_all_rows_ignored():
     assert torch.allclose(ours, reference(h, w, labels), rtol=1e-5)
     (gh,) = torch.autograd.grad(ours, [h])
     assert (gh[:10] == 0).all() and gh[10:].abs().sum() > 0
-    labels[:] = -100  # F.cross_entropy's mean over no rows: NaN
-    assert torch.isnan(cutlass_ops.linear_cross_entropy(h, w, labels)) == \
-        torch.isnan(reference(h, w, labels))
+    labels[:] = -100  # F.cross_entropy's mean over no rows: NaN, its gradients zero
+    ours = cutlass_ops.linear_cross_entropy(h, w, labels)
+    assert torch.isnan(ours) and torch.isnan(reference(h, w, labels))
+    grads = torch.autograd.grad(ours, [h, w])
+    expected = torch.autograd.grad(reference(h, w, labels), [h, w])
+    assert all(torch.equal(g, e) and not g.any() for g, e in zip(grads, expected))
     assert cutlass_ops.linear_cross_entropy(h, w, labels, reduction="sum").item() == 0
+
+
+def test_gradients_follow_an_incoming_gradient_other_than_one():
+    """The chunked loss divides each row's gradient by the count in its forward; the backward
+    still scales by the incoming gradient (a loss weighted, or summed with others)."""
+    for reduction, num_items in (("mean", None), ("mean", 7), ("sum", None)):
+        h, w, _, labels = inputs(dtype=torch.float32)
+        kw = {} if num_items is None else {"num_items_in_batch": num_items}
+        ours = cutlass_ops.linear_cross_entropy(h, w, labels, reduction=reduction, **kw)
+        ref_kw = {"reduction": "sum"} if num_items is not None else {"reduction": reduction}
+        theirs = reference(h, w, labels, **ref_kw) / (num_items or 1)
+        got = torch.autograd.grad(2.5 * ours, [h, w])
+        want = torch.autograd.grad(2.5 * theirs, [h, w])
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
 
 
 def test_custom_ignore_index_and_int32_labels():
