@@ -221,11 +221,12 @@ def record_norm(kind: str, hidden: int, x_dtype, out_dtype, w_dtype, aligned: bo
 
 
 def record_gemm(a, b, run: int, last_error: int, args: bytes, offsets: dict, swap_ab: bool,
-                workspace_bytes: int, out_dtype) -> None:
+                workspace_bytes: int, out_dtype, eager_only: bool = False) -> None:
     """Hands a prepared GEMM route of a plain product to the C++ op (``gemm``): the signature of
     (a, b) as dispatch keys it, the kernel library's ``run`` and ``last_error`` entry points (their
     addresses: the library stays loaded for the process), its checked launch arguments and the
-    byte offsets of the a, b, c, d pointers in them."""
+    byte offsets of the a, b, c, d pointers in them. ``eager_only``: the op declines the record
+    while the current stream is capturing a CUDA graph."""
     host = _state["ops"]
     if host is None:
         return
@@ -234,7 +235,7 @@ def record_gemm(a, b, run: int, last_error: int, args: bytes, offsets: dict, swa
                          list(b.stride()), b.dtype, a.device.index, aligned, run, last_error,
                          torch.frombuffer(bytearray(args), dtype=torch.uint8), offsets["a"],
                          offsets["b"], offsets["c"], offsets["d"], swap_ab, workspace_bytes,
-                         out_dtype)
+                         out_dtype, eager_only)
 
 
 def record_torch_gemm(a, b) -> None:

@@ -288,6 +288,14 @@ def divisor(reduction: str, labels, ignore_index: int, num_items=None):
     return float(num_items) if num_items is not None else (labels != ignore_index).sum()
 
 
+def divides_in_forward(hidden) -> bool:
+    """Whether the gradients are divided by the count in the forward (``per_row``): not in
+    float16, whose range would flush them to zero (a softmax over a large vocabulary, 1 / V,
+    divided by thousands of rows falls below its smallest subnormal), so that the backward
+    divides them after the GEMMs, in float32 math."""
+    return hidden.dtype != torch.float16
+
+
 def per_row(count, hidden, dtype=torch.float32):
     """``1 / count`` (``divisor``'s) for each of hidden's rows, on its device, or None for a
     count of 1: the row scale that divides the gradients in the forward. A count of 0 (every
@@ -317,10 +325,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # only scales them by its incoming gradient (a pass the scale kernel skips when that
         # is 1, as after loss.backward()).
         count = divisor(reduction, labels, ignore_index, num_items)
+        early = divides_in_forward(hidden)
         losses, *grads = _loss_and_grads(hidden, weight, bias, labels, *args,
-                                         row_scale=per_row(count, hidden),
+                                         row_scale=per_row(count, hidden) if early else None,
                                          wants=tuple(ctx.needs_input_grad[:3]))
-        ctx.grads = grads
+        ctx.grads, ctx.late_count = grads, None if early else count
         return losses.sum() / count
 
     @staticmethod
@@ -334,6 +343,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden, grad_weight, grad_bias = ctx.grads
             ctx.grads = None
             scale = grad_output.float()
+            if ctx.late_count is not None:
+                scale = scale / ctx.late_count
             grad_hidden, grad_weight = _scale(grad_hidden, scale), _scale(grad_weight, scale)
             grad_bias = grad_bias * scale if grad_bias is not None else None
         return (grad_hidden, grad_weight,

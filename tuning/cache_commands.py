@@ -130,7 +130,9 @@ def cmd_show(args) -> int:
               f"{e.field('tuned_at')})")
         whole = getattr(e, "whole_call_ms", None)
         if whole is not None:
-            where = "inside CUDA graphs only" if e.eager_prefers_torch else "eagerly too"
+            where = "inside CUDA graphs only" if e.eager_prefers_torch else \
+                "eagerly only (torch.matmul inside CUDA graphs)" if e.eager_prefers_kernel else \
+                "eagerly too" if e.uses_kernel else "nowhere (torch.matmul everywhere)"
             print(f"  whole eager call: {whole * 1e3:.1f} us, torch.matmul's "
                   f"{e.torch_whole_call_ms * 1e3:.1f} us: the winner runs {where}")
         other = e.field("other_backend_best")

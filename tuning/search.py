@@ -204,8 +204,9 @@ class GemmFamily:
             "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"),
             "build_seconds_total": round(self.build_seconds, 2),
-            # Called eagerly, host included (protocol.whole_call): where torch's is faster,
-            # dispatch runs the winner inside CUDA graphs only.
+            # Called eagerly, host included (protocol.whole_call): where the call's order is not
+            # the kernels', dispatch runs the kernel that won on GPU time inside CUDA graphs only
+            # and the other eagerly (GemmEntry.eager_prefers_torch / eager_prefers_kernel).
             "whole_call_ms": measured.whole_call[0] if measured.whole_call else None,
             "torch_whole_call_ms": measured.whole_call[1] if measured.whole_call else None,
         }

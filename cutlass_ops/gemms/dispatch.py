@@ -58,13 +58,16 @@ class Decision:
     # The kernel inside CUDA graphs only; eager calls run torch.matmul, whose whole call (host
     # included) the tuner measured faster than the kernel's for this shape.
     graphs_only: bool = False
+    # The mirror: the kernel for eager calls only, whose whole call the tuner measured faster
+    # than torch.matmul's; inside CUDA graphs (no host cost) torch.matmul, whose kernel was.
+    eager_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
     decision: Decision
     run: Callable[..., Any]
-    kind: str = ""  # "cutlass", "dsl", "torch" or "graphs only", set from the decision
+    kind: str = ""  # "cutlass", "dsl", "torch", "graphs only" or "eager only"
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -158,6 +161,12 @@ def decide(problem: GemmProblem, entries: Mapping[str, GemmEntry], device: Devic
     was read: ``gemm_entries``) and what is built."""
     entry = entries.get(problem.name)
     if entry is not None and entry.winner is not None:
+        if entry.eager_prefers_kernel and (is_built(entry.winner) or online != "off"):
+            return Decision(
+                "exact", entry.winner, "tuned for this shape: torch.matmul's kernel was faster, "
+                f"the winner's whole eager call too ({entry.whole_call_ms * 1e3:.1f} us against "
+                f"{entry.torch_whole_call_ms * 1e3:.1f}): the kernel eagerly, torch.matmul "
+                "inside CUDA graphs", eager_only=True)
         if not entry.uses_kernel:
             return Decision("exact", None, "tuned for this shape: torch.matmul was faster")
         if is_built(entry.winner) or online != "off":
@@ -355,7 +364,8 @@ def _cutlass_route(decision: Decision, checked: inputs.CheckedGemm, key,
                                      "C" in checked.views, out_dtype))
         out = launcher[0](a, b, bias, residual, alpha, beta)
         if host_record:
-            _record_for_host(a, b, kernel, args, workspace_bytes, choice.swap_ab, out_dtype)
+            _record_for_host(a, b, kernel, args, workspace_bytes, choice.swap_ab, out_dtype,
+                             decision.eager_only)
         return out
 
     return Route(decision, run)
@@ -397,16 +407,17 @@ def _dsl_route(decision: Decision, checked: inputs.CheckedGemm, key,
 
 
 def _record_for_host(a, b, kernel, template, workspace_bytes: int, swap_ab: bool,
-                     out_dtype) -> None:
+                     out_dtype, eager_only: bool = False) -> None:
     """The plain product's prepared launch (alpha 1, no C: C is D with beta 0) as a record of the
-    compiled host path (``custom_kernels.host_ops.record_gemm``)."""
+    compiled host path (``custom_kernels.host_ops.record_gemm``); ``eager_only``: not taken
+    under stream capture (an eager-only decision)."""
     from cutlass_ops.gemms.runtime import GemmArgs, pointer_offsets
 
     args = GemmArgs.from_buffer_copy(template)
     args.alpha = 1.0
     run, last_error = kernel.entry_points()
     host_ops.record_gemm(a, b, run, last_error, bytes(args), pointer_offsets(), swap_ab,
-                         workspace_bytes, out_dtype)
+                         workspace_bytes, out_dtype, eager_only)
 
 
 def _fast_launch(kernel, template, workspace_bytes: int, swap_ab: bool, has_c: bool, out_dtype):
@@ -537,6 +548,8 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
         kernel = _cutlass_route(decision, checked, key, activation, host_record=plain)
     if decision.graphs_only:
         return _graphs_only_route(decision, kernel, _torch_route(decision, out_dtype, activation))
+    if decision.eager_only:
+        return _eager_only_route(decision, kernel, _torch_route(decision, out_dtype, activation))
     return kernel
 
 
@@ -556,6 +569,20 @@ def _graphs_only_route(decision: Decision, kernel: Route, eager: Route) -> Route
         return eager_run(*args)
 
     return Route(decision, run, kind="graphs only")
+
+
+def _eager_only_route(decision: Decision, kernel: Route, captured: Route) -> Route:
+    """``captured`` (torch.matmul) while a CUDA graph is being captured, ``kernel`` otherwise:
+    the mirror of ``_graphs_only_route``. The kernel's host record is eager-only too: the C++ op
+    declines it under capture, and the call comes here."""
+    kernel_run, captured_run = kernel.run, captured.run
+
+    def run(*args):
+        if torch.cuda.is_current_stream_capturing():
+            return captured_run(*args)
+        return kernel_run(*args)
+
+    return Route(decision, run, kind="eager only")
 
 
 def pinned_route(a, b, choice: Choice, host_record: bool = False) -> Route:
@@ -633,10 +660,10 @@ def _tensors(a, b) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
 
 
-# Calls per route kind ("cutlass", "dsl", "torch", "graphs only") in this process that took the
-# Python route. The products the compiled host path takes are counted in C++ (a counter here
-# would cost the hot call as much as its checks). call_counts() is what really ran, for
-# benchmarks and for users checking that a model runs our kernels.
+# Calls per route kind ("cutlass", "dsl", "torch", "graphs only", "eager only") in this process
+# that took the Python route. The products the compiled host path takes are counted in C++ (a
+# counter here would cost the hot call as much as its checks). call_counts() is what really
+# ran, for benchmarks and for users checking that a model runs our kernels.
 calls: collections.Counter = collections.Counter()
 
 

@@ -61,6 +61,15 @@ class GemmEntry(f.StoredRecord):
             self.torch_whole_call_ms is not None and self.whole_call_ms > self.torch_whole_call_ms
 
     @property
+    def eager_prefers_kernel(self) -> bool:
+        """The mirror: torch.matmul's kernel is faster, but called eagerly the winner's whole
+        call is (its launch costs the host less than torch's): the kernel then runs eagerly
+        only, torch.matmul inside CUDA graphs (``dispatch``)."""
+        return not self.uses_kernel and self.winner is not None and \
+            self.whole_call_ms is not None and self.torch_whole_call_ms is not None and \
+            self.whole_call_ms < self.torch_whole_call_ms
+
+    @property
     def backend(self) -> Optional[str]:
         """Which CUTLASS path won: "cutlass" (C++) or "dsl"."""
         return self.winner.backend if self.winner is not None else None

@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from cutlass_ops.fused_cross_entropy import (REDUCTIONS, _accumulate, _chunks, _matmul,
-                                             default_chunk_rows, divisor, per_row)
+                                             default_chunk_rows, divides_in_forward, divisor,
+                                             per_row)
 from custom_kernels import cross_entropy as kernel
 from custom_kernels.core.errors import UnsupportedInputError
 
@@ -442,10 +443,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # The gradients already divided by the count (as linear_cross_entropy's): the backward
         # scales by its incoming gradient only, a pass skipped when that is 1.
         count = divisor(reduction, labels, plan.ignore_index, num_items)
-        losses, _, *grads = _run(hidden, weight, labels, plan,
-                                 row_scale=per_row(count, hidden, _stat_dtype(hidden.dtype)),
+        early = divides_in_forward(hidden)
+        row_scale = per_row(count, hidden, _stat_dtype(hidden.dtype)) if early else None
+        losses, _, *grads = _run(hidden, weight, labels, plan, row_scale=row_scale,
                                  wants=tuple(ctx.needs_input_grad[:2]))
-        ctx.grads = grads
+        ctx.grads, ctx.late_count = grads, None if early else count
         return losses.sum() / count
 
     @staticmethod
@@ -460,6 +462,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad_hidden, grad_weight = ctx.grads
             ctx.grads = None
             scale = grad_output.to(_stat_dtype(grad_output.dtype))
+            if ctx.late_count is not None:
+                scale = scale / ctx.late_count
             grad_hidden, grad_weight = _scale_(grad_hidden, scale), _scale_(grad_weight, scale)
         if grad_hidden is not None:
             # Each rank's share comes from its rows of the head: the sum is hidden's gradient,

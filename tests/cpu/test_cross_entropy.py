@@ -94,6 +94,27 @@ def test_a_chunk_of_ignored_rows_and_all_rows_ignored():
     assert cutlass_ops.linear_cross_entropy(h, w, labels, reduction="sum").item() == 0
 
 
+def test_float16_gradients_are_divided_after_the_products_not_flushed_to_zero():
+    """Divided by the count in the forward, a float16 gradient of a softmax over a large
+    vocabulary (1 / V per logit) over thousands of rows falls below float16's smallest
+    subnormal; float16 divides after the GEMMs instead (bfloat16 keeps float32's range)."""
+    from cutlass_ops import fused_cross_entropy
+
+    rows, vocab = 2048, 65536
+    h = torch.ones(rows, 8, dtype=torch.float16, requires_grad=True)
+    assert not fused_cross_entropy.divides_in_forward(h)
+    assert fused_cross_entropy.divides_in_forward(h.detach().bfloat16())
+    w = torch.zeros(vocab, 8, dtype=torch.float16, requires_grad=True)  # a uniform softmax
+    labels = torch.zeros(rows, dtype=torch.long)
+    (gw,) = torch.autograd.grad(
+        cutlass_ops.linear_cross_entropy(h, w, labels, chunk_rows=256), [w])
+    # d loss / d w[v] = mean over rows of (1 / V - [v == 0]) * h: 1 / V off label 0.
+    torch.testing.assert_close(gw[1:].float(), torch.full_like(gw[1:], 1 / vocab).float(),
+                               rtol=2e-2, atol=0)
+    torch.testing.assert_close(gw[0].float(), torch.full((8,), 1 / vocab - 1.0), rtol=2e-3,
+                               atol=0)
+
+
 def test_gradients_follow_an_incoming_gradient_other_than_one():
     """The chunked loss divides each row's gradient by the count in its forward; the backward
     still scales by the incoming gradient (a loss weighted, or summed with others)."""

@@ -272,6 +272,42 @@ def test_a_kernel_whose_eager_call_loses_runs_inside_graphs_only():
     assert not decide(p, entries_for((p,))).graphs_only
 
 
+def test_a_kernel_whose_eager_call_wins_where_torch_s_kernel_did_runs_eagerly_only():
+    """The mirror: torch.matmul's kernel was faster, the winner's whole eager call too (its
+    launch costs the host less): the kernel eagerly, torch.matmul inside CUDA graphs."""
+    p = GemmProblem(OPS, 128, 4096, 4096)
+    raw = {**entry(p, prefer="torch"), "whole_call_ms": 0.031, "torch_whole_call_ms": 0.036}
+    from cutlass_ops.gemms.gemm_entries import SCHEMA
+    from tuning_fakes import SCOPE
+
+    entries = {p.name: SCHEMA.parse(p.name, raw, SCOPE)}
+    d = decide(p, entries)
+    assert (d.source, d.choice, d.eager_only, d.graphs_only) == ("exact", WINNER, True, False)
+    assert "31.0 us against 36.0" in d.reason and "inside CUDA graphs" in d.reason
+    # The winner not built (online off): torch, as before, not a compile on a call.
+    unbuilt = dispatch.decide(p, entries, H100, is_built=lambda c: False,
+                              built_choices=lambda: [], online="off")
+    assert unbuilt.choice is None and not unbuilt.eager_only
+    # Nor where the eager call lost too.
+    lost = {**raw, "whole_call_ms": 0.040}
+    assert decide(p, {p.name: SCHEMA.parse(p.name, lost, SCOPE)}).choice is None
+    # A nearer shape's record does not carry it: the host's share is the tuned shape's own.
+    near = decide(GemmProblem(OPS, 96, 4096, 4096), entries)
+    assert near.choice is None and not near.eager_only
+
+
+def test_the_eager_only_route_runs_torch_while_capturing_and_the_kernel_otherwise(monkeypatch):
+    ran = []
+    kernel = dispatch.Route(dispatch.Decision("exact", WINNER, ""), lambda *a: ran.append("k"))
+    captured = dispatch.Route(dispatch.Decision("torch", None, ""), lambda *a: ran.append("t"))
+    decision = dispatch.Decision("exact", WINNER, "", eager_only=True)
+    route = dispatch._eager_only_route(decision, kernel, captured)
+    for capturing in (True, False, True, False):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
+        route.run(1, 2)
+    assert ran == ["t", "k", "t", "k"] and route.kind == "eager only"
+
+
 @pytest.mark.parametrize("bad, why", [
     ({"whole_call_ms": 0.02}, "one whole-call time without the other"),
     ({"whole_call_ms": -1.0, "torch_whole_call_ms": 0.02}, "whole_call_ms"),

@@ -233,6 +233,44 @@ def test_a_plain_product_runs_in_cpp_once_its_route_is_prepared(host, online_com
     assert host.record_count() == 0  # reset forgets the routes, the compiled path's too
 
 
+def test_an_eager_only_product_runs_its_kernel_eagerly_and_torch_inside_a_graph(
+        host, online_compile, monkeypatch):
+    """An eager-only decision (GemmEntry.eager_prefers_kernel: torch's kernel faster, the
+    winner's whole eager call too): eager calls take the C++ record and run the kernel; under
+    stream capture the op declines the record, and the Python route captures torch.matmul."""
+    import dataclasses
+
+    import cutlass_ops
+
+    dispatch = online_compile
+    decided = dispatch.decide
+    monkeypatch.setattr(dispatch, "decide", lambda *args, **kwargs: dataclasses.replace(
+        decided(*args, **kwargs), eager_only=True))
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert cutlass_ops.explain(x, weight.t()).eager_only
+        before = host.record_count()
+        first = cutlass_ops.matmul(x, weight.t())  # the Python route: prepares and records
+        assert host.record_count() == before + 1
+        counted = dispatch.call_counts()
+        assert torch.equal(cutlass_ops.matmul(x, weight.t()), first)
+        assert dispatch.call_counts()["cutlass"] == counted["cutlass"] + 1  # the C++ record
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            cutlass_ops.matmul(x, weight.t())
+        torch.cuda.current_stream().wait_stream(stream)
+        counted = dispatch.call_counts()
+        y = _replayed_with_new_input(lambda: cutlass_ops.matmul(x, weight.t()), x)
+        now = dispatch.call_counts()  # the capture: the Python route's torch.matmul
+        assert (now["eager only"], now["cutlass"]) == (counted["eager only"] + 1,
+                                                       counted["cutlass"])
+        torch.testing.assert_close(y.float(), x.float() @ weight.t().float(), atol=0.5,
+                                   rtol=2e-2)
+    dispatch.reset()
+
+
 @pytest.mark.parametrize("leading", [(16,), (2, 8)])
 def test_a_linear_with_gradients_runs_its_cpp_node_and_equals_the_python_path(
         host, online_compile, leading, monkeypatch):

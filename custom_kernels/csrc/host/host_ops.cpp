@@ -53,6 +53,7 @@ struct Driver {
   decltype(&cuDeviceGet) device_get = nullptr;
   decltype(&cuDevicePrimaryCtxRetain) primary_ctx_retain = nullptr;
   decltype(&cuGetErrorString) error_string = nullptr;
+  decltype(&cuStreamIsCapturing) stream_is_capturing = nullptr;
   std::string why_not;  // empty when every entry point was found
 };
 
@@ -80,6 +81,7 @@ const Driver& driver() {
     find_symbol(lib, "cuDeviceGet", d.device_get, d.why_not);
     find_symbol(lib, "cuDevicePrimaryCtxRetain", d.primary_ctx_retain, d.why_not);
     find_symbol(lib, "cuGetErrorString", d.error_string, d.why_not);
+    find_symbol(lib, "cuStreamIsCapturing", d.stream_is_capturing, d.why_not);
     return d;
   }();
   return d;
@@ -447,6 +449,10 @@ struct GemmRecord {
   int64_t workspace_bytes;
   c10::ScalarType out_dtype;
   std::vector<int64_t> out_sizes;
+  // The kernel for eager calls only: the tuner found torch.matmul's kernel faster but its
+  // whole eager call slower. Under stream capture the record is not taken (a graph has no host
+  // cost), and dispatch's Python route runs torch.matmul there.
+  bool eager_only = false;
 };
 
 struct VectorHash {
@@ -480,7 +486,7 @@ void set_gemm_record(at::IntArrayRef a_sizes, at::IntArrayRef a_strides, c10::Sc
                      int64_t device, bool aligned, int64_t run, int64_t last_error,
                      const Tensor& args, int64_t off_a, int64_t off_b, int64_t off_c,
                      int64_t off_d, bool swap_ab, int64_t workspace_bytes,
-                     c10::ScalarType out_dtype) {
+                     c10::ScalarType out_dtype, bool eager_only) {
   TORCH_CHECK(run != 0 && last_error != 0, "a GEMM record needs the library's entry points");
   TORCH_CHECK(a_sizes.size() >= 2 && a_sizes.size() == a_strides.size() &&
                   b_sizes.size() == b_strides.size() && b_sizes.size() >= 2,
@@ -505,6 +511,7 @@ void set_gemm_record(at::IntArrayRef a_sizes, at::IntArrayRef a_strides, c10::Sc
   record->swap_ab = swap_ab;
   record->workspace_bytes = workspace_bytes;
   record->out_dtype = out_dtype;
+  record->eager_only = eager_only;
   record->out_sizes.assign(a_sizes.begin(), a_sizes.end() - 1);
   record->out_sizes.push_back(b_sizes.back());
   auto key = gemm_key(device, a_dtype, a_sizes, a_strides, b_dtype, b_sizes, b_strides, aligned);
@@ -531,14 +538,28 @@ void put_pointer(std::vector<uint8_t>& args, int64_t offset, const void* p) {
   std::memcpy(args.data() + offset, &p, sizeof(p));
 }
 
+bool capturing(CUstream stream) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  check(driver().stream_is_capturing(stream, &status), "cuStreamIsCapturing");
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+// The record of (a, b)'s signature, or null: none, or an eager-only one while a graph is being
+// captured on the current stream.
 std::shared_ptr<const GemmRecord> find_gemm_record(const Tensor& a, const Tensor& b) {
   const bool aligned = reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0;
   auto key = gemm_key(a.device().index(), a.scalar_type(), a.sizes(), a.strides(),
                       b.scalar_type(), b.sizes(), b.strides(), aligned);
-  std::shared_lock lock(records_mutex);
-  auto it = gemm_records.find(key);
-  return it == gemm_records.end() ? nullptr : it->second;
+  std::shared_ptr<const GemmRecord> found;
+  {
+    std::shared_lock lock(records_mutex);
+    auto it = gemm_records.find(key);
+    if (it == gemm_records.end()) return nullptr;
+    found = it->second;
+  }
+  if (found->eager_only && capturing(current_stream(a.device()))) return nullptr;
+  return found;
 }
 
 // The product into a new output of the record's [M, N] shape, or of ``sizes`` (the same elements
@@ -710,7 +731,7 @@ TORCH_LIBRARY(cutlass_ops_host, m) {
   m.def("set_gemm_record(int[] a_sizes, int[] a_strides, ScalarType a_dtype, int[] b_sizes, "
         "int[] b_strides, ScalarType b_dtype, int device, bool aligned, int run, int last_error, "
         "Tensor args, int off_a, int off_b, int off_c, int off_d, bool swap_ab, "
-        "int workspace_bytes, ScalarType out_dtype) -> ()",
+        "int workspace_bytes, ScalarType out_dtype, bool eager_only=False) -> ()",
         &set_gemm_record);
   m.def("set_gemm_torch_record(int[] a_sizes, int[] a_strides, ScalarType a_dtype, "
         "int[] b_sizes, int[] b_strides, ScalarType b_dtype, int device, bool aligned) -> ()",
