@@ -511,10 +511,12 @@ def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, rep
     ids = global_batch(dp, tokens).chunk(dp)[mesh["dp"].get_local_rank()].cuda()
     record, comms, peak = tp_record(models, ids, mesh, dp, keep=rank == 0)
     checks, logits = tp_checks(record) if rank == 0 else (None, None)
+    plain = record["unconverted"] if rank == 0 else None
     del record
     steps = {k: tp_step(m, ids, k == "torchtitan") for k, m in models.items()}
-    graphed, equal = graphed_tp(models["ours"], ids) if dp == 1 and graphed_steps else \
-        ({}, None)
+    graphed, graphed_checks = graphed_tp(models["ours"], ids, plain) \
+        if dp == 1 and graphed_steps else ({}, None)
+    del plain
     ms = timed({**steps, **{k: v[0] for k, v in graphed.items()}}, reps)
 
     def prefill(model):
@@ -533,16 +535,18 @@ def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, rep
     if rank == 0:
         torch.save({"ms": ms, "prefill_ms": prefill_ms, "checks": checks, "logits": logits,
                     "comms": comms, "peak_gb": peak, "converted": converted,
-                    "graph_breaks": graph_breaks(), "graphed_equals_eager": equal}, out)
+                    "graph_breaks": graph_breaks(), "graphed_checks": graphed_checks}, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def graphed_tp(model, ids) -> tuple[dict, dict]:
+def graphed_tp(model, ids, plain: dict | None) -> tuple[dict, dict | None]:
     """``{"ours graphed": (train step, prefill)}``: the converted TP model through
     ``graphed_train_step`` and ``graphed_forward`` (each captured by its second call here), and
-    whether a replay equals the eager step bit for bit: the loss and every gradient (the
-    gradients gathered on every rank), the prefill's logits."""
+    (on the rank holding ``plain``, the unconverted eager model's record) a replay's checks
+    against it by the eager rows' bounds: ``{"captured", "train", "prefill"}``. Not bit for bit
+    against our eager step: at this size the eager step itself is not reproducible bit for bit
+    (two eager steps differed in every layer's gradients on an H200, a replay by as much)."""
     import cutlass_ops
     from cutlass_ops import graphed_steps
 
@@ -556,27 +560,21 @@ def graphed_tp(model, ids) -> tuple[dict, dict]:
         loss = local(step(input_ids=ids, labels=ids)).clone()
         with torch.no_grad():
             logits = local(forward(input_ids=ids).logits).clone()
-    grads = full_grads(model)
-    eager_loss = local(tp_step(model, ids, False)().detach())
-    eager_grads = full_grads(model)
-    with torch.no_grad():
-        eager_logits = local(model(input_ids=ids).logits)
-    equal = {"captured": len(step.graphs.entries) == 1 and len(forward.graphs.entries) == 1,
-             "loss": torch.equal(loss, eager_loss),
-             "gradients_differing": sorted(k for k, g in grads.items()
-                                           if not torch.equal(g, eager_grads[k])),
-             "logits": torch.equal(logits, eager_logits)}
+    keep = plain is not None
+    replayed = {"loss": float(loss.float()), "grads": full_grads(model, keep)}
+    checks = None
+    if keep:
+        against = "unconverted eager under torch's plan, same mesh"
+        checks = {"captured": len(step.graphs.entries) == 1 and len(forward.graphs.entries) == 1,
+                  "train": check_step(replayed, plain, against),
+                  "prefill": check_logits(logits.cpu(), plain["logits"], against)}
+    del replayed, logits
     model.zero_grad(set_to_none=True)
 
     def prefill():
         with torch.no_grad():
             forward(input_ids=ids)
-    return {"ours graphed": (lambda: step(input_ids=ids, labels=ids), prefill)}, equal
-
-
-def graphed_ok(equal: dict | None) -> bool:
-    return bool(equal) and equal["captured"] and equal["loss"] and equal["logits"] and \
-        not equal["gradients_differing"]
+    return {"ours graphed": (lambda: step(input_ids=ids, labels=ids), prefill)}, checks
 
 
 def tp_rows(world: int, args, dp: int = 1) -> list[dict]:
@@ -615,17 +613,19 @@ def tp_rows(world: int, args, dp: int = 1) -> list[dict]:
             if "torchtitan" not in ms or ours not in ms:
                 continue
             graphed = ours == "ours graphed"
+            replay = got.get("graphed_checks") if graphed else None
             rows.append(tp_row(
                 f"{mode} {kind} converted{' graphed' if graphed else ''} vs torchtitan-style, "
                 f"{world} GPUs, {args.layers} layers", ms, "torchtitan", per_gpu,
                 "torchtitan-style: torch's plan, vocabulary-sharded head, loss_parallel, each "
-                "layer compiled", check,
+                "layer compiled",
+                {**check, "ours": replay[kind]} if replay else check,
                 {**common, "peer": peer_settings(got["graph_breaks"]),
                  "weaker_references": {"unconverted eager under torch's TP plan":
                                        round(per_gpu / ms["unconverted"], 1)},
-                 **({"graphed_equals_eager": got["graphed_equals_eager"],
+                 **({"graphed_captured": bool(replay and replay["captured"]),
                      "ours_eager_ms": ms["ours"]} if graphed else {})},
-                ok=graphed_ok(got["graphed_equals_eager"]) if graphed else True, ours=ours))
+                ok=bool(replay and replay["captured"]) if graphed else True, ours=ours))
     return rows
 
 

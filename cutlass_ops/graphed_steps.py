@@ -32,11 +32,11 @@ What a user sees:
   a signature eagerly instead, logged once.
 - A new parameter tensor (``load_state_dict(assign=True)``, ``model.to``) or an optimizer's
   ``load_state_dict`` drops the graphs: they read the old memory.
-- **Distributed models** (``distributed_refusal`` says why one is not graphed) are refused
-  until their GPU tests pass (``CAPTURE_DISTRIBUTED``, off: a DDP capture failed on an H200 and
-  a timed TP run did not finish). With it on, NCCL collectives are captured with the rest
-  (NCCL 2.9.6 or later, as torch's CUDA graphs notes require), so the replay reduces the
-  gradients as the eager step did:
+- **Distributed models** (``distributed_refusal`` says why one is not graphed): NCCL
+  collectives are captured with the rest (NCCL 2.9.6 or later, as torch's CUDA graphs notes
+  require), so the replay reduces the gradients as the eager step did (GPU tests: a TP and a
+  DDP step equal their eager twins bit for bit; ``CAPTURE_DISTRIBUTED = False`` refuses them
+  all):
   - Tensor parallelism (DTensor parameters on a CUDA mesh: ``cutlass_ops.parallel`` or torch's
     plan): graphed like any model; ``.grad`` is each parameter's DTensor gradient.
   - DDP (``DistributedDataParallel`` over NCCL): captured after ``DDP_WARMUP_STEPS`` eager
@@ -50,6 +50,9 @@ What a user sees:
   - **Before ``destroy_process_group()``, call ``reset_all()``** (or each holder's ``reset()``):
     NCCL destroys a communicator only once every graph that captured one of its collectives is
     destroyed, so a graph still alive there hangs the exit (pytorch#115388; seen on an H200).
+    The first distributed capture says so once in the log, and registers ``reset_all`` to run
+    at interpreter exit (before torch's own exit handlers) for programs that never destroy
+    their process group themselves.
 """
 
 from __future__ import annotations
@@ -220,10 +223,10 @@ def static_inputs(leaves: list) -> list:
 
 
 DDP_WARMUP_STEPS = 11  # eager DDP steps before a capture (torch's notes on CUDA graphs)
-# Distributed models are refused unless this is on: their first GPU runs did not pass (a DDP
-# capture failed, a timed TP run did not finish: docs/measurements.md, "Graphed distributed
-# steps"). The rules below are what applies once they do.
-CAPTURE_DISTRIBUTED = False
+# Distributed models (TP, DDP over NCCL) are graphed by the rules below; off refuses them all.
+# On since their GPU tests passed on two H200s (docs/measurements.md, "Graphed distributed
+# steps").
+CAPTURE_DISTRIBUTED = True
 
 
 def distributed_refusal(model: nn.Module) -> Optional[str]:
@@ -231,9 +234,8 @@ def distributed_refusal(model: nn.Module) -> Optional[str]:
     model that is not distributed; with ``CAPTURE_DISTRIBUTED``, TP on a CUDA mesh over NCCL,
     or DDP over NCCL)."""
     if not CAPTURE_DISTRIBUTED and _distributed_kind(model):
-        return (f"a {_distributed_kind(model)} model: graphed distributed steps have not yet "
-                "passed their GPU tests (graphed_steps.CAPTURE_DISTRIBUTED); run the step "
-                "ungraphed")
+        return (f"a {_distributed_kind(model)} model: graphed distributed steps are off "
+                "(graphed_steps.CAPTURE_DISTRIBUTED); run the step ungraphed")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         if model.find_unused_parameters:
             return ("a DistributedDataParallel model with find_unused_parameters=True: its "
@@ -310,6 +312,25 @@ def _ddp_ready(model: nn.Module, eager_steps: int) -> Optional[str]:
 
 # Every graphed step and forward alive in this process, for reset_all.
 _LIVE: "weakref.WeakSet[_Graphed]" = weakref.WeakSet()
+
+
+_exit_hook: list = []
+
+
+def _hold_collectives() -> None:
+    """A graph now holds NCCL collectives: said once, and ``reset_all`` registered to run at
+    interpreter exit (registered after torch's handlers, it runs before them)."""
+    if _exit_hook:
+        return
+    import atexit
+
+    from custom_kernels.core import fallback
+
+    _exit_hook.append(atexit.register(reset_all))
+    fallback.log_once("graphed steps hold NCCL collectives",
+                      "call cutlass_ops.graphed_steps.reset_all() before "
+                      "torch.distributed.destroy_process_group(), which waits for every graph "
+                      "that captured a collective")
 
 
 def reset_all() -> None:
@@ -449,6 +470,8 @@ class GraphedTrainStep(_Graphed):
             return None
         entry.grads = [p.grad for p in self._parameters]
         self.graphs.store(key, entry)
+        if _distributed_kind(self.model):
+            _hold_collectives()
         return entry
 
     def _snapshot(self) -> tuple:

@@ -574,12 +574,18 @@ def _graphs_only_route(decision: Decision, kernel: Route, eager: Route) -> Route
 def _eager_only_route(decision: Decision, kernel: Route, captured: Route) -> Route:
     """``captured`` (torch.matmul) while a CUDA graph is being captured, ``kernel`` otherwise:
     the mirror of ``_graphs_only_route``. The kernel's host record is eager-only too: the C++ op
-    declines it under capture, and the call comes here."""
+    declines it under capture, and the call comes here. The first eager call runs torch.matmul
+    too, its output dropped: cuBLAS creates its handle on a thread's first call, which a capture
+    refuses (seen on an H200, where every earlier call had run the kernel)."""
     kernel_run, captured_run = kernel.run, captured.run
+    prepared: list = []
 
     def run(*args):
         if torch.cuda.is_current_stream_capturing():
             return captured_run(*args)
+        if not prepared:
+            prepared.append(True)
+            captured_run(*args)
         return kernel_run(*args)
 
     return Route(decision, run, kind="eager only")

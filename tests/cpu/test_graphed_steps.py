@@ -181,11 +181,28 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-def test_distributed_models_are_refused_until_their_gpu_tests_pass(world_of_one):
+def test_distributed_models_are_refused_when_distributed_capture_is_off(world_of_one,
+                                                                         monkeypatch):
+    monkeypatch.setattr(graphed_steps, "CAPTURE_DISTRIBUTED", False)
     ddp = nn.parallel.DistributedDataParallel(Mse())
-    assert "DistributedDataParallel model: graphed distributed steps have not yet passed" in \
+    assert "DistributedDataParallel model: graphed distributed steps are off" in \
         graphed_steps.distributed_refusal(ddp)
     assert graphed_steps.distributed_refusal(Mse()) is None
+
+
+def test_the_first_distributed_capture_registers_the_exit_reset_and_says_so_once(monkeypatch):
+    import atexit
+
+    from custom_kernels.core import fallback
+
+    registered, said = [], []
+    monkeypatch.setattr(graphed_steps, "_exit_hook", [])
+    monkeypatch.setattr(atexit, "register", lambda fn: registered.append(fn) or fn)
+    monkeypatch.setattr(fallback, "log_once", lambda what, why: said.append(why))
+    graphed_steps._hold_collectives()
+    graphed_steps._hold_collectives()
+    assert registered == [graphed_steps.reset_all]
+    assert len(said) == 1 and "reset_all() before" in said[0]
 
 
 def test_distributed_models_that_cannot_be_captured_are_refused_with_the_reason(world_of_one,
