@@ -547,37 +547,22 @@ def _resolve(a, b, out_dtype, key=None, bias=None, activation="identity",
                  and not key[-1] and not decision.graphs_only)
         kernel = _cutlass_route(decision, checked, key, activation, host_record=plain)
     if decision.graphs_only:
-        return _graphs_only_route(decision, kernel, _torch_route(decision, out_dtype, activation))
+        return _split_route(decision, kernel, _torch_route(decision, out_dtype, activation),
+                            "graphs only")
     if decision.eager_only:
-        return _eager_only_route(decision, kernel, _torch_route(decision, out_dtype, activation))
+        return _split_route(decision, _torch_route(decision, out_dtype, activation), kernel,
+                            "eager only")
     return kernel
 
 
-def _graphs_only_route(decision: Decision, kernel: Route, eager: Route) -> Route:
-    """``kernel`` while a CUDA graph is being captured (a replay has no host cost), ``eager``
-    (torch.matmul) otherwise: what the tuner found faster for each. The first eager call runs
-    the kernel too: it loads it and plans its launch there, not inside a later capture."""
-    kernel_run, eager_run = kernel.run, eager.run
-    prepared: list = []
-
-    def run(*args):
-        if torch.cuda.is_current_stream_capturing():
-            return kernel_run(*args)
-        if not prepared:
-            prepared.append(True)
-            return kernel_run(*args)
-        return eager_run(*args)
-
-    return Route(decision, run, kind="graphs only")
-
-
-def _eager_only_route(decision: Decision, kernel: Route, captured: Route) -> Route:
-    """``captured`` (torch.matmul) while a CUDA graph is being captured, ``kernel`` otherwise:
-    the mirror of ``_graphs_only_route``. The kernel's host record is eager-only too: the C++ op
-    declines it under capture, and the call comes here. The first eager call runs torch.matmul
-    too, its output dropped: cuBLAS creates its handle on a thread's first call, which a capture
-    refuses (seen on an H200, where every earlier call had run the kernel)."""
-    kernel_run, captured_run = kernel.run, captured.run
+def _split_route(decision: Decision, captured: Route, eager: Route, kind: str) -> Route:
+    """``captured`` while a CUDA graph is being captured (a replay has no host cost), ``eager``
+    otherwise: what the tuner found faster for each (graphs-only: the kernel captured, torch
+    eagerly; eager-only the mirror, whose kernel record the C++ op declines under capture too).
+    The first eager call runs ``captured`` as well, its output dropped, so that what a capture
+    needs is made outside it: the kernel loaded and its launch planned, or cuBLAS's handle,
+    which a thread makes on its first call and a capture refuses (seen on an H200)."""
+    captured_run, eager_run = captured.run, eager.run
     prepared: list = []
 
     def run(*args):
@@ -586,9 +571,9 @@ def _eager_only_route(decision: Decision, kernel: Route, captured: Route) -> Rou
         if not prepared:
             prepared.append(True)
             captured_run(*args)
-        return kernel_run(*args)
+        return eager_run(*args)
 
-    return Route(decision, run, kind="eager only")
+    return Route(decision, run, kind=kind)
 
 
 def pinned_route(a, b, choice: Choice, host_record: bool = False) -> Route:

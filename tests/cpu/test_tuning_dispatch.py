@@ -296,19 +296,6 @@ def test_a_kernel_whose_eager_call_wins_where_torch_s_kernel_did_runs_eagerly_on
     assert near.choice is None and not near.eager_only
 
 
-def test_the_eager_only_route_runs_torch_while_capturing_and_the_kernel_otherwise(monkeypatch):
-    ran = []
-    kernel = dispatch.Route(dispatch.Decision("exact", WINNER, ""), lambda *a: ran.append("k"))
-    captured = dispatch.Route(dispatch.Decision("torch", None, ""), lambda *a: ran.append("t"))
-    decision = dispatch.Decision("exact", WINNER, "", eager_only=True)
-    route = dispatch._eager_only_route(decision, kernel, captured)
-    for capturing in (False, True, False, True):
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
-        route.run(1, 2)
-    # The first eager call runs torch's too (cuBLAS's handle made outside any capture).
-    assert ran == ["t", "k", "t", "k", "t"] and route.kind == "eager only"
-
-
 @pytest.mark.parametrize("bad, why", [
     ({"whole_call_ms": 0.02}, "one whole-call time without the other"),
     ({"whole_call_ms": -1.0, "torch_whole_call_ms": 0.02}, "whole_call_ms"),
@@ -325,14 +312,20 @@ def test_whole_call_times_are_validated_as_input(bad, why):
         SCHEMA.parse(p.name, {**entry(p), **bad}, SCOPE)
 
 
-def test_the_graphs_only_route_runs_the_kernel_while_capturing_and_torch_otherwise(monkeypatch):
+@pytest.mark.parametrize("flag, kind, captured, eager", [
+    ("graphs_only", "graphs only", "k", "t"), ("eager_only", "eager only", "t", "k")])
+def test_a_split_route_runs_one_side_while_capturing_and_the_other_otherwise(
+        monkeypatch, flag, kind, captured, eager):
+    """Graphs-only: the kernel captured, torch.matmul eagerly; eager-only the mirror. The first
+    eager call runs the captured side too (what a capture needs, made outside it)."""
     ran = []
-    kernel = dispatch.Route(dispatch.Decision("exact", WINNER, ""), lambda *a: ran.append("k"))
-    eager = dispatch.Route(dispatch.Decision("torch", None, ""), lambda *a: ran.append("t"))
-    decision = dispatch.Decision("exact", WINNER, "", graphs_only=True)
-    route = dispatch._graphs_only_route(decision, kernel, eager)
-    for capturing in (False, False, True, False):
+    kernel = dispatch.Decision("exact", WINNER, "")
+    torch_route = dispatch.Decision("torch", None, "")
+    sides = {"k": dispatch.Route(kernel, lambda *a: ran.append("k")),
+             "t": dispatch.Route(torch_route, lambda *a: ran.append("t"))}
+    decision = dispatch.Decision("exact", WINNER, "", **{flag: True})
+    route = dispatch._split_route(decision, sides[captured], sides[eager], kind)
+    for capturing in (False, True, False, True):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
         route.run(1, 2)
-    # The first eager call runs the kernel (loading it outside any capture), later ones torch.
-    assert ran == ["k", "t", "k", "t"] and route.kind == "graphs only"
+    assert ran == [captured, eager, captured, eager, captured] and route.kind == kind
