@@ -520,7 +520,10 @@ def fp8_problems(model, args) -> list:
     of ``args.recipes`` (what ``cutlass-tune tune --fp8 RECIPE --model ... --backward`` tunes)."""
     from tuning.cli import _fp8_model_problems
 
-    return [problem for recipe in getattr(args, "recipes", ()) for problem in
+    from benchmarks.e2e_fp8 import split_variant
+
+    recipes = dict.fromkeys(split_variant(v)[0] for v in getattr(args, "recipes", ()))
+    return [problem for recipe in recipes for problem in
             _fp8_model_problems(argparse.Namespace(fp8=recipe, tokens=args.tokens,
                                                    backward=True), model)]
 
@@ -653,7 +656,7 @@ def decode_check(decode: dict, models: dict, graphed: bool = False):
 
 
 def parse_args(argv=None):
-    from benchmarks.e2e_fp8 import DEFAULT_PEERS, PEERS, RECIPES, TORCHAO, TORCHAO_HF_LOSS
+    from benchmarks.e2e_fp8 import DEFAULT_PEERS, PEERS, RECIPES, TORCHAO, TORCHAO_HF_LOSS, VARIANTS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, 1024 tokens, 32 new")
@@ -681,8 +684,9 @@ def parse_args(argv=None):
                           "the torchao peers; train and prefill; the file's other rows of the "
                           "same code are kept")
     fp8.add_argument("--no-fp8", action="store_true", help="no FP8 variants, no peers")
-    fp8.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES),
-                     help="our FP8 recipes to measure (default all)")
+    fp8.add_argument("--recipes", nargs="+", choices=VARIANTS, default=list(RECIPES),
+                     help="our FP8 recipes to measure (default the three; R+lm_head: R with "
+                          "the LM head FP8 too)")
     fp8.add_argument("--peers", nargs="+", choices=[*PEERS, "none"], default=None,
                      help="peers measured in their own processes (default torchao's two "
                           "recipes with Liger's fused loss and with HF's loss compiled, and "

@@ -3,7 +3,10 @@ in processes of their own, and the rows that compare them.
 
 - **Ours**: ``cutlass_ops.convert(model, fp8=recipe)`` for each recipe (``--recipes``), with
   convert's other options as the bf16 "ours" (the LM head stays bf16, the loss through the
-  chunked head), measured in the main process beside eager and ours bf16, interleaved. A recipe
+  chunked head), measured in the main process beside eager and ours bf16, interleaved; a
+  recipe named ``R+lm_head`` is R with ``fp8_lm_head=True`` (the chunked loss's head products
+  FP8 too), checked against R's emulation with the head FP8 as well and compared with R's peer
+  (torchao's recipes keep the head bf16: ``detail.lm_head`` says so). A recipe
   convert refuses, or one that makes no layer FP8, or whose first step raises, is a result (its
   reason), not a crash.
 - **Peers**, each in its own process (``e2e.py --only-variant NAME --json OUT``): torchao 0.18
@@ -64,6 +67,8 @@ from custom_kernels.core.tolerances import (MODEL_LOGITS, fp8_model_tolerance, r
                                             relative_tolerance)
 
 RECIPES = fp8_emulation.RECIPES
+LM_HEAD = "+lm_head"  # a recipe's suffix: the LM head FP8 too (convert(fp8_lm_head=True))
+VARIANTS = (*RECIPES, *(f"{recipe}{LM_HEAD}" for recipe in RECIPES))
 # torchao's float8 recipes of our names (the main peers: Liger's fused linear cross-entropy as
 # their loss), and the same with HF's full-logits loss (a weaker figure, run when named).
 TORCHAO = ("torchao-tensorwise", "torchao-rowwise")
@@ -84,6 +89,12 @@ def fp8_name(recipe: str) -> str:
     return f"ours fp8 {recipe}"
 
 
+def split_variant(variant: str) -> tuple[str, bool]:
+    """(the recipe, whether the LM head is FP8 too) of a ``--recipes`` name."""
+    head = variant.endswith(LM_HEAD)
+    return (variant[:-len(LM_HEAD)] if head else variant), head
+
+
 def failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
 
@@ -98,10 +109,12 @@ def fp8_variants(eager, recipes) -> tuple[dict, dict, dict]:
     models, missing, conversions = {}, {}, {}
     for recipe in recipes:
         name, model = fp8_name(recipe), copy.deepcopy(eager)
+        base, head = split_variant(recipe)
         try:
-            report = cutlass_ops.convert(model, fp8=recipe)
+            report = cutlass_ops.convert(model, fp8=base, fp8_lm_head=head)
         except Exception as error:  # noqa: BLE001 (until convert takes fp8=: TypeError)
-            missing[name] = f"convert(model, fp8={recipe!r}) raised {failure(error)}"
+            missing[name] = f"convert(model, fp8={base!r}, fp8_lm_head={head}) raised " \
+                f"{failure(error)}"
             continue
         layers = len(getattr(report, "fp8", None) or {})
         line = f"{str(report).splitlines()[0]}; {layers} layers FP8 {recipe}"
@@ -124,7 +137,9 @@ class Emulations:
         self.bounds, self.logits = {}, {}
 
     def _model(self, recipe):
-        return fp8_emulation.emulate_fp8(copy.deepcopy(self.eager), recipe)
+        base, head = split_variant(recipe)
+        return fp8_emulation.emulate_fp8(copy.deepcopy(self.eager), base,
+                                         skip=() if head else ("lm_head",))
 
     def _prefill(self, model) -> torch.Tensor:
         model.eval()
@@ -165,23 +180,24 @@ class Emulations:
 def torchao_variant(recipe: str) -> str | None:
     """The torchao peer of one of our recipes (its own recipe of the same name), or None where
     torchao 0.18 has none (``NO_TORCHAO``)."""
-    variant = f"torchao-{recipe}"
+    variant = f"torchao-{split_variant(recipe)[0]}"
     return variant if variant in TORCHAO else None
 
 
+def _peer_of(recipe: str) -> str:
+    return "torchao " + split_variant(recipe)[0] if torchao_variant(recipe) else "ours bf16"
+
+
 def train_case(recipe: str) -> str:
-    peer = "torchao " + recipe if torchao_variant(recipe) else "ours bf16"
-    return f"train ours fp8 {recipe} vs {peer}"
+    return f"train ours fp8 {recipe} vs {_peer_of(recipe)}"
 
 
 def memory_case(recipe: str) -> str:
-    peer = "torchao " + recipe if torchao_variant(recipe) else "ours bf16"
-    return f"peak memory train ours fp8 {recipe} vs {peer}"
+    return f"peak memory train ours fp8 {recipe} vs {_peer_of(recipe)}"
 
 
 def prefill_case(recipe: str) -> str:
-    peer = "torchao " + recipe if torchao_variant(recipe) else "ours bf16"
-    return f"prefill ours fp8 {recipe} vs {peer}"
+    return f"prefill ours fp8 {recipe} vs {_peer_of(recipe)}"
 
 
 def peer_summaries(peers: dict, section: str) -> dict:
@@ -278,12 +294,16 @@ def _detail(recipe: str, peers: dict, section: str, measured: dict, tokens: int)
     bf16 where it is, the weaker references, and the peers' figures (torchao's of the recipe,
     Liger's)."""
     detail = {"recipe": recipe}
+    if split_variant(recipe)[1]:
+        detail["lm_head"] = ("FP8 here (convert(fp8_lm_head=True)); bf16 in ours bf16 and in "
+                             "torchao's recipes, which leave the head out")
     if not torchao_variant(recipe):
         detail["no_torchao_peer"] = NO_TORCHAO
     detail["weaker_references_tokens_per_s"] = _weaker(recipe, peers, section, measured["ours"],
                                                        measured["eager"], tokens)
     detail["peers"] = peer_summaries({v: peers.get(v) for v in peers
-                                      if v.startswith(f"torchao-{recipe}") or v == "liger"},
+                                      if v.startswith(f"torchao-{split_variant(recipe)[0]}")
+                                      or v == "liger"},
                                      section)
     return detail
 

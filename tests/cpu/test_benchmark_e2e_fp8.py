@@ -580,3 +580,39 @@ def test_the_experts_emulation_quantizes_only_under_blockwise():
     got = blockwise.model.layers[0].mlp.experts(x, index, weights)
     error = float((got.float() - exact.float()).norm() / exact.float().norm())
     assert 1e-3 < error < 0.1  # FP8's rounding, no more
+
+
+def test_a_recipe_with_the_lm_head_converts_emulates_and_is_compared_with_the_head_fp8(
+        monkeypatch):
+    """``R+lm_head``: convert with ``fp8_lm_head=True``, an emulation whose head is FP8 too, and
+    rows of its own against R's torchao peer, saying the head differs."""
+    import cutlass_ops
+
+    seen = []
+    real = cutlass_ops.convert
+    monkeypatch.setattr(cutlass_ops, "convert",
+                        lambda model, **options: seen.append(options) or real(model, **options))
+    eager = tiny_llama(layers=1)
+    models, missing, _ = e2e_fp8.fp8_variants(eager, ["tensorwise+lm_head"])
+    assert not missing and list(models) == ["ours fp8 tensorwise+lm_head"]
+    assert seen == [{"fp8": "tensorwise", "fp8_lm_head": True}]
+    assert e2e_fp8.split_variant("rowwise+lm_head") == ("rowwise", True)
+    assert e2e_fp8.split_variant("rowwise") == ("rowwise", False)
+    emulations = e2e_fp8.Emulations(eager, tokens())
+    assert "forward" in vars(emulations._model("tensorwise+lm_head").lm_head)
+    assert "forward" not in vars(emulations._model("tensorwise").lm_head)
+    train = {"eager": entry(12.0, True, 3.0), "ours": entry(10.0, True, 2.5),
+             "ours fp8 tensorwise+lm_head": entry(7.0, True, 2.0)}
+    rows = {r["case"]: r for r in e2e_fp8.train_rows(
+        train, {"torchao-tensorwise": peer(8.5)}, 4096, ["tensorwise+lm_head"])}
+    row = rows["train ours fp8 tensorwise+lm_head vs torchao tensorwise"]
+    assert row["correct"] and row["ratio"] == pytest.approx(8.5 / 7.0, abs=1e-3)
+    assert "FP8 here" in row["detail"]["lm_head"]
+    args = e2e.parse_args(["--fp8-only", "--recipes", "tensorwise", "tensorwise+lm_head"])
+    assert args.recipes == ["tensorwise", "tensorwise+lm_head"]
+    # The tune of the FP8 GEMMs names each recipe once.
+    asked = []
+    monkeypatch.setattr("tuning.cli._fp8_model_problems",
+                        lambda namespace, model: asked.append(namespace.fp8) or [])
+    e2e.fp8_problems(eager, args)
+    assert asked == ["tensorwise"]
