@@ -309,6 +309,16 @@ def per_row(count, hidden, dtype=torch.float32):
     return torch.full((rows,), 1.0 / count if count else 1.0, dtype=dtype, device=hidden.device)
 
 
+def division(count, hidden, wanted: bool, dtype=torch.float32) -> tuple:
+    """Where the gradients are divided by ``count``: (the row scale of the forward, the count
+    left for the backward), one of them None (both when no gradient is wanted: nothing to make)."""
+    if not wanted:
+        return None, None
+    if divides_in_forward(hidden):
+        return per_row(count, hidden, dtype), None
+    return None, count
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, smoothing, softcap,
@@ -325,11 +335,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # only scales them by its incoming gradient (a pass the scale kernel skips when that
         # is 1, as after loss.backward()).
         count = divisor(reduction, labels, ignore_index, num_items)
-        early = divides_in_forward(hidden)
-        losses, *grads = _loss_and_grads(hidden, weight, bias, labels, *args,
-                                         row_scale=per_row(count, hidden) if early else None,
-                                         wants=tuple(ctx.needs_input_grad[:3]))
-        ctx.grads, ctx.late_count = grads, None if early else count
+        wants = tuple(ctx.needs_input_grad[:3])
+        row_scale, ctx.late_count = division(count, hidden, any(wants))
+        losses, *ctx.grads = _loss_and_grads(hidden, weight, bias, labels, *args,
+                                             row_scale=row_scale, wants=wants)
         return losses.sum() / count
 
     @staticmethod

@@ -357,6 +357,12 @@ class _Graphed:
         self._parameters = tuple(model.parameters())
         self._pointers = tuple(p.data_ptr() for p in self._parameters)
 
+    def _store(self, key, entry: Captured) -> None:
+        """Keeps a new capture; a distributed model's holds NCCL collectives (the exit rule)."""
+        self.graphs.store(key, entry)
+        if _distributed_kind(self.model):
+            _hold_collectives()
+
     def _check_parameters(self) -> None:
         """Graphs read the parameters' memory: new parameters or new tensors in them
         (``load_state_dict(assign=True)``, ``to``) drop the graphs."""
@@ -469,9 +475,7 @@ class GraphedTrainStep(_Graphed):
             self._refused(key, refusal)
             return None
         entry.grads = [p.grad for p in self._parameters]
-        self.graphs.store(key, entry)
-        if _distributed_kind(self.model):
-            _hold_collectives()
+        self._store(key, entry)
         return entry
 
     def _snapshot(self) -> tuple:
@@ -520,7 +524,7 @@ class GraphedForward(_Graphed):
             except CaptureRefused as refusal:
                 self._refused(key, refusal)
                 return self._forward(*args, **kwargs)
-            self.graphs.store(key, entry)
+            self._store(key, entry)
         else:
             fill(entry, leaves)
         entry.graph.replay()

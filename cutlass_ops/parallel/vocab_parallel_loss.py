@@ -55,8 +55,7 @@ import torch
 import torch.distributed as dist
 
 from cutlass_ops.fused_cross_entropy import (REDUCTIONS, _accumulate, _chunks, _matmul,
-                                             default_chunk_rows, divides_in_forward, divisor,
-                                             per_row)
+                                             default_chunk_rows, division, divisor)
 from custom_kernels import cross_entropy as kernel
 from custom_kernels.core.errors import UnsupportedInputError
 
@@ -443,11 +442,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # The gradients already divided by the count (as linear_cross_entropy's): the backward
         # scales by its incoming gradient only, a pass skipped when that is 1.
         count = divisor(reduction, labels, plan.ignore_index, num_items)
-        early = divides_in_forward(hidden)
-        row_scale = per_row(count, hidden, _stat_dtype(hidden.dtype)) if early else None
-        losses, _, *grads = _run(hidden, weight, labels, plan, row_scale=row_scale,
-                                 wants=tuple(ctx.needs_input_grad[:2]))
-        ctx.grads, ctx.late_count = grads, None if early else count
+        wants = tuple(ctx.needs_input_grad[:2])
+        row_scale, ctx.late_count = division(count, hidden, any(wants),
+                                             _stat_dtype(hidden.dtype))
+        losses, _, *ctx.grads = _run(hidden, weight, labels, plan, row_scale=row_scale,
+                                     wants=wants)
         return losses.sum() / count
 
     @staticmethod
