@@ -375,9 +375,10 @@ def measure_prefill(variants, ids, reps, fragile=()):
 
 
 def section_of(case: str) -> str:
-    """The section that measured a row: "peak memory train ..." rows are the train section's."""
-    first = case.split()[0]
-    return "train" if first == "peak" else first
+    """The section that measured a row: "peak memory train ..." and "gpu busy train ..." rows
+    are the train section's."""
+    words = case.split()
+    return words[2] if words[0] in ("peak", "gpu") else words[0]
 
 
 SAME_MODEL = ("layers", "tokens", "new_tokens")  # the meta keys that make rows comparable

@@ -192,6 +192,12 @@ def train_case(recipe: str) -> str:
     return f"train ours fp8 {recipe} vs {_peer_of(recipe)}"
 
 
+def bf16_case(section: str, recipe: str) -> str:
+    """The row of a recipe with a torchao peer against ours bf16 of the same process (the FP8
+    speedup a user of ours gets, beside the row against the peer)."""
+    return f"{section} ours fp8 {recipe} vs ours bf16"
+
+
 def memory_case(recipe: str) -> str:
     return f"peak memory train ours fp8 {recipe} vs {_peer_of(recipe)}"
 
@@ -347,7 +353,9 @@ def _recipe_train_rows(recipe: str, train: dict, peers: dict, tokens: int) -> li
         return [missing_row(train_case(recipe), "tokens/s", _tokens_per_s(tokens, ours.get("ms")),
                             _tokens_per_s(tokens, reference.get("ms")), name, why, **detail),
                 missing_row(memory_case(recipe), "1/GB", _inverse(ours.get("peak_gb")),
-                            _inverse(reference.get("peak_gb")), name, why, **detail)]
+                            _inverse(reference.get("peak_gb")), name, why, **detail),
+                *_bf16_rows("train", recipe, tokens, ours, train,
+                            "ms" in ours and ours["check"].ok, detail)]
     ok = ours["check"].ok
     row = e2e.rate_row(train_case(recipe), tokens, ours, reference, name, ok,
                        loss_reference=reference.get("loss"),
@@ -355,19 +363,31 @@ def _recipe_train_rows(recipe: str, train: dict, peers: dict, tokens: int) -> li
     memory = e2e.memory_row(ours, reference, name, ok, case=memory_case(recipe))
     memory["detail"].update({k: v for k, v in detail.items()  # correct: the train check's
                              if k in ("recipe", "no_torchao_peer") or k.startswith("grad_")})
-    return [row, memory]
+    return [row, memory, *_bf16_rows("train", recipe, tokens, ours, train, ok, detail)]
+
+
+def _bf16_rows(section: str, recipe: str, tokens: int, ours: dict, measured: dict,
+               correct: bool, detail: dict) -> list:
+    """``bf16_case``'s row where the recipe's main row is against a torchao peer (none where it
+    is already against ours bf16, or ours bf16 was not timed)."""
+    bf16 = measured.get("ours", {})
+    if not torchao_variant(recipe) or ours.get("ms") is None or bf16.get("ms") is None:
+        return []
+    kept = {k: v for k, v in detail.items() if k not in ("peers", "weaker_references_tokens_per_s")}
+    return [e2e.rate_row(bf16_case(section, recipe), tokens, ours, bf16, "ours bf16", correct,
+                         **kept)]
 
 
 def prefill_rows(prefill: dict, tokens: int, recipes, emulations: Emulations,
                  peers: dict) -> list:
     """One prefill row per recipe (``prefill_case``) from ``e2e.measure_prefill``'s results:
     its logits checked against eager's with the recipe's emulation's bound."""
-    return [_recipe_prefill_row(recipe, prefill, tokens, emulations, peers)
-            for recipe in recipes]
+    return [row for recipe in recipes
+            for row in _recipe_prefill_rows(recipe, prefill, tokens, emulations, peers)]
 
 
-def _recipe_prefill_row(recipe: str, prefill: dict, tokens: int, emulations: Emulations,
-                        peers: dict) -> dict:
+def _recipe_prefill_rows(recipe: str, prefill: dict, tokens: int, emulations: Emulations,
+                         peers: dict) -> list:
     ours = prefill.get(fp8_name(recipe), {"error": "not measured"})
     reference, name, reference_why = _reference(recipe, peers, "prefill", prefill["ours"])
     detail = _detail(recipe, peers, "prefill", prefill, tokens)
@@ -377,11 +397,14 @@ def _recipe_prefill_row(recipe: str, prefill: dict, tokens: int, emulations: Emu
     correct = detail.pop("correct", False)
     if "logits" not in ours or ours.get("ms") is None or reference is None:
         why = _missing(recipe, ours, "logits", reference_why) or "ours fp8 was not timed"
-        return missing_row(prefill_case(recipe), "tokens/s", _tokens_per_s(tokens, ours.get("ms")),
-                           _tokens_per_s(tokens, (reference or {}).get("ms")), name, why,
-                           **detail)
-    return e2e.rate_row(prefill_case(recipe), tokens, ours, reference, name, correct,
-                        reference_correct=_reference_correct(reference), **detail)
+        return [missing_row(prefill_case(recipe), "tokens/s",
+                            _tokens_per_s(tokens, ours.get("ms")),
+                            _tokens_per_s(tokens, (reference or {}).get("ms")), name, why,
+                            **detail),
+                *_bf16_rows("prefill", recipe, tokens, ours, prefill, correct, detail)]
+    row = e2e.rate_row(prefill_case(recipe), tokens, ours, reference, name, correct,
+                       reference_correct=_reference_correct(reference), **detail)
+    return [row, *_bf16_rows("prefill", recipe, tokens, ours, prefill, correct, detail)]
 
 
 # --- peers, each in its own process ------------------------------------------------------------

@@ -244,10 +244,12 @@ def test_missing_and_failing_recipes_are_rows_not_crashes(cpu_timing, monkeypatc
     train.update({n: {"error": why} for n, why in missing.items()})
     peers = {"torchao-tensorwise": {"error": "torchao is not installed"}}
     rows = {r["case"]: r for r in e2e_fp8.train_rows(train, peers, 256, e2e_fp8.RECIPES)}
-    assert list(rows) == [f"{kind} ours fp8 {recipe} vs {peer}" for recipe, peer in
-                          (("tensorwise", "torchao tensorwise"),
-                           ("rowwise", "torchao rowwise"), ("blockwise", "ours bf16"))
-                          for kind in ("train", "peak memory train")]
+    assert list(rows) == [
+        *(f"{kind} ours fp8 tensorwise vs torchao tensorwise"
+          for kind in ("train", "peak memory train")),  # not converted: no row against bf16
+        *(f"{kind} ours fp8 rowwise vs torchao rowwise" for kind in ("train", "peak memory train")),
+        "train ours fp8 rowwise vs ours bf16",  # its peer missing, ours bf16 measured beside it
+        *(f"{kind} ours fp8 blockwise vs ours bf16" for kind in ("train", "peak memory train"))]
     tensorwise = rows["train ours fp8 tensorwise vs torchao tensorwise"]
     assert tensorwise["ours"] is None and tensorwise["ratio"] is None and not tensorwise["correct"]
     assert "TypeError" in tensorwise["detail"]["missing"]
@@ -257,6 +259,10 @@ def test_missing_and_failing_recipes_are_rows_not_crashes(cpu_timing, monkeypatc
     assert not rowwise["correct"] and "torchao-rowwise has no train figure" in \
         rowwise["detail"]["missing"]
     assert rowwise["detail"]["grad_failing_parameters"] == 0  # ours' check is still recorded
+    against_bf16 = rows["train ours fp8 rowwise vs ours bf16"]
+    assert against_bf16["reference_name"] == "ours bf16"
+    assert against_bf16["correct"] == train["ours fp8 rowwise"]["check"].ok
+    assert against_bf16["detail"]["reference_ms"] == round(train["ours"]["ms"], 3)
     blockwise = rows["train ours fp8 blockwise vs ours bf16"]
     assert "ZeroDivisionError" in blockwise["detail"]["missing"]
     assert "no blockwise recipe" in blockwise["detail"]["no_torchao_peer"]
@@ -269,6 +275,8 @@ def test_missing_and_failing_recipes_are_rows_not_crashes(cpu_timing, monkeypatc
                                                        emulations, peers)}
     row = rows["prefill ours fp8 rowwise vs torchao rowwise"]
     assert row["correct"] and row["reference_name"] == "torchao float8 rowwise + compile"
+    assert rows["prefill ours fp8 rowwise vs ours bf16"]["correct"]
+    assert "prefill ours fp8 tensorwise vs ours bf16" not in rows  # not converted
     assert row["detail"]["logits_error_vs_eager"] <= row["detail"]["logits_tolerance"]
     assert row["ratio"] == round(row["ours"] / row["reference"], 4)
     assert not rows["prefill ours fp8 tensorwise vs torchao tensorwise"]["correct"]
@@ -316,6 +324,12 @@ def test_each_recipe_has_its_own_rows_against_torchao_s_same_recipe():
         "torchao float8 rowwise + compile, HF full-logits loss"] == round(4096 / 11.0 * 1e3, 1)
     memory = rows["peak memory train ours fp8 rowwise vs torchao rowwise"]
     assert memory["ratio"] == round(14.5 / 2.2, 4) and memory["detail"]["recipe"] == "rowwise"
+    for recipe, ours_ms in (("tensorwise", 7.0), ("rowwise", 8.0)):  # the FP8 speedup's rows
+        row = rows[f"train ours fp8 {recipe} vs ours bf16"]
+        assert row["ratio"] == round(round(4096 / ours_ms * 1e3, 1) / round(4096 / 10.0 * 1e3, 1),
+                                     4)
+        assert row["correct"] == rows[f"train ours fp8 {recipe} vs torchao {recipe}"]["correct"]
+        assert "peers" not in row["detail"]
     blockwise = rows["train ours fp8 blockwise vs ours bf16"]
     assert blockwise["reference_name"] == "ours bf16" and blockwise["correct"]
     assert blockwise["detail"]["reference_correct"] is True

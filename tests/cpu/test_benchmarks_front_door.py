@@ -72,11 +72,13 @@ def test_e2e_sections_keep_the_other_sections_rows_of_the_same_model(tmp_path, m
     monkeypatch.setattr(common, "versions", lambda: {"project": "0.1.0+abc"})
     meta = {"layers": 8, "tokens": 4096}
     rows = [{"case": c} for c in ("train ours vs eager", "peak memory train ours vs eager",
-                                  "prefill ours vs eager", "decode batch 1 ours vs eager")]
+                                  "gpu busy train ours", "prefill ours vs eager",
+                                  "decode batch 1 ours vs eager")]
     (tmp_path / "e2e.json").write_text(json.dumps(
         {"versions": {"project": "0.1.0+abc"}, **meta, "rows": rows}))
     kept = e2e.kept_rows("e2e", meta, {"prefill", "decode"})
-    assert [r["case"] for r in kept] == ["train ours vs eager", "peak memory train ours vs eager"]
+    assert [r["case"] for r in kept] == ["train ours vs eager", "peak memory train ours vs eager",
+                                         "gpu busy train ours"]
     assert e2e.kept_rows("e2e", meta, set(e2e.SECTIONS)) == []
     assert e2e.kept_rows("e2e", {**meta, "layers": 2}, {"train"}) == []  # another model
     assert all("run" not in r.get("detail", {}) for r in kept)  # this code's own rows
