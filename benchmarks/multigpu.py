@@ -495,13 +495,20 @@ def tp_checks(record: dict) -> tuple[dict, dict]:
 
 
 def tp_rank_main(rank: int, world: int, port: int, layers: int, tokens: int, reps: int,
-                 out: str, dp: int = 1, graphed_steps: bool = False) -> None:
+                 out: str, dp: int = 1, graphed_steps: bool = False,
+                 overlap_blocks: int = 0) -> None:
     """Tensor parallelism of degree ``world // dp`` (``dp`` > 1: FSDP2 over ``dp`` groups of it,
     a 2-D mesh; no torchtitan-style model there): ``tp_models``, ``tokens`` a data-parallel
     rank, shared by its TP ranks. ``tp_record`` and ``tp_checks``, then train steps (forward
-    and backward) and, without FSDP2, prefills timed interleaved."""
+    and backward) and, without FSDP2, prefills timed interleaved. ``overlap_blocks`` > 0: the
+    converted model's all-reduces overlapped with its GEMMs (``overlap_settings``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    from cutlass_ops.parallel import sharded_gemms
+
+    for name, value in (overlap_settings(overlap_blocks) or {}).items():
+        setattr(sharded_gemms, name, value)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -577,6 +584,12 @@ def graphed_tp(model, ids, plain: dict | None) -> tuple[dict, dict | None]:
     return {"ours graphed": (lambda: step(input_ids=ids, labels=ids), prefill)}, checks
 
 
+def overlap_settings(blocks: int) -> dict | None:
+    """``cutlass_ops.parallel.sharded_gemms``' overlap switches for ``--tp-overlap BLOCKS`` (None
+    for 0: off, the library's defaults)."""
+    return {"ROW_BLOCKS": blocks, "OVERLAP_GRAD_X": True} if blocks > 0 else None
+
+
 def tp_rows(world: int, args, dp: int = 1) -> list[dict]:
     """``tp train`` and ``tp prefill converted vs torchtitan-style`` (the main rows: the peer of
     ``torchtitan_style``) and ``... vs unconverted eager`` (torch's plan, logits gathered);
@@ -587,7 +600,7 @@ def tp_rows(world: int, args, dp: int = 1) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.pt")
         spawn(tp_rank_main, world, args.layers, args.tokens, args.reps, out, dp,
-              getattr(args, "graphed", False))
+              getattr(args, "graphed", False), getattr(args, "tp_overlap", 0))
         got = torch.load(out, weights_only=False)
     checks, logits = got["checks"], got["logits"]
     comm_total = {k: sum(v.values()) for k, v in got["comms"].items()}
@@ -595,7 +608,8 @@ def tp_rows(world: int, args, dp: int = 1) -> list[dict]:
     common = {"tp_degree": world // dp, "fsdp2_degree": dp, "tokens_per_step": args.tokens * dp,
               "collectives_per_train_step": got["comms"], "collectives_total": comm_total,
               "peak_gb": got["peak_gb"], "converted_layers": got["converted"],
-              "model_tune": args.model_tune_line}
+              "model_tune": args.model_tune_line,
+              "overlap": overlap_settings(getattr(args, "tp_overlap", 0))}
     per_gpu = args.tokens * dp / world * 1e3
     kinds = [("train", got["ms"], checks,
               comm_total["ours"] <= comm_total["unconverted"])]  # none more than torch's plan
@@ -807,7 +821,8 @@ def data_parallel_rows(world: int, mode: str, got: dict, single: float | None, a
                                 "one_gpu_speedup": None if single is None else round(single, 4),
                                 "tokens_per_rank": args.tokens,
                                 "collectives_per_train_step": got.get("comms"),
-                                "model_tune": args.model_tune_line}})
+                                "model_tune": args.model_tune_line,
+              "overlap": overlap_settings(getattr(args, "tp_overlap", 0))}})
         if peer == "compiled":
             rows[-1]["detail"].update(
                 weaker_references={f"unconverted eager under {mode}":
@@ -841,6 +856,10 @@ def main() -> None:
     parser.add_argument("--graphed", action="store_true",
                         help="tp: also the converted model through graphed_train_step / "
                         "graphed_forward (opts in to graphed_steps.CAPTURE_DISTRIBUTED)")
+    parser.add_argument("--tp-overlap", type=int, default=0, metavar="BLOCKS",
+                        help="tp: the converted model's all-reduces overlapped with its GEMMs "
+                        "(row-parallel GEMMs in BLOCKS row blocks, input gradients' all-reduces "
+                        "beside the weight gradients' GEMMs); 0: off (default, the library's)")
     parser.add_argument("--name", help="the result file's name (default multigpu, or "
                         "multigpu_1gpu with --gpus 1)")
     args = parser.parse_args()

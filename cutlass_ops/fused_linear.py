@@ -25,7 +25,7 @@ otherwise. All of them run the GEMMs through the tuned dispatch.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -33,6 +33,10 @@ from torch import Tensor
 from cutlass_ops import gemm_sharding_rules
 from cutlass_ops.gemms import dispatch
 from custom_kernels.core.eager import PLAIN, fast_autograd
+
+# Starts reducing a gradient in place (an asynchronous all-reduce) and returns what to wait() on:
+# merged_linear's backward overlaps it with the weight gradient's GEMM.
+GradReduction = Callable[[Tensor], Any]
 
 # ---------------------------------------------------------------------------------------------
 # Packing
@@ -126,12 +130,22 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _backward(grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool):
-    """(dX = dY W, dW = dY^T X), either None when not needed."""
+def linear_grads(grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool,
+                 grad_x_reduction: Optional[GradReduction] = None):
+    """(dX = dY W, dW = dY^T X) of ``y = x W^T``, either None when not needed.
+    ``grad_x_reduction``: started on dX before dW's GEMM and waited for after it (see
+    ``merged_linear``)."""
     rows = _rows(grad)
     grad_x = dispatch.matmul(rows, weight).view(x.shape) if need_x else None
+    pending = _start(grad_x_reduction, grad_x)
     grad_w = dispatch.matmul(rows.t(), _rows(x)) if need_w else None
+    if pending is not None:
+        pending.wait()
     return grad_x, grad_w
+
+
+def _start(reduction: Optional[GradReduction], grad_x: Optional[Tensor]):
+    return None if reduction is None or grad_x is None else reduction(grad_x)
 
 
 def _forward_unpacked(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor]) -> Tensor:
@@ -191,7 +205,7 @@ def merged_linear_backward_op(grad: Tensor, x: Tensor, weights: list[Tensor], ne
                               need_w: bool) -> tuple[Tensor, Tensor]:
     """(dX, dW of the merged weight); an empty tensor for the one not needed."""
     with torch.no_grad():
-        grad_x, grad_w = _backward(grad, x, concatenated(weights), need_x, need_w)
+        grad_x, grad_w = linear_grads(grad, x, concatenated(weights), need_x, need_w)
     return (grad_x if grad_x is not None else grad.new_empty(0),
             grad_w if grad_w is not None else grad.new_empty(0))
 
@@ -262,8 +276,8 @@ class _EagerMerged(torch.autograd.Function):
     concatenated copy is made in either pass, nor held from the forward to the backward."""
 
     @staticmethod
-    def forward(ctx, x, bias, merged, packed, *weights):
-        ctx.packed = packed
+    def forward(ctx, x, bias, merged, packed, grad_x_reduction, *weights):
+        ctx.packed, ctx.grad_x_reduction = packed, grad_x_reduction
         ctx.save_for_backward(x, merged) if packed else ctx.save_for_backward(x, *weights)
         ctx.rows = [w.shape[0] for w in weights]
         ctx.has_bias = bias is not None
@@ -275,17 +289,21 @@ class _EagerMerged(torch.autograd.Function):
     def backward(ctx, grad):
         x, *kept = ctx.saved_tensors
         need_x, need_b, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
-            any(ctx.needs_input_grad[4:])
+            any(ctx.needs_input_grad[5:])
         with torch.no_grad():
             if ctx.packed:
-                grad_x, grad_w = _backward(grad, x, kept[0], need_x, need_w)
+                grad_x, grad_w = linear_grads(grad, x, kept[0], need_x, need_w,
+                                              ctx.grad_x_reduction)
             else:
                 grad_x = _grad_x_unpacked(grad, x, [w.detach() for w in kept]) \
                     if need_x else None
-                grad_w = _backward(grad, x, None, False, need_w)[1]
+                pending = _start(ctx.grad_x_reduction, grad_x)
+                grad_w = linear_grads(grad, x, None, False, need_w)[1]
+                if pending is not None:
+                    pending.wait()
             grad_b = _rows(grad).sum(0) if ctx.has_bias and need_b else None
         grads = list(grad_w.split(ctx.rows)) if grad_w is not None else [None] * len(ctx.rows)
-        return (grad_x, grad_b, None, None, *grads)
+        return (grad_x, grad_b, None, None, None, *grads)
 
 
 class _EagerResidual(torch.autograd.Function):
@@ -299,7 +317,7 @@ class _EagerResidual(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         with torch.no_grad():
-            grad_x, grad_w = _backward(grad, x, weight, ctx.needs_input_grad[0],
+            grad_x, grad_w = linear_grads(grad, x, weight, ctx.needs_input_grad[0],
                                        ctx.needs_input_grad[1])
             grad_b = _rows(grad).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, grad if ctx.needs_input_grad[3] else None
@@ -333,20 +351,34 @@ def merged_bias(layers: Sequence[torch.nn.Linear]) -> Optional[Tensor]:
 
 
 def merged_linear(x: Tensor, weights: Sequence[Tensor], bias: Optional[Tensor] = None,
-                  view: Optional[MergedView] = None) -> Tensor:
+                  view: Optional[MergedView] = None,
+                  grad_x_reduction: Optional[GradReduction] = None) -> Tensor:
     """``x @ cat(weights).T + bias`` as one GEMM, with autograd to ``x``, each weight and the
     bias (of the merged width). Split the result with ``.split([w.shape[0] for w in weights],
-    -1)``. ``view``: the caller's ``MergedView`` of these weights (eager calls reuse it)."""
+    -1)``. ``view``: the caller's ``MergedView`` of these weights (eager calls reuse it).
+    ``grad_x_reduction``: the backward starts it on dX (in place) right after dX's GEMM and
+    waits for what it returns after dW's, so that a reduction running beside the GEMMs (an
+    asynchronous all-reduce: tensor parallelism) overlaps dW's GEMM; eager calls of plain
+    tensors only (``uses_eager_autograd``), a ValueError otherwise."""
     weights = list(weights)
-    if torch.compiler.is_compiling() or _subclass(x, bias, *weights):
+    if not uses_eager_autograd(x, bias, *weights):
+        if grad_x_reduction is not None:
+            raise ValueError("merged_linear: grad_x_reduction needs an eager call of plain "
+                             "tensors (not torch.compile, not a tensor subclass)")
         return merged_linear_op(x, weights, bias)
     merged = view(weights) if view is not None else merged_view(weights)
     packed = merged is not None
     if _needs_grad(x, bias, *weights):
-        return _EagerMerged.apply(x, bias, merged, packed, *weights)
+        return _EagerMerged.apply(x, bias, merged, packed, grad_x_reduction, *weights)
     if not packed:
         return _forward_unpacked(x, weights, bias)
     return _forward(x, merged, bias)
+
+
+def uses_eager_autograd(*tensors: Optional[Tensor]) -> bool:
+    """Whether calls on these tensors take this module's eager autograd (not the registered op,
+    which torch.compile and tensor subclasses need)."""
+    return not torch.compiler.is_compiling() and not _subclass(*tensors)
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor
@@ -369,5 +401,5 @@ fast_autograd("cutlass_ops::linear_residual", eager=linear_residual,
 # DTensor inputs (tensor parallelism) run on each rank's shard: cutlass_ops.gemm_sharding_rules.
 gemm_sharding_rules.register("merged_linear", "merged_linear_backward", "linear_residual")
 
-__all__ = ["merged_linear", "linear_residual", "pack", "is_packed", "merged_view",
-           "merged_bias", "MergedView"]
+__all__ = ["merged_linear", "linear_residual", "linear_grads", "uses_eager_autograd", "pack",
+           "is_packed", "merged_view", "merged_bias", "MergedView", "GradReduction"]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from cutlass_ops import fused_linear
+from cutlass_ops.gemms import dispatch
 
 
 class _CopyToRanks(torch.autograd.Function):
@@ -50,6 +51,47 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
+# Overlap of the layer's all-reduces with its GEMMs (issue 52), off until measured on GPUs
+# (benchmarks/multigpu.py --tp-overlap): the row-parallel GEMMs (o_proj, down_proj) computed in
+# ROW_BLOCKS blocks of rows, each block's all-reduce running on NCCL's stream while the next
+# block's GEMM runs (blocks of at least MIN_BLOCK_ROWS rows: a decode step stays one GEMM); and
+# the column-parallel GEMMs' input gradient all-reduced while their weight gradient's GEMM runs.
+ROW_BLOCKS = 1
+MIN_BLOCK_ROWS = 1024
+OVERLAP_GRAD_X = False
+
+
+class _RowParallelBlocks(torch.autograd.Function):
+    """``x @ weight^T`` summed over the ranks, computed in ``blocks`` blocks of rows whose
+    all-reduces overlap the next block's GEMM; backward: the two local GEMMs (every rank holds
+    the whole output gradient: nothing to reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, blocks):
+        ctx.save_for_backward(x, weight)
+        parts, pending = [], []
+        for rows in x.reshape(-1, x.shape[-1]).tensor_split(blocks):
+            parts.append(dispatch.matmul(rows, weight.t()))
+            pending.append(dist.all_reduce(parts[-1], group=group, async_op=True))
+        for work in pending:
+            work.wait()
+        return torch.cat(parts).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.no_grad():
+            grad_x, grad_w = fused_linear.linear_grads(grad, x, weight, ctx.needs_input_grad[0],
+                                                       ctx.needs_input_grad[1])
+        return grad_x, grad_w, None, None
+
+
+def _row_blocks(x: Tensor, weight: Tensor) -> int:
+    """How many blocks ``_RowParallelBlocks`` splits this call into; 1: not split."""
+    blocks = min(ROW_BLOCKS, x.numel() // x.shape[-1] // MIN_BLOCK_ROWS)
+    return blocks if blocks > 1 and fused_linear.uses_eager_autograd(x, weight) else 1
+
+
 def _local(weights: Sequence[Tensor]) -> list[Tensor]:
     return [w.to_local() if hasattr(w, "to_local") else w for w in weights]
 
@@ -73,17 +115,29 @@ class TensorParallelGemms:
                       bias: Optional[Tensor] = None,
                       view: Optional[fused_linear.MergedView] = None) -> Tensor:
         """The rank's columns of ``x @ cat(weights)^T``: its own q, k, v (or gate, up)."""
-        x = _CopyToRanks.apply(x, self.group) if torch.is_grad_enabled() else x
         local = _local(weights)
-        return fused_linear.merged_linear(x, local, None if bias is None else
-                                          _local([bias])[0], view)
+        bias = None if bias is None else _local([bias])[0]
+        if not torch.is_grad_enabled():
+            return fused_linear.merged_linear(x, local, bias, view)
+        if OVERLAP_GRAD_X and fused_linear.uses_eager_autograd(x, bias, *local):
+            return fused_linear.merged_linear(x, local, bias, view,
+                                              grad_x_reduction=self._all_reduce_async)
+        return fused_linear.merged_linear(_CopyToRanks.apply(x, self.group), local, bias, view)
+
+    def _all_reduce_async(self, grad_x: Tensor):
+        return dist.all_reduce(grad_x, group=self.group, async_op=True)
 
     def linear_reduced(self, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         """``x @ weight^T (+ bias)`` with x the rank's columns and weight its column shard:
         the partial products summed over the ranks, then the bias (replicated) once."""
         from cutlass_ops.ops import linear_fast
 
-        y = _SumOverRanks.apply(linear_fast(x, _local([weight])[0]), self.group)
+        local = _local([weight])[0]
+        blocks = _row_blocks(x, local)
+        if blocks > 1:
+            y = _RowParallelBlocks.apply(x, local, self.group, blocks)
+        else:
+            y = _SumOverRanks.apply(linear_fast(x, local), self.group)
         return y if bias is None else y + bias
 
     def linear_residual(self, x: Tensor, weight: Tensor, bias: Optional[Tensor],

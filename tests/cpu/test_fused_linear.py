@@ -34,6 +34,58 @@ def test_merged_linear_matches_separate_layers(packed, bias):
 
 
 @pytest.mark.parametrize("packed", [True, False])
+def test_the_grad_x_reduction_runs_between_the_two_gradient_gemms(monkeypatch, packed):
+    """Tensor parallelism's all-reduce of dX starts right after dX's GEMM and is waited for
+    after dW's (so that it overlaps dW's GEMM); what it does to dX in place is the gradient x
+    gets. Here it doubles dX, and the order of events is recorded."""
+    from cutlass_ops.gemms import dispatch
+
+    layers = _layers(bias=False)
+    if packed:
+        fused_linear.pack(layers)
+    weights = [layer.weight for layer in layers]
+    events, real = [], dispatch.matmul
+    monkeypatch.setattr(dispatch, "matmul",
+                        lambda a, b, **kw: events.append(tuple(a.shape)) or real(a, b, **kw))
+
+    class Pending:
+        def wait(self):
+            events.append("wait")
+
+    def reduction(grad_x):
+        events.append("start")
+        grad_x.mul_(2)
+        return Pending()
+
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    y = fused_linear.merged_linear(x, weights, grad_x_reduction=reduction)
+    grad = torch.randn_like(y)
+    events.clear()
+    got = torch.autograd.grad(y, [x, *weights], grad)
+    expected = torch.autograd.grad(torch.cat([x @ w.t() for w in weights], -1), [x, *weights],
+                                   grad)
+    torch.testing.assert_close(got[0], 2 * expected[0])
+    for a, b in zip(got[1:], expected[1:]):
+        torch.testing.assert_close(a, b)
+    # dX's GEMM (dispatch's when packed; unpacked weights' sum of torch.mm), then dW's
+    assert events == ([(6, 16)] if packed else []) + ["start", (16, 6), "wait"], events
+
+
+def test_a_grad_x_reduction_outside_eager_autograd_is_refused():
+    from torch.distributed.tensor import DeviceMesh  # noqa: F401  (DTensor importable)
+
+    class Wrapped(torch.Tensor):  # any tensor subclass takes the registered op
+        pass
+
+    x = torch.randn(3, 16).as_subclass(Wrapped)
+    with pytest.raises(ValueError, match="grad_x_reduction"):
+        fused_linear.merged_linear(x, [l.weight for l in _layers()],
+                                   grad_x_reduction=lambda g: None)
+    assert not fused_linear.uses_eager_autograd(x)
+    assert fused_linear.uses_eager_autograd(torch.randn(3, 16), None)
+
+
+@pytest.mark.parametrize("packed", [True, False])
 def test_the_backward_keeps_no_copy_of_the_weights(packed):
     """Autograd keeps the weights (or their packed view), never a merged copy: a kept copy
     would hold every layer's merged weights from its forward to its backward (FSDP2 frees its

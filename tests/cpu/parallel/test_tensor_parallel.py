@@ -78,17 +78,27 @@ def _grads(model) -> dict:
 
 
 def _train_and_infer(rank, world, device="cpu", config=CONFIG, how="parallelize",
-                     checkpoint=None):
+                     checkpoint=None, overlap=False):
     """(what the sharded model gave, what the unsharded one gave) on this rank; ``device``
     "cuda": NCCL ranks, the ops' own kernels (tests/gpu/parallel/test_tensor_parallel_gpu.py); ``how``:
     "parallelize" (convert, then ``tensor_parallel.parallelize``), "torch_plan" (torch's
     plan, then the fused blocks adopt its shards) or "hf_tp_plan" (Hugging Face's
-    ``tp_plan="auto"`` of ``checkpoint``, then the same)."""
+    ``tp_plan="auto"`` of ``checkpoint``, then the same); ``overlap``: the all-reduces
+    overlapped with the GEMMs (``sharded_gemms.ROW_BLOCKS``, ``OVERLAP_GRAD_X``), the row-parallel
+    GEMMs in 2 blocks of 12 rows."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
     from cutlass_ops import fused_linear
-    from cutlass_ops.parallel import tensor_parallel
+    from cutlass_ops.parallel import sharded_gemms, tensor_parallel
+
+    if overlap:
+        sharded_gemms.ROW_BLOCKS, sharded_gemms.MIN_BLOCK_ROWS = 2, 12
+        sharded_gemms.OVERLAP_GRAD_X = True
+
+        def unoverlapped(*args):
+            raise AssertionError("an input gradient took the all-reduce after both GEMMs")
+        sharded_gemms._CopyToRanks.apply = unoverlapped  # this rank's process only
 
     ids = torch.randint(0, config["vocab_size"], (2, 12),
                         generator=torch.Generator().manual_seed(1)).to(device)
@@ -151,6 +161,23 @@ def test_the_sharded_model_trains_and_infers_as_one_process(tmp_path, how):
     if how == "hf_tp_plan":  # one DTensor all-reduce of Hugging Face's own plan, not ours
         assert forward.pop("c10d_functional.all_reduce", 0) <= 1, got["forward_comms"]
     assert forward == {"c10d.allreduce_": 2 * layers, "c10d._allgather_base_": 2}, forward
+    assert got["backward_comms"] == {"c10d.allreduce_": 2 * layers + 1}, got["backward_comms"]
+
+
+def test_overlapped_all_reduces_give_the_same_training(tmp_path):
+    """The row-parallel GEMMs in blocks whose all-reduces overlap the next block's GEMM, the
+    input gradients' all-reduces overlapping the weight gradients' GEMMs: the same loss,
+    gradients and logits as one process; two all-reduces (one a block) where there was one
+    forward, the same count backward."""
+    (got, expected), _ = on_ranks(tmp_path, _train_and_infer, "cpu", CONFIG, "parallelize",
+                                  None, True)
+    torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-5, atol=1e-5)
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(got["logits"], expected["logits"], rtol=1e-4, atol=1e-5)
+    layers = CONFIG["num_hidden_layers"]
+    assert got["forward_comms"] == {"c10d.allreduce_": 2 * 2 * layers,
+                                    "c10d._allgather_base_": 2}, got["forward_comms"]
     assert got["backward_comms"] == {"c10d.allreduce_": 2 * layers + 1}, got["backward_comms"]
 
 
