@@ -9,8 +9,11 @@ compile`` (and ``vs ours``, prefill alike): the converted model's step through
 ``train <family> ours fp8 blockwise vs ours bf16`` (and prefill): ``convert(model,
 fp8="blockwise")``, the experts' grouped GEMMs FP8 (``cutlass_ops.fp8.fp8_experts``) and the
 attention's projections, checked against the recipe's float32 emulation with the experts' GEMMs
-emulated too (``e2e_fp8.Emulations``; ``--no-fp8``: not). torchao's MoE FP8 training
-(``torchao.prototype.moe_training``) is not measured here yet.
+emulated too (``e2e_fp8.Emulations``; ``--no-fp8``: not). ``train <family> ours fp8 blockwise vs
+torchao moe fp8``: against torchao's MoE FP8 training (``benchmarks.torchao_moe``: rowwise FP8
+experts, the rest bf16, compiled), in the same interleaved timing; its gradients held to the
+blockwise recipe's emulation bound (the same e4m3 rounding of the experts' operands), and the
+row missing, with why, where torchao does not run the model (``--no-torchao``: not measured).
 
 Hugging Face's experts are pinned to ``experts_implementation="grouped_mm"`` (``HF_EXPERTS``,
 transformers' default, passed to ``from_config`` and checked on the built model) on the eager
@@ -72,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks import e2e, e2e_fp8, model_checks  # noqa: E402
+from benchmarks import e2e, e2e_fp8, model_checks, torchao_moe  # noqa: E402
 from benchmarks.common import (labelled_rows, print_table, require_gpu,  # noqa: E402
                                write_result)
 
@@ -265,7 +268,44 @@ def measure_train(variants: dict, ids, reps: int,
     for recipe in FP8_RECIPES:
         if emulations is not None and e2e_fp8.fp8_name(recipe) in variants:
             tolerances[e2e_fp8.fp8_name(recipe)] = emulations.tolerances(recipe)
-    return e2e.measure_train(variants, ids, reps, tolerances), twin
+    if emulations is not None and torchao_moe.NAME in variants:
+        tolerances[torchao_moe.NAME] = emulations.tolerances(TORCHAO_BOUND_RECIPE)
+    return e2e.measure_train(variants, ids, reps, tolerances,
+                             fragile=(torchao_moe.NAME,)), twin
+
+
+# torchao's rowwise FP8 experts are held to the blockwise recipe's emulation: the same e4m3
+# rounding of the experts' operands (our emulation quantizes the experts under blockwise only).
+TORCHAO_BOUND_RECIPE = "blockwise"
+
+
+def torchao_row(train: dict, why: str | None, tokens: int) -> dict:
+    """``train ours fp8 blockwise vs torchao moe fp8``: correct when both steps are within their
+    bounds; missing (not correct, no ratio, why) where either did not run."""
+    import importlib.metadata
+
+    ours = train.get(e2e_fp8.fp8_name("blockwise"), {"error": "ours fp8 was not measured"})
+    peer = train.get(torchao_moe.NAME, {"error": why or "torchao's peer was not measured"})
+    case, name = "train ours fp8 blockwise vs torchao moe fp8", f"{torchao_moe.NAME} + compile"
+    detail = {"peer_settings": torchao_moe.SETTINGS, "peer_recipe": "rowwise",
+              "ours_recipe": "blockwise", "peer_bound": f"the {TORCHAO_BOUND_RECIPE} recipe's "
+              "float32 emulation (experts quantized too)"}
+    try:
+        detail["torchao"] = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        detail["torchao"] = None
+    if "ms" not in ours or "ms" not in peer:
+        reasons = [e["error"] for e in (ours, peer) if "error" in e]
+        return e2e_fp8.missing_row(case, "tokens/s", _rate(tokens, ours), _rate(tokens, peer),
+                                   name, "; ".join(reasons) or "not timed", **detail)
+    detail.update(ours_check=ours["check"].detail(), peer_check=peer["check"].detail(),
+                  peer_loss=peer["loss"], peer_peak_gb=round(peer["peak_gb"], 2))
+    return e2e.rate_row(case, tokens, ours, peer, name,
+                        bool(ours["check"].ok and peer["check"].ok), **detail)
+
+
+def _rate(tokens: int, entry: dict) -> float | None:
+    return round(tokens / entry["ms"] * 1e3, 1) if entry.get("ms") else None
 
 
 LOSS_BOUND = 1e-2  # model_checks.loss_within's: ours' loss within 1% of eager's
@@ -314,6 +354,11 @@ def measure(family: str, args) -> list[dict]:
         variants["compile"] = torch.compile(eager)
     vocab = eager.config.vocab_size
     ids = e2e.token_ids(args.tokens, vocab)
+    torchao_why = None
+    if recipes and not args.no_torchao and "train" in args.sections:
+        peer, torchao_why = torchao_moe.build(eager, ids)
+        if peer is not None:
+            variants[torchao_moe.NAME] = peer
     emulations = e2e_fp8.Emulations(eager, ids) if recipes else None
     layers = layer_report(report)
     rows = []
@@ -326,6 +371,9 @@ def measure(family: str, args) -> list[dict]:
             rows.append(named(row, family))
         for row in e2e_fp8.train_rows(train, {}, args.tokens, recipes):
             rows.append(named(fp8_detail(row, missing, conversions), family))
+        if recipes and not args.no_torchao:
+            rows.append(named(torchao_row(train, torchao_why, args.tokens), family))
+    variants.pop(torchao_moe.NAME, None)  # a train peer
     if "prefill" in args.sections:
         prefill = e2e.measure_prefill(variants, ids, args.reps)
         rows += [named(row, family) for row in prefill_rows(prefill, args.tokens)]
@@ -423,6 +471,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--no-fp8", action="store_true",
                         help="skip ours converted with fp8='blockwise' (experts and attention)")
+    parser.add_argument("--no-torchao", action="store_true",
+                        help="skip torchao's MoE FP8 training peer of the FP8 train row")
     parser.add_argument("--no-graphs", action="store_true",
                         help="skip ours through cutlass_ops.graphed_train_step / graphed_forward")
     parser.add_argument("--tune", choices=["quick", "default", "exhaustive"],

@@ -310,3 +310,69 @@ def test_an_fp8_row_names_what_convert_did_or_why_there_is_no_fp8_model():
     assert moe_e2e.named(got, "mixtral")["case"] == \
         "prefill mixtral ours fp8 blockwise vs ours bf16"
     assert moe_e2e.parse_args(["--no-fp8"]).no_fp8 and not moe_e2e.parse_args([]).no_fp8
+
+
+# --- torchao's MoE FP8 training peer (benchmarks/torchao_moe.py) --------------------------------
+
+def test_torchao_converts_the_experts_modules_only():
+    from benchmarks import torchao_moe
+
+    model = tiny_qwen3_moe()
+    found = [name for name, m in model.named_modules() if torchao_moe.is_experts(m, name)]
+    assert found == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+
+
+def test_torchao_peer_missing_says_why(monkeypatch):
+    """Without torchao's moe_training the peer is missing with the reason; where torchao's FP8
+    grouped GEMM never runs in the probe forward (the experts stayed bf16) it is missing too,
+    rather than a bf16 model timed under torchao's name."""
+    import importlib
+
+    from benchmarks import torchao_moe
+
+    real = importlib.import_module
+
+    def no_torchao(name, *args):
+        if name.startswith("torchao"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *args)
+    monkeypatch.setattr(importlib, "import_module", no_torchao)
+    peer, why = torchao_moe.build(tiny_qwen3_moe(), torch.zeros(1, 8, dtype=torch.long))
+    assert peer is None and "not importable" in why
+
+    calls = []
+    fake = SimpleNamespace(_quantize_then_scaled_grouped_mm=lambda *a, **k: calls.append(a))
+    model = tiny_qwen3_moe()
+    ids = torch.randint(0, 101, (1, 8))
+    assert torchao_moe._fp8_calls_of_one_forward(model, ids, fake) == 0
+    original = fake._quantize_then_scaled_grouped_mm
+
+    def forward_calling_it(*args, **kwargs):  # a model whose experts reach torchao's GEMM twice
+        fake._quantize_then_scaled_grouped_mm(1)
+        fake._quantize_then_scaled_grouped_mm(2)
+    assert torchao_moe._fp8_calls_of_one_forward(forward_calling_it, ids, fake) == 2
+    assert fake._quantize_then_scaled_grouped_mm is original and calls == [(1,), (2,)]
+
+
+def test_the_torchao_row_is_correct_only_when_both_steps_pass():
+    from benchmarks import e2e_fp8, model_checks
+
+    def entry(ms, ok):
+        grads = model_checks.GradientCheck("p", 0.1, 0.2, 0 if ok else 1, 10)
+        return {"ms": ms, "loss": 5.0, "peak_gb": 2.0,
+                "check": model_checks.TrainCheck(5.0, 5.0, grads)}
+
+    ours, peer = e2e_fp8.fp8_name("blockwise"), "torchao moe fp8"
+    row = moe_e2e.torchao_row({ours: entry(8.0, True), peer: entry(10.0, True)}, None, 4096)
+    assert row["case"] == "train ours fp8 blockwise vs torchao moe fp8" and row["correct"]
+    assert row["ratio"] == round(round(4096 / 8.0 * 1e3, 1) / round(4096 / 10.0 * 1e3, 1), 4)
+    assert row["detail"]["peer_recipe"] == "rowwise" and row["detail"]["peer_check"]
+    assert moe_e2e.named(row, "qwen3-moe")["case"] == \
+        "train qwen3-moe ours fp8 blockwise vs torchao moe fp8"
+    assert not moe_e2e.torchao_row({ours: entry(8.0, True), peer: entry(10.0, False)}, None,
+                                   4096)["correct"]
+    missing = moe_e2e.torchao_row({ours: entry(8.0, True)}, "torchao is not importable", 4096)
+    assert missing["ratio"] is None and not missing["correct"]
+    assert missing["detail"]["missing"] == "torchao is not importable"
+    assert missing["ours"] == round(4096 / 8.0 * 1e3, 1) and missing["reference"] is None
+    assert moe_e2e.parse_args(["--no-torchao"]).no_torchao
