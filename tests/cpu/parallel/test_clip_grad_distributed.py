@@ -23,6 +23,10 @@ def full_gradients(seed=0):
             torch.randn(4, 2, generator=g), torch.zeros(0)]
 
 
+CASES = [(norm_type, use_dtensor) for use_dtensor in (False, True)
+         for norm_type in (2.0, 1.0, math.inf)]
+
+
 def _clip(rank, world, norm_type, use_dtensor):
     grads = [t.chunk(world)[rank].clone() if t.numel() else t.clone()
              for t in full_gradients()]
@@ -40,23 +44,31 @@ def _clip(rank, world, norm_type, use_dtensor):
     return {"norm": norm, "grads": local}
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
-@pytest.mark.parametrize("use_dtensor", [False, True])
-def test_two_ranks_clip_like_torch_on_the_whole_gradients(tmp_path, norm_type, use_dtensor):
-    results = on_ranks(tmp_path, _clip, norm_type, use_dtensor)
-    params = []
-    for g in full_gradients():  # torch clips parameters' .grad (and refuses an empty one's inf norm)
-        if not g.numel():
-            continue
-        params.append(torch.nn.Parameter(torch.zeros_like(g)))
-        params[-1].grad = g
-    expected_norm = torch.nn.utils.clip_grad_norm_(params, 1.0, norm_type)
-    expected = [p.grad for p in params] + [torch.zeros(0)]
-    for result in results:
-        torch.testing.assert_close(result["norm"], expected_norm.float(), rtol=1e-5, atol=1e-6)
-    for i, whole in enumerate(expected):
-        if whole.numel():
-            torch.testing.assert_close(torch.cat([r["grads"][i] for r in results]), whole)
+def _clip_every_case(rank, world):
+    """Every case on the same two ranks (a spawn of ranks costs seconds; a case microseconds)."""
+    return [_clip(rank, world, *case) for case in CASES]
+
+
+def test_two_ranks_clip_like_torch_on_the_whole_gradients(tmp_path):
+    per_rank = on_ranks(tmp_path, _clip_every_case)
+    for index, (norm_type, use_dtensor) in enumerate(CASES):
+        results = [cases[index] for cases in per_rank]
+        params = []
+        for g in full_gradients():  # torch clips .grad (and refuses an empty one's inf norm)
+            if not g.numel():
+                continue
+            params.append(torch.nn.Parameter(torch.zeros_like(g)))
+            params[-1].grad = g
+        expected_norm = torch.nn.utils.clip_grad_norm_(params, 1.0, norm_type)
+        expected = [p.grad for p in params] + [torch.zeros(0)]
+        case = f"norm_type={norm_type}, dtensor={use_dtensor}"
+        for result in results:
+            torch.testing.assert_close(result["norm"], expected_norm.float(), rtol=1e-5,
+                                       atol=1e-6, msg=case)
+        for i, whole in enumerate(expected):
+            if whole.numel():
+                torch.testing.assert_close(torch.cat([r["grads"][i] for r in results]), whole,
+                                           msg=case)
 
 
 def test_the_local_norm_scales_nothing_and_keeps_float32():
