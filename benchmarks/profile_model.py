@@ -175,6 +175,11 @@ def kernels(eager, ours, top: int, trace: Path | None = None) -> None:
     step(input_ids=ids, labels=ids)  # eager; kernel_table's warm call captures
     kernel_table("ours graphed train step", lambda: step(input_ids=ids, labels=ids), top, trace)
     ours.zero_grad(set_to_none=True)
+    # The ungraphed step once more, after the graphed one: the graph's kernels ran longer than
+    # the same kernels ungraphed (docs/measurements.md); this tells the graph from the order
+    # (a GPU warmer by then).
+    kernel_table("ours train step again", train_step(ours, ids), top, trace)
+    ours.zero_grad(set_to_none=True)
     ours.eval()
 
 
