@@ -38,29 +38,42 @@ def is_experts(module: nn.Module, fqn: str = "") -> bool:
         p.dim() == 3 for p in module.parameters(recurse=False))
 
 
+# torchao's configurations tried in turn: its default (FP8_ROWWISE), then with each expert's
+# token group padded to a multiple of 16 (what its grouped GEMM may ask of the offsets).
+CONFIGS = ({}, {"pad_token_groups_for_grouped_mm": True})
+
+
 def build(eager: nn.Module, ids: torch.Tensor) -> tuple[nn.Module | None, str | None]:
-    """(torchao's peer of ``eager``, compiled, None) or (None, why there is none)."""
+    """(torchao's peer of ``eager``, compiled, None) or (None, why there is none). The first of
+    ``CONFIGS`` whose probe forward runs torchao's FP8 grouped GEMM is the peer
+    (``SETTINGS["options"]`` records it)."""
     try:
         config_module = importlib.import_module("torchao.prototype.moe_training.config")
         tensor_module = importlib.import_module("torchao.prototype.moe_training.tensor")
         from torchao.quantization import quantize_
     except ImportError as error:
         return None, f"torchao's moe_training is not importable: {error}"
-    model = copy.deepcopy(eager)
-    experts = [m for name, m in model.named_modules() if is_experts(m, name)]
-    if not experts:
+    if not any(is_experts(m, name) for name, m in eager.named_modules()):
         return None, "the model has no experts module with 3-D weights for torchao to convert"
-    try:
-        _route_to_torchao()
-        quantize_(model, config_module.Float8TrainingOpConfig(), filter_fn=is_experts)
-        calls = _fp8_calls_of_one_forward(model, ids[:, :PROBE_TOKENS], tensor_module)
-    except Exception as error:  # noqa: BLE001 (a prototype: its failure is a result)
-        return None, f"torchao's conversion or first forward raised {type(error).__name__}: " \
-                     f"{error}"[:400]
-    if calls == 0:
-        return None, "torchao's FP8 grouped GEMM was never called in a forward: the experts " \
-                     "ran bf16"
-    return torch.compile(model), None
+    failures = []
+    for options in CONFIGS:
+        model = copy.deepcopy(eager)
+        try:
+            _route_to_torchao()
+            quantize_(model, config_module.Float8TrainingOpConfig(**options),
+                      filter_fn=is_experts)
+            calls = _fp8_calls_of_one_forward(model, ids[:, :PROBE_TOKENS], tensor_module)
+        except Exception as error:  # noqa: BLE001 (a prototype: its failure is a result)
+            failures.append(f"{options or 'default'}: conversion or first forward raised "
+                            f"{type(error).__name__}: {error}"[:300])
+            continue
+        if calls == 0:
+            failures.append(f"{options or 'default'}: torchao's FP8 grouped GEMM was never "
+                            "called in a forward (the experts ran bf16)")
+            continue
+        SETTINGS["options"] = options or "default"
+        return torch.compile(model), None
+    return None, "; ".join(failures)
 
 
 def _fp8_calls_of_one_forward(model: nn.Module, ids: torch.Tensor, tensor_module) -> int:

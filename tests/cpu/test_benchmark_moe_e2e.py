@@ -376,3 +376,44 @@ def test_the_torchao_row_is_correct_only_when_both_steps_pass():
     assert missing["detail"]["missing"] == "torchao is not importable"
     assert missing["ours"] == round(4096 / 8.0 * 1e3, 1) and missing["reference"] is None
     assert moe_e2e.parse_args(["--no-torchao"]).no_torchao
+
+
+def test_torchao_peer_tries_its_padded_configuration_after_a_failing_default(monkeypatch):
+    """A stand-in torchao whose default configuration raises in its first forward and whose
+    padded one reaches its FP8 grouped GEMM: the padded one is the peer, and the settings say
+    so; with both failing, the reason names both."""
+    import types
+
+    import transformers.integrations.moe as hf_moe
+
+    from benchmarks import torchao_moe
+
+    tensor = types.ModuleType("torchao.prototype.moe_training.tensor")
+    tensor.TrainingWeightWrapperBaseTensor = type("Wrapper", (torch.Tensor,), {})
+    tensor._quantize_then_scaled_grouped_mm = lambda *a, **k: None
+    config = types.ModuleType("torchao.prototype.moe_training.config")
+    config.Float8TrainingOpConfig = lambda **options: options
+    quantization = types.ModuleType("torchao.quantization")
+
+    def quantize_(model, options, filter_fn):
+        assert any(filter_fn(m, n) for n, m in model.named_modules())
+        if not options.get("pad_token_groups_for_grouped_mm"):
+            raise RuntimeError("offsets must be multiples of 16")
+        model.forward = lambda **kw: tensor._quantize_then_scaled_grouped_mm()
+    quantization.quantize_ = quantize_
+    for name, module in (("torchao", types.ModuleType("torchao")),
+                         ("torchao.quantization", quantization),
+                         ("torchao.prototype.moe_training.config", config),
+                         ("torchao.prototype.moe_training.tensor", tensor)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(hf_moe, "_grouped_mm", hf_moe._grouped_mm)  # restored after the test
+    monkeypatch.setitem(torchao_moe.SETTINGS, "options", None)
+    ids = torch.randint(0, 101, (1, 8))
+    peer, why = torchao_moe.build(tiny_qwen3_moe(), ids)
+    assert why is None and peer is not None
+    assert torchao_moe.SETTINGS["options"] == {"pad_token_groups_for_grouped_mm": True}
+    assert hf_moe._grouped_mm.routes_torchao
+
+    quantization.quantize_ = lambda model, options, filter_fn: None  # the experts stay bf16
+    peer, why = torchao_moe.build(tiny_qwen3_moe(), ids)
+    assert peer is None and why.count("never called") == 2
