@@ -279,7 +279,7 @@ def measure_train(variants: dict, ids, reps: int,
 TORCHAO_BOUND_RECIPE = "blockwise"
 
 
-def torchao_row(train: dict, why: str | None, tokens: int) -> dict:
+def torchao_row(train: dict, why: str | None, settings: dict, tokens: int) -> dict:
     """``train ours fp8 blockwise vs torchao moe fp8``: correct when both steps are within their
     bounds; missing (not correct, no ratio, why) where either did not run."""
     import importlib.metadata
@@ -287,7 +287,7 @@ def torchao_row(train: dict, why: str | None, tokens: int) -> dict:
     ours = train.get(e2e_fp8.fp8_name("blockwise"), {"error": "ours fp8 was not measured"})
     peer = train.get(torchao_moe.NAME, {"error": why or "torchao's peer was not measured"})
     case, name = "train ours fp8 blockwise vs torchao moe fp8", f"{torchao_moe.NAME} + compile"
-    detail = {"peer_settings": torchao_moe.SETTINGS, "peer_recipe": "rowwise",
+    detail = {"peer_settings": settings, "peer_recipe": "rowwise",
               "ours_recipe": "blockwise", "peer_bound": f"the {TORCHAO_BOUND_RECIPE} recipe's "
               "float32 emulation (experts quantized too)"}
     try:
@@ -354,9 +354,9 @@ def measure(family: str, args) -> list[dict]:
         variants["compile"] = torch.compile(eager)
     vocab = eager.config.vocab_size
     ids = e2e.token_ids(args.tokens, vocab)
-    torchao_why = None
+    torchao_why, torchao_settings = None, torchao_moe.SETTINGS
     if recipes and not args.no_torchao and "train" in args.sections:
-        peer, torchao_why = torchao_moe.build(eager, ids)
+        peer, torchao_why, torchao_settings = torchao_moe.build(eager, ids)
         if peer is not None:
             variants[torchao_moe.NAME] = peer
     emulations = e2e_fp8.Emulations(eager, ids) if recipes else None
@@ -372,7 +372,8 @@ def measure(family: str, args) -> list[dict]:
         for row in e2e_fp8.train_rows(train, {}, args.tokens, recipes):
             rows.append(named(fp8_detail(row, missing, conversions), family))
         if recipes and not args.no_torchao:
-            rows.append(named(torchao_row(train, torchao_why, args.tokens), family))
+            row = torchao_row(train, torchao_why, torchao_settings, args.tokens)
+            rows.append(named(row, family))
     variants.pop(torchao_moe.NAME, None)  # a train peer
     if "prefill" in args.sections:
         prefill = e2e.measure_prefill(variants, ids, args.reps)

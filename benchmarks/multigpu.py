@@ -821,8 +821,7 @@ def data_parallel_rows(world: int, mode: str, got: dict, single: float | None, a
                                 "one_gpu_speedup": None if single is None else round(single, 4),
                                 "tokens_per_rank": args.tokens,
                                 "collectives_per_train_step": got.get("comms"),
-                                "model_tune": args.model_tune_line,
-              "overlap": overlap_settings(getattr(args, "tp_overlap", 0))}})
+                                "model_tune": args.model_tune_line}})
         if peer == "compiled":
             rows[-1]["detail"].update(
                 weaker_references={f"unconverted eager under {mode}":

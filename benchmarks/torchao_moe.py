@@ -43,18 +43,19 @@ def is_experts(module: nn.Module, fqn: str = "") -> bool:
 CONFIGS = ({}, {"pad_token_groups_for_grouped_mm": True})
 
 
-def build(eager: nn.Module, ids: torch.Tensor) -> tuple[nn.Module | None, str | None]:
-    """(torchao's peer of ``eager``, compiled, None) or (None, why there is none). The first of
-    ``CONFIGS`` whose probe forward runs torchao's FP8 grouped GEMM is the peer
-    (``SETTINGS["options"]`` records it)."""
+def build(eager: nn.Module, ids: torch.Tensor) -> tuple[nn.Module | None, str | None, dict]:
+    """(torchao's peer of ``eager``, compiled, None, its settings) or (None, why there is none,
+    the settings tried). The first of ``CONFIGS`` whose probe forward runs torchao's FP8 grouped
+    GEMM is the peer (its settings' "options")."""
     try:
         config_module = importlib.import_module("torchao.prototype.moe_training.config")
         tensor_module = importlib.import_module("torchao.prototype.moe_training.tensor")
         from torchao.quantization import quantize_
     except ImportError as error:
-        return None, f"torchao's moe_training is not importable: {error}"
+        return None, f"torchao's moe_training is not importable: {error}", SETTINGS
     if not any(is_experts(m, name) for name, m in eager.named_modules()):
-        return None, "the model has no experts module with 3-D weights for torchao to convert"
+        return None, "the model has no experts module with 3-D weights for torchao to convert", \
+            SETTINGS
     failures = []
     for options in CONFIGS:
         model = copy.deepcopy(eager)
@@ -71,9 +72,8 @@ def build(eager: nn.Module, ids: torch.Tensor) -> tuple[nn.Module | None, str | 
             failures.append(f"{options or 'default'}: torchao's FP8 grouped GEMM was never "
                             "called in a forward (the experts ran bf16)")
             continue
-        SETTINGS["options"] = options or "default"
-        return torch.compile(model), None
-    return None, "; ".join(failures)
+        return torch.compile(model), None, {**SETTINGS, "options": options or "default"}
+    return None, "; ".join(failures), SETTINGS
 
 
 def _fp8_calls_of_one_forward(model: nn.Module, ids: torch.Tensor, tensor_module) -> int:

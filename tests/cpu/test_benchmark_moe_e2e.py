@@ -337,7 +337,7 @@ def test_torchao_peer_missing_says_why(monkeypatch):
             raise ImportError(f"No module named {name!r}")
         return real(name, *args)
     monkeypatch.setattr(importlib, "import_module", no_torchao)
-    peer, why = torchao_moe.build(tiny_qwen3_moe(), torch.zeros(1, 8, dtype=torch.long))
+    peer, why, _ = torchao_moe.build(tiny_qwen3_moe(), torch.zeros(1, 8, dtype=torch.long))
     assert peer is None and "not importable" in why
 
     calls = []
@@ -363,15 +363,16 @@ def test_the_torchao_row_is_correct_only_when_both_steps_pass():
                 "check": model_checks.TrainCheck(5.0, 5.0, grads)}
 
     ours, peer = e2e_fp8.fp8_name("blockwise"), "torchao moe fp8"
-    row = moe_e2e.torchao_row({ours: entry(8.0, True), peer: entry(10.0, True)}, None, 4096)
+    row = moe_e2e.torchao_row({ours: entry(8.0, True), peer: entry(10.0, True)}, None, {}, 4096)
     assert row["case"] == "train ours fp8 blockwise vs torchao moe fp8" and row["correct"]
     assert row["ratio"] == round(round(4096 / 8.0 * 1e3, 1) / round(4096 / 10.0 * 1e3, 1), 4)
     assert row["detail"]["peer_recipe"] == "rowwise" and row["detail"]["peer_check"]
     assert moe_e2e.named(row, "qwen3-moe")["case"] == \
         "train qwen3-moe ours fp8 blockwise vs torchao moe fp8"
     assert not moe_e2e.torchao_row({ours: entry(8.0, True), peer: entry(10.0, False)}, None,
-                                   4096)["correct"]
-    missing = moe_e2e.torchao_row({ours: entry(8.0, True)}, "torchao is not importable", 4096)
+                                   {}, 4096)["correct"]
+    missing = moe_e2e.torchao_row({ours: entry(8.0, True)}, "torchao is not importable", {},
+                                  4096)
     assert missing["ratio"] is None and not missing["correct"]
     assert missing["detail"]["missing"] == "torchao is not importable"
     assert missing["ours"] == round(4096 / 8.0 * 1e3, 1) and missing["reference"] is None
@@ -407,13 +408,13 @@ def test_torchao_peer_tries_its_padded_configuration_after_a_failing_default(mon
                          ("torchao.prototype.moe_training.tensor", tensor)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(hf_moe, "_grouped_mm", hf_moe._grouped_mm)  # restored after the test
-    monkeypatch.setitem(torchao_moe.SETTINGS, "options", None)
     ids = torch.randint(0, 101, (1, 8))
-    peer, why = torchao_moe.build(tiny_qwen3_moe(), ids)
+    peer, why, settings = torchao_moe.build(tiny_qwen3_moe(), ids)
     assert why is None and peer is not None
-    assert torchao_moe.SETTINGS["options"] == {"pad_token_groups_for_grouped_mm": True}
+    assert settings["options"] == {"pad_token_groups_for_grouped_mm": True}
+    assert "options" not in torchao_moe.SETTINGS  # each build's own settings
     assert hf_moe._grouped_mm.routes_torchao
 
     quantization.quantize_ = lambda model, options, filter_fn: None  # the experts stay bf16
-    peer, why = torchao_moe.build(tiny_qwen3_moe(), ids)
+    peer, why, _ = torchao_moe.build(tiny_qwen3_moe(), ids)
     assert peer is None and why.count("never called") == 2
