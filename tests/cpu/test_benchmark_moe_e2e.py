@@ -344,13 +344,20 @@ def test_torchao_peer_missing_says_why(monkeypatch):
     fake = SimpleNamespace(_quantize_then_scaled_grouped_mm=lambda *a, **k: calls.append(a))
     model = tiny_qwen3_moe()
     ids = torch.randint(0, 101, (1, 8))
-    assert torchao_moe._fp8_calls_of_one_forward(model, ids, fake) == 0
+    assert torchao_moe._fp8_calls_of_one_step(model, ids, fake) == 0
+    assert all(p.grad is None for p in model.parameters())  # the probe's gradients dropped
     original = fake._quantize_then_scaled_grouped_mm
 
-    def forward_calling_it(*args, **kwargs):  # a model whose experts reach torchao's GEMM twice
-        fake._quantize_then_scaled_grouped_mm(1)
-        fake._quantize_then_scaled_grouped_mm(2)
-    assert torchao_moe._fp8_calls_of_one_forward(forward_calling_it, ids, fake) == 2
+    class CallingIt(torch.nn.Module):  # a model whose experts reach torchao's GEMM twice
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, **kwargs):
+            fake._quantize_then_scaled_grouped_mm(1)
+            fake._quantize_then_scaled_grouped_mm(2)
+            return SimpleNamespace(loss=self.weight.sum())
+    assert torchao_moe._fp8_calls_of_one_step(CallingIt(), ids, fake) == 2
     assert fake._quantize_then_scaled_grouped_mm is original and calls == [(1,), (2,)]
 
 
@@ -379,15 +386,33 @@ def test_the_torchao_row_is_correct_only_when_both_steps_pass():
     assert moe_e2e.parse_args(["--no-torchao"]).no_torchao
 
 
-def test_torchao_peer_tries_its_padded_configuration_after_a_failing_default(monkeypatch):
-    """A stand-in torchao whose default configuration raises in its first forward and whose
-    padded one reaches its FP8 grouped GEMM: the padded one is the peer, and the settings say
-    so; with both failing, the reason names both."""
-    import types
-
-    import transformers.integrations.moe as hf_moe
-
+@pytest.mark.parametrize("sizes", [[3, 0, 17], [0, 0, 0, 5], [16, 32, 1], [0, 40]])
+def test_padded_grouped_mm_equals_the_unpadded_product_and_its_gradients(sizes):
+    """torchao's routed GEMM pads each expert's rows to a multiple of 16 (torch's FP8 grouped
+    GEMM asserts on the device otherwise): the same output and gradients as torch's grouped GEMM
+    on the unpadded groups, for skewed, empty and already aligned groups."""
     from benchmarks import torchao_moe
+
+    torch.manual_seed(len(sizes))
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    rows = int(offs[-1])
+    x = torch.randn(rows, 32, requires_grad=True)
+    w = torch.randn(len(sizes), 32, 24, requires_grad=True)
+    place, padded_ends, capacity = torchao_moe.padded_groups(offs, rows)
+    assert (padded_ends % 16 == 0).all() and int(padded_ends[-1]) <= capacity
+    starts = torch.cat([padded_ends.new_zeros(1), padded_ends[:-1]]).long()
+    assert place.unique().numel() == rows  # each row its own place, inside its own group
+    for e, (lo, hi) in enumerate(zip([0] + offs[:-1].tolist(), offs.tolist())):
+        assert place[lo:hi].tolist() == list(range(int(starts[e]), int(starts[e]) + hi - lo))
+    want, got = torch._grouped_mm(x, w, offs=offs), torchao_moe.padded_grouped_mm(x, w, offs)
+    torch.testing.assert_close(got, want)
+    grad = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(want, (x, w), grad), torch.autograd.grad(got, (x, w), grad)):
+        torch.testing.assert_close(b, a)
+
+
+def _stand_in_torchao(monkeypatch, quantize_):
+    import types
 
     tensor = types.ModuleType("torchao.prototype.moe_training.tensor")
     tensor.TrainingWeightWrapperBaseTensor = type("Wrapper", (torch.Tensor,), {})
@@ -395,26 +420,55 @@ def test_torchao_peer_tries_its_padded_configuration_after_a_failing_default(mon
     config = types.ModuleType("torchao.prototype.moe_training.config")
     config.Float8TrainingOpConfig = lambda **options: options
     quantization = types.ModuleType("torchao.quantization")
-
-    def quantize_(model, options, filter_fn):
-        assert any(filter_fn(m, n) for n, m in model.named_modules())
-        if not options.get("pad_token_groups_for_grouped_mm"):
-            raise RuntimeError("offsets must be multiples of 16")
-        model.forward = lambda **kw: tensor._quantize_then_scaled_grouped_mm()
-    quantization.quantize_ = quantize_
+    quantization.quantize_ = lambda model, options, filter_fn: quantize_(tensor, model, filter_fn)
     for name, module in (("torchao", types.ModuleType("torchao")),
                          ("torchao.quantization", quantization),
                          ("torchao.prototype.moe_training.config", config),
                          ("torchao.prototype.moe_training.tensor", tensor)):
         monkeypatch.setitem(sys.modules, name, module)
+    return tensor
+
+
+def test_torchao_peer_routes_hf_experts_through_padded_groups(monkeypatch):
+    """A stand-in torchao that wraps the experts' weights: its probe train step reaches the
+    FP8 GEMM through Hugging Face's grouped GEMM, every group it is given a multiple of 16
+    rows; a probe step that raises (a prototype's failure) leaves the peer missing with why;
+    experts left bf16 likewise."""
+    import transformers.integrations.moe as hf_moe
+
+    from benchmarks import torchao_moe
+
     monkeypatch.setattr(hf_moe, "_grouped_mm", hf_moe._grouped_mm)  # restored after the test
+    seen = []
+
+    def wrap_experts(tensor, model, filter_fn):
+        wrapper = tensor.TrainingWeightWrapperBaseTensor
+        for name, module in model.named_modules():
+            if filter_fn(module, name):
+                for pname, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, pname, torch.nn.Parameter(p.data.as_subclass(wrapper)))
+        real = torch._grouped_mm
+
+        def fp8_grouped_mm(a, b, offs=None, **kwargs):
+            if isinstance(b, wrapper):
+                tensor._quantize_then_scaled_grouped_mm()
+                seen.append(torch.diff(offs, prepend=offs.new_zeros(1)))
+            return real(a, b, offs=offs, **kwargs)
+        monkeypatch.setattr(torch, "_grouped_mm", fp8_grouped_mm)
+    _stand_in_torchao(monkeypatch, wrap_experts)
     ids = torch.randint(0, 101, (1, 8))
     peer, why, settings = torchao_moe.build(tiny_qwen3_moe(), ids)
-    assert why is None and peer is not None
-    assert settings["options"] == {"pad_token_groups_for_grouped_mm": True}
-    assert "options" not in torchao_moe.SETTINGS  # each build's own settings
-    assert hf_moe._grouped_mm.routes_torchao
+    assert why is None and peer is not None and settings == torchao_moe.SETTINGS
+    assert hf_moe._grouped_mm.routes_torchao and seen
+    assert all((sizes % 16 == 0).all() for sizes in seen)
 
-    quantization.quantize_ = lambda model, options, filter_fn: None  # the experts stay bf16
+    def raising(tensor, model, filter_fn):
+        model.forward = lambda **kw: 1 / 0
+    _stand_in_torchao(monkeypatch, raising)
     peer, why, _ = torchao_moe.build(tiny_qwen3_moe(), ids)
-    assert peer is None and why.count("never called") == 2
+    assert peer is None and "first train step raised ZeroDivisionError" in why
+
+    _stand_in_torchao(monkeypatch, lambda tensor, model, filter_fn: None)  # the experts stay bf16
+    peer, why, _ = torchao_moe.build(tiny_qwen3_moe(), ids)
+    assert peer is None and "never called" in why
+
