@@ -396,3 +396,82 @@ scale_by_device_scalar(T* data, const float* scale, long long n) {
   for (long long i = first; i < n; i += stride) data[i] = from_float<T>(to_float(data[i]) * s);
 #endif
 }
+
+// ---------------------------------------------------------------------------------------------
+// The vocabulary-parallel step (a tensor-parallel LM head: cutlass_ops.parallel.vocab_parallel_
+// loss). Each rank holds the logits of its slice [vocab_start, vocab_start + V_local) of the
+// vocabulary. A row's loss and gradient need the log-sum-exp over all of V, known only after a
+// collective, so the one-launch step above splits in two around it, each one pass over the
+// chunk in the logits' dtype (a torch version in float32 moves about nine times the bytes):
+//
+// cross_entropy_shard_stats: pass 1 of every row: stats[0 * rows + r] = the slice's lse,
+//   stats[1 * rows + r] = x[label - vocab_start] where the label falls in the slice (else 0),
+//   stats[2 * rows + r] = the sum of x (for label smoothing). A row whose label is ignore_index
+//   writes 0, 0, 0 without being read (its loss is masked after the collective).
+// cross_entropy_shard_grad: given each row's global lse, pass 2 of every row: overwrites it with
+//   g = exp(x - lse) - eps / vocab_total - (1 - eps) [column == label - vocab_start], times
+//   (1 - tanh^2) under a soft-cap, times row_scale[r] when given; an ignored row is written with
+//   zeros without being read.
+// Labels are range-checked by the caller (across the ranks, before the first chunk): a label in
+// no rank's slice picks nothing here.
+extern "C" __global__ void __launch_bounds__(BLOCK)
+cross_entropy_shard_stats(const T* logits, const long long* labels, float* stats, long long rows,
+                          long long ld, long long vocab_local, long long vocab_start,
+                          long long ignore_index, double softcap) {
+  __shared__ Shared sh;
+  const int v = static_cast<int>(vocab_local);
+  Params p;
+  p.cap = static_cast<float>(softcap);
+  p.inv_cap = SOFTCAP ? 1.0f / p.cap : 0.0f;
+  for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    const long long label = labels[r];
+    if (label == ignore_index) {
+      if (threadIdx.x == 0) stats[r] = stats[rows + r] = stats[2 * rows + r] = 0.0f;
+      continue;
+    }
+    const T* row = logits + r * ld;
+    const Layout L = layout(row, v);
+    const long long local = label - vocab_start;
+    const bool mine = local >= 0 && local < vocab_local;
+    const float x_label =
+        threadIdx.x == 0 && mine ? capped(to_float(__ldg(row + local)), p) : 0.0f;
+    Stats st{neg_inf(), neg_inf(), 0.0f, 0.0f};
+    pass1(row, L, p, st);
+    float lse, sum_x;
+    block_reduce(st, sh, lse, sum_x);
+    if (threadIdx.x == 0) {
+      stats[r] = lse;
+      stats[rows + r] = x_label;
+      stats[2 * rows + r] = sum_x;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+cross_entropy_shard_grad(T* logits, const long long* labels, const float* lse,
+                         const float* row_scale, long long rows, long long ld,
+                         long long vocab_local, long long vocab_start, long long vocab_total,
+                         long long ignore_index, double smoothing, double softcap) {
+  const int v = static_cast<int>(vocab_local);
+  const float eps = static_cast<float>(smoothing);
+  Params p;
+  p.cap = static_cast<float>(softcap);
+  p.inv_cap = SOFTCAP ? 1.0f / p.cap : 0.0f;
+  for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    T* row = logits + r * ld;
+    const Layout L = layout(row, v);
+    const long long label = labels[r];
+    if (label == ignore_index) {
+      fill_row(row, L, 0.0f);
+      continue;
+    }
+    const long long local = label - vocab_start;
+    Grad g;
+    g.lse_l2 = lse[r] * kLog2e;
+    g.eps_over_v = eps / static_cast<float>(vocab_total);
+    g.one_minus_eps = 1.0f - eps;
+    g.scale = row_scale != nullptr ? row_scale[r] : 1.0f;
+    g.label = local >= 0 && local < vocab_local ? static_cast<int>(local) : -1;
+    pass2(row, L, p, g);
+  }
+}

@@ -30,10 +30,12 @@ collective); (2) in the forward, one all-gather per chunk of float32 [2 or 3, ro
 hidden needs a gradient (none for the weight: each rank's rows are its own). Every rank must
 make the same call (same hidden shape, reduction and ``requires_grad``) and run the backward.
 
-The fused kernel of ``linear_cross_entropy`` (``custom_kernels.cross_entropy``) is not used: it
-needs a row's whole log-sum-exp in its one pass, which here is known only after the collective.
-The chunk step is torch's float32 math on every device (float32 copies of a [rows, V_local]
-chunk: the default chunk is sized for float32). float64 inputs keep float64 statistics. Not
+The one-launch kernel of ``linear_cross_entropy`` (``custom_kernels.cross_entropy``) does not
+fit: it needs a row's whole log-sum-exp in its one pass, which here is known only after the
+collective. Its two halves do (``custom_kernels.parallel.shard_cross_entropy``): the slice's
+statistics in one read of the chunk before the gather, the gradient in one read and write after
+it, on the chunk in the model dtype with float32 math (torch's float32 form of the same steps,
+what float64 and tensors off CUDA run, moved about nine times the bytes). Not
 written for ``torch.compile`` (the host sync of (1) would break the graph).
 
 Captured in a CUDA graph (``cutlass_ops.graphed_train_step``), a call reuses the plan an eager
@@ -57,6 +59,7 @@ import torch.distributed as dist
 from cutlass_ops.fused_cross_entropy import (REDUCTIONS, _accumulate, _chunks, _matmul,
                                              default_chunk_rows, division, divisor)
 from custom_kernels import cross_entropy as kernel
+from custom_kernels.parallel import shard_cross_entropy as shard_ce
 from custom_kernels.core.errors import UnsupportedInputError
 
 NAME = "vocab_parallel_linear_cross_entropy"
@@ -338,28 +341,16 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
 # A chunk
 # ---------------------------------------------------------------------------------------------
 
-def _local_logits(hidden_chunk, weight, softcap):
-    """This rank's logits of a chunk in float32 (the GEMM in the model dtype; a copy of ours,
-    free to overwrite), soft-capped, and the cap's tanh (None without a cap) for the gradient."""
-    x = _matmul(hidden_chunk, weight.t()).to(_stat_dtype(hidden_chunk.dtype))
-    if softcap is None:
-        return x, None
-    capped = torch.tanh(x / softcap)
-    return capped * softcap, capped
-
-
-def _global_stats(x, mine, index, plan):
-    """The chunk's global log-sum-exp per row and each row's loss (not yet masked), through one
-    all-gather of [lse_local, target_local(, logit sum)] per row.
+def _global_stats(local, plan):
+    """The chunk's global log-sum-exp per row and each row's loss (not yet masked), from this
+    rank's [lse, target logit(, logit sum)] per row (``shard_stats``) through one all-gather.
 
     Why an all-gather and not all-reduce MAX then SUM: the SUM of exp(x - max) needs the global
     max first, two dependent round trips; the gather is one round trip of world x 2 or 3
     floats a row (a few hundred KB at chunk sizes and TP degrees 2-8: latency-bound), and a
     logsumexp over the ranks' log-sum-exps is as exact as the two-step. The target logit and the
     logit sum ride along as plain sums (one rank has a row's target, the others send 0)."""
-    picked = torch.where(mine, x.gather(1, index[:, None])[:, 0], 0.0)
-    local = [torch.logsumexp(x, dim=-1), picked] + ([x.sum(-1)] if plan.smoothing else [])
-    local = torch.stack(local)
+    local = local[:3 if plan.smoothing else 2].contiguous()
     gathered = local.new_empty((plan.world, *local.shape))
     _all_gather(gathered, local, plan.group)
     lse = torch.logsumexp(gathered[:, 0], dim=0)
@@ -369,55 +360,38 @@ def _global_stats(x, mine, index, plan):
     return lse, loss
 
 
-def _local_grad(x, capped, lse, valid, mine, index, plan, row_scale):
-    """The gradient of each row's loss (times ``row_scale``) with respect to this rank's
-    pre-cap logits: ``softmax_local(global lse) - eps / V - (1 - eps) * onehot_local``, 0 on
-    ignored rows, times ``1 - tanh^2`` under a cap. Overwrites ``x`` (no second chunk)."""
-    grad = x.sub_(lse[:, None]).exp_()
-    if plan.smoothing:
-        grad.sub_(plan.smoothing / plan.vocab)
-    grad.scatter_add_(1, index[:, None], ((plan.smoothing - 1.0) * mine.to(grad.dtype))[:, None])
-    scale = valid.to(grad.dtype)
-    if row_scale is not None:
-        scale = scale * row_scale
-    grad.mul_(scale[:, None])
-    if capped is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-        grad.mul_(capped.mul_(capped).neg_().add_(1.0))
-    return grad
-
-
 def _run(hidden, weight, labels, plan, *, lse=None, row_scale=None, wants=(False, False)):
     """Per-row losses and global log-sum-exps (``lse`` None: the forward, one all-gather a
     chunk), else the given ``lse`` (the backward of ``none``: no collective); and the gradients
     of ``sum(row_scale * loss)`` that ``wants`` asks for: hidden's (this rank's share, before
-    the all-reduce) and the shard's, in their dtype."""
+    the all-reduce) and the shard's, in their dtype. A chunk's logits stay in the model dtype:
+    ``shard_stats`` reads them once, ``shard_grad_`` overwrites them with their gradient."""
     rows, forward = hidden.shape[0], lse is None
     losses = None
     if forward:
         losses = torch.empty(rows, dtype=_stat_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(losses)
     valid = labels != plan.ignore_index
-    local = labels - plan.vocab_start
-    mine = valid & (local >= 0) & (local < weight.shape[0])
-    index = torch.where(mine, local, 0)
     grad_hidden = torch.empty_like(hidden) if wants[0] else None
     grad_weight = None
     for part in _chunks(rows, plan.chunk):
-        x, capped = _local_logits(hidden[part], weight, plan.softcap)
+        logits = _matmul(hidden[part], weight.t())
         if forward:
-            lse[part], loss = _global_stats(x, mine[part], index[part], plan)
+            stats = shard_ce.shard_stats(logits, labels[part], vocab_start=plan.vocab_start,
+                                         ignore_index=plan.ignore_index, softcap=plan.softcap)
+            lse[part], loss = _global_stats(stats, plan)
             losses[part] = torch.where(valid[part], loss, 0.0)
         if not (wants[0] or wants[1]):
             continue
-        grad = _local_grad(x, capped, lse[part], valid[part], mine[part], index[part], plan,
-                           row_scale[part] if row_scale is not None else None)
-        del x, capped
-        grad = grad.to(hidden.dtype)
+        grad = shard_ce.shard_grad_(
+            logits, labels[part], lse[part], vocab_start=plan.vocab_start,
+            vocab_total=plan.vocab, ignore_index=plan.ignore_index, smoothing=plan.smoothing,
+            softcap=plan.softcap, row_scale=row_scale[part] if row_scale is not None else None)
         if wants[0]:
             grad_hidden[part] = _matmul(grad, weight)
         if wants[1]:
             grad_weight = _accumulate(grad_weight, grad.t(), hidden[part])
-        del grad
+        del grad, logits
     if wants[1] and grad_weight is None:  # no rows
         grad_weight = torch.zeros_like(weight)
     return losses, lse, grad_hidden, grad_weight
