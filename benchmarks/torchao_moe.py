@@ -38,7 +38,9 @@ SETTINGS = {"config": "torchao.prototype.moe_training.config.Float8TrainingOpCon
                          "weights; attention, router and LM head bf16",
             "compile": "torch.compile(model)",
             "experts": "Hugging Face's grouped_mm experts, their grouped GEMM routed to "
-                       "torch._grouped_mm for torchao's weights (which it intercepts by name)"}
+                       "torch._grouped_mm for torchao's weights (which it intercepts by name), "
+                       "each expert's token group padded with zero rows to a multiple of 16 "
+                       "(what torch's FP8 grouped GEMM needs; torchtitan pads the same)"}
 PROBE_TOKENS = 64
 
 
