@@ -145,6 +145,13 @@ struct Params {
   float inv_cap, cap;  // soft-cap (SOFTCAP only)
 };
 
+__device__ __forceinline__ Params make_params(double softcap) {
+  Params p;
+  p.cap = static_cast<float>(softcap);
+  p.inv_cap = SOFTCAP ? 1.0f / p.cap : 0.0f;
+  return p;
+}
+
 __device__ __forceinline__ float capped(float raw, const Params& p) {
 #if SOFTCAP
   return p.cap * tanh_(raw * p.inv_cap);
@@ -323,9 +330,7 @@ cross_entropy_chunk(T* logits, const long long* labels, const float* row_scale, 
   __shared__ Shared sh;
   const int v = static_cast<int>(vocab);
   const float eps = static_cast<float>(smoothing);
-  Params p;
-  p.cap = static_cast<float>(softcap);
-  p.inv_cap = SOFTCAP ? 1.0f / p.cap : 0.0f;
+  const Params p = make_params(softcap);
   for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
     T* row = logits + r * ld;
     const Layout L = layout(row, v);
@@ -420,9 +425,7 @@ cross_entropy_shard_stats(const T* logits, const long long* labels, float* stats
                           long long ignore_index, double softcap) {
   __shared__ Shared sh;
   const int v = static_cast<int>(vocab_local);
-  Params p;
-  p.cap = static_cast<float>(softcap);
-  p.inv_cap = SOFTCAP ? 1.0f / p.cap : 0.0f;
+  const Params p = make_params(softcap);
   for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
     const long long label = labels[r];
     if (label == ignore_index) {
@@ -454,9 +457,7 @@ cross_entropy_shard_grad(T* logits, const long long* labels, const float* lse,
                          long long ignore_index, double smoothing, double softcap) {
   const int v = static_cast<int>(vocab_local);
   const float eps = static_cast<float>(smoothing);
-  Params p;
-  p.cap = static_cast<float>(softcap);
-  p.inv_cap = SOFTCAP ? 1.0f / p.cap : 0.0f;
+  const Params p = make_params(softcap);
   for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
     T* row = logits + r * ld;
     const Layout L = layout(row, v);
