@@ -407,7 +407,8 @@ def test_padded_grouped_mm_equals_the_unpadded_product_and_its_gradients(sizes):
     want, got = torch._grouped_mm(x, w, offs=offs), torchao_moe.padded_grouped_mm(x, w, offs)
     torch.testing.assert_close(got, want)
     grad = torch.randn_like(want)
-    for a, b in zip(torch.autograd.grad(want, (x, w), grad), torch.autograd.grad(got, (x, w), grad)):
+    wanted = torch.autograd.grad(want, (x, w), grad)
+    for a, b in zip(wanted, torch.autograd.grad(got, (x, w), grad)):
         torch.testing.assert_close(b, a)
 
 
