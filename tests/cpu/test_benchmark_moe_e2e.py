@@ -440,6 +440,9 @@ def test_torchao_peer_routes_hf_experts_through_padded_groups(monkeypatch):
     from benchmarks import torchao_moe
 
     monkeypatch.setattr(hf_moe, "_grouped_mm", hf_moe._grouped_mm)  # restored after the test
+    # The models first: transformers' modeling imports look torchao up, and must not find the
+    # stand-in (a module without a spec) in sys.modules.
+    models = [tiny_qwen3_moe() for _ in range(3)]
     seen = []
 
     def wrap_experts(tensor, model, filter_fn):
@@ -458,7 +461,7 @@ def test_torchao_peer_routes_hf_experts_through_padded_groups(monkeypatch):
         monkeypatch.setattr(torch, "_grouped_mm", fp8_grouped_mm)
     _stand_in_torchao(monkeypatch, wrap_experts)
     ids = torch.randint(0, 101, (1, 8))
-    peer, why, settings = torchao_moe.build(tiny_qwen3_moe(), ids)
+    peer, why, settings = torchao_moe.build(models[0], ids)
     assert why is None and peer is not None and settings == torchao_moe.SETTINGS
     assert hf_moe._grouped_mm.routes_torchao and seen
     assert all((sizes % 16 == 0).all() for sizes in seen)
@@ -466,10 +469,10 @@ def test_torchao_peer_routes_hf_experts_through_padded_groups(monkeypatch):
     def raising(tensor, model, filter_fn):
         model.forward = lambda **kw: 1 / 0
     _stand_in_torchao(monkeypatch, raising)
-    peer, why, _ = torchao_moe.build(tiny_qwen3_moe(), ids)
+    peer, why, _ = torchao_moe.build(models[1], ids)
     assert peer is None and "first train step raised ZeroDivisionError" in why
 
     _stand_in_torchao(monkeypatch, lambda tensor, model, filter_fn: None)  # the experts stay bf16
-    peer, why, _ = torchao_moe.build(tiny_qwen3_moe(), ids)
+    peer, why, _ = torchao_moe.build(models[2], ids)
     assert peer is None and "never called" in why
 
