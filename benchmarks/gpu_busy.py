@@ -6,6 +6,10 @@ kernels' intervals on the device (kernels on two streams that overlap count once
 events' elapsed time: so the share counts every gap, the launch gaps inside a step, the host
 stretches that leave the queue empty, and the wait between steps. A single profiled call after a
 sync would miss the last two and run on a rested GPU at its highest clocks.
+
+``breakdown(fn)`` splits the same kind of trace for a distributed step: of each step's wall time,
+how much has a compute kernel running, how much only a collective (NCCL's kernels: the
+communication nobody hides), and how much nothing; plus the kernels that take the most time.
 """
 
 from __future__ import annotations
@@ -59,6 +63,61 @@ def busy_share(fn, steps: int = 5, warmup: int = 2) -> BusyShare:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = union_ms([(e.time_range.start, e.time_range.end) for e in kernels])
     return BusyShare(busy / steps, start.elapsed_time(end) / steps, len(kernels) // steps)
+
+
+def is_collective(kernel: str) -> bool:
+    """NCCL's kernels (all-gather, reduce-scatter, all-reduce, ...): the step's communication."""
+    return "nccl" in kernel.lower()
+
+
+def split_ms(kernels: list[tuple[str, float, float]]) -> dict:
+    """From (name, start us, end us) of a trace's kernels: the milliseconds covered by any
+    kernel (``busy``), by compute kernels (``compute``), by collectives (``collective``), and
+    by collectives while no compute kernel runs (``exposed_collective`` = busy - compute)."""
+    compute = [(a, b) for name, a, b in kernels if not is_collective(name)]
+    collective = [(a, b) for name, a, b in kernels if is_collective(name)]
+    busy = union_ms(compute + collective)
+    covered = union_ms(compute)
+    return {"busy": busy, "compute": covered, "collective": union_ms(collective),
+            "exposed_collective": busy - covered}
+
+
+def top_kernels(kernels: list[tuple[str, float, float]], steps: int, top: int) -> list[dict]:
+    """The ``top`` kernels by total time, per step: name (cut to 100 characters), ms, calls."""
+    total: dict[str, list] = {}
+    for name, start, end in kernels:
+        entry = total.setdefault(name, [0.0, 0])
+        entry[0] += (end - start) / 1e3
+        entry[1] += 1
+    ranked = sorted(total.items(), key=lambda item: -item[1][0])[:top]
+    return [{"kernel": name[:100], "ms": round(ms / steps, 3), "calls": calls / steps}
+            for name, (ms, calls) in ranked]
+
+
+def breakdown(fn, steps: int = 3, warmup: int = 1, top: int = 8) -> dict:
+    """``fn``'s steps back to back under torch.profiler (every rank of a distributed step calls
+    it alike, its collectives in step): per step the wall time (CUDA events), the ``split_ms``
+    figures, idle = wall - busy, and the ``top`` kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    wall = start.elapsed_time(end) / steps
+    figures = {k: round(v / steps, 3) for k, v in split_ms(kernels).items()}
+    return {"wall_ms": round(wall, 3), **{f"{k}_ms": v for k, v in figures.items()},
+            "idle_ms": round(wall - figures["busy"], 3),
+            "top": top_kernels(kernels, steps, top)}
 
 
 def busy_row(name: str, measured: BusyShare, correct: bool) -> dict:

@@ -24,7 +24,9 @@ a run adds its rows to those of the other section written by the same code):
     eager`` and ``fsdp2 train converted vs unconverted eager``; ``fsdp2 train converted vs fsdp2
     compiled``: the unconverted model with each decoder layer ``torch.compile``d, then
     ``fully_shard``ed layer by layer and at the root (torchtitan's order), the main peer.
-    ``detail`` has the converted model's speedup on one GPU (rank 0's slice).
+    ``detail`` has the converted model's speedup on one GPU (rank 0's slice); with
+    ``--profile``, ``detail.profile``: each side's step split into compute, collectives and
+    the collectives no compute hides (``gpu_busy.breakdown``, rank 0's trace).
   - ``tp``: tensor parallelism of degree ``--gpus``, the converted model through
     ``cutlass_ops.parallel.tensor_parallel.parallelize`` (tokens/s per GPU; collectives of a train step
     counted; peak memory). ``tp train`` and ``tp prefill converted vs torchtitan-style``: the
@@ -84,6 +86,7 @@ import torch  # noqa: E402
 from benchmarks.common import print_table, require_gpu, write_result  # noqa: E402
 from benchmarks.e2e import SEQUENCES, llama, train_problems  # noqa: E402
 from benchmarks.gemm import LLM_SHAPES  # noqa: E402
+from benchmarks.gpu_busy import breakdown  # noqa: E402
 
 
 SECTIONS = ("tune", "train")
@@ -322,9 +325,11 @@ def data_parallel_models(mode: str, rank: int, layers: int) -> tuple[dict, dict]
 
 
 def rank_main(rank: int, world: int, port: int, mode: str, layers: int, tokens: int,
-              reps: int, out: str) -> None:
+              reps: int, out: str, profile: bool = False) -> None:
     """One rank of the DDP or FSDP2 run: one step of each model for the checks (rank 0 checks
-    each against the unconverted model on the same mesh), then the steps timed interleaved."""
+    each against the unconverted model on the same mesh), then the steps timed interleaved;
+    with ``profile``, then each model's steps under the profiler (``gpu_busy.breakdown``: every
+    rank runs them, rank 0's trace is kept)."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -351,8 +356,9 @@ def rank_main(rank: int, world: int, port: int, mode: str, layers: int, tokens: 
                for k in models if k != "unconverted"} if rank == 0 else None)
     del record
     ms = timed(steps, reps)
+    profiles = {name: breakdown(step) for name, step in steps.items()} if profile else None
     if rank == 0:
-        torch.save({"ms": ms, "checks": checks, "comms": comms,
+        torch.save({"ms": ms, "checks": checks, "comms": comms, "profiles": profiles,
                     "graph_breaks": graph_breaks()}, out)
     dist.barrier()
     dist.destroy_process_group()
@@ -791,7 +797,8 @@ def train_rows(world: int, args) -> list[dict]:
     for mode in modes:
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "rank0.pt")
-            spawn(rank_main, world, mode, args.layers, args.tokens, args.reps, out)
+            spawn(rank_main, world, mode, args.layers, args.tokens, args.reps, out,
+                  args.profile)
             got = torch.load(out, weights_only=False)
         rows += data_parallel_rows(world, mode, got, single, args)
     return rows
@@ -822,6 +829,8 @@ def data_parallel_rows(world: int, mode: str, got: dict, single: float | None, a
                                 "tokens_per_rank": args.tokens,
                                 "collectives_per_train_step": got.get("comms"),
                                 "model_tune": args.model_tune_line}})
+        if got.get("profiles"):  # --profile: where each side's step goes (rank 0's trace)
+            rows[-1]["detail"]["profile"] = {k: got["profiles"][k] for k in ("ours", peer)}
         if peer == "compiled":
             rows[-1]["detail"].update(
                 weaker_references={f"unconverted eager under {mode}":
@@ -859,6 +868,10 @@ def main() -> None:
                         help="tp: the converted model's all-reduces overlapped with its GEMMs "
                         "(row-parallel GEMMs in BLOCKS row blocks, input gradients' all-reduces "
                         "beside the weight gradients' GEMMs); 0: off (default, the library's)")
+    parser.add_argument("--profile", action="store_true",
+                        help="ddp, fsdp2: after the timing, each model's steps under the profiler;"
+                        " the rows' detail.profile has each side's busy, compute, collective and"
+                        " exposed-collective milliseconds a step (benchmarks/gpu_busy.breakdown)")
     parser.add_argument("--name", help="the result file's name (default multigpu, or "
                         "multigpu_1gpu with --gpus 1)")
     args = parser.parse_args()

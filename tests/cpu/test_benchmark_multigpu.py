@@ -129,6 +129,13 @@ def test_data_parallel_rows_need_both_sides_correct():
         compiled["ours"] / compiled["reference"], rel=1e-4)
     assert compiled["detail"]["gradient_bound"] == 5e-2
     assert "unconverted eager under fsdp2" in compiled["detail"]["weaker_references"]
+    assert "profile" not in compiled["detail"]
+    # --profile: each row carries its two sides' breakdowns
+    got["profiles"] = {k: {"wall_ms": ms} for k, ms in got["ms"].items()}
+    compiled, eager = multigpu.data_parallel_rows(2, "fsdp2", got, None, args)
+    assert compiled["detail"]["profile"] == {"ours": {"wall_ms": 100.0},
+                                             "compiled": {"wall_ms": 110.0}}
+    assert set(eager["detail"]["profile"]) == {"ours", "unconverted"}
 
 
 def test_modes_are_an_argument(monkeypatch):
