@@ -45,8 +45,9 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
     return covered / 1e3
 
 
-def busy_share(fn, steps: int = 5, warmup: int = 2) -> BusyShare:
-    """``fn``'s busy share over ``steps`` calls back to back (after ``warmup`` calls)."""
+def traced(fn, steps: int, warmup: int) -> tuple[list[tuple[str, float, float]], float]:
+    """``fn`` called ``steps`` times back to back (after ``warmup`` calls) under torch.profiler:
+    the kernels as (name, start us, end us) and the CUDA events' wall milliseconds a step."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,9 +61,16 @@ def busy_share(fn, steps: int = 5, warmup: int = 2) -> BusyShare:
             fn()
         end.record()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = union_ms([(e.time_range.start, e.time_range.end) for e in kernels])
-    return BusyShare(busy / steps, start.elapsed_time(end) / steps, len(kernels) // steps)
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return kernels, start.elapsed_time(end) / steps
+
+
+def busy_share(fn, steps: int = 5, warmup: int = 2) -> BusyShare:
+    """``fn``'s busy share over ``steps`` calls back to back (after ``warmup`` calls)."""
+    kernels, wall = traced(fn, steps, warmup)
+    busy = union_ms([(start, end) for _, start, end in kernels])
+    return BusyShare(busy / steps, wall, len(kernels) // steps)
 
 
 def is_collective(kernel: str) -> bool:
@@ -98,22 +106,7 @@ def breakdown(fn, steps: int = 3, warmup: int = 1, top: int = 8) -> dict:
     """``fn``'s steps back to back under torch.profiler (every rank of a distributed step calls
     it alike, its collectives in step): per step the wall time (CUDA events), the ``split_ms``
     figures, idle = wall - busy, and the ``top`` kernels."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
-    wall = start.elapsed_time(end) / steps
+    kernels, wall = traced(fn, steps, warmup)
     figures = {k: round(v / steps, 3) for k, v in split_ms(kernels).items()}
     return {"wall_ms": round(wall, 3), **{f"{k}_ms": v for k, v in figures.items()},
             "idle_ms": round(wall - figures["busy"], 3),
