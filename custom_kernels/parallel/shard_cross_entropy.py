@@ -100,8 +100,9 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _capped(logits: torch.Tensor, softcap: Optional[float]):
-    """The (capped) logits in the statistics' dtype, and the cap's tanh (None without a cap)."""
-    x = logits.to(_stat_dtype(logits.dtype))
+    """The (capped) logits in the statistics' dtype, a tensor of their own (float32 logits are
+    copied: the gradient works in place on it), and the cap's tanh (None without a cap)."""
+    x = logits.to(_stat_dtype(logits.dtype), copy=True)
     if softcap is None:
         return x, None
     tanh = torch.tanh(x / softcap)

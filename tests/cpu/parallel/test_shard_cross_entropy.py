@@ -71,3 +71,14 @@ def test_no_rows_and_a_label_in_no_slice():
     stats = shard_ce.shard_stats(logits, torch.tensor([3, 20]), vocab_start=16)
     assert stats[1, 0] == 0 and stats[1, 1] == logits[1, 4]
     torch.testing.assert_close(stats[0], torch.logsumexp(logits, -1))
+
+
+def test_the_torch_form_leaves_its_inputs_alone():
+    """The torch form returns new tensors: float32 logits (which need no conversion) are not
+    worked on in place (a test comparing it with the kernel would see the kernel's input
+    changed)."""
+    logits, labels = torch.randn(3, 8), torch.tensor([1, 2, -100])
+    before = logits.clone()
+    shard_ce._torch_stats(logits, labels, 0, -100, None)
+    shard_ce._torch_grad(logits, labels, torch.zeros(3), 0, 8, -100, 0.1, None, None)
+    assert torch.equal(logits, before)
